@@ -1,0 +1,1 @@
+"""Benchmark suites behind ``kvtier bench``; results are written to benchmarks/results/."""

@@ -1,0 +1,1 @@
+"""The fragmentation analyzer behind ``kvtier bench fragmentation``."""

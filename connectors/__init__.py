@@ -1,0 +1,1 @@
+"""Lower tiers (CPU arena, NVMe, Redis) and engine connectors. Knows nothing of policies."""

@@ -1,0 +1,56 @@
+"""Chained content hashes for KV blocks and chunks.
+
+``h_i = H(h_{i-1}, tokens of block i, extra)``: a block's hash names the whole prefix up to and
+including it, so equal hashes mean equal prefixes and identical prefixes dedupe everywhere.
+BLAKE2b over a fixed binary encoding makes hashes stable across processes and machines
+(Python's ``hash()`` is randomised per process and must never be used for this).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+from kvtier.errors import InvalidArgumentError
+
+BlockHash = bytes
+HASH_BYTES = 32
+_ROOT = b"\x00" * HASH_BYTES
+
+
+def _token_bytes(token_ids: Sequence[int]) -> bytes:
+    try:
+        return array("q", token_ids).tobytes()
+    except (TypeError, OverflowError) as exc:
+        raise InvalidArgumentError(
+            f"token ids must be integers in [0, 2**63), got {list(token_ids)[:8]}...: {exc}"
+        ) from None
+
+
+def chain_hash(parent: BlockHash | None, token_ids: Sequence[int], extra: bytes = b"") -> BlockHash:
+    """Hash of one block given its parent's hash (None for the first block)."""
+    h = hashlib.blake2b(digest_size=HASH_BYTES)
+    h.update(parent if parent is not None else _ROOT)
+    h.update(len(token_ids).to_bytes(4, "little"))
+    h.update(_token_bytes(token_ids))
+    h.update(len(extra).to_bytes(4, "little"))
+    h.update(extra)
+    return h.digest()
+
+
+def chain_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    extra: bytes = b"",
+    parent: BlockHash | None = None,
+    full_blocks_only: bool = True,
+) -> list[BlockHash]:
+    """Hashes of consecutive blocks of ``token_ids`` (full blocks only unless asked)."""
+    n = len(token_ids)
+    end = n - n % block_size if full_blocks_only else n
+    out: list[BlockHash] = []
+    for start in range(0, end, block_size):
+        parent = chain_hash(parent, token_ids[start : start + block_size], extra)
+        out.append(parent)
+    return out

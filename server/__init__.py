@@ -1,0 +1,1 @@
+"""The FastAPI service: control plane, chunk data plane, metrics."""
