@@ -3,6 +3,7 @@ never compared by accident."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import socket
@@ -48,10 +49,8 @@ def machine_info() -> dict[str, Any]:
         "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "git_commit": _git_commit(),
     }
-    try:
+    with contextlib.suppress(ValueError, OSError):
         info["memory_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        pass
     try:
         import torch
 

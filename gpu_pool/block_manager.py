@@ -12,7 +12,6 @@ exactly as it was.
 from __future__ import annotations
 
 import operator
-
 from collections.abc import Hashable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field

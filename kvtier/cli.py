@@ -34,7 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     top = parser.add_subparsers(dest="command", metavar="COMMAND")
     top.required = True
-    bench = top.add_parser("bench", help="run a benchmark suite (results go to benchmarks/results/)")
+    bench = top.add_parser(
+        "bench", help="run a benchmark suite (results go to benchmarks/results/)"
+    )
     bench_sub = bench.add_subparsers(dest="bench", metavar="SUITE")
     bench_sub.required = True
     for module_name, where in COMMANDS:

@@ -111,7 +111,9 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
         for part in path[:-1]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise ConfigError(f"environment variable {name} conflicts with another KVTIER_ variable")
+                raise ConfigError(
+                    f"environment variable {name} conflicts with another KVTIER_ variable"
+                )
         node[path[-1]] = None if value.strip().lower() in ("", "none", "null") else value
     return tree
 
