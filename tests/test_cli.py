@@ -1,0 +1,75 @@
+"""The ``kvtier`` command as a user runs it: installed console script, exit codes, messages;
+and the packaging promise that every package folder installs under ``kvtier.*``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from kvtier.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _kvtier(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    exe = shutil.which("kvtier", path=str(Path(sys.executable).parent)) or "kvtier"
+    return subprocess.run(
+        [exe, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_console_script_lists_commands():
+    out = _kvtier("--help")
+    assert out.returncode == 0, out.stderr
+    assert "bench" in out.stdout and "config" in out.stdout
+    bench = _kvtier("bench", "--help")
+    for suite in ("fragmentation", "allocator", "kernels"):
+        assert suite in bench.stdout
+
+
+def test_config_command_merges_file_and_environment(tmp_path):
+    cfg = tmp_path / "kvtier.yaml"
+    cfg.write_text("pool:\n  block_size: 32\n  num_blocks: 100\nchunk_tokens: 512\n")
+    out = _kvtier("config", "--config", str(cfg), env={"KVTIER_POOL__DTYPE": "bfloat16"})
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["pool"]["block_size"] == 32 and doc["pool"]["num_blocks"] == 100
+    assert doc["pool"]["dtype"] == "bfloat16" and doc["chunk_tokens"] == 512
+
+
+def test_user_errors_exit_2_with_a_message(tmp_path, capsys):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("pool:\n  block_size: 24\n")
+    assert main(["config", "--config", str(cfg)]) == 2
+    assert "block_size must be a power of two" in capsys.readouterr().err
+    assert main(["bench", "fragmentation", "--workloads", "nope"]) == 2
+    assert "unknown workload 'nope'" in capsys.readouterr().err
+
+
+def test_unknown_subcommand_is_an_argparse_error():
+    with pytest.raises(SystemExit) as exc:
+        main(["frobnicate"])
+    assert exc.value.code == 2
+
+
+def test_every_package_folder_is_installed_under_kvtier():
+    conf = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    mapping = conf["package-dir"]
+    assert set(conf["packages"]) == set(mapping)
+    for folder in ("gpu_pool", "connectors", "policies", "server", "benchmarks", "kvtier"):
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT).as_posix()
+            assert rel in mapping.values(), f"{rel} is a package folder missing from pyproject"
+    for name in ("server", "connectors", "gpu_pool", "policies", "benchmarks"):
+        assert name not in {p.split(".")[0] for p in mapping}, f"top-level {name} would leak"
