@@ -109,3 +109,16 @@ def test_prefill_empty_chunk_and_out(device):
         out = torch.empty_like(q)
         assert _run(case, q, cu, backend=backend, out=out).data_ptr() == out.data_ptr()
         torch.testing.assert_close(out, _run(case, q, cu, backend="torch"), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefill_long_chunks_span_query_tiles(device):
+    """Chunks of 130 and 200 new tokens span several query tiles, behind prefixes long
+    enough that whole key tiles take the loop without the causal mask."""
+    dtype = torch.bfloat16
+    ctx_q = [(300, 200), (140, 130), (9, 2)]
+    case = make_paged_kv([c for c, _ in ctx_q], 1, 64, 16, dtype, device, seed=9)
+    q, cu = _queries(case, [n for _, n in ctx_q], 2, device, dtype)
+    out = _run(case, q, cu, backend="triton")
+    torch.testing.assert_close(out.float(), _run(case, q, cu, backend="torch").float(),
+                               **TOL[dtype])

@@ -12,12 +12,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kvtier.gpu_pool.kernels.triton_common import LOG2E, NEG_INIT, dot_options, mma
+from kvtier.gpu_pool.kernels.triton_common import LOG2E, NEG_INIT, attend_tile, dot_options
 
-BLOCK_M = 64
-BLOCK_N = 64
-BLOCK_N_FP32 = 32
-"""fp32 tiles are twice the bytes; a narrower key tile keeps shared memory under 100 KB."""
+
+def tile_config(dtype: torch.dtype, head_dim: int) -> dict[str, int]:
+    """Tile sizes and warps, picked so ptxas reports no register spills on sm_80/sm_90
+    (checked offline by compiling for those targets; not yet timed on a GPU)."""
+    if dtype == torch.float32:
+        return {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 8}
+    return {"BLOCK_M": 64, "BLOCK_N": 64 if head_dim <= 64 else 32, "num_warps": 8}
 
 
 @triton.jit
@@ -45,7 +48,6 @@ def prefill_kernel(
 
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
-    n = tl.arange(0, BLOCK_N)
     m_mask = m < q_len
     d_mask = d < HEAD_DIM
     rows = (q_start + m).to(tl.int64)
@@ -58,25 +60,22 @@ def prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     table = bt_ptr + b * s_bt_b
     head_off = kvh * s_kv_head
+    # Keys before the block's first query position are visible to every row: no causal mask.
+    # Then the diagonal tiles, up to the block's last query position.
+    full = (prefix + pid_m * BLOCK_M) // BLOCK_N * BLOCK_N
     end = tl.minimum(length, prefix + (pid_m + 1) * BLOCK_M)
-    for start_n in range(0, end, BLOCK_N):
-        pos = start_n + n
-        n_mask = pos < end
-        page = tl.load(table + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        tok = page * s_kv_block + (pos % BLOCK_SIZE) * s_kv_tok + head_off
-        k_t = tl.load(kv_ptr + tok[None, :] + d[:, None],
-                      mask=n_mask[None, :] & d_mask[:, None], other=0.0)
-        v = tl.load(kv_ptr + s_kv_kv + tok[:, None] + d[None, :],
-                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-        s = mma(q, k_t, DOT_PRECISION, DOT_UPCAST) * scale_log2e
-        causal = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
-        s = tl.where(causal, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
-        m_i = m_new
+    for start_n in range(0, full, BLOCK_N):
+        acc, m_i, l_i = attend_tile(
+            acc, m_i, l_i, q, q_pos, kv_ptr, table, start_n, end, head_off,
+            s_kv_block, s_kv_kv, s_kv_tok, scale_log2e, d, d_mask,
+            BLOCK_N, BLOCK_SIZE, False, DOT_PRECISION, DOT_UPCAST,
+        )
+    for start_n in range(full, end, BLOCK_N):
+        acc, m_i, l_i = attend_tile(
+            acc, m_i, l_i, q, q_pos, kv_ptr, table, start_n, end, head_off,
+            s_kv_block, s_kv_kv, s_kv_tok, scale_log2e, d, d_mask,
+            BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION, DOT_UPCAST,
+        )
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * s_o_t + h * s_o_h + d[None, :],
@@ -99,8 +98,8 @@ def paged_prefill_attention(
         return out
     q = q if q.stride(-1) == 1 else q.contiguous()
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
-    wide = q.dtype == torch.float32 and head_dim > 64
-    grid = (triton.cdiv(max_seqlen_q, BLOCK_M), num_heads, batch)
+    cfg = tile_config(q.dtype, head_dim)
+    grid = (triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), num_heads, batch)
     prefill_kernel[grid](
         q, kv_layer, block_tables, context_lens.contiguous(), cu_seqlens_q.contiguous(), out,
         scale * LOG2E,
@@ -110,8 +109,6 @@ def paged_prefill_attention(
         out.stride(0), out.stride(1),
         GROUP=num_heads // kv_layer.shape[3], HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_SIZE=kv_layer.shape[2], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N_FP32 if wide else BLOCK_N,
-        **dot_options(q.dtype),
-        num_warps=4 if head_dim <= 64 else 8, num_stages=2,
+        BLOCK_SIZE=kv_layer.shape[2], **cfg, **dot_options(q.dtype), num_stages=2,
     )
     return out
