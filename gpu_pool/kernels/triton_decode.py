@@ -107,6 +107,19 @@ def reduce_kernel(
              mask=d < HEAD_DIM)
 
 
+def launch_config(dtype: torch.dtype, head_dim: int, group: int, block_size: int
+                  ) -> dict[str, object]:
+    """Constexprs and launch options of :func:`decode_kernel` (shared with ``aot.py``)."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    elem = torch.empty((), dtype=dtype).element_size()
+    return {
+        "GROUP": group, "BLOCK_G": max(16, triton.next_power_of_2(group)),
+        "HEAD_DIM": head_dim, "BLOCK_D": block_d, "BLOCK_SIZE": block_size,
+        "BLOCK_N": min(64, max(16, TILE_BYTES // (2 * block_d * elem))),
+        **dot_options(dtype), "num_warps": 8, "num_stages": 2,
+    }
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     kv_layer: torch.Tensor,
@@ -124,15 +137,8 @@ def paged_decode_attention(
     q = q if q.stride(-1) == 1 else q.contiguous()
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     context_lens = context_lens.contiguous()
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    block_n = min(64, max(16, TILE_BYTES // (2 * block_d * q.element_size())))
-    common = dict(
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_SIZE=kv_layer.shape[2], BLOCK_N=block_n,
-        **dot_options(q.dtype),
-        num_warps=8, num_stages=2,
-    )
+    common = launch_config(q.dtype, head_dim, group, kv_layer.shape[2])
+    block_d = common["BLOCK_D"]
     kv_strides = (kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3))
     if num_splits <= 1:
         decode_kernel[(batch, kv_heads, 1)](
