@@ -99,6 +99,7 @@ BAD_DECODE = {
     "out dtype": {"out": torch.zeros(2, 4, D, dtype=torch.float32)},
     "backend": {"backend": "cuda"},
     "num_splits": {"num_splits": 0},
+    "max_context_len": {"max_context_len": 1.5},
 }
 
 

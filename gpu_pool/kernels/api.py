@@ -100,6 +100,10 @@ def paged_decode_attention(
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
                                    or num_splits < 1):
         check.fail(f"num_splits must be a positive int, got {num_splits!r}")
+    if max_context_len is not None and (isinstance(max_context_len, bool)
+                                        or not isinstance(max_context_len, int)
+                                        or max_context_len < 0):
+        check.fail(f"max_context_len must be a non-negative int, got {max_context_len!r}")
     if debug_enabled(debug):
         check.scan_tables(bt, cl, block_size, num_blocks)
     if resolve_backend(backend, device) == "torch":

@@ -26,12 +26,16 @@ def write_kv(
 
 def _softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                        scale: float) -> torch.Tensor:
-    """fp32 GQA attention. q ``[..., Hkv, G, Q, D]``, k/v ``[..., Hkv, N, D]``, mask ``[..., Q, N]``
-    (True = attend). Rows that attend to nothing give zeros."""
-    scores = torch.matmul(q, k.unsqueeze(-3).transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~mask.unsqueeze(-3).unsqueeze(-4), float("-inf"))
+    """fp32 attention of ``R`` query rows per KV head: q ``[..., Hkv, R, D]``, k/v
+    ``[..., Hkv, N, D]``, mask broadcastable to ``[..., Hkv, R, N]`` (True = attend).
+
+    GQA puts the ``G`` query heads of a KV head among the rows, so K and V are never
+    repeated. Rows that attend to nothing give zeros.
+    """
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    return torch.matmul(probs, v.unsqueeze(-3))
+    return torch.matmul(probs, v)
 
 
 def _gather_tokens(kv_layer: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
@@ -67,12 +71,12 @@ def paged_decode_attention(
     kv = kv_layer[table]  # [B, nblocks, 2, bs, Hkv, D]
     kv = kv.permute(2, 0, 4, 1, 3, 5).reshape(2, batch, kv_heads, nblocks * block_size, head_dim)
     mask = torch.arange(nblocks * block_size, device=q.device)[None, :] < lens[:, None]
-    # Slots past a sequence's end may hold anything (even NaN); 0 * NaN would leak through.
-    live = mask[:, None, :, None]  # [B, 1, N, 1] against K/V [B, Hkv, N, D]
-    k = torch.where(live, kv[0], 0).float()
-    v = torch.where(live, kv[1], 0).float()
-    qf = q.float().view(batch, kv_heads, group, 1, head_dim)
-    out = _softmax_attention(qf, k, v, mask[:, None, :], scale)  # [B, Hkv, G, 1, D]
+    # Slots past a sequence's end may hold anything, even NaN: masking the scores covers K,
+    # but 0 * NaN in the PV product would leak, so V is zeroed there.
+    k = kv[0].float()
+    v = torch.where(mask[:, None, :, None], kv[1], 0).float()
+    qf = q.float().view(batch, kv_heads, group, head_dim)  # the group is the query rows
+    out = _softmax_attention(qf, k, v, mask[:, None, None, :], scale)  # [B, Hkv, G, D]
     return out.reshape(batch, num_heads, head_dim).to(q.dtype)
 
 
@@ -102,11 +106,14 @@ def paged_prefill_attention(
             continue
         kv = _gather_tokens(kv_layer, block_tables[b], length).float()  # [2, L, Hkv, D]
         k, v = kv[0].transpose(0, 1), kv[1].transpose(0, 1)  # [Hkv, L, D]
+        # Rows of one KV head: its G query heads x n tokens, head-major.
         qf = q[start:end].float().view(n, kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        qf = qf.reshape(kv_heads, group * n, head_dim)
         qpos = torch.arange(length - n, length, device=q.device)
         mask = torch.arange(length, device=q.device)[None, :] <= qpos[:, None]  # [n, L]
-        o = _softmax_attention(qf, k, v, mask, scale)  # [Hkv, G, n, D]
-        out[start:end] = o.permute(2, 0, 1, 3).reshape(n, num_heads, head_dim).to(q.dtype)
+        o = _softmax_attention(qf, k, v, mask.repeat(group, 1), scale)  # [Hkv, G*n, D]
+        o = o.view(kv_heads, group, n, head_dim).permute(2, 0, 1, 3)
+        out[start:end] = o.reshape(n, num_heads, head_dim).to(q.dtype)
     return out
 
 
