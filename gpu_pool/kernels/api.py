@@ -67,6 +67,19 @@ def _attention_inputs(q: object, kv_layer: object, rows: str
     return qt, layer
 
 
+def _decode_splits(split_kv: bool | None, num_splits: int | None, batch: int, kv_heads: int,
+                   bound: int, device: torch.device) -> int:
+    """Splits for the Triton decode: forced by the caller, else the heuristic's choice."""
+    if split_kv is False:
+        return 1
+    if num_splits is not None:
+        return num_splits
+    splits = choose_num_splits(batch, kv_heads, bound, sm_count(device))
+    if split_kv and splits == 1:  # forced on where the heuristic would not split
+        splits = max(2, min(8, -(-bound // 256)))
+    return splits
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     kv_layer: torch.Tensor,
@@ -97,13 +110,8 @@ def paged_decode_attention(
                                 "context_lens": cl})
     sm_scale = check.scale(scale, head_dim)
     check.output(out, (batch, num_heads, head_dim), qt.dtype, device)
-    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
-                                   or num_splits < 1):
-        check.fail(f"num_splits must be a positive int, got {num_splits!r}")
-    if max_context_len is not None and (isinstance(max_context_len, bool)
-                                        or not isinstance(max_context_len, int)
-                                        or max_context_len < 0):
-        check.fail(f"max_context_len must be a non-negative int, got {max_context_len!r}")
+    check.optional_int("num_splits", num_splits, 1)
+    check.optional_int("max_context_len", max_context_len, 0)
     if debug_enabled(debug):
         check.scan_tables(bt, cl, block_size, num_blocks)
     if resolve_backend(backend, device) == "torch":
@@ -112,15 +120,8 @@ def paged_decode_attention(
             return result
         out.copy_(result)
         return out
-    if split_kv is False:
-        splits = 1
-    elif num_splits is not None:
-        splits = num_splits
-    else:
-        bound = max_context_len if max_context_len is not None else bt.shape[1] * block_size
-        splits = choose_num_splits(batch, kv_heads, bound, sm_count(device))
-        if split_kv and splits == 1:
-            splits = max(2, min(8, -(-bound // 256)))
+    bound = max_context_len if max_context_len is not None else bt.shape[1] * block_size
+    splits = _decode_splits(split_kv, num_splits, batch, kv_heads, bound, device)
     from kvtier.gpu_pool.kernels import triton_decode
 
     result = out if out is not None else torch.empty_like(qt)
@@ -159,9 +160,7 @@ def paged_prefill_attention(
                                 "context_lens": cl, "cu_seqlens_q": cu})
     sm_scale = check.scale(scale, head_dim)
     check.output(out, (total, num_heads, head_dim), qt.dtype, device)
-    if max_seqlen_q is not None and (isinstance(max_seqlen_q, bool)
-                                     or not isinstance(max_seqlen_q, int) or max_seqlen_q < 0):
-        check.fail(f"max_seqlen_q must be a non-negative int, got {max_seqlen_q!r}")
+    check.optional_int("max_seqlen_q", max_seqlen_q, 0)
     if debug_enabled(debug):
         check.scan_tables(bt, cl, block_size, num_blocks)
         check.scan_cu_seqlens(cu, cl, total)
@@ -197,7 +196,7 @@ def _chunk_inputs(kv: object, block_ids: torch.Tensor | Sequence[int], num_token
     pool = check.kv_pool(kv)
     ids = _block_ids(block_ids, pool.device)
     capacity = ids.shape[0] * pool.shape[3]
-    tokens = check.flag_tokens(num_tokens, capacity, capacity, "num_tokens")
+    tokens = check.num_tokens(num_tokens, capacity, capacity, "num_tokens")
     return pool, ids, tokens
 
 
@@ -268,7 +267,7 @@ def scatter_blocks(
     buf = check.tensor("buffer", buffer, 5, "[layers, 2, tokens, kv_heads, head_dim]")
     ids = _block_ids(block_ids, pool.device)
     capacity = ids.shape[0] * pool.shape[3]
-    tokens = check.flag_tokens(num_tokens, buf.shape[2], capacity, "num_tokens")
+    tokens = check.num_tokens(num_tokens, buf.shape[2], capacity, "num_tokens")
     if num_tokens is None and tokens > capacity:
         check.fail(f"buffer holds {tokens} tokens but {ids.shape[0]} blocks hold only "
                     f"{capacity}; pass more block_ids or num_tokens")

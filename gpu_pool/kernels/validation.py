@@ -149,15 +149,23 @@ def batch_tables(block_tables: object, context_lens: object, batch: int
     return bt, cl
 
 
-def flag_tokens(num_tokens: int | None, default: int, limit: int, name: str) -> int:
+def optional_int(name: str, value: object, minimum: int) -> None:
+    """``value`` is None or an int ``>= minimum`` (a host-side launch parameter)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        fail(f"{name} must be an int >= {minimum} (or None), got {value!r}")
+
+
+def num_tokens(value: int | None, default: int, limit: int, name: str) -> int:
     """``num_tokens`` of a gather/scatter: default and range check (host ints only)."""
-    if num_tokens is None:
+    if value is None:
         return default
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
-        fail(f"{name} must be an int, got {type(num_tokens).__name__}")
-    if not 0 <= num_tokens <= limit:
-        fail(f"{name}={num_tokens} is outside [0, {limit}]: the blocks hold at most {limit} tokens")
-    return num_tokens
+    if isinstance(value, bool) or not isinstance(value, int):
+        fail(f"{name} must be an int, got {type(value).__name__}")
+    if not 0 <= value <= limit:
+        fail(f"{name}={value} is outside [0, {limit}]: the blocks hold at most {limit} tokens")
+    return value
 
 
 # --------------------------------------------------------------------------- bounds scan
