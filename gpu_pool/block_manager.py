@@ -12,6 +12,7 @@ exactly as it was.
 from __future__ import annotations
 
 import operator
+from array import array
 from collections.abc import Hashable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -219,13 +220,27 @@ class KVBlockManager:
 
 
 def _validated_tokens(token_ids: Seq[int]) -> list[int]:
-    """Plain non-negative Python ints (numpy / torch integer scalars are accepted)."""
+    """Plain Python ints in [0, 2**64) (numpy / torch integer scalars are accepted): the
+    range chained hashing encodes, checked here so a bad id can never fail later inside
+    ``mark_computed`` with the sequence half-updated."""
     try:
         tokens = [operator.index(t) for t in token_ids]
     except TypeError:
         raise InvalidArgumentError(
-            f"token ids must be integers, got {list(token_ids)[:8]!r}..."
+            f"token ids must be a sequence of integers, got {_preview(token_ids)}"
         ) from None
-    if tokens and min(tokens) < 0:
-        raise InvalidArgumentError(f"token ids must be non-negative, got {min(tokens)}")
+    try:
+        array("Q", tokens)  # C-speed range check: raises on < 0 and >= 2**64
+    except OverflowError:
+        bad = next(t for t in tokens if not 0 <= t < 2**64)
+        raise InvalidArgumentError(
+            f"token ids must be non-negative integers below 2**64, got {bad}"
+        ) from None
     return tokens
+
+
+def _preview(token_ids: object) -> str:
+    """A short repr of a bad ``token_ids`` argument, whatever its type."""
+    if isinstance(token_ids, (list, tuple)):
+        return repr(list(token_ids[:8])) + ("..." if len(token_ids) > 8 else "")
+    return f"{type(token_ids).__name__} {token_ids!r:.60}"

@@ -14,13 +14,19 @@ blocks is one call.
 
 from __future__ import annotations
 
-import time
+import operator
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from itertools import islice
+from time import perf_counter_ns as _now
 
 from kvtier.config import is_power_of_two
 from kvtier.errors import InvalidArgumentError, OutOfBlocksError, PoolError
 from kvtier.hashing import BlockHash
+
+_TIME_MASK = 15
+"""One ``allocate`` call in 16 (the 1st, 17th ...) is timed and counts for 16 in
+``alloc_ns``: two clock reads would otherwise cost more than a small allocation itself."""
 
 
 class BlockPool:
@@ -45,7 +51,7 @@ class BlockPool:
         self._empty: list[int] = list(range(num_blocks - 1, -1, -1))
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._cached: dict[BlockHash, int] = {}
-        # Counters for stats.
+        # Counters for stats. alloc_ns is an estimate from sampled calls (see _TIME_MASK).
         self.alloc_calls = 0
         self.alloc_blocks = 0
         self.alloc_ns = 0
@@ -86,63 +92,141 @@ class BlockPool:
     # -------------------------------------------------------------- mutations
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` blocks (reference count 1 each) or raise with nothing taken."""
+        empty = self._empty
+        calls = self.alloc_calls + 1
+        if n.__class__ is not int or n <= 0 or n > len(empty) or calls & _TIME_MASK == 1:
+            return self._allocate_slow(n)
+        # Fast path: enough empty blocks, no eviction, not a timed call.
+        self.alloc_calls = calls
+        self.alloc_blocks += n
+        if n == 1:
+            b = empty.pop()
+            self._ref[b] = 1
+            return [b]
+        blocks = empty[: -n - 1 : -1]
+        del empty[-n:]
+        ref = self._ref
+        for b in blocks:
+            ref[b] = 1
+        return blocks
+
+    def _allocate_slow(self, n: int) -> list[int]:
+        """Argument checks, zero blocks, allocations that must evict cached blocks, and the
+        timed sample of ``alloc_ns``."""
         if not isinstance(n, int) or n < 0:
             raise InvalidArgumentError(f"cannot allocate {n!r} blocks: the count must be >= 0")
-        free = len(self._empty) + len(self._evictable)
+        empty, evictable = self._empty, self._evictable
+        free = len(empty) + len(evictable)
         if n > free:
             raise OutOfBlocksError(n, free)
-        t0 = time.perf_counter_ns()
-        empty = self._empty
-        k = n if n <= len(empty) else len(empty)
+        calls = self.alloc_calls + 1
+        timed = calls & _TIME_MASK == 1
+        t0 = _now() if timed else 0
+        k = len(empty) if n > len(empty) else n
         if k:
             blocks = empty[: -k - 1 : -1]
             del empty[-k:]
         else:
             blocks = []
-        if k < n:
-            evictable, cached, hashes = self._evictable, self._cached, self._hash
-            for _ in range(n - k):
-                b = evictable.popitem(last=False)[0]
-                h = hashes[b]
-                if h is not None and cached.get(h) == b:
-                    del cached[h]
+        m = n - k
+        if m:
+            # Oldest first; only canonical blocks carry a hash, so cached[h] is this block.
+            if m == 1:
+                b = next(iter(evictable))
+                del evictable[b]
+                victims = [b]
+            else:
+                victims = list(islice(evictable, m))
+                if m == len(evictable):
+                    evictable.clear()
+                else:
+                    for b in victims:
+                        del evictable[b]
+            cached, hashes = self._cached, self._hash
+            for b in victims:
+                del cached[hashes[b]]
                 hashes[b] = None
-                blocks.append(b)
-            self.evictions += n - k
+            blocks += victims
+            self.evictions += m
         ref = self._ref
         for b in blocks:
             ref[b] = 1
-        self.alloc_ns += time.perf_counter_ns() - t0
-        self.alloc_calls += 1
+        if timed:
+            self.alloc_ns += (_now() - t0) * (_TIME_MASK + 1)
+        self.alloc_calls = calls
         self.alloc_blocks += n
         return blocks
 
     def free(self, blocks: Iterable[int]) -> None:
         """Drop one reference to each block. Blocks reaching zero become free; cached ones
-        enter the LRU in the order given (so pass tail blocks first to evict them first)."""
-        blocks = list(blocks)
-        ref = self._ref
+        enter the LRU in the order given (so pass tail blocks first to evict them first).
+        An invalid id or a double free raises and frees nothing."""
+        if blocks.__class__ is not list:
+            blocks = list(blocks)
+        ref, hashes, evictable, empty = self._ref, self._hash, self._evictable, self._empty
+        n_empty = len(empty)
+        push = empty.append
+        bad = False
+        try:
+            for b in blocks:
+                r = ref[b] - 1
+                ref[b] = r
+                if r <= 0 or b < 0:
+                    if r or b < 0:
+                        bad = True
+                    elif hashes[b] is None:
+                        push(b)
+                    else:
+                        evictable[b] = None
+        except (IndexError, TypeError):
+            bad = True
+        if bad:
+            self._undo_free(blocks, n_empty)
+
+    def _undo_free(self, blocks: list[int], n_empty: int) -> None:
+        """Undo what a failed :meth:`free` did (rare, so not fast), then raise."""
+        ref, evictable = self._ref, self._evictable
+        del self._empty[n_empty:]
+        for b in blocks:  # the same indexing as free(): stops where free() stopped
+            try:
+                ref[b] += 1
+            except (IndexError, TypeError):
+                break
+            if b in evictable:  # none of the blocks being freed was free before
+                del evictable[b]
+        seen: dict[int, int] = {}
         for b in blocks:
-            if ref[b] <= 0:
-                raise PoolError(f"block {b} freed while not allocated (double free)")
-        hashes, evictable, empty = self._hash, self._evictable, self._empty
-        for b in blocks:
-            r = ref[b] - 1
-            ref[b] = r
-            if r == 0:
-                if hashes[b] is not None:
-                    evictable[b] = None
-                else:
-                    empty.append(b)
+            i = self._block_id(b, "free")
+            seen[i] = seen.get(i, 0) + 1
+            if seen[i] > ref[i]:
+                raise PoolError(f"block {i} freed while not allocated (double free)")
+        raise AssertionError("free() failed without an invalid or double-freed block")
+
+    def _block_id(self, b: object, what: str) -> int:
+        """``b`` as a valid block id, or a clear error (a negative id would silently index
+        from the end of the Python lists)."""
+        if b.__class__ is int and 0 <= b < self.num_blocks:  # type: ignore[operator]
+            return b  # type: ignore[return-value]
+        try:
+            i = operator.index(b)  # type: ignore[arg-type]
+        except TypeError:
+            i = -1
+        if not 0 <= i < self.num_blocks:
+            raise InvalidArgumentError(
+                f"cannot {what} block {b!r}: block ids are integers in [0, {self.num_blocks})"
+            )
+        return i
 
     def touch(self, blocks: Iterable[int]) -> None:
         """Add a reference to blocks found in the prefix cache or shared by a fork; a free
-        cached block leaves the LRU."""
+        cached block leaves the LRU. An invalid block raises and touches nothing."""
+        blocks = [self._block_id(b, "touch") for b in blocks]
         ref, evictable = self._ref, self._evictable
         for b in blocks:
+            if ref[b] == 0 and b not in evictable:
+                raise PoolError(f"block {b} is free and holds no cached content")
+        for b in blocks:
             if ref[b] == 0:
-                if b not in evictable:
-                    raise PoolError(f"block {b} is free and holds no cached content")
                 del evictable[b]
             ref[b] += 1
 
@@ -156,6 +240,7 @@ class BlockPool:
         caching is off or another block already holds the same content (it stays canonical)."""
         if not self.enable_prefix_caching:
             return False
+        block_id = self._block_id(block_id, "cache")
         if self._ref[block_id] <= 0:
             raise PoolError(f"block {block_id} cached while not allocated")
         if block_hash in self._cached or self._hash[block_id] is not None:
@@ -166,6 +251,7 @@ class BlockPool:
 
     def uncache_block(self, block_id: int) -> None:
         """Forget a block's cached content (before it is modified in place)."""
+        block_id = self._block_id(block_id, "uncache")
         h = self._hash[block_id]
         if h is None:
             return
@@ -198,3 +284,5 @@ class BlockPool:
                 assert self._hash[b] is None, f"empty block {b} still has a hash"
         for h, b in self._cached.items():
             assert self._hash[b] == h, f"cache entry for block {b} disagrees with its hash"
+        hashed = sum(h is not None for h in self._hash)
+        assert hashed == len(self._cached), "a block carries a hash the cache does not map to it"

@@ -114,6 +114,10 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
                 raise ConfigError(
                     f"environment variable {name} conflicts with another KVTIER_ variable"
                 )
+        if isinstance(node.get(path[-1]), dict):  # the same conflict, met in the other order
+            raise ConfigError(
+                f"environment variable {name} conflicts with another KVTIER_ variable"
+            )
         node[path[-1]] = None if value.strip().lower() in ("", "none", "null") else value
     return tree
 

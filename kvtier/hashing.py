@@ -20,11 +20,13 @@ _ROOT = b"\x00" * HASH_BYTES
 
 
 def _token_bytes(token_ids: Sequence[int]) -> bytes:
+    # Unsigned: a negative id is rejected instead of silently encoded (ids < 2**63 encode to
+    # the same bytes as a signed 64-bit array, so existing hashes are unchanged).
     try:
-        return array("q", token_ids).tobytes()
+        return array("Q", token_ids).tobytes()
     except (TypeError, OverflowError) as exc:
         raise InvalidArgumentError(
-            f"token ids must be integers in [0, 2**63), got {list(token_ids)[:8]}...: {exc}"
+            f"token ids must be integers in [0, 2**64), got {list(token_ids)[:8]}...: {exc}"
         ) from None
 
 
@@ -47,6 +49,8 @@ def chain_hashes(
     full_blocks_only: bool = True,
 ) -> list[BlockHash]:
     """Hashes of consecutive blocks of ``token_ids`` (full blocks only unless asked)."""
+    if not isinstance(block_size, int) or block_size < 1:
+        raise InvalidArgumentError(f"block_size must be a positive integer, got {block_size!r}")
     n = len(token_ids)
     end = n - n % block_size if full_blocks_only else n
     out: list[BlockHash] = []
