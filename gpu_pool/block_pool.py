@@ -25,8 +25,8 @@ from kvtier.errors import InvalidArgumentError, OutOfBlocksError, PoolError
 from kvtier.hashing import BlockHash
 
 _TIME_MASK = 15
-"""One ``allocate`` call in 16 (the 1st, 17th ...) is timed and counts for 16 in
-``alloc_ns``: two clock reads would otherwise cost more than a small allocation itself."""
+"""One ``allocate`` call in 16 (the 1st, 17th ...) is timed for ``alloc_ns``: two clock
+reads would otherwise cost more than a small allocation itself."""
 
 
 class BlockPool:
@@ -51,10 +51,11 @@ class BlockPool:
         self._empty: list[int] = list(range(num_blocks - 1, -1, -1))
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._cached: dict[BlockHash, int] = {}
-        # Counters for stats. alloc_ns is an estimate from sampled calls (see _TIME_MASK).
+        # Counters for stats; alloc_ns is estimated from sampled calls (see _TIME_MASK).
         self.alloc_calls = 0
         self.alloc_blocks = 0
-        self.alloc_ns = 0
+        self._timed_ns = 0
+        self._timed_blocks = 0
         self.evictions = 0
 
     # ------------------------------------------------------------------ queries
@@ -75,6 +76,14 @@ class BlockPool:
     @property
     def num_evictable(self) -> int:
         return len(self._evictable)
+
+    @property
+    def alloc_ns(self) -> int:
+        """Estimated ns spent in ``allocate`` so far: the per-block time of the timed calls
+        times all blocks allocated."""
+        if not self._timed_blocks:
+            return 0
+        return round(self._timed_ns * self.alloc_blocks / self._timed_blocks)
 
     def ref_count(self, block_id: int) -> int:
         return self._ref[block_id]
@@ -152,7 +161,8 @@ class BlockPool:
         for b in blocks:
             ref[b] = 1
         if timed:
-            self.alloc_ns += (_now() - t0) * (_TIME_MASK + 1)
+            self._timed_ns += _now() - t0
+            self._timed_blocks += n
         self.alloc_calls = calls
         self.alloc_blocks += n
         return blocks
