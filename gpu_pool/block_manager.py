@@ -146,7 +146,7 @@ class KVBlockManager:
         if need > self.pool.num_free:
             raise OutOfBlocksError(need, self.pool.num_free, f"appending to sequence {seq_id!r}")
         copies: list[tuple[int, int]] = []
-        fresh = self.pool.allocate(need)
+        fresh = self.pool.allocate(need) if need else []
         if cow:
             src = seq.block_ids[-1]
             dst = fresh.pop(0)

@@ -181,13 +181,13 @@ class BlockPool:
             for b in blocks:
                 r = ref[b] - 1
                 ref[b] = r
-                if r <= 0 or b < 0:
-                    if r or b < 0:
-                        bad = True
-                    elif hashes[b] is None:
+                if r == 0 and b >= 0:
+                    if hashes[b] is None:
                         push(b)
                     else:
                         evictable[b] = None
+                elif r < 0 or b < 0:  # double free, or a negative id indexing from the end
+                    bad = True
         except (IndexError, TypeError):
             bad = True
         if bad:
