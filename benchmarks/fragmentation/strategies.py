@@ -98,31 +98,25 @@ class Extents:
         return max(self._size.values(), default=0)
 
 
-class ContiguousMaxLen:
-    """Reserve each request's maximum length up front, in one contiguous extent."""
+class _Contiguous:
+    """One contiguous extent per sequence; subclasses decide how big and how it grows."""
 
-    def __init__(self, capacity: int):
-        self.name = "contiguous-maxlen"
+    def __init__(self, name: str, capacity: int, fit: str):
+        self.name = name
         self.capacity = capacity
         self.reserved = 0
         self.copies = 0
         self.tokens_copied = 0
-        self._ext = Extents(capacity, "first")
-        self._held: dict[int, tuple[int, int]] = {}
+        self._ext = Extents(capacity, fit)
+        self._held: dict[int, tuple[int, int]] = {}  # rid -> (start, size)
 
-    def can_ever_fit(self, total_len: int, max_len: int) -> bool:
-        return max_len <= self.capacity
-
-    def admit(self, rid: int, length: int, max_len: int) -> bool:
-        start = self._ext.alloc(max_len)
+    def _reserve(self, rid: int, size: int) -> bool:
+        start = self._ext.alloc(size)
         if start is None:
             return False
-        self._held[rid] = (start, max_len)
-        self.reserved += max_len
+        self._held[rid] = (start, size)
+        self.reserved += size
         return True
-
-    def grow(self, rid: int, new_length: int) -> bool:
-        return new_length <= self._held[rid][1]
 
     def release(self, rid: int) -> None:
         start, size = self._held.pop(rid)
@@ -133,28 +127,33 @@ class ContiguousMaxLen:
         return self._ext.largest()
 
 
-class ContiguousExact:
+class ContiguousMaxLen(_Contiguous):
+    """Reserve each request's maximum length up front, in one contiguous extent."""
+
+    def __init__(self, capacity: int):
+        super().__init__("contiguous-maxlen", capacity, "first")
+
+    def can_ever_fit(self, total_len: int, max_len: int) -> bool:
+        return max_len <= self.capacity
+
+    def admit(self, rid: int, length: int, max_len: int) -> bool:
+        return self._reserve(rid, max_len)
+
+    def grow(self, rid: int, new_length: int) -> bool:
+        return new_length <= self._held[rid][1]
+
+
+class ContiguousExact(_Contiguous):
     """Reserve exactly the tokens held; growth extends in place or moves (and copies)."""
 
     def __init__(self, capacity: int, fit: str):
-        self.name = f"contiguous-exact-{fit}fit"
-        self.capacity = capacity
-        self.reserved = 0
-        self.copies = 0
-        self.tokens_copied = 0
-        self._ext = Extents(capacity, fit)
-        self._held: dict[int, tuple[int, int]] = {}
+        super().__init__(f"contiguous-exact-{fit}fit", capacity, fit)
 
     def can_ever_fit(self, total_len: int, max_len: int) -> bool:
         return total_len <= self.capacity
 
     def admit(self, rid: int, length: int, max_len: int) -> bool:
-        start = self._ext.alloc(length)
-        if start is None:
-            return False
-        self._held[rid] = (start, length)
-        self.reserved += length
-        return True
+        return self._reserve(rid, length)
 
     def grow(self, rid: int, new_length: int) -> bool:
         start, size = self._held[rid]
@@ -174,14 +173,6 @@ class ContiguousExact:
         self.copies += 1
         self.tokens_copied += size
         return True
-
-    def release(self, rid: int) -> None:
-        start, size = self._held.pop(rid)
-        self._ext.free(start, size)
-        self.reserved -= size
-
-    def largest_free(self) -> int:
-        return self._ext.largest()
 
 
 class Paged:
