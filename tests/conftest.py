@@ -49,7 +49,7 @@ def tiny_checkpoint(tmp_path_factory):
     cache: dict = {}
 
     def get(arch: str, **overrides):
-        key = (arch, tuple(sorted(overrides.items())))
+        key = (arch, repr(sorted(overrides.items())))
         if key not in cache:
             shard = overrides.pop("max_shard_size", None)
             model = make_tiny_hf_model(arch, **overrides)
