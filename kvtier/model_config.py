@@ -259,7 +259,8 @@ def _parse(raw: dict[str, Any], source: str, name: str) -> ModelConfig:
     if act not in ("silu", "swish"):
         raise _bad(source, "hidden_act", f"is {act!r}; only silu (SwiGLU) is supported")
     sliding = None
-    if arch == "MistralForCausalLM" and raw.get("sliding_window") is not None:
+    windowed = arch == "MistralForCausalLM" or raw.get("use_sliding_window") is True
+    if windowed and raw.get("sliding_window") is not None:
         sliding = _int(raw, "sliding_window", source)
     bos = raw.get("bos_token_id")
     if bos is not None and (isinstance(bos, bool) or not isinstance(bos, int)):

@@ -36,7 +36,7 @@ def test_transformers_written_configs(tiny_checkpoint):
     assert cfg.rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 32)
     _, d = tiny_checkpoint("qwen2")
     cfg = ModelConfig.from_pretrained(d)
-    assert cfg.qkv_bias and not cfg.o_bias
+    assert cfg.qkv_bias and not cfg.o_bias and cfg.sliding_window is None
     _, d = tiny_checkpoint("mistral")
     cfg = ModelConfig.from_pretrained(d)
     assert cfg.sliding_window == 4096 and cfg.max_model_len == 512
@@ -94,3 +94,10 @@ def test_missing_config_and_directory(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
         ModelConfig.from_pretrained(tmp_path / "nope")
     assert issubclass(CheckpointError, ConfigError)
+
+
+def test_qwen2_window_counts_only_when_enabled():
+    raw = dict(BASE, architectures=["Qwen2ForCausalLM"], sliding_window=64,
+               max_position_embeddings=4096)
+    assert ModelConfig.from_dict(raw).max_model_len == 4096
+    assert ModelConfig.from_dict(dict(raw, use_sliding_window=True)).max_model_len == 64
