@@ -20,6 +20,7 @@ from kvtier.errors import KVTierError
 # (module, where) pairs: "top" commands hang off ``kvtier``, "bench" ones off ``kvtier bench``.
 COMMANDS: list[tuple[str, str]] = [
     ("kvtier.config_command", "top"),
+    ("kvtier.make_model", "top"),
     ("kvtier.benchmarks.fragmentation.cli", "bench"),
     ("kvtier.benchmarks.allocator", "bench"),
     ("kvtier.benchmarks.kernels", "bench"),
