@@ -135,6 +135,7 @@ def write_weights(
             if on_tensor is not None:
                 on_tensor(tensors[name].numel() * DTYPE_BYTES[dtype])
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        os.chmod(out / fname, 0o666 & ~_umask())  # safetensors creates files 0600
         del tensors
     if len(files) > 1:
         total = sum(math.prod(s) for s in shapes.values()) * DTYPE_BYTES[dtype]
@@ -323,6 +324,12 @@ def _install(tmp: Path, out: Path) -> None:
     os.rename(tmp, out)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _write_json(path: Path, doc: Any) -> None:
