@@ -21,9 +21,11 @@ from kvtier.errors import KVTierError
 COMMANDS: list[tuple[str, str]] = [
     ("kvtier.config_command", "top"),
     ("kvtier.make_model", "top"),
+    ("kvtier.chat_cli", "top"),
     ("kvtier.benchmarks.fragmentation.cli", "bench"),
     ("kvtier.benchmarks.allocator", "bench"),
     ("kvtier.benchmarks.kernels", "bench"),
+    ("kvtier.benchmarks.engine", "bench"),
 ]
 
 

@@ -1,0 +1,111 @@
+"""Multi-turn chat sessions: the exact token ids a conversation holds, turn after turn.
+
+The next turn's prompt is the previous prompt plus the tokens the model actually generated
+(not a re-tokenisation of their text, which may split differently), then the chat
+template's continuation: so every earlier token is a prefix of the new prompt and its KV
+can be reused (from the pool's prefix cache now, from the lower tiers later).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from kvtier.chat_template import Message, render_ids
+from kvtier.errors import InvalidArgumentError
+from kvtier.scheduler import Request
+from kvtier.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class TurnStats:
+    turn: int
+    prompt_tokens: int
+    reused_tokens: int
+    """Prompt tokens whose KV was found in the pool's prefix cache."""
+    recomputed_tokens: int
+    """Prompt tokens that ran through prefill."""
+    output_tokens: int
+    queue_s: float | None
+    ttft_s: float | None
+    tpot_s: float | None
+    total_s: float | None
+    finish_reason: str | None
+    preemptions: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    session_id: str
+    text: str
+    token_ids: list[int]
+    stats: TurnStats
+    error: str | None = None
+    """Why the turn failed (the session is then unchanged); None on success."""
+
+
+@dataclass
+class ChatSession:
+    session_id: str
+    messages: list[Message] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    """Prompt and generated ids of the last turn: what the KV cache holds for this session."""
+    turns: list[TurnStats] = field(default_factory=list)
+
+    def next_prompt(
+        self, tokenizer: Tokenizer, user_message: str, system: str | None = None
+    ) -> list[int]:
+        fmt = tokenizer.chat_format
+        if fmt is None:
+            raise InvalidArgumentError(
+                f"{tokenizer.source}: the tokenizer has no known chat format (Llama 3 headers, "
+                "ChatML or [INST]), so chat turns cannot be rendered; use generate() instead"
+            )
+        if not isinstance(user_message, str):
+            raise InvalidArgumentError(
+                f"a chat message must be a string, got {type(user_message).__name__}"
+            )
+        if system is not None and self.messages:
+            raise InvalidArgumentError("a system prompt can only open a session (turn 1)")
+        first = [{"role": "system", "content": system}] if system is not None else []
+        new = [*self.messages, *first, {"role": "user", "content": user_message}]
+        if not self.token_ids:
+            return render_ids(tokenizer, fmt, new, add_generation_prompt=True)
+        before_reply = self.messages[:-1]
+        base = render_ids(tokenizer, fmt, self.messages)
+        full = render_ids(tokenizer, fmt, new, add_generation_prompt=True)
+        opened = render_ids(tokenizer, fmt, before_reply, add_generation_prompt=True)
+        closed = render_ids(tokenizer, fmt, [*before_reply, {"role": "assistant", "content": ""}])
+        if full[: len(base)] != base or closed[: len(opened)] != opened:
+            raise InvalidArgumentError(  # the chat format broke its prefix promise
+                f"chat format {fmt.name} does not render turns as prefixes; cannot continue"
+            )
+        closing = closed[len(opened) :]
+        if closing and self.token_ids[-1] == closing[0]:
+            closing = closing[1:]  # the model generated the end-of-turn token itself
+        return self.token_ids + closing + full[len(base) :]
+
+    def record(self, user_message: str, system: str | None, req: Request) -> TurnResult:
+        if system is not None:
+            self.messages.append({"role": "system", "content": system})
+        self.messages.append({"role": "user", "content": user_message})
+        self.messages.append({"role": "assistant", "content": req.text})
+        self.token_ids = req.all_ids
+        t = req.timings
+        stats = TurnStats(
+            turn=len(self.turns) + 1,
+            prompt_tokens=len(req.prompt_ids),
+            reused_tokens=req.num_cached_tokens,
+            recomputed_tokens=len(req.prompt_ids) - req.num_cached_tokens,
+            output_tokens=len(req.output_ids),
+            queue_s=t.queue_s,
+            ttft_s=t.ttft_s,
+            tpot_s=t.tpot_s,
+            total_s=None if t.finished is None else t.finished - t.arrival,
+            finish_reason=req.finish_reason,
+            preemptions=req.num_preemptions,
+        )
+        self.turns.append(stats)
+        return TurnResult(self.session_id, req.text, list(req.output_ids), stats)
