@@ -42,6 +42,19 @@ class EngineOptions:
     """torch CPU threads (small ops are far faster with few threads on a busy machine)."""
 
 
+@dataclass
+class PendingTurn:
+    """A queued chat turn: its session, message and the request generating the reply."""
+
+    session: ChatSession
+    message: str
+    system: str | None
+    request: Request
+
+    def request_done(self) -> bool:
+        return self.request.finished
+
+
 class Engine:
     def __init__(self, model_dir: str | Path, options: EngineOptions | None = None):
         opts = options or EngineOptions()
@@ -67,6 +80,7 @@ class Engine:
             self.runner, self.tokenizer, opts.max_num_seqs, opts.max_num_batched_tokens
         )
         self.sessions: dict[str, ChatSession] = {}
+        self._busy: set[str] = set()
 
     # ----------------------------------------------------------------- requests
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
@@ -129,26 +143,50 @@ class Engine:
         ids = [sid for sid, _ in turns]
         if len(set(ids)) != len(ids):
             raise InvalidArgumentError(f"one turn per session at a time, got {ids}")
-        pending = []
-        for sid, message in turns:
-            session = self.sessions.get(sid) or ChatSession(sid)
-            prompt = session.next_prompt(
-                self.tokenizer, message, system if not session.messages else None
+        pending: list[PendingTurn] = []
+        try:
+            for sid, message in turns:
+                pending.append(self.begin_turn(sid, message, params, system, on_text))
+        except BaseException:
+            for turn in pending:
+                self.scheduler.abort(turn.request.request_id)
+                self._busy.discard(turn.session.session_id)
+            raise
+        self.run_until_done([t.request for t in pending])
+        return [self.finish_turn(t) for t in pending]
+
+    def begin_turn(
+        self,
+        session_id: str,
+        message: str,
+        params: SamplingParams | None = None,
+        system: str | None = None,
+        on_text: Callable[[str], None] | None = None,
+    ) -> PendingTurn:
+        """Queue a turn without running it (the async engine's half of :meth:`chat`)."""
+        if session_id in self._busy:
+            raise InvalidArgumentError(
+                f"session {session_id!r} already has a turn in flight; wait for its reply"
             )
-            cb = (lambda _r, _t, delta: on_text(delta) if delta else None) if on_text else None
-            req = self.scheduler.add(prompt, params, f"{sid}#{len(session.turns) + 1}", cb)
-            pending.append((session, message, req))
-        self.run_until_done([r for _, _, r in pending])
-        results = []
-        for session, message, req in pending:
-            if req.finish_reason == "error":
-                failed = ChatSession(session.session_id).record(message, None, req)
-                results.append(replace(failed, error=req.error))
-                continue
-            sys_msg = system if not session.messages else None
-            results.append(session.record(message, sys_msg, req))
-            self.sessions[session.session_id] = session
-        return results
+        session = self.sessions.get(session_id) or ChatSession(session_id)
+        sys_msg = system if not session.messages else None
+        prompt = session.next_prompt(self.tokenizer, message, sys_msg)
+        cb = (lambda _r, _t, delta: on_text(delta) if delta else None) if on_text else None
+        req = self.scheduler.add(prompt, params, f"{session_id}#{len(session.turns) + 1}", cb)
+        self._busy.add(session_id)
+        return PendingTurn(session, message, sys_msg, req)
+
+    def finish_turn(self, turn: PendingTurn) -> TurnResult:
+        """Record a finished turn in its session (a failed one leaves the session as it was)."""
+        sid = turn.session.session_id
+        self._busy.discard(sid)
+        req = turn.request
+        if req.finish_reason == "error":
+            failed = ChatSession(sid).record(turn.message, None, req)
+            return replace(failed, error=req.error)
+        result = turn.session.record(turn.message, turn.system, req)
+        self.sessions[sid] = turn.session
+        return result
 
     def end_session(self, session_id: str) -> None:
         """Forget a session (its KV blocks stay in the prefix cache until evicted)."""

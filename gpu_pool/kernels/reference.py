@@ -1,13 +1,16 @@
 """Torch reference of every pool kernel: the test oracle and the CPU implementation.
 
-Written for clarity first (plain indexing and softmax in fp32), vectorised over tokens so
-the CPU engine can run on it; attention loops over sequences only where lengths are ragged.
+Written for clarity first (plain indexing, fp32 attention), vectorised over tokens so the
+CPU engine can run on it; attention loops over sequences only where lengths are ragged.
+Prefill gathers each sequence's K/V contiguously and calls torch's SDPA, which runs a fused
+(flash) kernel on CPU: the engine's prefill is then bound by its matmuls, not by attention.
 Inputs are assumed validated (see ``validation.py``).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def write_kv(
@@ -106,14 +109,18 @@ def paged_prefill_attention(
             continue
         kv = _gather_tokens(kv_layer, block_tables[b], length).float()  # [2, L, Hkv, D]
         k, v = kv[0].transpose(0, 1), kv[1].transpose(0, 1)  # [Hkv, L, D]
-        # Rows of one KV head: its G query heads x n tokens, head-major.
-        qf = q[start:end].float().view(n, kv_heads, group, head_dim).permute(1, 2, 0, 3)
-        qf = qf.reshape(kv_heads, group * n, head_dim)
-        qpos = torch.arange(length - n, length, device=q.device)
-        mask = torch.arange(length, device=q.device)[None, :] <= qpos[:, None]  # [n, L]
-        o = _softmax_attention(qf, k, v, mask.repeat(group, 1), scale)  # [Hkv, G*n, D]
-        o = o.view(kv_heads, group, n, head_dim).permute(2, 0, 1, 3)
-        out[start:end] = o.reshape(n, num_heads, head_dim).to(q.dtype)
+        qf = q[start:end].float().transpose(0, 1)  # [H, n, D]
+        if n == length:  # no cached prefix: plain causal attention
+            mask, causal = None, True
+        else:  # query i sits at position L - n + i and sees positions <= its own
+            qpos = torch.arange(length - n, length, device=q.device)
+            mask, causal = torch.arange(length, device=q.device)[None, :] <= qpos[:, None], False
+        if group > 1:  # CPU's fused SDPA kernel takes no GQA: give each query head its K/V
+            k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+        o = F.scaled_dot_product_attention(
+            qf[None], k[None], v[None], attn_mask=mask, is_causal=causal, scale=scale
+        )[0]  # [H, n, D]
+        out[start:end] = o.transpose(0, 1).to(q.dtype)
     return out
 
 

@@ -1,0 +1,138 @@
+"""An asyncio face for the engine: many coroutines submit turns, one thread steps the model.
+
+The engine is single-threaded by design (one scheduler, one pool); this wrapper gives it a
+dedicated loop thread and hands results and streamed text back to the caller's event loop,
+so a web server can hold thousands of open conversations while the model batches them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from kvtier.engine import Engine, RequestError
+from kvtier.sampling import SamplingParams
+from kvtier.session import TurnResult
+
+_STOP = object()
+
+
+class AsyncEngine:
+    """Owns an :class:`Engine` and the thread that runs it."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._jobs: queue.Queue[Any] = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="kvtier-engine", daemon=True)
+        self._closed = False
+        self._thread.start()
+
+    # ----------------------------------------------------------------- thread side
+    def _loop(self) -> None:
+        """Admit submitted work between steps; step while anything runs."""
+        pending: list[tuple[Callable[[], None], Callable[[], bool]]] = []
+        while True:
+            block = not pending and not self.engine.scheduler.has_work
+            try:
+                job = self._jobs.get(block=block, timeout=None if block else 0)
+            except queue.Empty:
+                job = None
+            if job is _STOP:
+                return
+            if job is not None:
+                pending.append(job(self))
+                continue  # drain every queued submission before the next step
+            if self.engine.scheduler.has_work:
+                self.engine.step()
+            still = []
+            for complete, is_done in pending:
+                if is_done():
+                    complete()
+                else:
+                    still.append((complete, is_done))
+            pending = still
+
+    def _submit(
+        self, make: Callable[[AsyncEngine], tuple[Callable[[], None], Callable[[], bool]]]
+    ) -> None:
+        if self._closed:
+            raise RuntimeError("the AsyncEngine is closed")
+        self._jobs.put(make)
+
+    # ------------------------------------------------------------------- caller side
+    async def chat(
+        self,
+        session_id: str,
+        message: str,
+        params: SamplingParams | None = None,
+        system: str | None = None,
+        on_text: Callable[[str], None] | None = None,
+    ) -> TurnResult:
+        """One turn; ``on_text`` is called on the caller's event loop with each text delta."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[TurnResult] = loop.create_future()
+
+        def deliver(delta: str) -> None:
+            if on_text is not None:
+                loop.call_soon_threadsafe(on_text, delta)
+
+        def make(_: AsyncEngine):
+            eng = self.engine
+            try:
+                turn = eng.begin_turn(
+                    session_id, message, params, system, deliver if on_text else None
+                )
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                loop.call_soon_threadsafe(_set_exception, fut, exc)
+                return (lambda: None), (lambda: True)
+
+            def complete() -> None:
+                result = eng.finish_turn(turn)
+                if result.error is not None:
+                    err = RequestError(f"session {session_id!r}: {result.error}")
+                    loop.call_soon_threadsafe(_set_exception, fut, err)
+                else:
+                    loop.call_soon_threadsafe(_set_result, fut, result)
+
+            return complete, turn.request_done
+
+        self._submit(make)
+        return await fut
+
+    async def stream(
+        self,
+        session_id: str,
+        message: str,
+        params: SamplingParams | None = None,
+        system: str | None = None,
+    ) -> AsyncIterator[str | TurnResult]:
+        """Yield text deltas as they are generated, then the :class:`TurnResult`."""
+        q: asyncio.Queue[Any] = asyncio.Queue()
+        task = asyncio.ensure_future(self.chat(session_id, message, params, system, q.put_nowait))
+        task.add_done_callback(lambda _t: q.put_nowait(_STOP))
+        while True:
+            item = await q.get()
+            if item is _STOP:
+                break
+            yield item
+        yield task.result()
+
+    def close(self) -> None:
+        """Stop the loop thread (after the step in flight)."""
+        if not self._closed:
+            self._closed = True
+            self._jobs.put(_STOP)
+            self._thread.join()
+
+
+def _set_result(fut: asyncio.Future, value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
