@@ -120,6 +120,11 @@ class Scheduler:
         if tokenizer is not None:
             eos |= set(tokenizer.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
+        # Sample only ids the tokenizer can turn into text: checkpoints pad their embedding
+        # past the tokenizer's vocabulary (make-model's random models do so widely).
+        self.sample_vocab = runner.config.vocab_size
+        if tokenizer is not None:
+            self.sample_vocab = min(self.sample_vocab, tokenizer.vocab_size)
         self.steps = 0
         self.preemptions = 0
 
@@ -186,7 +191,7 @@ class Scheduler:
         if not batch:
             return []
         self.steps += 1
-        logits = self.runner.run([(r.request_id, n) for r, n in batch])
+        logits = self.runner.run([(r.request_id, n) for r, n in batch])[:, : self.sample_vocab]
         done: list[Request] = []
         now = time.perf_counter()
         for row, (req, n) in enumerate(batch):

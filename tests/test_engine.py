@@ -173,3 +173,16 @@ def test_chat_command_reads_one_message_per_line(model_dir):
     assert len(timing) == 2
     assert timing[0].startswith("[turn 1:") and "0 prompt tokens reused" in timing[0]
     assert timing[1].startswith("[turn 2:") and "0 prompt tokens reused" not in timing[1]
+
+
+def test_only_ids_the_tokenizer_can_decode_are_sampled(tmp_path):
+    padded = make_model("tiny", tmp_path / "padded", vocab_size=4096, seed=1)
+    assert padded.tokenizer_vocab_size < 4096  # the embedding is padded past the tokenizer
+    eng = _engine(padded.path)
+    (req,) = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=40, temperature=1.0, seed=0))
+    assert max(req.output_ids) < eng.tokenizer.vocab_size
+    assert req.text  # every sampled id decodes to text
+    # Without the cut most of the probability mass would sit on undecodable ids.
+    eng.runner.add_sequence("raw", [5, 6, 7])
+    probs = torch.softmax(eng.runner.run([("raw", 3)])[0], dim=-1)
+    assert probs[eng.tokenizer.vocab_size :].sum() > 0.5
