@@ -120,6 +120,7 @@ def test_make_model_checkpoints_match_transformers(preset, tmp_path):
     runner.free_sequence("m")
     out = runner.generate_greedy(tokens, 10)
     with torch.no_grad():
-        gen = hf.generate(torch.tensor([tokens]), max_new_tokens=10, do_sample=False,
-                          min_new_tokens=10, pad_token_id=0)
+        ids = torch.tensor([tokens])  # explicit mask: a prompt token may equal the pad id
+        gen = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10,
+                          do_sample=False, min_new_tokens=10, pad_token_id=0)
     assert out == gen[0, len(tokens):].tolist()
