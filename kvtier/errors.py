@@ -71,3 +71,23 @@ class TraceFormatError(InvalidArgumentError):
         self.path = path
         self.line_no = line_no
         super().__init__(f"{path}:{line_no}: {reason}")
+
+
+class ChunkError(KVTierError):
+    """A stored KV chunk cannot be used; a restore treats it as a miss and recomputes."""
+
+
+class ChunkFormatError(ChunkError, ValueError):
+    """A chunk's bytes are malformed: bad magic or header, wrong length, checksum mismatch."""
+
+
+class ChunkMismatchError(ChunkError):
+    """A well-formed chunk that belongs to another key or model (fingerprint)."""
+
+
+class TierError(KVTierError):
+    """A storage tier failed (disk full, Redis down or slow ...)."""
+
+
+class TierUnavailableError(TierError):
+    """The tier cannot be reached now (server down, timeout); callers fall back to recompute."""

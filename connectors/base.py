@@ -1,0 +1,127 @@
+"""The one interface every storage tier implements (CPU arena, NVMe directory, Redis).
+
+Tiers store opaque chunk blobs (see ``kvtier.chunk_format``) under hex keys. Every batch
+call is one round trip where the medium allows it. A ``put`` either stores each chunk or
+says, per key, why it did not — nothing is dropped silently. A ``get`` returns ``None`` for
+a miss; a chunk found corrupt is deleted and reported as a miss (the caller recomputes).
+Tiers are thread-safe: the transfer engine calls them from worker threads.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+Blob = bytes | bytearray | memoryview
+EvictionListener = Callable[[str, "bytes | None"], None]
+"""Called with (key, blob or None) for each chunk a tier evicts, so a manager can demote it."""
+
+
+@dataclass
+class PutResult:
+    stored: list[str] = field(default_factory=list)
+    present: list[str] = field(default_factory=list)
+    """Already stored (content-addressed: the same key is the same bytes), not rewritten."""
+    failed: dict[str, str] = field(default_factory=dict)
+    """key -> why it was not stored (``full``, ``too_large``, ``io_error: ...``, ``unavailable``)."""
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+
+@dataclass
+class TierStats:
+    """Counters every tier keeps (exported as Prometheus metrics by the service)."""
+
+    puts: int = 0
+    bytes_written: int = 0
+    gets: int = 0
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+    evictions: int = 0
+    corrupt: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def count_error(self, kind: str) -> None:
+        with self.lock:
+            self.errors[kind] = self.errors.get(kind, 0) + 1
+
+    def as_dict(self) -> dict[str, object]:
+        with self.lock:
+            return {
+                "puts": self.puts,
+                "bytes_written": self.bytes_written,
+                "gets": self.gets,
+                "hits": self.hits,
+                "misses": self.misses,
+                "bytes_read": self.bytes_read,
+                "evictions": self.evictions,
+                "corrupt": self.corrupt,
+                "errors": dict(self.errors),
+            }
+
+
+class Tier(ABC):
+    """A key -> chunk-blob store with batch operations."""
+
+    name: str = "tier"
+
+    def __init__(self) -> None:
+        self.stats = TierStats()
+        self._eviction_listeners: list[EvictionListener] = []
+
+    # --- data -----------------------------------------------------------------------
+    @abstractmethod
+    def put(self, chunks: Mapping[str, Blob]) -> PutResult:
+        """Store every chunk, or report per key why not. Existing keys are not rewritten."""
+
+    @abstractmethod
+    def get(self, keys: Sequence[str], layers: tuple[int, int] | None = None) -> list[bytes | None]:
+        """Blobs in key order (``None`` = miss). With ``layers=(start, end)`` each blob is a
+        valid chunk holding only those layers (read as a byte range where the tier can)."""
+
+    @abstractmethod
+    def contains_prefix(self, keys: Sequence[str]) -> int:
+        """How many leading ``keys`` are stored (one round trip)."""
+
+    @abstractmethod
+    def delete(self, keys: Sequence[str]) -> int:
+        """Remove keys; returns how many were present."""
+
+    # --- capacity ---------------------------------------------------------------------
+    @property
+    @abstractmethod
+    def capacity_bytes(self) -> int | None:
+        """Bytes this tier may hold (None: bounded only by the medium or the server)."""
+
+    @property
+    @abstractmethod
+    def used_bytes(self) -> int: ...
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Chunks stored."""
+
+    # --- eviction hook ----------------------------------------------------------------
+    def add_eviction_listener(self, listener: EvictionListener) -> None:
+        self._eviction_listeners.append(listener)
+
+    def _notify_evicted(self, key: str, blob: bytes | None) -> None:
+        with self.stats.lock:
+            self.stats.evictions += 1
+        for listener in self._eviction_listeners:
+            listener(key, blob)
+
+    def close(self) -> None:  # noqa: B027 - optional hook; most tiers hold nothing to release
+        """Release resources (threads, connections, pinned memory)."""
+
+    def __enter__(self) -> Tier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

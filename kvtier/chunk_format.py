@@ -1,0 +1,211 @@
+"""The on-wire and on-disk form of a KV chunk: one self-describing blob.
+
+    b"KVTC" | u32 header length | msgpack header | payload
+
+The payload is the raw tensor ``[layers, 2 (K, V), tokens, kv_heads, head_dim]``, layer-major,
+so a layer range is one contiguous byte range. The header carries the format version, the
+chunk key, the model fingerprint, dtype, shape, token count, the first layer held (a
+layer-range read is itself a valid chunk) and an xxh3 checksum per layer, so a partial read
+can still be verified. No pickle and no per-element encoding: the payload is the tensor's
+memory.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, replace
+
+import msgpack
+import torch
+import xxhash
+
+from kvtier.errors import ChunkFormatError, ChunkMismatchError
+
+MAGIC = b"KVTC"
+FORMAT_VERSION = 1
+_PREFIX = struct.Struct("<4sI")
+MAX_HEADER_BYTES = 1 << 16
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    key: str
+    fingerprint: bytes
+    dtype: str
+    shape: tuple[int, ...]
+    """``[layers held, 2, tokens, kv_heads, head_dim]``."""
+    num_tokens: int
+    layer_checksums: tuple[int, ...]
+    first_layer: int = 0
+    version: int = FORMAT_VERSION
+
+    @property
+    def num_layers(self) -> int:
+        return self.shape[0]
+
+    @property
+    def layer_nbytes(self) -> int:
+        per = DTYPES[self.dtype].itemsize
+        n = 1
+        for d in self.shape[1:]:
+            n *= d
+        return n * per
+
+    @property
+    def payload_nbytes(self) -> int:
+        return self.layer_nbytes * self.num_layers
+
+    def pack(self) -> bytes:
+        return msgpack.packb(
+            {
+                "v": self.version,
+                "key": self.key,
+                "fp": self.fingerprint,
+                "dtype": self.dtype,
+                "shape": list(self.shape),
+                "tokens": self.num_tokens,
+                "l0": self.first_layer,
+                "xxh": list(self.layer_checksums),
+            },
+            use_bin_type=True,
+        )
+
+
+def _layer_checksums(payload: memoryview, num_layers: int) -> tuple[int, ...]:
+    step = len(payload) // num_layers if num_layers else 0
+    return tuple(xxhash.xxh3_64_intdigest(payload[i * step : (i + 1) * step]) for i in range(num_layers))
+
+
+def encode_chunk(key: str, fingerprint: bytes, kv: torch.Tensor) -> bytes:
+    """Serialise ``kv`` (``[layers, 2, tokens, kv_heads, head_dim]``, any device)."""
+    if kv.dim() != 5 or kv.shape[1] != 2:
+        raise ChunkFormatError(
+            f"a chunk tensor must be [layers, 2, tokens, kv_heads, head_dim], got {tuple(kv.shape)}"
+        )
+    if kv.dtype not in _DTYPE_NAMES:
+        raise ChunkFormatError(f"unsupported chunk dtype {kv.dtype}; use {sorted(DTYPES)}")
+    cpu = kv.detach().to("cpu").contiguous()
+    payload = memoryview(cpu.view(torch.uint8).numpy()).cast("B")
+    header = ChunkHeader(
+        key=key,
+        fingerprint=bytes(fingerprint),
+        dtype=_DTYPE_NAMES[kv.dtype],
+        shape=tuple(cpu.shape),
+        num_tokens=int(cpu.shape[2]),
+        layer_checksums=_layer_checksums(payload, cpu.shape[0]),
+    )
+    packed = header.pack()
+    return b"".join((_PREFIX.pack(MAGIC, len(packed)), packed, payload))
+
+
+def parse_header(buf: bytes | bytearray | memoryview) -> tuple[ChunkHeader, int]:
+    """The header and the payload's offset; raises :class:`ChunkFormatError` if malformed.
+    Needs only the first ``8 + header length`` bytes."""
+    view = memoryview(buf)
+    if len(view) < _PREFIX.size:
+        raise ChunkFormatError(f"chunk of {len(view)} bytes is shorter than its fixed prefix")
+    magic, hlen = _PREFIX.unpack_from(view)
+    if magic != MAGIC:
+        raise ChunkFormatError(f"not a kvtier chunk (magic {bytes(magic)!r})")
+    if hlen > MAX_HEADER_BYTES or len(view) < _PREFIX.size + hlen:
+        raise ChunkFormatError(f"chunk header length {hlen} is invalid or truncated")
+    try:
+        raw = msgpack.unpackb(view[_PREFIX.size : _PREFIX.size + hlen], raw=False)
+        header = ChunkHeader(
+            key=str(raw["key"]),
+            fingerprint=bytes(raw["fp"]),
+            dtype=str(raw["dtype"]),
+            shape=tuple(int(x) for x in raw["shape"]),
+            num_tokens=int(raw["tokens"]),
+            layer_checksums=tuple(int(x) for x in raw["xxh"]),
+            first_layer=int(raw.get("l0", 0)),
+            version=int(raw["v"]),
+        )
+    except (ValueError, KeyError, TypeError, msgpack.ExtraData, msgpack.FormatError) as exc:
+        raise ChunkFormatError(f"chunk header is not valid: {exc}") from None
+    if header.version != FORMAT_VERSION:
+        raise ChunkFormatError(f"chunk format version {header.version} is not {FORMAT_VERSION}")
+    if header.dtype not in DTYPES:
+        raise ChunkFormatError(f"chunk dtype {header.dtype!r} is not one of {sorted(DTYPES)}")
+    if (
+        len(header.shape) != 5
+        or header.shape[1] != 2
+        or min(header.shape) < 1
+        or header.shape[2] != header.num_tokens
+        or len(header.layer_checksums) != header.shape[0]
+        or header.first_layer < 0
+    ):
+        raise ChunkFormatError(f"chunk header is inconsistent: shape {header.shape}")
+    return header, _PREFIX.size + hlen
+
+
+def validate_chunk(
+    buf: bytes | bytearray | memoryview,
+    key: str | None = None,
+    fingerprint: bytes | None = None,
+) -> ChunkHeader:
+    """Full check: header, exact length, every layer's checksum, and (if given) key and model."""
+    header, offset = parse_header(buf)
+    payload = memoryview(buf)[offset:]
+    if len(payload) != header.payload_nbytes:
+        raise ChunkFormatError(
+            f"chunk {header.key}: payload is {len(payload)} bytes, header says "
+            f"{header.payload_nbytes} (truncated or padded)"
+        )
+    if _layer_checksums(payload, header.num_layers) != header.layer_checksums:
+        raise ChunkFormatError(f"chunk {header.key}: checksum mismatch (corrupted bytes)")
+    if key is not None and header.key != key:
+        raise ChunkMismatchError(f"chunk stored under {key} holds {header.key}")
+    if fingerprint is not None and header.fingerprint != fingerprint:
+        raise ChunkMismatchError(f"chunk {header.key} was computed by another model")
+    return header
+
+
+def decode_chunk(
+    buf: bytes | bytearray | memoryview,
+    key: str | None = None,
+    fingerprint: bytes | None = None,
+) -> tuple[ChunkHeader, torch.Tensor]:
+    """Verify and return the tensor (a CPU tensor over a copy of the payload)."""
+    header = validate_chunk(buf, key, fingerprint)
+    offset = len(buf) - header.payload_nbytes
+    data = bytearray(memoryview(buf)[offset:])
+    t = torch.frombuffer(data, dtype=DTYPES[header.dtype]) if data else torch.empty(0)
+    return header, t.view(header.shape)
+
+
+def layer_span(header: ChunkHeader, layers: tuple[int, int]) -> tuple[int, int]:
+    """(offset in payload, length) of layers ``[start, end)`` of the chunk's own layers."""
+    start, end = layers
+    if not 0 <= start < end <= header.num_layers:
+        raise ChunkFormatError(
+            f"layer range [{start}, {end}) is outside the chunk's {header.num_layers} layers"
+        )
+    return start * header.layer_nbytes, (end - start) * header.layer_nbytes
+
+
+def slice_chunk(
+    header: ChunkHeader, layers: tuple[int, int], payload_part: bytes | memoryview
+) -> bytes:
+    """A valid chunk holding only layers ``[start, end)``, from their payload bytes (e.g. a
+    range read of a stored chunk). Checksums are carried over, not recomputed, so a corrupted
+    range is still caught by :func:`validate_chunk`."""
+    start, end = layers
+    _, length = layer_span(header, layers)
+    if len(payload_part) != length:
+        raise ChunkFormatError(f"layer range payload is {len(payload_part)} bytes, expected {length}")
+    part = replace(
+        header,
+        shape=(end - start, *header.shape[1:]),
+        layer_checksums=header.layer_checksums[start:end],
+        first_layer=header.first_layer + start,
+    )
+    packed = part.pack()
+    return b"".join((_PREFIX.pack(MAGIC, len(packed)), packed, payload_part))
