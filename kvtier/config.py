@@ -70,10 +70,37 @@ class PoolConfig(_Section):
         return self
 
 
+class TiersConfig(_Section):
+    """The lower tiers. With nothing set, an engine runs with a CPU arena and a local disk
+    directory; Redis joins when ``redis_url`` is set."""
+
+    cpu_bytes: int = 1 << 30
+    """Size of the CPU arena (pinned when CUDA is present); 0 disables the CPU tier."""
+    disk_dir: str | None = None
+    """Chunk directory; default ``$XDG_CACHE_HOME/kvtier/chunks`` (``~/.cache/...``)."""
+    disk_bytes: int | None = 16 << 30
+    """Disk tier capacity; 0 disables the disk tier, None leaves it unbounded."""
+    disk_fsync: bool = True
+    disk_o_direct: bool = False
+    redis_url: str | None = None
+    """``redis://host:port/db`` or a cluster URL; unset: no Redis tier."""
+    redis_ttl_s: int | None = None
+    redis_timeout_s: float = 1.0
+    write_policy: Literal["write_through", "write_back"] = "write_back"
+
+    @field_validator("cpu_bytes")
+    @classmethod
+    def _non_negative(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError(f"must be >= 0 (0 disables the tier), got {v}")
+        return v
+
+
 class KVTierConfig(_Section):
     """Root configuration object."""
 
     pool: PoolConfig = PoolConfig()
+    tiers: TiersConfig = TiersConfig()
     chunk_tokens: int = 256
     """Tokens per chunk in the lower tiers; a multiple of pool.block_size."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
