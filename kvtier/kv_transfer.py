@@ -1,0 +1,186 @@
+"""Moving a token prefix's KV between the paged pool and the lower tiers.
+
+``save`` gathers the pool blocks that hold a prefix (all layers, one kernel launch per
+chunk) into chunk blobs and puts them through the :class:`TierManager`; ``load`` reads the
+stored chunks back, verified, scatters them into fresh pool blocks and publishes them in the
+prefix cache, so the next request over that prefix finds them as ordinary prefix hits and
+computes only the rest. ``evict`` drops a prefix's unreferenced blocks from the pool (the
+offload's second half: only once its chunks are safely stored).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.chunk_format import decode_chunk, encode_chunk
+from kvtier.chunk_keys import ChunkKey, chunk_keys
+from kvtier.errors import InvalidArgumentError, OutOfBlocksError
+from kvtier.gpu_pool.kernels import gather_blocks, scatter_blocks
+from kvtier.model_runner import ModelRunner
+from kvtier.tier_manager import TierManager
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SaveReport:
+    tokens: int
+    """Leading tokens whose KV is now stored in some tier."""
+    keys: list[str] = field(default_factory=list)
+    stored: int = 0
+    already: int = 0
+    failed: dict[str, str] = field(default_factory=dict)
+    bytes: int = 0
+
+
+@dataclass
+class LoadReport:
+    tokens: int
+    """Leading tokens whose KV is now in the pool (cached blocks or restored from tiers)."""
+    from_pool: int = 0
+    from_tiers: int = 0
+    tier_hits: dict[str, int] = field(default_factory=dict)
+    bytes: int = 0
+
+
+class KVTransfer:
+    def __init__(self, runner: ModelRunner, manager: TierManager, chunk_tokens: int = 256):
+        bs = runner.pool.block_size
+        if chunk_tokens < bs or chunk_tokens % bs:
+            raise InvalidArgumentError(
+                f"chunk_tokens ({chunk_tokens}) must be a positive multiple of the pool's "
+                f"block_size ({bs})"
+            )
+        self.runner = runner
+        self.manager = manager
+        self.chunk_tokens = chunk_tokens
+        self._tmp_ids = itertools.count()
+
+    @property
+    def _pool(self):
+        return self.runner.pool
+
+    def _keys(self, token_ids: Sequence[int]) -> list[ChunkKey]:
+        return chunk_keys(token_ids, self.chunk_tokens, self.runner.fingerprint)
+
+    def storable_tokens(self, token_ids: Sequence[int]) -> int:
+        """Leading tokens whose KV is in the pool now (full, computed, cached blocks)."""
+        blocks = self._pool.manager.match_prefix(token_ids, self.runner.fingerprint)
+        return len(blocks) * self._pool.block_size
+
+    # -------------------------------------------------------------------- save
+    def save(self, token_ids: Sequence[int], tier: int | str = 0) -> SaveReport:
+        """Store the KV of the longest prefix of ``token_ids`` held in the pool (whole
+        blocks; the last chunk is a tail keyed by its length)."""
+        pool, fp = self._pool, self.runner.fingerprint
+        blocks = pool.manager.match_prefix(token_ids, fp)
+        n = len(blocks) * pool.block_size
+        keys = self._keys(list(token_ids[:n]))
+        report = SaveReport(tokens=0, keys=[k.key for k in keys])
+        if not keys:
+            return report
+        have = self.manager.lookup([k.key for k in keys])
+        blobs: dict[str, bytes] = {}
+        bs = pool.block_size
+        for i, ck in enumerate(keys):
+            if i < have.length:
+                report.already += 1
+                continue
+            ids = blocks[ck.start // bs : ck.end // bs]
+            kv = gather_blocks(pool.storage.kv, ids, num_tokens=ck.num_tokens)
+            blobs[ck.key] = encode_chunk(ck.key, fp, kv)
+        if blobs:
+            res = self.manager.put(blobs, tier)
+            report.failed = dict(res.failed)
+            report.stored = len(blobs) - len(res.failed)
+            report.bytes = sum(len(b) for k, b in blobs.items() if k not in res.failed)
+        # The stored prefix ends at the first chunk no tier took.
+        stored_prefix = 0
+        for ck in keys:
+            if ck.key in report.failed:
+                break
+            stored_prefix = ck.end
+        report.tokens = stored_prefix
+        return report
+
+    # -------------------------------------------------------------------- load
+    def load(self, token_ids: Sequence[int], stored_tokens: int | None = None) -> LoadReport:
+        """Bring the longest stored prefix of ``token_ids[:stored_tokens]`` into the pool.
+
+        Blocks still cached in the pool are kept; the rest are read from the tiers (verified)
+        and scattered into newly allocated blocks, then published in the prefix cache. Stops
+        at the first chunk that is missing, rejected or does not fit in the pool."""
+        pool, fp = self._pool, self.runner.fingerprint
+        limit = len(token_ids) if stored_tokens is None else min(stored_tokens, len(token_ids))
+        limit -= limit % pool.block_size
+        prefix = list(token_ids[:limit])
+        cached = len(pool.manager.match_prefix(prefix, fp)) * pool.block_size
+        report = LoadReport(tokens=cached, from_pool=cached)
+        keys = self._keys(prefix)
+        todo = [k for k in keys if k.end > cached]
+        if not todo:
+            return report
+        loc = self.manager.lookup([k.key for k in keys])
+        usable = [k for i, k in enumerate(keys) if i < loc.length and k.end > cached]
+        if not usable or usable[0].start > cached:
+            return report  # the chunk right after the cached blocks is not stored anywhere
+        blobs = self.manager.get([k.key for k in usable])
+        end = cached
+        tensors: list[tuple[ChunkKey, torch.Tensor]] = []
+        for ck, blob in zip(usable, blobs, strict=True):
+            if blob is None or ck.start != end:
+                break
+            header, kv = decode_chunk(blob, ck.key, fp)
+            if header.num_layers != pool.storage.num_layers or header.first_layer != 0:
+                break
+            tensors.append((ck, kv))
+            report.bytes += len(blob)
+            end = ck.end
+        if end <= cached:
+            return report
+        # Allocate the whole restored prefix as one temporary sequence: cached blocks are
+        # shared, new blocks receive the chunks, then everything is published and released.
+        sid = f"__restore_{next(self._tmp_ids)}"
+        try:
+            added = pool.add_sequence(sid, prefix[:end], fp)
+        except OutOfBlocksError:
+            log.info("restore of %d tokens does not fit in the pool now", end)
+            return report
+        try:
+            blocks = pool.sequence(sid).block_ids
+            bs = pool.block_size
+            device = pool.storage.kv.device
+            for ck, kv in tensors:
+                lo = max(ck.start, added.num_cached_tokens)
+                if lo >= ck.end:
+                    continue
+                off = lo - ck.start
+                part = kv[:, :, off:].to(device=device, dtype=pool.storage.kv.dtype)
+                scatter_blocks(part.contiguous(), pool.storage.kv, blocks[lo // bs : ck.end // bs])
+            pool.mark_computed(sid, end)
+        finally:
+            pool.free_sequence(sid)
+        report.tokens = end
+        report.from_tiers = end - cached
+        for ti in loc.tiers[: len(keys)]:
+            name = self.manager.tiers[ti].name
+            report.tier_hits[name] = report.tier_hits.get(name, 0) + 1
+        return report
+
+    # ------------------------------------------------------------------- evict
+    def evict(self, token_ids: Sequence[int]) -> int:
+        """Drop the prefix's blocks from the pool's cache where no sequence uses them;
+        returns how many blocks were freed."""
+        pool = self._pool
+        blocks = pool.manager.match_prefix(token_ids, self.runner.fingerprint)
+        freed = 0
+        for b in blocks:
+            if pool.block_pool.ref_count(b) == 0:
+                pool.block_pool.uncache_block(b)
+                freed += 1
+        return freed

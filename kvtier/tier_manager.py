@@ -1,0 +1,232 @@
+"""One view over the lower tiers (fastest first: CPU arena, NVMe, Redis).
+
+Longest-prefix lookup across all of them, puts with write-through or write-back, promotion
+of chunks read from a slow tier into the fastest one, and demotion cascading down when a
+tier evicts. Every blob read back is verified (format, checksum, key, model fingerprint);
+a bad one is deleted from the tier it came from and reported as a miss, never returned.
+Errors of a tier (Redis down, disk full) are counted and turn into misses or failed puts:
+the caller recomputes, it never crashes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvtier.chunk_format import validate_chunk
+from kvtier.connectors.base import Blob, PutResult, Tier
+from kvtier.errors import ChunkError, InvalidArgumentError
+
+log = logging.getLogger(__name__)
+
+WritePolicy = Literal["write_through", "write_back"]
+
+
+@dataclass
+class Location:
+    """Where each of the leading ``length`` keys of a lookup lies (tier index per key)."""
+
+    length: int
+    tiers: list[int] = field(default_factory=list)
+
+
+@dataclass
+class PutReport:
+    """What a put did in every tier it touched; ``failed`` are keys no tier stored."""
+
+    per_tier: dict[str, PutResult] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+
+@dataclass
+class ManagerStats:
+    lookups: int = 0
+    hits_by_tier: dict[str, int] = field(default_factory=dict)
+    misses: int = 0
+    promotions: int = 0
+    demotions: int = 0
+    demotion_failures: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)
+    """Blobs refused on read, by reason (corrupt, mismatch)."""
+
+
+class TierManager:
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        write_policy: WritePolicy = "write_back",
+        promote_on_hit: bool = True,
+        fingerprint: bytes | None = None,
+    ):
+        if not tiers:
+            raise InvalidArgumentError("a TierManager needs at least one tier")
+        if write_policy not in ("write_through", "write_back"):
+            raise InvalidArgumentError(
+                f"write_policy must be write_through or write_back, got {write_policy!r}"
+            )
+        self.tiers = list(tiers)
+        self.write_policy = write_policy
+        self.promote_on_hit = promote_on_hit
+        self.fingerprint = fingerprint
+        self.stats = ManagerStats()
+        self._lock = threading.Lock()
+        for i, tier in enumerate(self.tiers[:-1]):
+            tier.add_eviction_listener(self._demoter(i))
+
+    def tier_index(self, name: str) -> int:
+        for i, t in enumerate(self.tiers):
+            if t.name == name:
+                return i
+        raise InvalidArgumentError(
+            f"unknown tier {name!r}; configured tiers: {', '.join(t.name for t in self.tiers)}"
+        )
+
+    # ------------------------------------------------------------------ lookup
+    def lookup(self, keys: Sequence[str]) -> Location:
+        """The longest prefix of ``keys`` stored anywhere, and which tier holds each key
+        (the fastest one that has it). One ``contains_prefix`` round trip per tier per run
+        of consecutive keys in the same tier."""
+        self.stats.lookups += 1
+        loc = Location(0)
+        pos = 0
+        while pos < len(keys):
+            best, best_n = -1, 0
+            for i, tier in enumerate(self.tiers):
+                try:
+                    n = tier.contains_prefix(keys[pos:])
+                except Exception as exc:  # noqa: BLE001 - a failing tier is a miss
+                    tier.stats.count_error(type(exc).__name__)
+                    n = 0
+                if n > 0:
+                    best, best_n = i, n
+                    break  # the fastest tier holding keys[pos] serves this run
+            if best < 0:
+                break
+            loc.tiers.extend([best] * best_n)
+            pos += best_n
+        loc.length = pos
+        return loc
+
+    # --------------------------------------------------------------------- put
+    def put(self, chunks: Mapping[str, Blob], tier: int | str = 0) -> PutReport:
+        """Store chunks in ``tier`` (and, write-through, every tier below it). A key is
+        failed only if no tier took it."""
+        start = self.tier_index(tier) if isinstance(tier, str) else tier
+        targets = self.tiers[start:]
+        report = PutReport()
+        pending = dict(chunks)
+        stored_somewhere: set[str] = set()
+        reasons: dict[str, list[str]] = {}
+        for i, t in enumerate(targets):
+            if self.write_policy == "write_back" and i > 0:
+                # Write-back: lower tiers only catch what the target could not take.
+                pending = {k: v for k, v in pending.items() if k not in stored_somewhere}
+                if not pending:
+                    break
+            res = self._safe_put(t, pending)
+            report.per_tier[t.name] = res
+            stored_somewhere.update(res.stored)
+            stored_somewhere.update(res.present)
+            for k, why in res.failed.items():
+                reasons.setdefault(k, []).append(f"{t.name}: {why}")
+        report.failed = {
+            k: "; ".join(reasons.get(k, ["not stored"]))
+            for k in chunks
+            if k not in stored_somewhere
+        }
+        return report
+
+    @staticmethod
+    def _safe_put(tier: Tier, chunks: Mapping[str, Blob]) -> PutResult:
+        try:
+            return tier.put(chunks)
+        except Exception as exc:  # noqa: BLE001 - reported per key, never raised
+            tier.stats.count_error(type(exc).__name__)
+            return PutResult(failed={k: f"error: {exc}" for k in chunks})
+
+    # --------------------------------------------------------------------- get
+    def get(
+        self,
+        keys: Sequence[str],
+        layers: tuple[int, int] | None = None,
+        location: Location | None = None,
+    ) -> list[bytes | None]:
+        """Verified blobs of ``keys`` (None for a miss or a rejected blob), each read from
+        the fastest tier holding it; chunks read from a slower tier are promoted to the
+        fastest (whole chunks only)."""
+        loc = location or self.lookup(keys)
+        out: list[bytes | None] = [None] * len(keys)
+        by_tier: dict[int, list[int]] = {}
+        for idx in range(loc.length):
+            by_tier.setdefault(loc.tiers[idx], []).append(idx)
+        promote: dict[str, bytes] = {}
+        for ti, idxs in by_tier.items():
+            tier = self.tiers[ti]
+            try:
+                blobs = tier.get([keys[i] for i in idxs], layers)
+            except Exception as exc:  # noqa: BLE001 - a failing tier is a miss
+                tier.stats.count_error(type(exc).__name__)
+                blobs = [None] * len(idxs)
+            for i, blob in zip(idxs, blobs, strict=True):
+                if blob is None:
+                    continue
+                if not self._accept(tier, keys[i], blob):
+                    continue
+                out[i] = bytes(blob)
+                self.stats.hits_by_tier[tier.name] = self.stats.hits_by_tier.get(tier.name, 0) + 1
+                if ti > 0 and layers is None and self.promote_on_hit:
+                    promote[keys[i]] = out[i]
+        self.stats.misses += sum(1 for b in out if b is None)
+        if promote:
+            res = self._safe_put(self.tiers[0], promote)
+            self.stats.promotions += len(res.stored)
+        return out
+
+    def _accept(self, tier: Tier, key: str, blob: Blob) -> bool:
+        try:
+            validate_chunk(blob, key, self.fingerprint)
+            return True
+        except ChunkError as exc:
+            reason = "mismatch" if "another model" in str(exc) or "holds" in str(exc) else "corrupt"
+            self.stats.rejected[reason] = self.stats.rejected.get(reason, 0) + 1
+            log.warning("dropping chunk %s from %s: %s", key, tier.name, exc)
+            try:
+                tier.delete([key])
+            except Exception as del_exc:  # noqa: BLE001
+                tier.stats.count_error(type(del_exc).__name__)
+            return False
+
+    # ----------------------------------------------------------------- evictions
+    def _demoter(self, index: int):
+        def on_evict(key: str, blob: bytes | None) -> None:
+            if blob is None:
+                return  # nothing to move (the tier could not hand the bytes over cheaply)
+            lower = self.tiers[index + 1]
+            res = self._safe_put(lower, {key: blob})
+            with self._lock:
+                if res.stored or res.present:
+                    self.stats.demotions += 1
+                else:
+                    self.stats.demotion_failures += 1
+
+        return on_evict
+
+    def delete(self, keys: Sequence[str]) -> int:
+        n = 0
+        for t in self.tiers:
+            try:
+                n += t.delete(keys)
+            except Exception as exc:  # noqa: BLE001
+                t.stats.count_error(type(exc).__name__)
+        return n
+
+    def close(self) -> None:
+        for t in self.tiers:
+            t.close()
