@@ -1,0 +1,471 @@
+"""Redis (or Redis Cluster) as the shared, scale-out tier.
+
+One key per chunk holds the whole blob (header and payload together), so a chunk is
+either wholly visible or absent — never the half-written pair of keys LMCache leaves.
+Every batch is one pipelined round trip (per node on a cluster): ``SET NX [EX]`` for put,
+``MGET`` (pipelined ``GET`` on a cluster) for get, ``EXISTS`` per key for
+``contains_prefix``; a layer-range get is two (header probe, then the byte range).
+
+redis-py's asyncio client runs on a private event loop in a daemon thread; the sync Tier
+methods submit to it and wait at most the configured deadline, and the ``a*`` coroutines
+let an asyncio server await the same client from its own loop. A server that is down,
+unreachable or stalled never raises out of a call: gets miss, puts report ``unavailable``
+per key, and ``stats.errors`` counts ``unavailable`` / ``timeout``. The pool reconnects by
+itself when the server is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import threading
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import redis.asyncio as aioredis
+from redis import exceptions as rexc
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.utils import HIREDIS_AVAILABLE
+
+from kvtier.chunk_format import layer_span, parse_header, slice_chunk, validate_chunk
+from kvtier.connectors.base import Blob, PutResult, Tier
+from kvtier.errors import ChunkError, InvalidArgumentError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+CLUSTER_SCHEME = "redis+cluster"
+HEADER_PROBE_BYTES = 4096
+"""First bytes read by a layer-range get; covers the header of any chunk up to ~400 layers."""
+
+
+def parse_cluster_url(url: str) -> list[tuple[str, int]]:
+    """``redis+cluster://h1:p1,h2:p2`` -> startup nodes."""
+    rest = url.split("://", 1)[1].split("/", 1)[0].rsplit("@", 1)[-1]
+    nodes = []
+    for part in filter(None, rest.split(",")):
+        host, _, port = part.rpartition(":")
+        if not host or not port.isdigit():
+            raise InvalidArgumentError(f"cluster node {part!r} in {url!r} is not host:port")
+        nodes.append((host.strip("[]"), int(port)))
+    if not nodes:
+        raise InvalidArgumentError(f"{url!r} names no cluster node; use redis+cluster://host:port,...")
+    return nodes
+
+
+FAULTS = (
+    rexc.RedisError,
+    rexc.RedisClusterException,
+    OSError,
+    TimeoutError,
+    asyncio.TimeoutError,
+    concurrent.futures.CancelledError,
+)
+"""What a down, unreachable, hung or closing server raises; each becomes a miss or a failure."""
+
+
+def _error_kind(exc: BaseException) -> str:
+    if isinstance(exc, (rexc.TimeoutError, TimeoutError, asyncio.TimeoutError)):
+        return "timeout"
+    return "unavailable"
+
+
+def _is_fault(reply: object) -> bool:
+    """A per-command reply that is a connection fault (cluster pipelines return them)."""
+    return isinstance(reply, (rexc.ConnectionError, rexc.TimeoutError, OSError))
+
+
+class RedisTier(Tier):
+    """Tier over Redis or Redis Cluster.
+
+    ``url``: ``redis://[user:pass@]host:port/db``, ``rediss://...``, ``unix:///path.sock``,
+    or ``redis+cluster://host:port,host:port`` (any reachable nodes; the rest is discovered).
+    ``cluster=True`` treats a ``redis://host:port`` URL as a cluster seed node.
+    ``timeout_s`` bounds connecting and every socket read: a stalled server is noticed
+    within it. ``op_timeout_s`` (default ``max(4 * timeout_s, 2 s)``) bounds a whole call,
+    transfer included. ``ttl_s`` gives every chunk an expiry (refreshed when put again).
+    """
+
+    name = "redis"
+
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        *,
+        cluster: bool | None = None,
+        prefix: str = "kvtier:",
+        ttl_s: float | None = None,
+        timeout_s: float = 1.0,
+        op_timeout_s: float | None = None,
+        max_connections: int = 32,
+        capacity_bytes: int | None = None,
+    ) -> None:
+        super().__init__()
+        if timeout_s <= 0:
+            raise InvalidArgumentError(f"timeout_s must be > 0, got {timeout_s}")
+        if ttl_s is not None and ttl_s <= 0:
+            raise InvalidArgumentError(f"ttl_s must be > 0 or None, got {ttl_s}")
+        scheme = urlsplit(url).scheme
+        self.cluster = scheme == CLUSTER_SCHEME if cluster is None else cluster
+        self.url = url
+        self.prefix = prefix
+        self.ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
+        self.timeout_s = timeout_s
+        self.op_timeout_s = op_timeout_s or max(4 * timeout_s, 2.0)
+        self._capacity = capacity_bytes
+        self._used = 0
+        self._used_lock = threading.Lock()
+        self.round_trips = 0
+        """Pipelines (network round trips; one per node on a cluster) sent so far."""
+        self._closed = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvtier-redis", daemon=True)
+        self._thread.start()
+        self._client = self._run_on_loop(self._make_client(url, max_connections, scheme), 5.0)
+
+    # --- client and loop --------------------------------------------------------------
+    async def _make_client(self, url: str, max_connections: int, scheme: str) -> Any:
+        # A stalled server must cost one timeout, not retries with backoff; a dropped
+        # connection (server restarted) is retried once so the first call after a
+        # restart already succeeds.
+        common: dict[str, Any] = dict(
+            socket_timeout=self.timeout_s,
+            socket_connect_timeout=self.timeout_s,
+            retry=Retry(NoBackoff(), 1, supported_errors=(rexc.ConnectionError,)),
+            max_connections=max_connections,
+        )
+        if not self.cluster:
+            return aioredis.Redis.from_url(url, **common)
+        if scheme == CLUSTER_SCHEME:
+            nodes = [ClusterNode(h, p) for h, p in parse_cluster_url(url)]
+            parts = urlsplit(url.replace(CLUSTER_SCHEME + "://", "redis://", 1).split(",", 1)[0])
+            return RedisCluster(
+                startup_nodes=nodes, username=parts.username, password=parts.password,
+                **common,
+            )
+        return RedisCluster.from_url(url, **common)
+
+    def _run_on_loop(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _deadline(self, coro: Awaitable[T]) -> T:
+        return await asyncio.wait_for(coro, self.op_timeout_s)
+
+    def _guarded(self, what: str, coro: Coroutine[Any, Any, T], fallback: Callable[[str], T]) -> T:
+        """Run ``coro`` on the tier's loop from any thread; a Redis fault becomes ``fallback``."""
+        if self._closed:
+            coro.close()
+            return fallback("unavailable: tier closed")
+        fut = asyncio.run_coroutine_threadsafe(self._deadline(coro), self._loop)
+        try:
+            return fut.result(self.op_timeout_s + 1.0)
+        except FAULTS as exc:
+            fut.cancel()
+            return self._fault(what, exc, fallback)
+
+    async def _aguarded(self, what: str, coro: Coroutine[Any, Any, T], fallback: Callable[[str], T]) -> T:
+        """The async face: await the tier's loop from the caller's loop."""
+        if self._closed:
+            coro.close()
+            return fallback("unavailable: tier closed")
+        fut = asyncio.run_coroutine_threadsafe(self._deadline(coro), self._loop)
+        try:
+            return await asyncio.wrap_future(fut)
+        except FAULTS as exc:
+            return self._fault(what, exc, fallback)
+
+    def _fault(self, what: str, exc: BaseException, fallback: Callable[[str], T]) -> T:
+        kind = _error_kind(exc)
+        self.stats.count_error(kind)
+        log.warning("redis tier %s failed (%s): %r", what, kind, exc)
+        return fallback(f"{kind}: {exc!r}")
+
+    def _rk(self, key: str) -> str:
+        return self.prefix + key
+
+    def _pipeline(self) -> Any:
+        self.round_trips += 1
+        return self._client.pipeline(transaction=False)
+
+    # --- async operations (run on the tier's loop) --------------------------------------
+    async def _put(self, chunks: Mapping[str, Blob]) -> PutResult:
+        result = PutResult()
+        if not chunks:
+            return result
+        keys = list(chunks)
+        pipe = self._pipeline()
+        for k in keys:
+            pipe.set(self._rk(k), bytes(chunks[k]), nx=True, px=self.ttl_ms)
+            if self.ttl_ms is not None:
+                pipe.pexpire(self._rk(k), self.ttl_ms)  # a re-put keeps a live chunk alive
+        replies = await pipe.execute(raise_on_error=False)
+        step = 1 if self.ttl_ms is None else 2
+        written = 0
+        for i, k in enumerate(keys):
+            reply = replies[i * step]
+            if isinstance(reply, Exception):
+                msg = str(reply)
+                kind = "full" if msg.startswith("OOM") else "error"
+                result.failed[k] = f"{_error_kind(reply) if _is_fault(reply) else kind}: {msg}"
+            elif reply:
+                result.stored.append(k)
+                written += len(chunks[k])
+            else:
+                result.present.append(k)
+        with self.stats.lock:
+            self.stats.puts += len(result.stored)
+            self.stats.bytes_written += written
+        self._add_used(written)
+        return result
+
+    async def _get(self, keys: Sequence[str], layers: tuple[int, int] | None) -> list[bytes | None]:
+        if not keys:
+            return []
+        if layers is None:
+            raw = await self._get_whole(keys)
+            out: list[bytes | None] = []
+            corrupt: dict[str, int] = {}
+            for k, blob in zip(keys, raw, strict=True):
+                if blob is not None and not self._valid(k, blob):
+                    corrupt[k] = len(blob)
+                    blob = None
+                out.append(blob)
+        else:
+            out, corrupt = await self._get_layers(keys, layers)
+        if corrupt:
+            await self._drop_corrupt(corrupt)
+        hits = sum(b is not None for b in out)
+        with self.stats.lock:
+            self.stats.gets += len(keys)
+            self.stats.hits += hits
+            self.stats.misses += len(keys) - hits
+            self.stats.bytes_read += sum(len(b) for b in out if b is not None)
+        return out
+
+    async def _get_whole(self, keys: Sequence[str]) -> list[bytes | None]:
+        if not self.cluster:
+            self.round_trips += 1
+            return await self._client.mget([self._rk(k) for k in keys])
+        pipe = self._pipeline()
+        for k in keys:
+            pipe.get(self._rk(k))
+        replies = await pipe.execute(raise_on_error=False)
+        self._count_reply_faults(replies)
+        return [r if isinstance(r, bytes) else None for r in replies]
+
+    def _count_reply_faults(self, replies: Sequence[object]) -> None:
+        for r in replies:
+            if _is_fault(r):
+                self.stats.count_error(_error_kind(r))
+
+    async def _get_layers(
+        self, keys: Sequence[str], layers: tuple[int, int]
+    ) -> tuple[list[bytes | None], dict[str, int]]:
+        """Round 1: the first bytes of each value (header); round 2: each layer span."""
+        pipe = self._pipeline()
+        for k in keys:
+            pipe.getrange(self._rk(k), 0, HEADER_PROBE_BYTES - 1)
+        probes = await pipe.execute(raise_on_error=False)
+        self._count_reply_faults(probes)
+        out: list[bytes | None] = [None] * len(keys)
+        corrupt: dict[str, int] = {}
+        plan: list[tuple[int, Any, int | None]] = []  # (index, header, payload offset or None)
+        for i, (k, probe) in enumerate(zip(keys, probes, strict=True)):
+            if not isinstance(probe, bytes) or not probe:
+                continue  # miss
+            try:
+                header, offset = parse_header(probe)
+            except ChunkError:
+                if len(probe) == HEADER_PROBE_BYTES:  # maybe a header longer than the probe
+                    plan.append((i, None, None))
+                else:
+                    corrupt[k] = len(probe)
+                continue
+            if not 0 <= layers[0] < layers[1] <= header.num_layers:
+                continue  # the chunk holds fewer layers than asked: a miss, not corruption
+            plan.append((i, header, offset))
+        if not plan:
+            return out, corrupt
+        pipe = self._pipeline()
+        for i, header, offset in plan:
+            if header is None:
+                pipe.get(self._rk(keys[i]))
+            else:
+                start, length = layer_span(header, layers)
+                pipe.getrange(self._rk(keys[i]), offset + start, offset + start + length - 1)
+        parts = await pipe.execute(raise_on_error=False)
+        self._count_reply_faults(parts)
+        for (i, header, _), part in zip(plan, parts, strict=True):
+            k = keys[i]
+            if not isinstance(part, bytes):
+                continue  # deleted or expired between the two round trips
+            try:
+                if header is None:
+                    header, offset = parse_header(part)
+                    start, length = layer_span(header, layers)
+                    part = part[offset + start : offset + start + length]
+                blob = slice_chunk(header, layers, part)
+                validate_chunk(blob, key=k)
+            except ChunkError:
+                corrupt[k] = header.payload_nbytes if header is not None else len(part)
+                continue
+            out[i] = blob
+        return out, corrupt
+
+    def _valid(self, key: str, blob: bytes) -> bool:
+        try:
+            validate_chunk(blob, key=key)
+        except ChunkError as exc:
+            log.warning("redis tier: dropping corrupt chunk %s: %s", key, exc)
+            return False
+        return True
+
+    async def _drop_corrupt(self, corrupt: Mapping[str, int]) -> None:
+        pipe = self._pipeline()
+        for k in corrupt:
+            pipe.delete(self._rk(k))
+        await pipe.execute(raise_on_error=False)
+        with self.stats.lock:
+            self.stats.corrupt += len(corrupt)
+        self._add_used(-sum(corrupt.values()))
+
+    async def _contains_prefix(self, keys: Sequence[str]) -> int:
+        if not keys:
+            return 0
+        pipe = self._pipeline()
+        for k in keys:
+            pipe.exists(self._rk(k))
+        replies = await pipe.execute(raise_on_error=False)
+        self._count_reply_faults(replies)
+        n = 0
+        for r in replies:
+            if isinstance(r, Exception) or not r:
+                break
+            n += 1
+        return n
+
+    async def _delete(self, keys: Sequence[str]) -> int:
+        if not keys:
+            return 0
+        pipe = self._pipeline()
+        for k in keys:
+            pipe.strlen(self._rk(k))
+            pipe.delete(self._rk(k))
+        replies = await pipe.execute(raise_on_error=False)
+        sizes, dels = replies[0::2], replies[1::2]
+        removed = sum(1 for d in dels if d == 1)
+        self._add_used(-sum(s for s, d in zip(sizes, dels, strict=True) if d == 1 and isinstance(s, int)))
+        return removed
+
+    async def _count_keys(self) -> int:
+        n = 0
+        async for _ in self._client.scan_iter(match=self._scan_pattern(), count=1000):
+            n += 1
+        return n
+
+    def _scan_pattern(self) -> str:
+        escaped = "".join("\\" + c if c in "*?[]\\" else c for c in self.prefix)
+        return escaped + "*"
+
+    def _add_used(self, delta: int) -> None:
+        with self._used_lock:
+            self._used = max(0, self._used + delta)
+
+    # --- the Tier interface (sync, from any thread) -------------------------------------
+    @staticmethod
+    def _check_layers(layers: tuple[int, int] | None) -> None:
+        if layers is not None and not 0 <= layers[0] < layers[1]:
+            raise InvalidArgumentError(f"layers must be (start, end) with 0 <= start < end, got {layers}")
+
+    def _put_failed(self, chunks: Mapping[str, Blob]) -> Callable[[str], PutResult]:
+        return lambda why: PutResult(failed={k: why for k in chunks})
+
+    def put(self, chunks: Mapping[str, Blob]) -> PutResult:
+        return self._guarded("put", self._put(chunks), self._put_failed(chunks))
+
+    def get(self, keys: Sequence[str], layers: tuple[int, int] | None = None) -> list[bytes | None]:
+        self._check_layers(layers)
+        return self._guarded("get", self._get(keys, layers), self._all_missed(keys))
+
+    def contains_prefix(self, keys: Sequence[str]) -> int:
+        return self._guarded("contains_prefix", self._contains_prefix(keys), lambda _: 0)
+
+    def delete(self, keys: Sequence[str]) -> int:
+        return self._guarded("delete", self._delete(keys), lambda _: 0)
+
+    def _all_missed(self, keys: Sequence[str]) -> Callable[[str], list[bytes | None]]:
+        def missed(_: str) -> list[bytes | None]:
+            with self.stats.lock:
+                self.stats.gets += len(keys)
+                self.stats.misses += len(keys)
+            return [None] * len(keys)
+
+        return missed
+
+    # --- the async face (awaitable from any event loop) ---------------------------------
+    async def aput(self, chunks: Mapping[str, Blob]) -> PutResult:
+        return await self._aguarded("put", self._put(chunks), self._put_failed(chunks))
+
+    async def aget(
+        self, keys: Sequence[str], layers: tuple[int, int] | None = None
+    ) -> list[bytes | None]:
+        self._check_layers(layers)
+        return await self._aguarded("get", self._get(keys, layers), self._all_missed(keys))
+
+    async def acontains_prefix(self, keys: Sequence[str]) -> int:
+        return await self._aguarded("contains_prefix", self._contains_prefix(keys), lambda _: 0)
+
+    async def adelete(self, keys: Sequence[str]) -> int:
+        return await self._aguarded("delete", self._delete(keys), lambda _: 0)
+
+    # --- capacity ---------------------------------------------------------------------
+    @property
+    def capacity_bytes(self) -> int | None:
+        """As configured; Redis itself enforces its ``maxmemory`` policy."""
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes this instance stored minus those it deleted (approximate: Redis-side TTL
+        expiry, eviction and other writers are not seen)."""
+        with self._used_lock:
+            return self._used
+
+    def __len__(self) -> int:
+        """Keys under ``prefix`` on the server(s), by SCAN: exact but O(keys); 0 if down."""
+        return self._guarded("len", self._count_keys(), lambda _: 0)
+
+    def info(self) -> dict[str, object]:
+        return {
+            "url": self.url, "cluster": self.cluster, "prefix": self.prefix,
+            "ttl_ms": self.ttl_ms, "timeout_s": self.timeout_s, "hiredis": HIREDIS_AVAILABLE,
+            "round_trips": self.round_trips,
+        }
+
+    # --- shutdown ---------------------------------------------------------------------
+    def close(self) -> None:
+        """Close the pool and stop the loop; bounded even if the server is down or hung."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            self._run_on_loop(asyncio.wait_for(self._client.aclose(), self.timeout_s), self.timeout_s + 0.5)
+        with contextlib.suppress(Exception):
+            self._run_on_loop(self._cancel_pending(), 1.0)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=2.0)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    async def _cancel_pending(self) -> None:
+        current = asyncio.current_task()
+        tasks = [t for t in asyncio.all_tasks() if t is not current]
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=0.5)

@@ -1,0 +1,339 @@
+"""RedisTier against real redis-server processes: a single server and a 3-node cluster.
+
+Faults are real too: the server is SIGKILLed mid-transfer, SIGSTOPped (a hung server) and
+restarted on the same port while one tier instance keeps running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier.chunk_format import decode_chunk, encode_chunk, validate_chunk
+from kvtier.connectors.redis_tier import RedisTier, parse_cluster_url
+from kvtier.errors import InvalidArgumentError
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/ is not a package (importlib mode)
+import redis_servers  # noqa: E402
+from redis_servers import RedisClusterProcs, RedisServer  # noqa: E402
+
+redis_server = redis_servers.redis_server  # shared fixtures, used by name
+redis_cluster = redis_servers.redis_cluster
+
+pytestmark = pytest.mark.timeout(60)
+FP = b"model-fp"
+
+
+def chunk(i: int, dtype: torch.dtype = torch.float16, layers: int = 4, tokens: int = 16) -> bytes:
+    g = torch.Generator().manual_seed(i)
+    kv = torch.randn(layers, 2, tokens, 2, 8, generator=g).to(dtype)
+    return encode_chunk(f"{i:064x}", FP, kv)
+
+
+def key(i: int) -> str:
+    return f"{i:064x}"
+
+
+@pytest.fixture
+def tier(redis_server: RedisServer):
+    t = RedisTier(redis_server.url, timeout_s=0.5)
+    yield t
+    t.close()
+
+
+@pytest.fixture(scope="module")
+def cluster_tier(redis_cluster: RedisClusterProcs):
+    t = RedisTier(redis_cluster.url, timeout_s=1.0, prefix="kvtier-c:")
+    yield t
+    t.close()
+
+
+both = pytest.mark.parametrize("any_tier", ["tier", "cluster_tier"], indirect=True)
+
+
+@pytest.fixture
+def any_tier(request) -> RedisTier:
+    t = request.getfixturevalue(request.param)
+    if t.cluster:  # the cluster tier is shared by the module: start each test empty
+        t.delete([key(i) for i in range(300)])
+    return t
+
+
+# ------------------------------------------------------------------------------- data path
+@both
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_round_trip_bit_exact(any_tier: RedisTier, dtype: torch.dtype) -> None:
+    blobs = {key(i): chunk(i, dtype) for i in range(8)}
+    res = any_tier.put(blobs)
+    assert sorted(res.stored) == sorted(blobs) and not res.present and res.ok
+    got = any_tier.get(list(blobs))
+    assert got == list(blobs.values())
+    _, t = decode_chunk(got[3], key(3), FP)
+    assert t.dtype == dtype and torch.equal(t.view(torch.uint8), decode_chunk(blobs[key(3)])[1].view(torch.uint8))
+
+
+@both
+def test_put_nx_present_and_misses(any_tier: RedisTier) -> None:
+    first = any_tier.put({key(i): chunk(i) for i in range(4)})
+    assert len(first.stored) == 4
+    again = any_tier.put({key(i): chunk(i) for i in range(2, 6)})
+    assert sorted(again.present) == [key(2), key(3)]
+    assert sorted(again.stored) == [key(4), key(5)]
+    got = any_tier.get([key(0), key(99), key(5), key(100)])
+    assert got[0] == chunk(0) and got[1] is None and got[2] == chunk(5) and got[3] is None
+    assert any_tier.stats.misses >= 2
+
+
+@both
+def test_layer_range_equals_sliced_chunk(any_tier: RedisTier) -> None:
+    from kvtier.chunk_format import parse_header, slice_chunk
+
+    blobs = {key(i): chunk(i, torch.bfloat16, layers=6) for i in range(5)}
+    any_tier.put(blobs)
+    got = any_tier.get([key(0), key(77), key(4)], layers=(2, 5))
+    assert got[1] is None
+    for k, blob in ((key(0), got[0]), (key(4), got[2])):
+        header, off = parse_header(blobs[k])
+        start, length = 2 * header.layer_nbytes, 3 * header.layer_nbytes
+        expected = slice_chunk(header, (2, 5), blobs[k][off + start : off + start + length])
+        assert blob == expected
+        h = validate_chunk(blob, key=k)
+        assert h.first_layer == 2 and h.num_layers == 3
+    # a range the chunk does not hold is a miss, not corruption
+    assert any_tier.get([key(0)], layers=(4, 9)) == [None]
+    assert any_tier.stats.corrupt == 0
+    with pytest.raises(InvalidArgumentError):
+        any_tier.get([key(0)], layers=(3, 3))
+
+
+@both
+def test_contains_prefix_with_gaps_and_delete(any_tier: RedisTier) -> None:
+    any_tier.put({key(i): chunk(i) for i in (0, 1, 2, 4, 5)})
+    keys = [key(i) for i in range(6)]
+    assert any_tier.contains_prefix(keys) == 3
+    assert any_tier.contains_prefix(keys[3:]) == 0
+    assert any_tier.contains_prefix([]) == 0
+    assert any_tier.delete([key(1), key(3)]) == 1
+    assert any_tier.contains_prefix(keys) == 1
+    assert any_tier.get([key(1)]) == [None]
+    assert len(any_tier) == 4
+
+
+@both
+def test_corrupt_value_is_a_counted_miss_and_deleted(any_tier: RedisTier, request) -> None:
+    good = chunk(1)
+    any_tier.put({key(1): good, key(2): chunk(2)})
+    raw = _raw_client(request)
+    flipped = bytearray(good)
+    flipped[-5] ^= 0xFF
+    raw.set(any_tier.prefix + key(1), bytes(flipped))
+    raw.set(any_tier.prefix + key(3), b"garbage bytes, not a chunk")
+    raw.set(any_tier.prefix + key(4), chunk(5))  # a valid chunk under the wrong key
+    before = any_tier.stats.corrupt
+    assert any_tier.get([key(1), key(2), key(3), key(4)]) == [None, chunk(2), None, None]
+    assert any_tier.stats.corrupt == before + 3
+    assert raw.exists(any_tier.prefix + key(1), any_tier.prefix + key(3), any_tier.prefix + key(4)) == 0
+    # a layer-range read of a corrupted layer is caught too
+    raw.set(any_tier.prefix + key(2), bytes(bytearray(chunk(2))[:-3] + b"xyz"))
+    assert any_tier.get([key(2)], layers=(3, 4)) == [None]
+    assert any_tier.stats.corrupt == before + 4
+    raw.close()
+
+
+def _raw_client(request):
+    if "cluster_tier" in request.fixturenames and request.node.callspec.params["any_tier"] == "cluster_tier":
+        import redis
+
+        c = request.getfixturevalue("redis_cluster")
+        return redis.RedisCluster(host="127.0.0.1", port=c.nodes[0].port)
+    return request.getfixturevalue("redis_server").client()
+
+
+def test_ttl_expiry(redis_server: RedisServer) -> None:
+    with RedisTier(redis_server.url, ttl_s=1, timeout_s=0.5) as t:
+        assert t.put({key(1): chunk(1)}).stored == [key(1)]
+        with redis_server.client() as raw:
+            assert 0 < raw.pttl("kvtier:" + key(1)) <= 1000
+        time.sleep(1.3)
+        assert t.get([key(1)]) == [None]
+        assert t.contains_prefix([key(1)]) == 0
+
+
+def test_cluster_spreads_keys_over_nodes(cluster_tier: RedisTier, redis_cluster: RedisClusterProcs) -> None:
+    cluster_tier.put({key(i): chunk(i) for i in range(200, 240)})
+    per_node = []
+    for node in redis_cluster.nodes:
+        with node.client() as c:
+            per_node.append(sum(1 for _ in c.scan_iter(match="kvtier-c:*")))
+    assert sum(n > 0 for n in per_node) >= 2, per_node
+    assert sum(per_node) == len(cluster_tier) >= 40
+
+
+def test_async_face(tier: RedisTier) -> None:
+    async def main() -> None:
+        res = await tier.aput({key(i): chunk(i) for i in range(3)})
+        assert len(res.stored) == 3
+        assert await tier.acontains_prefix([key(0), key(1), key(5)]) == 2
+        assert await tier.aget([key(2), key(9)]) == [chunk(2), None]
+        assert (await tier.aget([key(2)], layers=(1, 2)))[0] is not None
+        assert await tier.adelete([key(0)]) == 1
+
+    asyncio.run(main())
+
+
+def test_used_bytes_tracks_our_writes(tier: RedisTier) -> None:
+    blobs = {key(i): chunk(i) for i in range(3)}
+    tier.put(blobs)
+    assert tier.used_bytes == sum(map(len, blobs.values()))
+    tier.delete([key(0)])
+    assert tier.used_bytes == len(blobs[key(1)]) + len(blobs[key(2)])
+    assert tier.capacity_bytes is None
+    assert RedisTier(tier.url, capacity_bytes=1 << 20).capacity_bytes == 1 << 20
+
+
+def test_batches_are_one_round_trip(tier: RedisTier, redis_server: RedisServer) -> None:
+    """Counted by the server: ``total_reads_processed`` (INFO stats) is the number of read
+    events Redis handled, so 100 EXISTS in one pipeline show up as ~1 read, not 100."""
+    keys = [key(i) for i in range(100)]
+    tier.put({k: chunk(i, layers=1, tokens=2) for i, k in enumerate(keys[:60])})
+    tier.contains_prefix(keys)  # warm the connection
+
+    with redis_server.client() as raw:
+        def reads() -> int:
+            return int(raw.info("stats")["total_reads_processed"])
+
+        def commands(name: str) -> int:
+            return int(raw.info("commandstats").get(f"cmdstat_{name}", {}).get("calls", 0))
+
+        r0, e0, trips0 = reads(), commands("exists"), tier.round_trips
+        assert tier.contains_prefix(keys) == 60
+        r1, e1 = reads(), commands("exists")
+        # one INFO read by us between the two samples; the tier's pipeline is the rest
+        assert e1 - e0 == 100
+        assert r1 - r0 - 1 <= 2, r1 - r0
+        assert tier.round_trips - trips0 == 1
+
+        r0 = reads()
+        assert sum(b is not None for b in tier.get(keys)) == 60
+        assert reads() - r0 - 1 <= 2
+        r0 = reads()
+        assert len(tier.put({k: chunk(i, layers=1, tokens=2) for i, k in enumerate(keys)}).present) == 60
+        assert reads() - r0 - 1 <= 3  # 100 small SETs may span a couple of socket reads
+
+
+def test_parse_cluster_url() -> None:
+    assert parse_cluster_url("redis+cluster://a:1,b:2") == [("a", 1), ("b", 2)]
+    with pytest.raises(InvalidArgumentError):
+        parse_cluster_url("redis+cluster://nohost")
+
+
+# ----------------------------------------------------------------------------------- faults
+def test_server_killed_mid_transfer(redis_server: RedisServer) -> None:
+    big = {key(i): chunk(i, torch.float32, layers=16, tokens=256) for i in range(64)}  # ~32 MiB
+    with RedisTier(redis_server.url, timeout_s=0.5) as t:
+        calls: list[tuple[float, float, bool]] = []  # (start, end, fully succeeded)
+        errors: list[BaseException] = []
+        stop = threading.Event()
+
+        def worker() -> None:
+            try:
+                while not stop.is_set():
+                    start = time.monotonic()
+                    ok = t.put(big).ok
+                    calls.append((start, time.monotonic(), ok))
+                    start = time.monotonic()
+                    ok = all(b is not None for b in t.get(list(big)))
+                    calls.append((start, time.monotonic(), ok))
+            except BaseException as exc:  # the test asserts nothing escapes
+                errors.append(exc)
+
+        th = threading.Thread(target=worker)
+        th.start()
+        time.sleep(0.3)
+        killed_at = time.monotonic()
+        redis_server.stop()
+        time.sleep(0.3)
+        stop.set()
+        th.join(timeout=20)
+        assert not th.is_alive() and not errors
+        # the kill landed inside a transfer, and that call failed instead of raising
+        straddling = [c for c in calls if c[0] < killed_at < c[1]]
+        assert straddling and not straddling[0][2], calls
+        assert any(ok for *_, ok in calls if _[1] < killed_at)
+        # after the kill every call degrades to misses / failures, counted
+        put = t.put(big)
+        assert set(put.failed) == set(big) and all(v.startswith("unavailable") for v in put.failed.values())
+        assert t.get(list(big)[:3]) == [None] * 3
+        assert t.contains_prefix(list(big)) == 0
+        assert t.delete(list(big)) == 0
+        assert len(t) == 0
+        assert t.stats.errors.get("unavailable", 0) >= 4
+
+
+def test_hung_server_times_out_then_recovers(redis_server: RedisServer) -> None:
+    timeout = 0.3
+    with RedisTier(redis_server.url, timeout_s=timeout) as t:
+        assert t.put({key(1): chunk(1)}).ok
+        redis_server.pause()
+        try:
+            for call in (lambda: t.get([key(1)]), lambda: t.contains_prefix([key(1)]),
+                         lambda: t.put({key(2): chunk(2)})):
+                start = time.monotonic()
+                call()
+                assert time.monotonic() - start < 4 * timeout + 0.5
+            assert t.get([key(1)]) == [None]
+            assert t.stats.errors.get("timeout", 0) >= 3
+        finally:
+            redis_server.resume()
+        assert t.get([key(1)]) == [chunk(1)]
+
+
+def test_restart_on_same_port_recovers_without_new_tier(redis_server: RedisServer) -> None:
+    with RedisTier(redis_server.url, timeout_s=0.5) as t:
+        assert t.put({key(1): chunk(1)}).ok
+        redis_server.stop()
+        assert t.get([key(1)]) == [None]
+        assert t.put({key(2): chunk(2)}).failed
+        redis_server.start()  # same port, empty (no persistence)
+        assert t.put({key(2): chunk(2)}).stored == [key(2)]
+        assert t.get([key(1), key(2)]) == [None, chunk(2)]
+        assert t.contains_prefix([key(2)]) == 1
+
+
+@pytest.mark.parametrize("fault", ["stopped", "paused"])
+def test_close_is_prompt_while_server_down_or_hung(redis_server: RedisServer, fault: str) -> None:
+    t = RedisTier(redis_server.url, timeout_s=0.3)
+    assert t.put({key(1): chunk(1)}).ok
+    redis_server.stop() if fault == "stopped" else redis_server.pause()
+    try:
+        th = threading.Thread(target=lambda: t.get([key(1)]))  # a call in flight during close
+        th.start()
+        time.sleep(0.05)
+        start = time.monotonic()
+        t.close()
+        assert time.monotonic() - start < 2.5
+        th.join(timeout=5)
+        assert not th.is_alive()
+        assert t.get([key(1)]) == [None]  # closed: a miss, not an exception
+        assert t.put({key(3): chunk(3)}).failed
+    finally:
+        redis_server.resume()
+
+
+def test_unreachable_at_construction_then_server_appears() -> None:
+    server = RedisServer()  # port chosen, not started yet
+    try:
+        with RedisTier(server.url, timeout_s=0.3) as t:
+            assert t.get([key(1)]) == [None]
+            assert t.stats.errors.get("unavailable", 0) == 1
+            server.start()
+            assert t.put({key(1): chunk(1)}).ok
+            assert t.get([key(1)]) == [chunk(1)]
+    finally:
+        server.cleanup()
