@@ -1,0 +1,241 @@
+"""The CPU tier: one preallocated host arena cut into fixed-size chunk slots.
+
+A slot holds one chunk blob (full chunks fill it, tails take a whole slot), so the arena
+never fragments and the hot path allocates nothing: a put copies the blob into a free slot,
+an index maps key -> (slot, length). The arena is pinned (page-locked, registered with CUDA)
+when CUDA is present so GPU copies from it are DMA transfers; ``close`` unregisters it, so
+no pin outlives the tier. When the arena is full the least recently used chunks are evicted
+and handed to the eviction listeners with their bytes, so a manager can demote them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from kvtier.chunk_format import layer_span, parse_header, slice_chunk
+from kvtier.connectors.base import Blob, PutResult, Tier
+from kvtier.connectors.chunk_checks import admission_error, is_valid
+from kvtier.connectors.lru import LRUIndex
+from kvtier.errors import ChunkFormatError, InvalidArgumentError, TierError
+
+log = logging.getLogger(__name__)
+
+
+def slot_bytes_for(num_layers: int, payload_nbytes: int, key_chars: int = 128) -> int:
+    """A slot size that holds any chunk blob of this payload: the payload plus a bound on
+    its header (fixed prefix, msgpack fields, a 9-byte checksum per layer, the key and a
+    fingerprint of up to 64 bytes). Header sizes vary by a few bytes between chunks, so
+    size slots with this rather than with the length of one encoded blob."""
+    return payload_nbytes + 8 + 256 + key_chars + 64 + 9 * num_layers
+
+
+class CPUTier(Tier):
+    """Chunk blobs in slots of one host arena of ``capacity_bytes // slot_bytes`` slots."""
+
+    name = "cpu"
+
+    def __init__(self, capacity_bytes: int, slot_bytes: int, pin: bool | None = None) -> None:
+        super().__init__()
+        if slot_bytes < 1:
+            raise InvalidArgumentError(f"slot_bytes must be >= 1, got {slot_bytes}")
+        num_slots = capacity_bytes // slot_bytes
+        if num_slots < 1:
+            raise InvalidArgumentError(
+                f"the CPU tier's capacity ({capacity_bytes} bytes) holds no slot of "
+                f"{slot_bytes} bytes; raise the capacity to at least one chunk"
+            )
+        self.slot_bytes = slot_bytes
+        self.num_slots = num_slots
+        self._arena: torch.Tensor | None = torch.empty(num_slots * slot_bytes, dtype=torch.uint8)
+        self._pinned = False
+        if pin is not False and torch.cuda.is_available():
+            self._pin()
+        elif pin:
+            log.warning("CPU tier: pinning asked for but CUDA is not available; arena is pageable")
+        self._view: memoryview | None = memoryview(self._arena.numpy()).cast("B")
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self._index: LRUIndex[int] = LRUIndex()
+        self._lock = threading.Lock()
+
+    # --- pinning ---------------------------------------------------------------------
+    def _pin(self) -> None:
+        """Register the arena with CUDA (exact size, unlike the caching host allocator,
+        which rounds pinned blocks up to a power of two and keeps them after free)."""
+        assert self._arena is not None
+        rc = torch.cuda.cudart().cudaHostRegister(self._arena.data_ptr(), self._arena.numel(), 0)
+        if int(rc) != 0:
+            log.warning("CPU tier: cudaHostRegister failed (%s); arena stays pageable", rc)
+            return
+        self._pinned = True
+
+    @property
+    def pinned(self) -> bool:
+        return self._pinned
+
+    def close(self) -> None:
+        """Unpin and free the arena; the tier holds nothing afterwards."""
+        with self._lock:
+            if self._arena is None:
+                return
+            if self._pinned:
+                torch.cuda.cudart().cudaHostUnregister(self._arena.data_ptr())
+                self._pinned = False
+            if self._view is not None:
+                self._view.release()
+            self._view = None
+            self._arena = None
+            self._index = LRUIndex()
+            self._free = []
+
+    def _arena_view(self) -> memoryview:
+        if self._view is None:
+            raise TierError("the CPU tier is closed; create a new one")
+        return self._view
+
+    # --- data ------------------------------------------------------------------------
+    def put(self, chunks: Mapping[str, Blob]) -> PutResult:
+        result = PutResult()
+        evicted: list[tuple[str, bytes]] = []
+        written = 0
+        with self._lock:
+            view = self._arena_view()
+            batch: set[str] = set()
+            for key, blob in chunks.items():
+                if key in self._index:
+                    self._index.get(key)
+                    result.present.append(key)
+                    continue
+                if len(blob) > self.slot_bytes:
+                    result.failed[key] = "too_large"
+                    continue
+                reason = admission_error(key, blob)
+                if reason is not None:
+                    result.failed[key] = reason
+                    continue
+                slot = self._take_slot(batch, evicted)
+                if slot is None:
+                    result.failed[key] = "full"
+                    continue
+                start = slot * self.slot_bytes
+                view[start : start + len(blob)] = blob
+                self._index.add(key, slot, len(blob))
+                batch.add(key)
+                result.stored.append(key)
+                written += len(blob)
+        with self.stats.lock:
+            self.stats.puts += len(result.stored)
+            self.stats.bytes_written += written
+        for reason in result.failed.values():
+            self.stats.count_error(reason.split(":")[0])
+        for key, data in evicted:
+            self._notify_evicted(key, data)
+        return result
+
+    def _take_slot(self, batch: set[str], evicted: list[tuple[str, bytes]]) -> int | None:
+        """A free slot, evicting the LRU chunk not written by this batch if none is free.
+        Evicted bytes are copied out here and handed to listeners after the lock."""
+        if self._free:
+            return self._free.pop()
+        victim = self._index.oldest(exclude=batch)
+        if victim is None:
+            return None
+        slot, length = self._index.pop(victim)  # type: ignore[misc]
+        start = slot * self.slot_bytes
+        evicted.append((victim, bytes(self._arena_view()[start : start + length])))
+        return slot
+
+    def get(
+        self,
+        keys: Sequence[str],
+        layers: tuple[int, int] | None = None,
+        verify: bool = True,
+    ) -> list[bytes | None]:
+        """Copies of the blobs (or layer-range chunks); with ``verify`` a chunk that fails its
+        checksum is deleted and returned as a miss."""
+        out: list[bytes | None] = []
+        corrupt = 0
+        with self._lock:
+            view = self._arena_view()
+            for key in keys:
+                entry = self._index.get(key)
+                if entry is None:
+                    out.append(None)
+                    continue
+                slot, length = entry
+                start = slot * self.slot_bytes
+                blob = self._read(key, view[start : start + length], layers)
+                if blob is None or (verify and not is_valid(key, blob)):
+                    self._drop(key)
+                    corrupt += 1
+                    blob = None
+                out.append(blob)
+        hits = [b for b in out if b is not None]
+        with self.stats.lock:
+            self.stats.gets += len(keys)
+            self.stats.hits += len(hits)
+            self.stats.misses += len(keys) - len(hits)
+            self.stats.bytes_read += sum(len(b) for b in hits)
+            self.stats.corrupt += corrupt
+        return out
+
+    @staticmethod
+    def _read(key: str, stored: memoryview, layers: tuple[int, int] | None) -> bytes | None:
+        """The stored blob or its layer range; None when the header is unreadable."""
+        if layers is None:
+            return bytes(stored)
+        try:
+            header, offset = parse_header(stored)
+        except ChunkFormatError:
+            return None
+        try:
+            start, length = layer_span(header, layers)
+        except ChunkFormatError as exc:
+            raise InvalidArgumentError(f"chunk {key}: {exc}") from None
+        part = stored[offset + start : offset + start + length]
+        if len(part) != length:
+            return None
+        return slice_chunk(header, layers, part)
+
+    def _drop(self, key: str) -> bool:
+        entry = self._index.pop(key)
+        if entry is None:
+            return False
+        self._free.append(entry[0])
+        return True
+
+    def contains_prefix(self, keys: Sequence[str]) -> int:
+        with self._lock:
+            n = 0
+            for key in keys:
+                if key not in self._index:
+                    break
+                n += 1
+            return n
+
+    def delete(self, keys: Sequence[str]) -> int:
+        with self._lock:
+            return sum(self._drop(key) for key in keys)
+
+    # --- capacity --------------------------------------------------------------------
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_slots * self.slot_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the chunks held (a tail counts its length, not its whole slot)."""
+        with self._lock:
+            return self._index.used_bytes
+
+    @property
+    def free_slots(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._index)

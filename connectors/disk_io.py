@@ -1,0 +1,113 @@
+"""File primitives of the disk tier: durable temp-file writes and positional reads, buffered
+or through O_DIRECT.
+
+O_DIRECT bypasses the page cache (the KV working set would otherwise evict everything else
+from it) but needs buffers, offsets and lengths aligned to the device block; aligned buffers
+come from anonymous ``mmap`` (page-aligned). Files are written padded to the alignment and
+truncated back to their length. A filesystem that refuses O_DIRECT (ramfs, some FUSE or
+network mounts) raises EINVAL; the caller then falls back to buffered I/O.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+
+ALIGN = 4096
+HEAD_READ = 4096
+"""Bytes read first for a layer-range read: enough for the header of a chunk of
+hundreds of layers; longer headers take a second read."""
+
+
+class DirectIOUnsupported(OSError):
+    """The filesystem refused O_DIRECT."""
+
+
+def _round_up(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
+
+
+def _open_direct(path: str, flags: int) -> int:
+    try:
+        return os.open(path, flags | os.O_DIRECT, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            raise DirectIOUnsupported(exc.errno, f"O_DIRECT refused: {exc.strerror}") from None
+        raise
+
+
+def write_file(path: str, blob: bytes | bytearray | memoryview, sync: bool, direct: bool) -> None:
+    """Create ``path`` (which must not exist) holding ``blob``; with ``sync`` its data and
+    length are on the device before this returns."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    fd = _open_direct(path, flags) if direct else os.open(path, flags, 0o644)
+    try:
+        if direct:
+            _write_direct(fd, blob)
+        else:
+            _write_all(fd, memoryview(blob).cast("B"))
+        if sync:
+            os.fdatasync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: memoryview, offset: int = 0) -> None:
+    while offset < len(data):
+        offset += os.pwrite(fd, data[offset:], offset)
+
+
+def _write_direct(fd: int, blob: bytes | bytearray | memoryview) -> None:
+    n = len(blob)
+    size = max(_round_up(n), ALIGN)
+    buf = mmap.mmap(-1, size)
+    try:
+        buf[:n] = blob
+        try:
+            _write_all(fd, memoryview(buf))
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                raise DirectIOUnsupported(exc.errno, f"O_DIRECT write refused: {exc.strerror}") from None
+            raise
+    finally:
+        buf.close()
+    os.ftruncate(fd, n)
+
+
+def open_read(path: str, direct: bool) -> int:
+    return _open_direct(path, os.O_RDONLY) if direct else os.open(path, os.O_RDONLY)
+
+
+def read_range(fd: int, offset: int, length: int, direct: bool) -> bytes:
+    """Up to ``length`` bytes at ``offset`` (fewer at end of file)."""
+    if length <= 0:
+        return b""
+    if not direct:
+        parts = []
+        got = 0
+        while got < length:
+            part = os.pread(fd, length - got, offset + got)
+            if not part:
+                break
+            parts.append(part)
+            got += len(part)
+        return b"".join(parts)
+    start = offset - offset % ALIGN
+    size = _round_up(offset + length) - start
+    buf = mmap.mmap(-1, size)
+    try:
+        view = memoryview(buf)
+        got = 0
+        while got < size:
+            want = size - got
+            n = os.preadv(fd, [view[got:]], start + got)
+            got += max(n, 0)
+            if n < want:  # end of file (a short O_DIRECT read is never resumed unaligned)
+                break
+        end = min(got, offset - start + length)
+        data = bytes(view[offset - start : max(end, offset - start)])
+        view.release()
+        return data
+    finally:
+        buf.close()

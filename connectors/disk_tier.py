@@ -1,0 +1,463 @@
+"""The NVMe tier: a directory of chunk files, written atomically with group commit.
+
+Layout: ``<dir>/<first 2 key chars>/<key>.kvc``. A put writes every chunk of the batch to a
+temp file (``.<key>.<random>.tmp``) in the chunk's own directory and syncs its data, then
+renames all of them into place, then syncs each touched directory once (group commit): a
+chunk becomes visible only once its bytes are durable, a crash never leaves a torn chunk
+under a chunk name, and the directory sync is paid once per batch, not once per chunk. Temp
+files left by a crash are deleted at start-up, when the index (key -> size, recency) is
+rebuilt by scanning the directory, so chunks survive restarts. Reads go through a bounded
+thread pool (a batch's files are read in parallel); a layer-range read fetches only the
+header and that byte range. Every read is verified by checksum by default: a corrupt or
+truncated file is deleted and reported as a miss. Tiers (in one or several processes) may
+share a directory: chunks are content-addressed, so they agree on every file; each keeps
+its own index and capacity, and a file another tier evicted is a miss. A shared ``flock``
+on ``<dir>/.lock`` tells a starting tier whether it is alone: only then does it delete temp
+files, which could otherwise belong to a live tier's write in flight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import re
+import struct
+import threading
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TypeVar
+
+from kvtier.chunk_format import layer_span, parse_header, slice_chunk
+from kvtier.connectors import disk_io
+from kvtier.connectors.base import Blob, PutResult, Tier
+from kvtier.connectors.chunk_checks import admission_error, is_valid
+from kvtier.connectors.lru import LRUIndex
+from kvtier.errors import ChunkFormatError, InvalidArgumentError, TierError
+
+log = logging.getLogger(__name__)
+
+CHUNK_SUFFIX = ".kvc"
+TEMP_SUFFIX = ".tmp"
+LOCK_NAME = ".lock"
+_KEY_RE = re.compile(r"^[0-9A-Za-z_-]{2,200}$")
+_PREFIX = struct.Struct("<4sI")
+_CORRUPT = object()
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def _reason(exc: OSError) -> str:
+    """The ``PutResult.failed`` reason for a write error."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "disk_full"
+    return f"io_error: {exc.strerror or exc}"
+
+
+def _unlink(path: str | Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+class DiskTier(Tier):
+    """Chunk files under ``directory``; ``capacity_bytes=None`` is bounded only by the disk.
+
+    ``fsync``: sync data and directories (turn off only for scratch data).
+    ``o_direct``: bypass the page cache (falls back to buffered I/O, with a warning, where
+    the filesystem refuses it). ``read_evicted``: hand evicted chunks' bytes to eviction
+    listeners (one extra read per eviction) instead of ``None``.
+    """
+
+    name = "disk"
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        capacity_bytes: int | None = None,
+        fsync: bool = True,
+        o_direct: bool = False,
+        max_workers: int = 4,
+        read_evicted: bool = False,
+    ) -> None:
+        super().__init__()
+        if capacity_bytes is not None and capacity_bytes < 1:
+            raise InvalidArgumentError(f"capacity_bytes must be >= 1 or None, got {capacity_bytes}")
+        if max_workers < 1:
+            raise InvalidArgumentError(f"max_workers must be >= 1, got {max_workers}")
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._capacity = capacity_bytes
+        self.fsync = fsync
+        self._o_direct = o_direct
+        self.read_evicted = read_evicted
+        self._lock = threading.Lock()
+        self._lock_fd: int | None
+        self._lock_fd, sole = self._acquire_dir_lock()
+        self._index: LRUIndex[None] = LRUIndex()
+        self._reserved = 0
+        self.removed_temp_files = self._scan(remove_temps=sole)
+        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
+            max_workers, thread_name_prefix="kvtier-disk"
+        )
+
+    # --- start-up --------------------------------------------------------------------
+    def _acquire_dir_lock(self) -> tuple[int, bool]:
+        """A shared ``flock`` on ``<dir>/.lock`` for the tier's lifetime, and whether this
+        tier is the directory's only user (it got the lock exclusively first). Only the
+        only user may delete temp files at start-up: another live tier may be writing them."""
+        fd = os.open(self.directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            sole = True
+        except BlockingIOError:
+            sole = False
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        return fd, sole
+
+    def _scan(self, remove_temps: bool) -> int:
+        """Rebuild the index from the chunk files (oldest mtime = least recently used) and
+        delete temp files left by a crash. Returns how many temp files were removed."""
+        found: list[tuple[float, str, int]] = []
+        removed = 0
+        for sub in os.scandir(self.directory):
+            if not sub.is_dir(follow_symlinks=False) or len(sub.name) != 2:
+                continue
+            for entry in os.scandir(sub.path):
+                if entry.name.endswith(TEMP_SUFFIX):
+                    if remove_temps:
+                        _unlink(entry.path)
+                        removed += 1
+                elif entry.name.endswith(CHUNK_SUFFIX):
+                    st = entry.stat(follow_symlinks=False)
+                    found.append((st.st_mtime, entry.name[: -len(CHUNK_SUFFIX)], st.st_size))
+        for _, key, size in sorted(found):
+            self._index.add(key, None, size)
+        if removed:
+            log.info("disk tier %s: removed %d temp files of interrupted writes", self.directory, removed)
+        return removed
+
+    # --- paths -------------------------------------------------------------------------
+    def _path(self, key: str) -> str:
+        return os.path.join(self.directory, key[:2], key + CHUNK_SUFFIX)
+
+    def _temp_path(self, key: str) -> str:
+        return os.path.join(self.directory, key[:2], f".{key}.{uuid.uuid4().hex[:12]}{TEMP_SUFFIX}")
+
+    @property
+    def o_direct(self) -> bool:
+        """Whether I/O bypasses the page cache now (False after a fallback)."""
+        return self._o_direct
+
+    def _direct_refused(self, exc: OSError) -> None:
+        if self._o_direct:
+            self._o_direct = False
+            log.warning(
+                "disk tier %s: the filesystem refuses O_DIRECT (%s); using buffered I/O",
+                self.directory, exc.strerror,
+            )
+
+    def _map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+        if self._pool is None:
+            raise TierError("the disk tier is closed; create a new one")
+        if len(items) <= 1:
+            return [fn(item) for item in items]
+        return list(self._pool.map(fn, items))
+
+    # --- put ---------------------------------------------------------------------------
+    def put(self, chunks: Mapping[str, Blob]) -> PutResult:
+        result = PutResult()
+        todo: list[tuple[str, Blob]] = []
+        evicted: list[tuple[str, str]] = []
+        with self._lock:
+            if self._pool is None:
+                raise TierError("the disk tier is closed; create a new one")
+            for key, blob in chunks.items():
+                if key in self._index:
+                    self._index.get(key)
+                    result.present.append(key)
+                    continue
+                if not _KEY_RE.match(key):
+                    result.failed[key] = f"invalid: key {key!r} is not a chunk key (hex digest)"
+                    continue
+                reason = admission_error(key, blob)
+                if reason is None and self._capacity is not None:
+                    if len(blob) > self._capacity:
+                        reason = "too_large"
+                    elif not self._make_room(len(blob), evicted):
+                        reason = "full"
+                if reason is not None:
+                    result.failed[key] = reason
+                    continue
+                self._reserved += len(blob)
+                todo.append((key, blob))
+        evicted_blobs = self._discard_evicted(evicted)
+        outcomes = self._write_batch(todo)
+        written = 0
+        with self._lock:
+            for key, blob in todo:
+                self._reserved -= len(blob)
+                reason = outcomes[key]
+                if reason is None:
+                    self._index.add(key, None, len(blob))
+                    result.stored.append(key)
+                    written += len(blob)
+                else:
+                    result.failed[key] = reason
+        with self.stats.lock:
+            self.stats.puts += len(result.stored)
+            self.stats.bytes_written += written
+        for reason in result.failed.values():
+            self.stats.count_error(reason.split(":")[0])
+        for key, data in evicted_blobs:
+            self._notify_evicted(key, data)
+        return result
+
+    def _make_room(self, size: int, evicted: list[tuple[str, str]]) -> bool:
+        """Evict LRU chunks until ``size`` more bytes fit (under the lock). Chunks written by
+        puts in flight are reserved, not indexed, so they are never victims. An evicted file
+        is renamed to a temp name here (so a concurrent re-put of its key is unaffected) and
+        read/removed after the lock."""
+        assert self._capacity is not None
+        while self._index.used_bytes + self._reserved + size > self._capacity:
+            victim = self._index.oldest()
+            if victim is None:
+                return False
+            self._index.pop(victim)
+            doomed = self._temp_path(victim)
+            try:
+                os.rename(self._path(victim), doomed)
+            except FileNotFoundError:
+                continue
+            evicted.append((victim, doomed))
+        return True
+
+    def _discard_evicted(self, evicted: list[tuple[str, str]]) -> list[tuple[str, bytes | None]]:
+        out: list[tuple[str, bytes | None]] = []
+        for key, path in evicted:
+            data: bytes | None = None
+            if self.read_evicted:
+                try:
+                    with open(path, "rb") as f:
+                        data = f.read()
+                except OSError:
+                    data = None
+                if data is not None and not is_valid(key, data):
+                    data = None
+            _unlink(path)
+            out.append((key, data))
+        return out
+
+    def _write_batch(self, todo: list[tuple[str, Blob]]) -> dict[str, str | None]:
+        """Group commit: write + sync every temp file, rename all, sync each directory once.
+        Returns key -> None (stored) or the failure reason; nothing failed stays on disk."""
+        outcomes: dict[str, str | None] = {}
+        if not todo:
+            return outcomes
+        new_dirs = False
+        for sub in {key[:2] for key, _ in todo}:
+            path = self.directory / sub
+            if not path.is_dir():
+                try:
+                    path.mkdir(exist_ok=True)
+                    new_dirs = True
+                except OSError as exc:
+                    for key, _ in todo:
+                        if key[:2] == sub:
+                            outcomes[key] = _reason(exc)
+        pending = [(k, b) for k, b in todo if k not in outcomes]
+        temps = self._map(self._write_temp, pending)
+        renamed: dict[str, list[str]] = {}
+        for (key, _), (temp, reason) in zip(pending, temps, strict=True):
+            if reason is None:
+                try:
+                    os.rename(temp, self._path(key))
+                except OSError as exc:
+                    _unlink(temp)
+                    reason = _reason(exc)
+                else:
+                    renamed.setdefault(key[:2], []).append(key)
+            outcomes[key] = reason
+        if self.fsync:
+            dirs = [str(self.directory / sub) for sub in renamed]
+            if new_dirs:
+                dirs.append(str(self.directory))
+            for d in dirs:
+                try:
+                    _fsync_dir(d)
+                except OSError as exc:
+                    for key in renamed.get(os.path.basename(d), []):
+                        _unlink(self._path(key))
+                        outcomes[key] = _reason(exc)
+        return outcomes
+
+    def _write_temp(self, item: tuple[str, Blob]) -> tuple[str, str | None]:
+        key, blob = item
+        temp = self._temp_path(key)
+        try:
+            try:
+                disk_io.write_file(temp, blob, self.fsync, self._o_direct)
+            except disk_io.DirectIOUnsupported as exc:
+                _unlink(temp)
+                self._direct_refused(exc)
+                disk_io.write_file(temp, blob, self.fsync, False)
+        except OSError as exc:
+            _unlink(temp)
+            log.warning("disk tier %s: writing chunk %s failed: %s", self.directory, key, exc)
+            return temp, _reason(exc)
+        return temp, None
+
+    # --- get ---------------------------------------------------------------------------
+    def get(
+        self,
+        keys: Sequence[str],
+        layers: tuple[int, int] | None = None,
+        verify: bool = True,
+    ) -> list[bytes | None]:
+        """Blobs (or layer-range chunks) read in parallel. With ``verify`` each is checked by
+        checksum; a corrupt or truncated file is deleted and returned as a miss."""
+        if layers is not None and not 0 <= layers[0] < layers[1]:
+            raise InvalidArgumentError(f"layer range {layers} is empty or negative")
+        with self._lock:
+            present = [i for i, key in enumerate(keys) if self._index.get(key) is not None]
+        reads = self._map(lambda i: self._read(keys[i], layers, verify), present)
+        out: list[bytes | None] = [None] * len(keys)
+        gone: list[str] = []
+        corrupt: list[str] = []
+        for i, data in zip(present, reads, strict=True):
+            if data is _CORRUPT:
+                corrupt.append(keys[i])
+            elif data is None:
+                gone.append(keys[i])
+            else:
+                out[i] = data  # type: ignore[assignment]
+        if corrupt or gone:
+            with self._lock:
+                for key in corrupt:
+                    if self._index.pop(key) is not None:
+                        _unlink(self._path(key))
+                for key in gone:
+                    self._index.pop(key)
+        for key in corrupt:
+            log.warning("disk tier %s: chunk %s is corrupt or truncated; deleted", self.directory, key)
+        hits = [b for b in out if b is not None]
+        with self.stats.lock:
+            self.stats.gets += len(keys)
+            self.stats.hits += len(hits)
+            self.stats.misses += len(keys) - len(hits)
+            self.stats.bytes_read += sum(len(b) for b in hits)
+            self.stats.corrupt += len(corrupt)
+        return out
+
+    def _open(self, key: str) -> tuple[int, bool]:
+        direct = self._o_direct
+        try:
+            return disk_io.open_read(self._path(key), direct), direct
+        except disk_io.DirectIOUnsupported as exc:
+            self._direct_refused(exc)
+            return disk_io.open_read(self._path(key), False), False
+
+    def _read(self, key: str, layers: tuple[int, int] | None, verify: bool) -> object:
+        """The blob, None if the file is gone, or _CORRUPT."""
+        try:
+            fd, direct = self._open(key)
+        except FileNotFoundError:
+            return None
+        try:
+            if layers is None:
+                data = disk_io.read_range(fd, 0, os.fstat(fd).st_size, direct)
+            else:
+                data = self._read_layers(key, fd, direct, layers)
+                if data is None:
+                    return _CORRUPT
+        except OSError as exc:
+            log.warning("disk tier %s: reading chunk %s failed: %s", self.directory, key, exc)
+            self.stats.count_error("io_error")
+            return _CORRUPT
+        finally:
+            os.close(fd)
+        if verify and not is_valid(key, data):
+            return _CORRUPT
+        return data
+
+    @staticmethod
+    def _read_layers(key: str, fd: int, direct: bool, layers: tuple[int, int]) -> bytes | None:
+        """Header + one byte range (two or three preads); None when the file is damaged."""
+        head = disk_io.read_range(fd, 0, disk_io.HEAD_READ, direct)
+        if len(head) >= _PREFIX.size:
+            need = _PREFIX.size + _PREFIX.unpack_from(head)[1]
+            if len(head) < need <= _PREFIX.size + (1 << 16):
+                head = disk_io.read_range(fd, 0, need, direct)
+        try:
+            header, offset = parse_header(head)
+        except ChunkFormatError:
+            return None
+        try:
+            start, length = layer_span(header, layers)
+        except ChunkFormatError as exc:
+            raise InvalidArgumentError(f"chunk {key}: {exc}") from None
+        part = disk_io.read_range(fd, offset + start, length, direct)
+        if len(part) != length:
+            return None
+        return slice_chunk(header, layers, part)
+
+    # --- the rest ------------------------------------------------------------------------
+    def contains_prefix(self, keys: Sequence[str]) -> int:
+        """From the in-memory index; a file that vanished is noticed (as a miss) on get."""
+        with self._lock:
+            n = 0
+            for key in keys:
+                if key not in self._index:
+                    break
+                n += 1
+            return n
+
+    def delete(self, keys: Iterable[str]) -> int:
+        n = 0
+        with self._lock:
+            for key in keys:
+                if self._index.pop(key) is not None:
+                    _unlink(self._path(key))
+                    n += 1
+        return n
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return self._index.used_bytes
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._index)
+
+    def close(self) -> None:
+        """Finish in-flight I/O, stop the workers and release the directory."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+            fd, self._lock_fd = self._lock_fd, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_lock_fd", None)
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,111 @@
+"""CPU-arena specifics: fixed slots, no growth, tails, too-large blobs, pinning, close."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from kvtier.chunk_format import encode_chunk, validate_chunk
+from kvtier.connectors.cpu_tier import CPUTier, slot_bytes_for
+from kvtier.errors import InvalidArgumentError, TierError
+
+FP = b"fp"
+LAYERS, TOKENS, HEADS, DIM = 3, 8, 2, 4
+SLOT = slot_bytes_for(LAYERS, LAYERS * 2 * TOKENS * HEADS * DIM * 2)
+
+
+def blob(i: int, tokens: int = TOKENS, layers: int = LAYERS) -> tuple[str, bytes]:
+    key = f"{i:032x}"
+    kv = torch.randn(layers, 2, tokens, HEADS, DIM, generator=torch.Generator().manual_seed(i))
+    return key, encode_chunk(key, FP, kv.half())
+
+
+def test_arena_is_preallocated_and_slots_are_reused() -> None:
+    tier = CPUTier(4 * SLOT + 100, SLOT)
+    assert tier.num_slots == 4 and tier.capacity_bytes == 4 * SLOT and tier.free_slots == 4
+    assert tier._arena is not None
+    ptr, size = tier._arena.data_ptr(), tier._arena.numel()
+    evicted: list[tuple[str, bytes | None]] = []
+    tier.add_eviction_listener(lambda k, b: evicted.append((k, b)))
+    chunks = dict(blob(i) for i in range(12))
+    for key, data in chunks.items():
+        assert tier.put({key: data}).stored == [key]
+    assert tier._arena.data_ptr() == ptr and tier._arena.numel() == size
+    assert len(tier) == 4 and tier.free_slots == 0
+    assert [k for k, _ in evicted] == list(chunks)[:8]
+    assert all(b == chunks[k] for k, b in evicted)  # evicted bytes are copies, whole
+    assert tier.get(list(chunks)[8:]) == list(chunks.values())[8:]
+    tier.close()
+
+
+def test_tail_takes_one_slot_and_too_large_is_refused() -> None:
+    tier = CPUTier(3 * SLOT, SLOT)
+    tail_key, tail = blob(1, tokens=3)
+    big_key, big = blob(2, layers=LAYERS + 2)
+    assert len(big) > SLOT
+    res = tier.put({tail_key: tail, big_key: big})
+    assert res.stored == [tail_key] and res.failed == {big_key: "too_large"}
+    assert tier.free_slots == 2 and tier.used_bytes == len(tail)
+    assert tier.get([tail_key]) == [tail]
+    validate_chunk(tier.get([tail_key], layers=(1, 2))[0], key=tail_key)
+    assert tier.stats.errors == {"too_large": 1}
+    tier.close()
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(InvalidArgumentError, match="holds no slot"):
+        CPUTier(100, 1000)
+    tier = CPUTier(2 * SLOT, SLOT)
+    key, data = blob(0)
+    tier.put({key: data})
+    with pytest.raises(InvalidArgumentError, match="outside"):
+        tier.get([key], layers=(0, LAYERS + 1))
+    tier.close()
+
+
+def test_delete_frees_slots_and_verify_false_returns_raw_bytes() -> None:
+    tier = CPUTier(2 * SLOT, SLOT)
+    key, data = blob(0)
+    tier.put({key: data})
+    assert tier._arena is not None
+    tier._arena[SLOT // 2] ^= 1  # corrupt in place (slot 0)
+    raw = tier.get([key], verify=False)[0]
+    assert raw is not None and raw != data and len(tier) == 1
+    assert tier.get([key]) == [None] and len(tier) == 0 and tier.free_slots == 2
+    assert tier.stats.corrupt == 1
+    tier.close()
+
+
+def test_close_releases_the_arena() -> None:
+    tier = CPUTier(2 * SLOT, SLOT)
+    tier.put(dict([blob(0)]))
+    tier.close()
+    assert tier._arena is None and not tier.pinned
+    with pytest.raises(TierError, match="closed"):
+        tier.put(dict([blob(1)]))
+    with pytest.raises(TierError, match="closed"):
+        tier.get([blob(0)[0]])
+    tier.close()  # idempotent
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
+def test_without_cuda_the_arena_is_pageable(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING):
+        tier = CPUTier(SLOT, SLOT, pin=True)
+    assert not tier.pinned and "pageable" in caplog.text
+    tier.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_with_cuda_the_arena_is_pinned_and_unpinned_on_close() -> None:
+    tier = CPUTier(4 * SLOT, SLOT)
+    assert tier.pinned and tier._arena is not None and tier._arena.is_pinned()
+    key, data = blob(0)
+    tier.put({key: data})
+    assert tier.get([key]) == [data]
+    arena = tier._arena
+    tier.close()
+    assert not arena.is_pinned()
+    assert not CPUTier(SLOT, SLOT, pin=False).pinned
