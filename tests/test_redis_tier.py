@@ -337,3 +337,25 @@ def test_unreachable_at_construction_then_server_appears() -> None:
             assert t.get([key(1)]) == [chunk(1)]
     finally:
         server.cleanup()
+
+
+def test_cluster_node_killed_degrades_to_misses() -> None:
+    cluster = RedisClusterProcs()
+    try:
+        cluster.start()
+        t = RedisTier(cluster.url, timeout_s=0.3)
+        blobs = {key(i): chunk(i) for i in range(30)}
+        assert t.put(blobs).ok
+        cluster.nodes[2].stop()
+        for call in (lambda: t.get(list(blobs)), lambda: t.contains_prefix(list(blobs)),
+                     lambda: t.put({key(99): chunk(99)})):
+            start = time.monotonic()
+            call()  # nothing escapes
+            assert time.monotonic() - start < t.op_timeout_s + 1.5
+        assert sum(b is not None for b in t.get(list(blobs))) < len(blobs)
+        assert sum(t.stats.errors.values()) >= 1
+        start = time.monotonic()
+        t.close()
+        assert time.monotonic() - start < 2.5
+    finally:
+        cluster.cleanup()
