@@ -71,29 +71,32 @@ def run(args: argparse.Namespace, stdin: TextIO | None = None, stdout: TextIO | 
         stdout.write(text)
         stdout.flush()
 
-    if interactive:
-        write(f"kvtier chat with {args.model} (/reset for a new session, /quit to leave)\n")
-    while True:
+    try:
         if interactive:
-            write("you> ")
-        line = stdin.readline()
-        if not line:
-            break
-        message = line.rstrip("\n")
-        if interactive and message.strip() in ("/quit", "/exit"):
-            break
-        if interactive and message.strip() == "/reset":
-            n += 1
-            session = f"chat-{n}"
-            write("(new session)\n")
-            continue
-        if not message.strip():
-            continue
-        write("assistant> ")
-        try:
-            result = engine.chat(session, message, params, system=args.system, on_text=write)
-        except RequestError as exc:
-            write(f"\n[error: {exc}]\n")
-            continue
-        write("\n" + timing_line(result.stats) + "\n")
+            write(f"kvtier chat with {args.model} (/reset for a new session, /quit to leave)\n")
+        while True:
+            if interactive:
+                write("you> ")
+            line = stdin.readline()
+            if not line:
+                break
+            message = line.rstrip("\n")
+            if interactive and message.strip() in ("/quit", "/exit"):
+                break
+            if interactive and message.strip() == "/reset":
+                n += 1
+                session = f"chat-{n}"
+                write("(new session)\n")
+                continue
+            if not message.strip():
+                continue
+            write("assistant> ")
+            try:
+                result = engine.chat(session, message, params, system=args.system, on_text=write)
+            except RequestError as exc:
+                write(f"\n[error: {exc}]\n")
+                continue
+            write("\n" + timing_line(result.stats) + "\n")
+    finally:
+        engine.close()
     return 0

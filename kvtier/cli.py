@@ -26,6 +26,8 @@ COMMANDS: list[tuple[str, str]] = [
     ("kvtier.benchmarks.allocator", "bench"),
     ("kvtier.benchmarks.kernels", "bench"),
     ("kvtier.benchmarks.engine", "bench"),
+    ("kvtier.benchmarks.tiers", "bench"),
+    ("kvtier.benchmarks.ttft", "bench"),
 ]
 
 

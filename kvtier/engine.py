@@ -9,16 +9,19 @@ requests together through continuous batching.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
+from kvtier.config import TiersConfig
 from kvtier.errors import InvalidArgumentError, KVTierError
+from kvtier.kv_transfer import KVTransfer, LoadReport
 from kvtier.model_runner import ModelRunner
 from kvtier.sampling import SamplingParams
 from kvtier.scheduler import Request, Scheduler
 from kvtier.session import ChatSession, TurnResult
+from kvtier.tier_factory import build_tiers, chunk_blob_bytes
 from kvtier.tokenizer import Tokenizer
 
 
@@ -40,6 +43,25 @@ class EngineOptions:
     enable_prefix_caching: bool = True
     num_threads: int | None = None
     """torch CPU threads (small ops are far faster with few threads on a busy machine)."""
+    tiers: TiersConfig | None = field(default_factory=TiersConfig)
+    """Lower tiers; the default is the embedded CPU arena + local disk. None: pool only."""
+    chunk_tokens: int = 256
+
+
+class UnknownSessionError(InvalidArgumentError, LookupError):
+    """A session id the engine does not hold."""
+
+
+@dataclass(frozen=True)
+class OffloadResult:
+    session_id: str
+    stored_tokens: int
+    """Leading tokens of the session now stored in the tiers."""
+    freed_blocks: int
+    """Pool blocks released (only once everything storable was stored)."""
+    tier: str
+    bytes: int
+    failed: dict[str, str]
 
 
 @dataclass
@@ -50,6 +72,7 @@ class PendingTurn:
     message: str
     system: str | None
     request: Request
+    restored_tokens: int = 0
 
     def request_done(self) -> bool:
         return self.request.finished
@@ -76,8 +99,26 @@ class Engine:
             max_model_len=opts.max_model_len,
             enable_prefix_caching=opts.enable_prefix_caching,
         )
+        self.tiers = None
+        self.kv: KVTransfer | None = None
+        if opts.tiers is not None:
+            cfg = self.runner.config
+            slot = chunk_blob_bytes(
+                cfg.num_hidden_layers,
+                opts.chunk_tokens,
+                cfg.num_key_value_heads,
+                cfg.head_dim,
+                self.runner.pool.storage.kv.element_size(),
+            )
+            self.tiers = build_tiers(opts.tiers, slot, self.runner.fingerprint)
+            if self.tiers is not None:
+                self.kv = KVTransfer(self.runner, self.tiers, opts.chunk_tokens)
         self.scheduler = Scheduler(
-            self.runner, self.tokenizer, opts.max_num_seqs, opts.max_num_batched_tokens
+            self.runner,
+            self.tokenizer,
+            opts.max_num_seqs,
+            opts.max_num_batched_tokens,
+            swap=self.kv,
         )
         self.sessions: dict[str, ChatSession] = {}
         self._busy: set[str] = set()
@@ -171,10 +212,11 @@ class Engine:
         session = self.sessions.get(session_id) or ChatSession(session_id)
         sys_msg = system if not session.messages else None
         prompt = session.next_prompt(self.tokenizer, message, sys_msg)
+        restored = self._restore_if_needed(session).from_tiers
         cb = (lambda _r, _t, delta: on_text(delta) if delta else None) if on_text else None
         req = self.scheduler.add(prompt, params, f"{session_id}#{len(session.turns) + 1}", cb)
         self._busy.add(session_id)
-        return PendingTurn(session, message, sys_msg, req)
+        return PendingTurn(session, message, sys_msg, req, restored)
 
     def finish_turn(self, turn: PendingTurn) -> TurnResult:
         """Record a finished turn in its session (a failed one leaves the session as it was)."""
@@ -184,11 +226,70 @@ class Engine:
         if req.finish_reason == "error":
             failed = ChatSession(sid).record(turn.message, None, req)
             return replace(failed, error=req.error)
-        result = turn.session.record(turn.message, turn.system, req)
+        result = turn.session.record(turn.message, turn.system, req, turn.restored_tokens)
         self.sessions[sid] = turn.session
         return result
+
+    # ------------------------------------------------------------ offload / restore
+    def session(self, session_id: str) -> ChatSession:
+        try:
+            return self.sessions[session_id]
+        except KeyError:
+            raise UnknownSessionError(f"unknown session {session_id!r}") from None
+
+    def _need_tiers(self) -> KVTransfer:
+        if self.kv is None:
+            raise InvalidArgumentError(
+                "this engine has no lower tiers (EngineOptions.tiers is None or all disabled)"
+            )
+        return self.kv
+
+    def offload(self, session_id: str, tier: int | str = 0) -> OffloadResult:
+        """Store the session's KV in ``tier`` (index or name), then free its pool blocks —
+        only once every chunk is stored; a partial failure keeps the blocks and says which
+        chunks failed and why."""
+        kv = self._need_tiers()
+        session = self.session(session_id)
+        if session_id in self._busy:
+            raise InvalidArgumentError(f"session {session_id!r} has a turn in flight")
+        report = kv.save(session.token_ids, tier)
+        if report.tokens:
+            session.stored_tokens = report.tokens
+        storable = kv.storable_tokens(session.token_ids)
+        freed = 0
+        if not report.failed and session.stored_tokens >= storable:
+            keep: set[int] = set()
+            for other in self.sessions.values():
+                if other is not session and not other.offloaded:
+                    keep |= kv.pool_blocks(other.token_ids)
+            freed = kv.evict(session.token_ids[: session.stored_tokens], keep)
+            session.offloaded = True
+        name = kv.manager.tiers[kv.manager.tier_index(tier) if isinstance(tier, str) else tier].name
+        return OffloadResult(
+            session_id, session.stored_tokens, freed, name, report.bytes, dict(report.failed)
+        )
+
+    def restore(self, session_id: str) -> LoadReport:
+        """Bring the session's stored KV back into the pool now (a resumed turn does this
+        by itself; call it on a hint that the user is coming back)."""
+        self._need_tiers()
+        return self._restore_if_needed(self.session(session_id))
+
+    def _restore_if_needed(self, session: ChatSession) -> LoadReport:
+        if self.kv is None or not session.stored_tokens:
+            return LoadReport(tokens=0)
+        report = self.kv.load(session.token_ids, session.stored_tokens)
+        if report.tokens >= session.stored_tokens:
+            session.offloaded = False
+        return report
 
     def end_session(self, session_id: str) -> None:
         """Forget a session (its KV blocks stay in the prefix cache until evicted)."""
         if self.sessions.pop(session_id, None) is None:
-            raise InvalidArgumentError(f"unknown session {session_id!r}")
+            raise UnknownSessionError(f"unknown session {session_id!r}")
+
+    def close(self) -> None:
+        """Release the tiers (threads, connections, pinned memory)."""
+        if self.tiers is not None:
+            self.tiers.close()
+            self.tiers = None

@@ -21,6 +21,7 @@ from kvtier.chunk_format import decode_chunk, encode_chunk
 from kvtier.chunk_keys import ChunkKey, chunk_keys
 from kvtier.errors import InvalidArgumentError, OutOfBlocksError
 from kvtier.gpu_pool.kernels import gather_blocks, scatter_blocks
+from kvtier.hashing import chain_hashes
 from kvtier.model_runner import ModelRunner
 from kvtier.tier_manager import TierManager
 
@@ -68,32 +69,51 @@ class KVTransfer:
     def _keys(self, token_ids: Sequence[int]) -> list[ChunkKey]:
         return chunk_keys(token_ids, self.chunk_tokens, self.runner.fingerprint)
 
+    def _pool_blocks(self, token_ids: Sequence[int]) -> list[int | None]:
+        """The pool block holding each full block of ``token_ids`` (None where not cached).
+
+        Each block is looked up by its own chained hash, not only along the matched prefix:
+        when another session's offload dropped a shared system prompt from the pool, this
+        session's later blocks are still found (and the prompt's chunks are in the tiers)."""
+        bs = self._pool.block_size
+        hashes = chain_hashes(token_ids, bs, self.runner.fingerprint)
+        lookup = self._pool.block_pool.lookup
+        return [lookup(h) for h in hashes]
+
     def storable_tokens(self, token_ids: Sequence[int]) -> int:
-        """Leading tokens whose KV is in the pool now (full, computed, cached blocks)."""
-        blocks = self._pool.manager.match_prefix(token_ids, self.runner.fingerprint)
-        return len(blocks) * self._pool.block_size
+        """Tokens up to the last full block of ``token_ids`` whose KV is in the pool now."""
+        blocks = self._pool_blocks(token_ids)
+        present = [i for i, b in enumerate(blocks) if b is not None]
+        return (present[-1] + 1) * self._pool.block_size if present else 0
 
     # -------------------------------------------------------------------- save
     def save(self, token_ids: Sequence[int], tier: int | str = 0) -> SaveReport:
-        """Store the KV of the longest prefix of ``token_ids`` held in the pool (whole
-        blocks; the last chunk is a tail keyed by its length)."""
+        """Store the KV of ``token_ids`` up to its last block held in the pool (whole
+        blocks; the last chunk is a tail keyed by its length). Chunks already in a tier are
+        not written again; a chunk that is neither stored nor fully in the pool ends the
+        stored prefix."""
         pool, fp = self._pool, self.runner.fingerprint
-        blocks = pool.manager.match_prefix(token_ids, fp)
-        n = len(blocks) * pool.block_size
+        bs = pool.block_size
+        blocks = self._pool_blocks(token_ids)
+        n = self.storable_tokens(token_ids)
         keys = self._keys(list(token_ids[:n]))
         report = SaveReport(tokens=0, keys=[k.key for k in keys])
         if not keys:
             return report
         have = self.manager.lookup([k.key for k in keys])
         blobs: dict[str, bytes] = {}
-        bs = pool.block_size
+        end = 0
         for i, ck in enumerate(keys):
             if i < have.length:
                 report.already += 1
+                end = ck.end
                 continue
             ids = blocks[ck.start // bs : ck.end // bs]
+            if any(b is None for b in ids):
+                break  # a hole: neither stored nor in the pool
             kv = gather_blocks(pool.storage.kv, ids, num_tokens=ck.num_tokens)
             blobs[ck.key] = encode_chunk(ck.key, fp, kv)
+            end = ck.end
         if blobs:
             res = self.manager.put(blobs, tier)
             report.failed = dict(res.failed)
@@ -102,7 +122,7 @@ class KVTransfer:
         # The stored prefix ends at the first chunk no tier took.
         stored_prefix = 0
         for ck in keys:
-            if ck.key in report.failed:
+            if ck.key in report.failed or ck.end > end:
                 break
             stored_prefix = ck.end
         report.tokens = stored_prefix
@@ -130,7 +150,7 @@ class KVTransfer:
         if not usable or usable[0].start > cached:
             return report  # the chunk right after the cached blocks is not stored anywhere
         blobs = self.manager.get([k.key for k in usable])
-        end = cached
+        end = usable[0].start  # <= cached: the first chunk may overlap blocks still pooled
         tensors: list[tuple[ChunkKey, torch.Tensor]] = []
         for ck, blob in zip(usable, blobs, strict=True):
             if blob is None or ck.start != end:
@@ -173,14 +193,19 @@ class KVTransfer:
         return report
 
     # ------------------------------------------------------------------- evict
-    def evict(self, token_ids: Sequence[int]) -> int:
-        """Drop the prefix's blocks from the pool's cache where no sequence uses them;
-        returns how many blocks were freed."""
-        pool = self._pool
-        blocks = pool.manager.match_prefix(token_ids, self.runner.fingerprint)
+    def pool_blocks(self, token_ids: Sequence[int]) -> set[int]:
+        """Pool blocks currently holding any full block of ``token_ids``."""
+        return {b for b in self._pool_blocks(token_ids) if b is not None}
+
+    def evict(self, token_ids: Sequence[int], keep: set[int] | frozenset[int] = frozenset()) -> int:
+        """Drop the blocks of ``token_ids`` from the pool's cache where no sequence uses them
+        and they are not in ``keep`` (blocks other resident sessions share: a chunk is
+        coarser than a block, so a shared block may not be in any stored chunk of theirs);
+        returns how many were freed."""
+        bp = self._pool.block_pool
         freed = 0
-        for b in blocks:
-            if pool.block_pool.ref_count(b) == 0:
-                pool.block_pool.uncache_block(b)
+        for b in self._pool_blocks(token_ids):
+            if b is not None and b not in keep and bp.ref_count(b) == 0:
+                bp.uncache_block(b)
                 freed += 1
         return freed

@@ -22,6 +22,7 @@ from enum import Enum
 import torch
 
 from kvtier.errors import InvalidArgumentError, OutOfBlocksError
+from kvtier.kv_transfer import KVTransfer
 from kvtier.model_runner import ModelRunner
 from kvtier.sampling import SamplingParams, StopChecker, sample_one
 from kvtier.tokenizer import StreamDecoder, Tokenizer
@@ -82,6 +83,9 @@ class Request:
     num_computed_tokens: int = 0
     """Tokens this request ran through the model (prefill, recompute after preemption, decode)."""
     num_preemptions: int = 0
+    num_swapped_in_tokens: int = 0
+    """Tokens restored from the tiers after a preemption (instead of recomputed)."""
+    _swapped_tokens: int = 0
     _admitted_once: bool = False
     _text_checked: int = 0
 
@@ -103,6 +107,7 @@ class Scheduler:
         tokenizer: Tokenizer | None = None,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
+        swap: KVTransfer | None = None,
     ):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise InvalidArgumentError(
@@ -111,6 +116,8 @@ class Scheduler:
             )
         self.runner = runner
         self.tokenizer = tokenizer
+        self.swap = swap
+        """Where preempted sequences' KV goes (swap-out) instead of being recomputed."""
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -218,6 +225,13 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if req._swapped_tokens and self.swap is not None:
+                pool = self.runner.pool
+                need = pool.manager.blocks_needed(len(req.all_ids))
+                if self.running and need > pool.block_pool.num_free:
+                    break  # swap in once it fits, not before (the read would be wasted)
+                loaded = self.swap.load(req.all_ids, req._swapped_tokens)
+                req.num_swapped_in_tokens += loaded.from_tiers
             try:
                 added = self.runner.add_sequence(req.request_id, req.all_ids)
             except OutOfBlocksError:
@@ -229,6 +243,7 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(req)
             req.state = RequestState.RUNNING
+            req._swapped_tokens = 0
             if not req._admitted_once:
                 req._admitted_once = True
                 req.num_cached_tokens = added.num_cached_tokens
@@ -284,6 +299,8 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         log.debug("preempting %s (%d tokens)", req.request_id, len(req.all_ids))
         self.running.remove(req)
+        if self.swap is not None:  # swap out: its computed KV goes to the fastest tier
+            req._swapped_tokens = self.swap.save(req.all_ids).tokens
         self.runner.free_sequence(req.request_id)
         req.state = RequestState.WAITING
         req.num_preemptions += 1

@@ -31,6 +31,8 @@ class TurnStats:
     total_s: float | None
     finish_reason: str | None
     preemptions: int = 0
+    restored_tokens: int = 0
+    """Prompt tokens whose KV was brought back from a lower tier for this turn."""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -53,6 +55,10 @@ class ChatSession:
     token_ids: list[int] = field(default_factory=list)
     """Prompt and generated ids of the last turn: what the KV cache holds for this session."""
     turns: list[TurnStats] = field(default_factory=list)
+    stored_tokens: int = 0
+    """Leading tokens of ``token_ids`` whose KV is stored in the lower tiers."""
+    offloaded: bool = False
+    """True once the session's blocks were dropped from the pool (they live in the tiers)."""
 
     def next_prompt(
         self, tokenizer: Tokenizer, user_message: str, system: str | None = None
@@ -87,7 +93,9 @@ class ChatSession:
             closing = closing[1:]  # the model generated the end-of-turn token itself
         return self.token_ids + closing + full[len(base) :]
 
-    def record(self, user_message: str, system: str | None, req: Request) -> TurnResult:
+    def record(
+        self, user_message: str, system: str | None, req: Request, restored_tokens: int = 0
+    ) -> TurnResult:
         if system is not None:
             self.messages.append({"role": "system", "content": system})
         self.messages.append({"role": "user", "content": user_message})
@@ -106,6 +114,8 @@ class ChatSession:
             total_s=None if t.finished is None else t.finished - t.arrival,
             finish_reason=req.finish_reason,
             preemptions=req.num_preemptions,
+            restored_tokens=restored_tokens,
         )
+        self.offloaded = False
         self.turns.append(stats)
         return TurnResult(self.session_id, req.text, list(req.output_ids), stats)

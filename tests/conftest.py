@@ -60,3 +60,16 @@ def tiny_checkpoint(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache_dir(tmp_path_factory):
+    """Engines default to a disk tier under $XDG_CACHE_HOME: keep the tests' chunks there,
+    never in the user's real cache."""
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+    yield
+    if old is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = old

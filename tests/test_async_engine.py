@@ -22,7 +22,7 @@ def model_dir(tmp_path_factory):
 
 
 def _engine(model_dir, **kw):
-    return Engine(model_dir, EngineOptions(num_blocks=128, **kw))
+    return Engine(model_dir, EngineOptions(num_blocks=128, tiers=None, **kw))
 
 
 def test_concurrent_sessions_match_the_sync_engine(model_dir):

@@ -24,7 +24,7 @@ def model_dir(tmp_path_factory):
 
 
 def _engine(model_dir, **kw) -> Engine:
-    opts = dict(num_blocks=256, max_num_batched_tokens=512, max_num_seqs=64)
+    opts = dict(num_blocks=256, max_num_batched_tokens=512, max_num_seqs=64, tiers=None)
     opts.update(kw)
     return Engine(model_dir, EngineOptions(**opts))
 

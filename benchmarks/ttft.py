@@ -1,0 +1,196 @@
+"""``kvtier bench ttft``: time to first token when a session resumes, restore vs recompute.
+
+For each history length, a session's history is computed once; then the TTFT of its next
+turn (a short new message) is measured four ways on the reference engine's model runner:
+recompute the whole history; KV still in the pool (the floor); restore from each tier
+(CPU arena; disk, warm page cache and cold; Redis when a URL is given) then compute only
+the new message. Ratios are against recompute, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+DEFAULT_HISTORIES = (512, 1024, 2048, 4096)
+NEW_TOKENS = 32
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "ttft",
+        help="TTFT of resuming a session: restore from each tier vs recompute",
+        description="Resume a session with N tokens of history: recompute vs restore from "
+        "the CPU arena, disk (warm and cold) and Redis, on the reference engine.",
+    )
+    p.add_argument("--model", type=Path, default=None, help="model dir (default: --preset)")
+    p.add_argument("--preset", default="smollm-135m")
+    p.add_argument("--models-dir", type=Path, default=Path("out/models"))
+    p.add_argument("--histories", default=",".join(map(str, DEFAULT_HISTORIES)))
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--chunk-tokens", type=int, default=256)
+    p.add_argument("--disk-dir", type=Path, default=None, help="default: a temp dir")
+    p.add_argument("--redis-url", default=None, help="also measure a Redis tier")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", type=Path, default=None)
+    p.set_defaults(func=run)
+
+
+def _drop_page_cache(directory: Path) -> None:
+    """Evict a directory's files from the page cache (cold reads), without root."""
+    for root, _, files in os.walk(directory):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvtier.benchmarks.engine import _ints, _sync
+    from kvtier.benchmarks.results import write_result
+    from kvtier.connectors.cpu_tier import CPUTier
+    from kvtier.connectors.disk_tier import DiskTier
+    from kvtier.gpu_pool.kv_storage import resolve_device
+    from kvtier.kv_transfer import KVTransfer
+    from kvtier.make_model import make_model
+    from kvtier.model_runner import ModelRunner
+    from kvtier.tier_factory import chunk_blob_bytes
+    from kvtier.tier_manager import TierManager
+
+    histories = _ints(args.histories, "histories")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    dtype = args.dtype or ("float32" if device.type == "cpu" else "bfloat16")
+    model_dir = args.model or args.models_dir / args.preset
+    if not (model_dir / "config.json").is_file():
+        make_model(args.preset, model_dir, dtype=dtype)
+    longest = max(histories) + NEW_TOKENS + 16
+    runner = ModelRunner(model_dir, dtype=dtype, device=device,
+                         num_blocks=2 * (longest // 16) + 64, max_model_len=longest)
+    cfg = runner.config
+    slot = chunk_blob_bytes(cfg.num_hidden_layers, args.chunk_tokens, cfg.num_key_value_heads,
+                            cfg.head_dim, runner.pool.storage.kv.element_size())
+    arena = slot * (max(histories) // args.chunk_tokens + 2)
+    disk_dir = args.disk_dir or Path(tempfile.mkdtemp(prefix="kvtier-ttft-"))
+    tiers: dict[str, Any] = {
+        "cpu": CPUTier(arena, slot),
+        "disk": DiskTier(disk_dir, capacity_bytes=None, fsync=True),
+    }
+    if args.redis_url:
+        from kvtier.connectors.redis_tier import RedisTier
+
+        tiers["redis"] = RedisTier(args.redis_url, timeout_s=5.0)
+    xfers = {name: KVTransfer(runner, TierManager([t], fingerprint=runner.fingerprint,
+                                                  promote_on_hit=False), args.chunk_tokens)
+             for name, t in tiers.items()}
+    gen = torch.Generator().manual_seed(0)
+    vocab = min(cfg.vocab_size, 1000)
+    console = Console() if Console().is_terminal else Console(width=140)
+    counter = iter(range(10**9))
+
+    def ttft(prompt: list[int], prepare) -> float:
+        """Seconds from the turn's arrival to its first token's logits."""
+        prepare()
+        _sync(device)
+        t0 = time.perf_counter()
+        restore = getattr(prepare, "restore", None)
+        if restore is not None:
+            restore()
+        sid = f"t{next(counter)}"
+        added = runner.add_sequence(sid, prompt)
+        runner.run([(sid, max(len(prompt) - added.num_cached_tokens, 1))])
+        _sync(device)
+        elapsed = time.perf_counter() - t0
+        runner.free_sequence(sid)
+        return elapsed
+
+    rows: list[dict[str, Any]] = []
+    for h in histories:
+        history = torch.randint(10, vocab, (h,), generator=gen).tolist()
+        prompt = history + torch.randint(10, vocab, (NEW_TOKENS,), generator=gen).tolist()
+        with console.status(f"history {h}: computing it once and storing it in every tier"):
+            sid = f"h{next(counter)}"
+            runner.add_sequence(sid, history)
+            runner.run([(sid, h)])
+            runner.free_sequence(sid)
+            stored = {name: x.save(history).tokens for name, x in xfers.items()}
+        any_x = next(iter(xfers.values()))
+
+        def evict(any_x=any_x, history=history):
+            any_x.evict(history)
+
+        def keep(any_x=any_x, history=history, h=h):
+            if any_x.storable_tokens(history) < h - h % runner.pool.block_size:
+                raise RuntimeError("history fell out of the pool")
+
+        cases: dict[str, Any] = {"recompute": evict, "pool_hit": keep}
+        for name, x in xfers.items():
+            def prep(evict=evict):
+                evict()
+
+            def restore(x=x, history=history, n=stored[name]):
+                x.load(history, n)
+
+            prep.restore = restore
+            cases[name] = prep
+            if name == "disk":
+                def prep_cold(evict=evict):
+                    evict()
+                    _drop_page_cache(disk_dir)
+
+                prep_cold.restore = restore
+                cases["disk_cold"] = prep_cold
+        row: dict[str, Any] = {"history_tokens": h, "new_tokens": NEW_TOKENS,
+                               "stored_tokens": stored}
+        with console.status(f"history {h}: timing"):
+            # Warm the pool state once: the first pool_hit needs the history computed.
+            for name, prep in cases.items():
+                if name == "pool_hit":
+                    xfers["cpu"].load(history)
+                ttft(prompt, prep)  # warm-up
+                samples = [ttft(prompt, prep) for _ in range(args.repeats)]
+                row[f"{name}_s"] = statistics.median(samples)
+        for name in cases:
+            row[f"{name}_vs_recompute"] = row[f"{name}_s"] / row["recompute_s"]
+        rows.append(row)
+
+    t = Table(title=f"TTFT of a resumed turn ({NEW_TOKENS} new tokens): {model_dir.name} "
+              f"{dtype} on {device}", title_justify="left")
+    names = [k[:-2] for k in rows[0] if k.endswith("_s")]
+    t.add_column("history", justify="right")
+    for n in names:
+        t.add_column(f"{n} ms (x)", justify="right")
+    for r in rows:
+        t.add_row(str(r["history_tokens"]), *(
+            f"{r[f'{n}_s'] * 1e3:.1f} ({r[f'{n}_vs_recompute']:.2f})" for n in names))
+    console.print(t)
+    console.print("(x) = TTFT / recompute TTFT, lower is better")
+    if args.out:
+        path = write_result(args.out, "ttft", {
+            "config": {"model": str(model_dir), "dtype": dtype, "device": str(device),
+                       "chunk_tokens": args.chunk_tokens, "repeats": args.repeats,
+                       "threads": torch.get_num_threads(), "redis": bool(args.redis_url)},
+            "rows": rows,
+        })
+        console.print(f"wrote {path}")
+    for tier in tiers.values():
+        tier.close()
+    if args.disk_dir is None:
+        shutil.rmtree(disk_dir, ignore_errors=True)
+    return 0

@@ -1,0 +1,61 @@
+"""Building the tier stack from configuration (the embedded default: CPU arena + disk)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from kvtier.config import TiersConfig
+from kvtier.connectors.base import Tier
+from kvtier.errors import ConfigError
+from kvtier.tier_manager import TierManager
+
+HEADER_ALLOWANCE = 8192
+"""Room for a chunk's msgpack header (key, fingerprint, shape, one checksum per layer)."""
+
+
+def default_disk_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kvtier" / "chunks"
+
+
+def chunk_blob_bytes(
+    num_layers: int, chunk_tokens: int, kv_heads: int, head_dim: int, elem_bytes: int
+) -> int:
+    """Upper bound of one full chunk's blob: payload plus header allowance."""
+    return 2 * num_layers * chunk_tokens * kv_heads * head_dim * elem_bytes + HEADER_ALLOWANCE
+
+
+def build_tiers(cfg: TiersConfig, slot_bytes: int, fingerprint: bytes) -> TierManager | None:
+    """CPU, disk and Redis tiers as configured, fastest first; None when all are off."""
+    tiers: list[Tier] = []
+    if cfg.cpu_bytes:
+        from kvtier.connectors.cpu_tier import CPUTier
+
+        if cfg.cpu_bytes < slot_bytes:
+            raise ConfigError(
+                f"tiers.cpu_bytes={cfg.cpu_bytes} holds no chunk of this model "
+                f"({slot_bytes} bytes); raise it or set 0 to disable the CPU tier"
+            )
+        tiers.append(CPUTier(cfg.cpu_bytes, slot_bytes))
+    if cfg.disk_bytes != 0:
+        from kvtier.connectors.disk_tier import DiskTier
+
+        directory = Path(cfg.disk_dir).expanduser() if cfg.disk_dir else default_disk_dir()
+        # Hand evicted bytes over only when a tier below can take them (demotion to Redis).
+        tiers.append(
+            DiskTier(
+                directory,
+                cfg.disk_bytes,
+                cfg.disk_fsync,
+                cfg.disk_o_direct,
+                read_evicted=bool(cfg.redis_url),
+            )
+        )
+    if cfg.redis_url:
+        from kvtier.connectors.redis_tier import RedisTier
+
+        tiers.append(RedisTier(cfg.redis_url, ttl_s=cfg.redis_ttl_s, timeout_s=cfg.redis_timeout_s))
+    if not tiers:
+        return None
+    return TierManager(tiers, cfg.write_policy, fingerprint=fingerprint)

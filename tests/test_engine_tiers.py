@@ -1,0 +1,128 @@
+"""Sessions leave the pool and come back through the tiers: bit-exact KV, the same replies
+as never offloading, swap-out on preemption, and clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.config import TiersConfig
+from kvtier.engine import Engine, EngineOptions, UnknownSessionError
+from kvtier.errors import InvalidArgumentError
+from kvtier.gpu_pool.kernels import gather_blocks
+from kvtier.make_model import make_model
+from kvtier.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=10)
+SYSTEM = "You are a helpful assistant who answers about offloading KV caches. " * 3
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    torch.set_num_threads(1)
+    return make_model("tiny", tmp_path_factory.mktemp("m") / "tiny", seed=7).path
+
+
+TIER_SETUPS = {
+    "cpu": dict(cpu_bytes=64 << 20, disk_bytes=0),
+    "disk": dict(cpu_bytes=0, disk_bytes=256 << 20),
+    "cpu+disk": dict(cpu_bytes=64 << 20, disk_bytes=256 << 20),
+}
+
+
+def _engine(model_dir, tmp_path, tiers: dict | None, **kw) -> Engine:
+    cfg = None
+    if tiers is not None:
+        cfg = TiersConfig(disk_dir=str(tmp_path / "chunks"), disk_fsync=False, **tiers)
+    opts = dict(num_blocks=128, tiers=cfg, chunk_tokens=64)
+    opts.update(kw)
+    return Engine(model_dir, EngineOptions(**opts))
+
+
+def _session_kv(engine: Engine, sid: str) -> torch.Tensor:
+    ids = engine.sessions[sid].token_ids
+    blocks = engine.runner.pool.manager.match_prefix(ids, engine.runner.fingerprint)
+    return gather_blocks(engine.runner.pool.storage.kv, blocks).clone()
+
+
+@pytest.mark.parametrize("setup", list(TIER_SETUPS))
+def test_offload_then_resume_equals_never_offloading(model_dir, tmp_path, setup):
+    plain = _engine(model_dir, tmp_path / "plain", None)
+    plain.chat("s", "Tell me about the mountains and the weather there.", GREEDY, system=SYSTEM)
+    expected = plain.chat("s", "And in winter?", GREEDY)
+
+    eng = _engine(model_dir, tmp_path, TIER_SETUPS[setup])
+    try:
+        eng.chat("s", "Tell me about the mountains and the weather there.", GREEDY, system=SYSTEM)
+        kv_before = _session_kv(eng, "s")
+        off = eng.offload("s", TIER_SETUPS[setup]["cpu_bytes"] and "cpu" or "disk")
+        assert off.stored_tokens == kv_before.shape[2] and off.freed_blocks > 0 and not off.failed
+        assert _session_kv(eng, "s").shape[2] == 0  # nothing of it left in the pool
+        restored = eng.restore("s")
+        assert restored.from_tiers == off.stored_tokens
+        assert torch.equal(_session_kv(eng, "s"), kv_before)  # bit-exact round trip
+        eng.offload("s")  # and once more, so the resumed turn must restore by itself
+        turn2 = eng.chat("s", "And in winter?", GREEDY)
+    finally:
+        eng.close()
+    assert turn2.token_ids == expected.token_ids
+    assert turn2.stats.restored_tokens == off.stored_tokens
+    assert turn2.stats.reused_tokens >= off.stored_tokens
+    assert turn2.stats.recomputed_tokens == expected.stats.recomputed_tokens
+
+
+def test_many_sessions_sharing_a_system_prompt(model_dir, tmp_path):
+    eng = _engine(model_dir, tmp_path, TIER_SETUPS["cpu+disk"], num_blocks=256)
+    try:
+        sids = [f"u{i}" for i in range(6)]
+        eng.chat_many([(s, f"question number {i} about caches") for i, s in enumerate(sids)],
+                      GREEDY, system=SYSTEM)
+        before = {s: _session_kv(eng, s) for s in sids}
+        results = [eng.offload(s) for s in sids]
+        assert all(not r.failed for r in results)
+        cpu = eng.tiers.tiers[0]
+        # The system prompt's chunk is stored once, not once per session.
+        keys = [eng.kv._keys(eng.sessions[s].token_ids[: results[i].stored_tokens])
+                for i, s in enumerate(sids)]
+        first = {k[0].key for k in keys}
+        assert len(first) == 1
+        distinct = {ck.key for ks in keys for ck in ks}
+        assert len(cpu) == len(distinct)
+        for s in reversed(sids):
+            eng.restore(s)
+            assert torch.equal(_session_kv(eng, s), before[s]), s
+    finally:
+        eng.close()
+
+
+def test_preempted_sequences_swap_out_instead_of_recomputing(model_dir, tmp_path):
+    prompts = [[int(x) for x in torch.randint(10, 900, (70,), generator=torch.Generator().manual_seed(i))]
+               for i in range(6)]
+    alone = []
+    for p in prompts:
+        e = _engine(model_dir, tmp_path / "alone", None, num_blocks=64)
+        alone.append(e.generate([p], SamplingParams(max_tokens=24))[0].output_ids)
+    eng = _engine(model_dir, tmp_path, TIER_SETUPS["cpu"], num_blocks=26)
+    try:
+        reqs = eng.generate(prompts, SamplingParams(max_tokens=24))
+        assert eng.scheduler.preemptions > 0
+        assert sum(r.num_swapped_in_tokens for r in reqs) > 0
+        assert [r.output_ids for r in reqs] == alone
+    finally:
+        eng.close()
+
+
+def test_offload_errors_are_clear(model_dir, tmp_path):
+    no_tiers = _engine(model_dir, tmp_path, None)
+    no_tiers.chat("s", "hello", GREEDY)
+    with pytest.raises(InvalidArgumentError, match="no lower tiers"):
+        no_tiers.offload("s")
+    eng = _engine(model_dir, tmp_path, TIER_SETUPS["cpu"])
+    try:
+        with pytest.raises(UnknownSessionError, match="unknown session 'nope'"):
+            eng.offload("nope")
+        eng.chat("s", "hello", GREEDY)
+        with pytest.raises(InvalidArgumentError, match="unknown tier 'tape'"):
+            eng.offload("s", "tape")
+    finally:
+        eng.close()
