@@ -1,0 +1,36 @@
+"""`kvtier bench tiers` and `kvtier bench ttft` run end to end in a small configuration and
+write the JSON their docs describe (timings themselves are judged in benchmarks/results)."""
+
+from __future__ import annotations
+
+import json
+
+from kvtier.cli import main
+
+
+def test_bench_tiers_writes_ratios_for_every_tier(tmp_path):
+    out = tmp_path / "tiers.json"
+    argv = ["bench", "tiers", "--model", "smollm-135m", "--chunk-tokens", "16", "--chunks", "3",
+            "--repeats", "1", "--disk-dir", str(tmp_path / "d"), "--out", str(out)]
+    assert main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert doc["suite"] == "tiers" and doc["target_ratio"] == 0.8
+    ops = {(r["tier"], r["op"]) for r in doc["rows"]}
+    assert {("cpu", "put"), ("cpu", "get"), ("disk", "put"), ("disk", "get (cold)"),
+            ("redis", "put"), ("redis", "get")} <= ops
+    assert all(r["gbps"] > 0 and r["ref_gbps"] > 0 and r["ratio"] > 0 for r in doc["rows"])
+
+
+def test_bench_ttft_compares_restores_with_recompute(tmp_path):
+    out = tmp_path / "ttft.json"
+    argv = ["bench", "ttft", "--preset", "tiny", "--models-dir", str(tmp_path / "models"),
+            "--histories", "96,160", "--chunk-tokens", "32", "--repeats", "1",
+            "--out", str(out)]
+    assert main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert [r["history_tokens"] for r in doc["rows"]] == [96, 160]
+    for r in doc["rows"]:
+        assert r["recompute_vs_recompute"] == 1.0
+        for case in ("pool_hit", "cpu", "disk", "disk_cold"):
+            assert r[f"{case}_s"] > 0
+        assert r["stored_tokens"] == {"cpu": r["history_tokens"], "disk": r["history_tokens"]}
