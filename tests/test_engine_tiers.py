@@ -3,6 +3,9 @@ as never offloading, swap-out on preemption, and clear errors."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -126,3 +129,35 @@ def test_offload_errors_are_clear(model_dir, tmp_path):
             eng.offload("s", "tape")
     finally:
         eng.close()
+
+
+def test_offload_to_redis_then_resume_equals_never_offloading(model_dir, tmp_path, redis_server):
+    """The same round trip through a real redis-server, then with Redis stopped: the turn
+    falls back to recompute, the engine keeps serving, and the failure is counted."""
+    plain = _engine(model_dir, tmp_path / "plain", None)
+    plain.chat("r", "Tell me about the sea.", GREEDY, system=SYSTEM)
+    expected = plain.chat("r", "And the tides?", GREEDY)
+    tiers = dict(cpu_bytes=0, disk_bytes=0, redis_url=redis_server.url)
+    eng = _engine(model_dir, tmp_path, tiers)
+    try:
+        eng.chat("r", "Tell me about the sea.", GREEDY, system=SYSTEM)
+        off = eng.offload("r", "redis")
+        assert off.tier == "redis" and off.stored_tokens > 0 and not off.failed
+        turn2 = eng.chat("r", "And the tides?", GREEDY)
+        assert turn2.token_ids == expected.token_ids
+        assert turn2.stats.restored_tokens == off.stored_tokens
+        # Redis goes away while the session is offloaded: recompute, keep serving.
+        eng.offload("r", "redis")
+        redis_server.stop()
+        turn3 = eng.chat("r", "Thanks!", GREEDY)
+        assert turn3.stats.restored_tokens == 0 and turn3.stats.finish_reason == "length"
+        redis = eng.tiers.tiers[0]
+        assert sum(redis.stats.errors.values()) > 0
+    finally:
+        eng.close()
+
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/ is not a package (importlib mode)
+import redis_servers  # noqa: E402
+
+redis_server = redis_servers.redis_server  # the real-server fixture, used by name
