@@ -209,12 +209,7 @@ class CPUTier(Tier):
 
     def contains_prefix(self, keys: Sequence[str]) -> int:
         with self._lock:
-            n = 0
-            for key in keys:
-                if key not in self._index:
-                    break
-                n += 1
-            return n
+            return self._index.leading_present(keys)
 
     def delete(self, keys: Sequence[str]) -> int:
         with self._lock:

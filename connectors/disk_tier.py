@@ -408,12 +408,7 @@ class DiskTier(Tier):
     def contains_prefix(self, keys: Sequence[str]) -> int:
         """From the in-memory index; a file that vanished is noticed (as a miss) on get."""
         with self._lock:
-            n = 0
-            for key in keys:
-                if key not in self._index:
-                    break
-                n += 1
-            return n
+            return self._index.leading_present(keys)
 
     def delete(self, keys: Iterable[str]) -> int:
         n = 0

@@ -8,7 +8,7 @@ each tier guards it with its lock.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Container, Iterator
+from collections.abc import Container, Iterable, Iterator
 from typing import Generic, TypeVar
 
 V = TypeVar("V")
@@ -26,6 +26,15 @@ class LRUIndex(Generic[V]):
 
     def __contains__(self, key: object) -> bool:
         return key in self._entries
+
+    def leading_present(self, keys: Iterable[str]) -> int:
+        """How many leading ``keys`` are indexed (a tier's ``contains_prefix``)."""
+        n = 0
+        for key in keys:
+            if key not in self._entries:
+                break
+            n += 1
+        return n
 
     def get(self, key: str, touch: bool = True) -> tuple[V, int] | None:
         """The entry, marked most recently used unless ``touch`` is False."""
