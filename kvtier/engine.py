@@ -9,6 +9,7 @@ requests together through continuous batching.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -16,13 +17,14 @@ import torch
 
 from kvtier.config import TiersConfig
 from kvtier.errors import InvalidArgumentError, KVTierError
-from kvtier.kv_transfer import KVTransfer, LoadReport
+from kvtier.kv_transfer import KVTransfer, LoadReport, SaveReport
 from kvtier.model_runner import ModelRunner
 from kvtier.sampling import SamplingParams
 from kvtier.scheduler import Request, Scheduler
 from kvtier.session import ChatSession, TurnResult
 from kvtier.tier_factory import build_tiers, chunk_blob_bytes
 from kvtier.tokenizer import Tokenizer
+from kvtier.transfer_engine import TransferEngine
 
 
 class RequestError(KVTierError):
@@ -46,6 +48,8 @@ class EngineOptions:
     tiers: TiersConfig | None = field(default_factory=TiersConfig)
     """Lower tiers; the default is the embedded CPU arena + local disk. None: pool only."""
     chunk_tokens: int = 256
+    max_inflight_bytes: int = 256 << 20
+    """Cap on KV bytes copied out of the pool and not yet stored (background offloads)."""
 
 
 class UnknownSessionError(InvalidArgumentError, LookupError):
@@ -101,6 +105,8 @@ class Engine:
         )
         self.tiers = None
         self.kv: KVTransfer | None = None
+        self.transfers: TransferEngine | None = None
+        self._pending: dict[str, tuple[Future[SaveReport], int | str, Future[OffloadResult]]] = {}
         if opts.tiers is not None:
             cfg = self.runner.config
             slot = chunk_blob_bytes(
@@ -113,6 +119,7 @@ class Engine:
             self.tiers = build_tiers(opts.tiers, slot, self.runner.fingerprint)
             if self.tiers is not None:
                 self.kv = KVTransfer(self.runner, self.tiers, opts.chunk_tokens)
+                self.transfers = TransferEngine(self.kv, opts.max_inflight_bytes)
         self.scheduler = Scheduler(
             self.runner,
             self.tokenizer,
@@ -139,6 +146,8 @@ class Engine:
         return self.scheduler.add(self.encode(prompt), params, request_id, on_token)
 
     def step(self) -> list[Request]:
+        if self._pending:
+            self._settle_offloads()
         return self.scheduler.step()
 
     def run_until_done(self, requests: Sequence[Request] | None = None) -> None:
@@ -146,7 +155,7 @@ class Engine:
         while self.scheduler.has_work and (
             requests is None or not all(r.finished for r in requests)
         ):
-            self.scheduler.step()
+            self.step()
 
     def generate(
         self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | None = None
@@ -209,6 +218,7 @@ class Engine:
             raise InvalidArgumentError(
                 f"session {session_id!r} already has a turn in flight; wait for its reply"
             )
+        self._settle_offloads(block=True, only=session_id, evict=False)  # active again
         session = self.sessions.get(session_id) or ChatSession(session_id)
         sys_msg = system if not session.messages else None
         prompt = session.next_prompt(self.tokenizer, message, sys_msg)
@@ -244,20 +254,61 @@ class Engine:
             )
         return self.kv
 
-    def offload(self, session_id: str, tier: int | str = 0) -> OffloadResult:
+    def offload(
+        self, session_id: str, tier: int | str = 0, wait: bool = True
+    ) -> OffloadResult | Future[OffloadResult]:
         """Store the session's KV in ``tier`` (index or name), then free its pool blocks —
         only once every chunk is stored; a partial failure keeps the blocks and says which
-        chunks failed and why."""
+        chunks failed and why.
+
+        ``wait=False`` copies the KV out of the pool now and stores it in the background
+        (the transfer engine, with a cap on bytes in flight) while the engine keeps serving;
+        the blocks are freed when the store has finished, and the returned future gives the
+        :class:`OffloadResult`."""
         kv = self._need_tiers()
         session = self.session(session_id)
         if session_id in self._busy:
             raise InvalidArgumentError(f"session {session_id!r} has a turn in flight")
-        report = kv.save(session.token_ids, tier)
+        if isinstance(tier, str):
+            kv.manager.tier_index(tier)  # an unknown tier name fails here, before any work
+        self._settle_offloads(block=True, only=session_id)
+        if wait:
+            return self._complete_offload(session, kv.save(session.token_ids, tier), tier, True)
+        assert self.transfers is not None
+        out: Future[OffloadResult] = Future()
+        self._pending[session_id] = (self.transfers.submit_save(session.token_ids, tier), tier, out)
+        return out
+
+    def _settle_offloads(
+        self, block: bool = False, only: str | None = None, evict: bool = True
+    ) -> None:
+        """Finish background offloads whose store is done (or all of them, ``block``)."""
+        for sid, (fut, tier, out) in list(self._pending.items()):
+            if (only is not None and sid != only) or not (block or fut.done()):
+                continue
+            del self._pending[sid]
+            session = self.sessions.get(sid)
+            try:
+                report = fut.result()
+            except Exception as exc:  # noqa: BLE001 - handed to whoever holds the future
+                out.set_exception(exc)
+                continue
+            if session is None:  # ended meanwhile
+                out.set_exception(UnknownSessionError(f"session {sid!r} ended during offload"))
+                continue
+            out.set_result(
+                self._complete_offload(session, report, tier, evict and sid not in self._busy)
+            )
+
+    def _complete_offload(
+        self, session: ChatSession, report: SaveReport, tier: int | str, evict: bool
+    ) -> OffloadResult:
+        kv = self._need_tiers()
         if report.tokens:
             session.stored_tokens = report.tokens
         storable = kv.storable_tokens(session.token_ids)
         freed = 0
-        if not report.failed and session.stored_tokens >= storable:
+        if evict and not report.failed and session.stored_tokens >= storable:
             keep: set[int] = set()
             for other in self.sessions.values():
                 if other is not session and not other.offloaded:
@@ -266,7 +317,12 @@ class Engine:
             session.offloaded = True
         name = kv.manager.tiers[kv.manager.tier_index(tier) if isinstance(tier, str) else tier].name
         return OffloadResult(
-            session_id, session.stored_tokens, freed, name, report.bytes, dict(report.failed)
+            session.session_id,
+            session.stored_tokens,
+            freed,
+            name,
+            report.bytes,
+            dict(report.failed),
         )
 
     def restore(self, session_id: str) -> LoadReport:
@@ -290,6 +346,10 @@ class Engine:
 
     def close(self) -> None:
         """Release the tiers (threads, connections, pinned memory)."""
+        if self.transfers is not None:
+            self._settle_offloads(block=True)
+            self.transfers.close()
+            self.transfers = None
         if self.tiers is not None:
             self.tiers.close()
             self.tiers = None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +40,20 @@ class SaveReport:
 
 
 @dataclass
+class Snapshot:
+    """Host copies of the chunks of a prefix that are not stored yet."""
+
+    keys: list[ChunkKey]
+    already: int = 0
+    """Leading chunks already stored in some tier."""
+    end: int = 0
+    """Tokens covered by the stored chunks plus the copied ones (contiguous)."""
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    nbytes: int = 0
+    ready: torch.cuda.Event | None = None
+
+
+@dataclass
 class LoadReport:
     tokens: int
     """Leading tokens whose KV is now in the pool (cached blocks or restored from tiers)."""
@@ -61,6 +75,7 @@ class KVTransfer:
         self.manager = manager
         self.chunk_tokens = chunk_tokens
         self._tmp_ids = itertools.count()
+        self._stream: torch.cuda.Stream | None = None
 
     @property
     def _pool(self):
@@ -87,46 +102,89 @@ class KVTransfer:
         return (present[-1] + 1) * self._pool.block_size if present else 0
 
     # -------------------------------------------------------------------- save
-    def save(self, token_ids: Sequence[int], tier: int | str = 0) -> SaveReport:
-        """Store the KV of ``token_ids`` up to its last block held in the pool (whole
-        blocks; the last chunk is a tail keyed by its length). Chunks already in a tier are
-        not written again; a chunk that is neither stored nor fully in the pool ends the
-        stored prefix."""
-        pool, fp = self._pool, self.runner.fingerprint
+    def snapshot(
+        self, token_ids: Sequence[int], reserve: Callable[[int], None] | None = None
+    ) -> Snapshot:
+        """Copy the KV of every chunk not stored yet out of the pool (engine thread).
+
+        The copy is what makes storing asynchronous safe: once taken, the pool's blocks may
+        be reused. ``reserve(nbytes)`` is called before any copy is made (the transfer
+        engine's cap on bytes in flight). On CUDA the gather runs on a side stream into
+        pinned host memory and ``ready`` is its completion event."""
+        pool = self._pool
         bs = pool.block_size
         blocks = self._pool_blocks(token_ids)
         n = self.storable_tokens(token_ids)
         keys = self._keys(list(token_ids[:n]))
-        report = SaveReport(tokens=0, keys=[k.key for k in keys])
+        snap = Snapshot(keys=keys)
         if not keys:
-            return report
+            return snap
         have = self.manager.lookup([k.key for k in keys])
-        blobs: dict[str, bytes] = {}
-        end = 0
+        todo: list[tuple[ChunkKey, list[int]]] = []
         for i, ck in enumerate(keys):
             if i < have.length:
-                report.already += 1
-                end = ck.end
+                snap.already += 1
+                snap.end = ck.end
                 continue
             ids = blocks[ck.start // bs : ck.end // bs]
             if any(b is None for b in ids):
                 break  # a hole: neither stored nor in the pool
-            kv = gather_blocks(pool.storage.kv, ids, num_tokens=ck.num_tokens)
-            blobs[ck.key] = encode_chunk(ck.key, fp, kv)
-            end = ck.end
+            todo.append((ck, ids))  # type: ignore[arg-type]
+            snap.end = ck.end
+        per_token = pool.storage.bytes_per_token
+        snap.nbytes = sum(ck.num_tokens for ck, _ in todo) * per_token
+        if not todo:
+            return snap
+        if reserve is not None:
+            reserve(snap.nbytes)
+        kv = pool.storage.kv
+        if kv.is_cuda:
+            stream = self._side_stream()
+            stream.wait_stream(torch.cuda.current_stream(kv.device))
+            with torch.cuda.stream(stream):
+                for ck, ids in todo:
+                    dev = gather_blocks(kv, ids, num_tokens=ck.num_tokens)
+                    host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
+                    host.copy_(dev, non_blocking=True)
+                    dev.record_stream(stream)
+                    snap.tensors[ck.key] = host
+                snap.ready = torch.cuda.Event()
+                snap.ready.record(stream)
+        else:
+            for ck, ids in todo:
+                snap.tensors[ck.key] = gather_blocks(kv, ids, num_tokens=ck.num_tokens)
+        return snap
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self._pool.storage.kv.device)
+        return self._stream
+
+    def store(self, snap: Snapshot, tier: int | str = 0) -> SaveReport:
+        """Encode a snapshot's chunks and put them in ``tier`` (any thread)."""
+        report = SaveReport(tokens=0, keys=[k.key for k in snap.keys], already=snap.already)
+        if snap.ready is not None:
+            snap.ready.synchronize()
+        fp = self.runner.fingerprint
+        blobs = {key: encode_chunk(key, fp, t) for key, t in snap.tensors.items()}
         if blobs:
             res = self.manager.put(blobs, tier)
             report.failed = dict(res.failed)
             report.stored = len(blobs) - len(res.failed)
             report.bytes = sum(len(b) for k, b in blobs.items() if k not in res.failed)
         # The stored prefix ends at the first chunk no tier took.
-        stored_prefix = 0
-        for ck in keys:
-            if ck.key in report.failed or ck.end > end:
+        for ck in snap.keys:
+            if ck.key in report.failed or ck.end > snap.end:
                 break
-            stored_prefix = ck.end
-        report.tokens = stored_prefix
+            report.tokens = ck.end
         return report
+
+    def save(self, token_ids: Sequence[int], tier: int | str = 0) -> SaveReport:
+        """Store the KV of ``token_ids`` up to its last block held in the pool (whole
+        blocks; the last chunk is a tail keyed by its length). Chunks already in a tier are
+        not written again; a chunk that is neither stored nor fully in the pool ends the
+        stored prefix."""
+        return self.store(self.snapshot(token_ids), tier)
 
     # -------------------------------------------------------------------- load
     def load(self, token_ids: Sequence[int], stored_tokens: int | None = None) -> LoadReport:

@@ -161,3 +161,40 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/ is not a package (impor
 import redis_servers  # noqa: E402
 
 redis_server = redis_servers.redis_server  # the real-server fixture, used by name
+
+
+def test_background_offload_overlaps_serving_and_caps_bytes_in_flight(model_dir, tmp_path):
+    """Offloads copy the KV out at once and store it on worker threads while other sessions
+    keep being served; the copies in flight never exceed the cap; the blocks are freed when
+    the store is done; a session resumed meanwhile keeps its blocks."""
+    plain = _engine(model_dir, tmp_path / "plain", None, num_blocks=256)
+    expected = {}
+    for i in range(4):
+        plain.chat(f"s{i}", f"first turn of session {i}", GREEDY, system=SYSTEM)
+        expected[f"s{i}"] = plain.chat(f"s{i}", "second turn", GREEDY).token_ids
+    eng = _engine(model_dir, tmp_path, TIER_SETUPS["cpu+disk"], num_blocks=256,
+                  max_inflight_bytes=1)  # every store waits for the one before it
+    try:
+        for i in range(4):
+            eng.chat(f"s{i}", f"first turn of session {i}", GREEDY, system=SYSTEM)
+        futures = {f"s{i}": eng.offload(f"s{i}", "disk", wait=False) for i in (1, 2)}
+        got = {"s3": eng.chat("s3", "second turn", GREEDY).token_ids}  # serving goes on
+        # A session resumed while its offload is in flight keeps its blocks.
+        futures["s0"] = eng.offload("s0", "disk", wait=False)
+        got["s0"] = eng.chat("s0", "second turn", GREEDY).token_ids
+        eng.transfers.drain()
+        results = {sid: f.result(timeout=30) for sid, f in futures.items()}
+        assert results["s0"].freed_blocks == 0  # resumed before its store finished
+        eng.step()  # settles finished offloads
+        assert all(not r.failed and r.stored_tokens > 0 for r in results.values())
+        assert eng.transfers.peak_inflight_bytes <= max(
+            eng.runner.pool.storage.bytes_per_token * r.stored_tokens for r in results.values()
+        )
+        assert eng.sessions["s1"].offloaded and eng.sessions["s2"].offloaded
+        for sid in ("s1", "s2"):
+            turn = eng.chat(sid, "second turn", GREEDY)
+            assert turn.stats.restored_tokens > 0
+            got[sid] = turn.token_ids
+        assert got == expected
+    finally:
+        eng.close()

@@ -1,0 +1,77 @@
+"""Asynchronous stores: copies leave the pool on the engine thread, the slow part (encoding,
+checksums, disk and network I/O) runs on worker threads while the model keeps computing.
+
+A cap on bytes in flight gives backpressure: when stores fall behind, the next snapshot
+waits for room instead of letting host memory grow without bound. (torch releases the GIL
+in its kernels and the tiers in their I/O, so on CPU the workers overlap the engine's
+compute; on CUDA the gather also runs on a side stream, see ``KVTransfer.snapshot``.)
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from kvtier.errors import InvalidArgumentError
+from kvtier.kv_transfer import KVTransfer, SaveReport
+
+
+class TransferEngine:
+    def __init__(self, kv: KVTransfer, max_inflight_bytes: int = 256 << 20, workers: int = 2):
+        if max_inflight_bytes < 1 or workers < 1:
+            raise InvalidArgumentError(
+                f"max_inflight_bytes and workers must be >= 1, got {max_inflight_bytes}, {workers}"
+            )
+        self.kv = kv
+        self.max_inflight_bytes = max_inflight_bytes
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvtier-store")
+        self._cond = threading.Condition()
+        self.inflight_bytes = 0
+        self.peak_inflight_bytes = 0
+        self.submitted = 0
+        self.completed = 0
+
+    def _reserve(self, nbytes: int) -> None:
+        """Wait until ``nbytes`` fit under the cap (a single larger store runs alone)."""
+        with self._cond:
+            self._cond.wait_for(
+                lambda: self.inflight_bytes == 0
+                or self.inflight_bytes + nbytes <= self.max_inflight_bytes
+            )
+            self.inflight_bytes += nbytes
+            self.peak_inflight_bytes = max(self.peak_inflight_bytes, self.inflight_bytes)
+
+    def _release(self, nbytes: int) -> None:
+        with self._cond:
+            self.inflight_bytes -= nbytes
+            self.completed += 1
+            self._cond.notify_all()
+
+    def submit_save(self, token_ids: Sequence[int], tier: int | str = 0) -> Future[SaveReport]:
+        """Snapshot now (engine thread), store in the background; the future's result is
+        the :class:`SaveReport`."""
+        snap = self.kv.snapshot(token_ids, reserve=self._reserve)
+        self.submitted += 1
+
+        def work() -> SaveReport:
+            try:
+                return self.kv.store(snap, tier)
+            finally:
+                if snap.tensors:
+                    self._release(snap.nbytes)
+
+        if not snap.tensors:  # nothing to copy: complete at once
+            self.completed += 1
+            done: Future[SaveReport] = Future()
+            done.set_result(self.kv.store(snap, tier))
+            return done
+        return self._pool.submit(work)
+
+    def drain(self) -> None:
+        """Wait until every submitted store has finished."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.inflight_bytes == 0)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
