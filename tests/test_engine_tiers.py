@@ -160,7 +160,31 @@ def test_offload_to_redis_then_resume_equals_never_offloading(model_dir, tmp_pat
 sys.path.insert(0, str(Path(__file__).parent))  # tests/ is not a package (importlib mode)
 import redis_servers  # noqa: E402
 
-redis_server = redis_servers.redis_server  # the real-server fixture, used by name
+redis_server = redis_servers.redis_server  # the real-server fixtures, used by name
+redis_cluster = redis_servers.redis_cluster
+
+
+def test_sessions_resume_on_another_engine_through_a_redis_cluster(model_dir, tmp_path,
+                                                                    redis_cluster):
+    """The scale-out path: a session offloaded by one engine resumes on another node's
+    engine from a real 3-node Redis Cluster, with the reply of a never-offloaded run."""
+    plain = _engine(model_dir, tmp_path / "plain", None)
+    plain.chat("c", "Tell me about clusters.", GREEDY, system=SYSTEM)
+    expected = plain.chat("c", "How many nodes?", GREEDY)
+    tiers = dict(cpu_bytes=0, disk_bytes=0, redis_url=redis_cluster.url)
+    node_a = _engine(model_dir, tmp_path / "a", tiers)
+    node_b = _engine(model_dir, tmp_path / "b", tiers)
+    try:
+        node_a.chat("c", "Tell me about clusters.", GREEDY, system=SYSTEM)
+        off = node_a.offload("c", "redis")
+        assert off.stored_tokens > 0 and not off.failed
+        node_b.sessions["c"] = node_a.sessions.pop("c")  # the session record moves nodes
+        turn2 = node_b.chat("c", "How many nodes?", GREEDY)
+        assert turn2.stats.restored_tokens == off.stored_tokens
+        assert turn2.token_ids == expected.token_ids
+    finally:
+        node_a.close()
+        node_b.close()
 
 
 def test_background_offload_overlaps_serving_and_caps_bytes_in_flight(model_dir, tmp_path):
