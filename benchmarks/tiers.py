@@ -47,7 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _median(fn: Callable[[], None], repeats: int, before: Callable[[], None] | None = None
+def _median(fn: Callable[[], object], repeats: int, before: Callable[[], None] | None = None
             ) -> float:
     times = []
     for _ in range(repeats):
@@ -136,11 +136,13 @@ def run(args: argparse.Namespace) -> int:
                 arena[off : off + len(s)].copy_(s)
                 off += len(s)
 
-        def ref_get() -> None:
-            off = 0
+        def ref_get() -> list[bytes]:
+            # kept, like the tier's get returns them all: results in fresh Python memory
+            out, off = [], 0
             for s in srcs:
-                bytes(arena[off : off + len(s)].numpy())
+                out.append(bytes(arena[off : off + len(s)].numpy()))
                 off += len(s)
+            return out
 
         put_s = _median(lambda: tier.put(blobs), args.repeats, before=lambda: tier.delete(keys))
         get_s = _median(lambda: tier.get(keys), args.repeats)
@@ -165,9 +167,8 @@ def run(args: argparse.Namespace) -> int:
                     f.flush()
                     os.fsync(f.fileno())
 
-        def ref_read() -> None:
-            for p in raw:
-                p.read_bytes()
+        def ref_read() -> list[bytes]:
+            return [p.read_bytes() for p in raw]  # kept, like the tier's get returns them
 
         tier_files = lambda: [p for p in tdir.rglob("*.kvc")]  # noqa: E731
         put_s = _median(lambda: tier.put(blobs), args.repeats, before=lambda: tier.delete(keys))

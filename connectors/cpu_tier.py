@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import logging
 import threading
+import warnings
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 
 from kvtier.chunk_format import layer_span, parse_header, slice_chunk
@@ -23,6 +25,17 @@ from kvtier.connectors.lru import LRUIndex
 from kvtier.errors import ChunkFormatError, InvalidArgumentError, TierError
 
 log = logging.getLogger(__name__)
+
+with warnings.catch_warnings():
+    # torch warns (once per process) that a tensor over a read-only buffer must not be
+    # written; the CPU tier only ever reads such tensors (the source of a copy).
+    warnings.simplefilter("ignore", UserWarning)
+    torch.from_numpy(np.frombuffer(b"\0", dtype=np.uint8))
+
+
+def _as_tensor(blob: Blob) -> torch.Tensor:
+    """A uint8 tensor over ``blob``'s memory (no copy; read-only buffers are only read)."""
+    return torch.from_numpy(np.frombuffer(blob, dtype=np.uint8))
 
 
 def slot_bytes_for(num_layers: int, payload_nbytes: int, key_chars: int = 128) -> int:
@@ -102,7 +115,9 @@ class CPUTier(Tier):
         evicted: list[tuple[str, bytes]] = []
         written = 0
         with self._lock:
-            view = self._arena_view()
+            self._arena_view()
+            arena = self._arena
+            assert arena is not None
             batch: set[str] = set()
             for key, blob in chunks.items():
                 if key in self._index:
@@ -121,7 +136,8 @@ class CPUTier(Tier):
                     result.failed[key] = "full"
                     continue
                 start = slot * self.slot_bytes
-                view[start : start + len(blob)] = blob
+                # torch's copy uses every core (a memoryview assignment is one memcpy)
+                arena[start : start + len(blob)].copy_(_as_tensor(blob))
                 self._index.add(key, slot, len(blob))
                 batch.add(key)
                 result.stored.append(key)
@@ -167,8 +183,8 @@ class CPUTier(Tier):
                     continue
                 slot, length = entry
                 start = slot * self.slot_bytes
-                blob = self._read(key, view[start : start + length], layers)
-                if blob is None or (verify and not is_valid(key, blob)):
+                blob = self._read(key, view[start : start + length], layers, verify)
+                if blob is None:
                     self._drop(key)
                     corrupt += 1
                     blob = None
@@ -183,9 +199,15 @@ class CPUTier(Tier):
         return out
 
     @staticmethod
-    def _read(key: str, stored: memoryview, layers: tuple[int, int] | None) -> bytes | None:
-        """The stored blob or its layer range; None when the header is unreadable."""
+    def _read(
+        key: str, stored: memoryview, layers: tuple[int, int] | None, verify: bool
+    ) -> bytes | None:
+        """A copy of the stored blob or its layer range; None when the header is unreadable
+        or (with ``verify``) the chunk fails its checks. A whole blob is verified in place
+        (in the arena, under the lock) and then copied once."""
         if layers is None:
+            if verify and not is_valid(key, stored):
+                return None
             return bytes(stored)
         try:
             header, offset = parse_header(stored)
@@ -198,7 +220,10 @@ class CPUTier(Tier):
         part = stored[offset + start : offset + start + length]
         if len(part) != length:
             return None
-        return slice_chunk(header, layers, part)
+        blob = slice_chunk(header, layers, part)
+        if verify and not is_valid(key, blob):
+            return None
+        return blob
 
     def _drop(self, key: str) -> bool:
         entry = self._index.pop(key)
