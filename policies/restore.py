@@ -1,0 +1,74 @@
+"""Restore or recompute: how much of a resuming session's stored prefix to load.
+
+Loading chunk ``i`` saves recomputing its tokens but costs its transfer from the tier that
+holds it. The plan picks the number of leading chunks ``k`` (0 = recompute everything) that
+minimises predicted time to first token. With layer-wise overlap, layer ``l`` computes while
+layer ``l + 1`` loads, so loading and compute overlap except for one layer's share of the
+smaller of the two; without it they add up. A tier slower than recomputing is never chosen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvtier.policies.cost_model import CostModel
+
+
+@dataclass(frozen=True)
+class StoredChunk:
+    tokens: int
+    tier: str
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    load_chunks: int
+    load_tokens: int
+    recompute_tokens: int
+    predicted_ttft_s: float
+    recompute_all_ttft_s: float
+
+    @property
+    def recompute_all(self) -> bool:
+        return self.load_chunks == 0
+
+
+def predicted_ttft(
+    cost: CostModel,
+    chunks: Sequence[StoredChunk],
+    k: int,
+    prompt_tokens: int,
+    cached_tokens: int = 0,
+    overlap: bool = True,
+) -> float:
+    """TTFT if the first ``k`` stored chunks are loaded and the rest of the prompt computed.
+    ``cached_tokens`` are already in the pool (free)."""
+    loaded = sum(c.tokens for c in chunks[:k])
+    have = max(cached_tokens, loaded)
+    load = sum(cost.load_time(c.tier, c.tokens) for c in chunks[:k])
+    compute = cost.prefill.time(have, max(prompt_tokens - have, 1))
+    if not overlap or load == 0:
+        return load + compute
+    per_layer = min(load, compute) / max(cost.num_layers, 1)
+    return max(load, compute) + per_layer
+
+
+def plan_restore(
+    cost: CostModel,
+    chunks: Sequence[StoredChunk],
+    prompt_tokens: int,
+    cached_tokens: int = 0,
+    overlap: bool = True,
+) -> RestorePlan:
+    """The ``k`` with the lowest predicted TTFT (ties go to loading less)."""
+    best_k = 0
+    best = predicted_ttft(cost, chunks, 0, prompt_tokens, cached_tokens, overlap)
+    scratch = best
+    for k in range(1, len(chunks) + 1):
+        t = predicted_ttft(cost, chunks, k, prompt_tokens, cached_tokens, overlap)
+        if t < best:
+            best_k, best = k, t
+    loaded = sum(c.tokens for c in chunks[:best_k])
+    have = max(cached_tokens, loaded)
+    return RestorePlan(best_k, loaded, max(prompt_tokens - have, 0), best, scratch)
