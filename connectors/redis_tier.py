@@ -25,11 +25,13 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
+import redis
 import redis.asyncio as aioredis
 from redis import exceptions as rexc
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.retry import Retry as SyncRetry
 from redis.utils import HIREDIS_AVAILABLE
 
 from kvtier.chunk_format import layer_span, parse_header, slice_chunk, validate_chunk
@@ -127,6 +129,24 @@ class RedisTier(Tier):
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvtier-redis", daemon=True)
         self._thread.start()
         self._client = self._run_on_loop(self._make_client(url, max_connections, scheme), 5.0)
+        # Whole-blob batches on a single server move through redis-py's blocking client (same
+        # pool settings, hiredis parser) in worker threads the loop awaits: asyncio's socket
+        # transport joins a pipeline into one buffer and copies what the kernel does not take
+        # at once, and its stream reader copies replies twice more, which halves throughput
+        # for multi-MiB values. The loop still owns the deadline of every call.
+        self._sync: redis.Redis | None = None
+        self._io: concurrent.futures.ThreadPoolExecutor | None = None
+        if not self.cluster:
+            self._sync = redis.Redis.from_url(
+                url,
+                socket_timeout=self.timeout_s,
+                socket_connect_timeout=self.timeout_s,
+                retry=SyncRetry(NoBackoff(), 1, supported_errors=(rexc.ConnectionError,)),
+                max_connections=max_connections,
+            )
+            self._io = concurrent.futures.ThreadPoolExecutor(
+                max_connections, thread_name_prefix="kvtier-redis-io"
+            )
 
     # --- client and loop --------------------------------------------------------------
     async def _make_client(self, url: str, max_connections: int, scheme: str) -> Any:
@@ -192,18 +212,36 @@ class RedisTier(Tier):
         self.round_trips += 1
         return self._client.pipeline(transaction=False)
 
+    async def _blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn`` (a blocking-client call) in the I/O threads; awaited by the loop."""
+        assert self._io is not None
+        return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
+
+    def _set_batch(self, keys: Sequence[str], chunks: Mapping[str, Blob]) -> list[Any]:
+        assert self._sync is not None
+        pipe = self._sync.pipeline(transaction=False)
+        for k in keys:
+            pipe.set(self._rk(k), bytes(chunks[k]), nx=True, px=self.ttl_ms)
+            if self.ttl_ms is not None:
+                pipe.pexpire(self._rk(k), self.ttl_ms)  # a re-put keeps a live chunk alive
+        return pipe.execute(raise_on_error=False)
+
     # --- async operations (run on the tier's loop) --------------------------------------
     async def _put(self, chunks: Mapping[str, Blob]) -> PutResult:
         result = PutResult()
         if not chunks:
             return result
         keys = list(chunks)
-        pipe = self._pipeline()
-        for k in keys:
-            pipe.set(self._rk(k), bytes(chunks[k]), nx=True, px=self.ttl_ms)
-            if self.ttl_ms is not None:
-                pipe.pexpire(self._rk(k), self.ttl_ms)  # a re-put keeps a live chunk alive
-        replies = await pipe.execute(raise_on_error=False)
+        if self._sync is not None:
+            self.round_trips += 1
+            replies = await self._blocking(self._set_batch, keys, chunks)
+        else:
+            pipe = self._pipeline()
+            for k in keys:
+                pipe.set(self._rk(k), bytes(chunks[k]), nx=True, px=self.ttl_ms)
+                if self.ttl_ms is not None:
+                    pipe.pexpire(self._rk(k), self.ttl_ms)  # a re-put keeps a live chunk alive
+            replies = await pipe.execute(raise_on_error=False)
         step = 1 if self.ttl_ms is None else 2
         written = 0
         for i, k in enumerate(keys):
@@ -248,9 +286,9 @@ class RedisTier(Tier):
         return out
 
     async def _get_whole(self, keys: Sequence[str]) -> list[bytes | None]:
-        if not self.cluster:
+        if self._sync is not None:
             self.round_trips += 1
-            return await self._client.mget([self._rk(k) for k in keys])
+            return await self._blocking(self._sync.mget, [self._rk(k) for k in keys])
         pipe = self._pipeline()
         for k in keys:
             pipe.get(self._rk(k))
@@ -457,6 +495,11 @@ class RedisTier(Tier):
             self._run_on_loop(asyncio.wait_for(self._client.aclose(), self.timeout_s), self.timeout_s + 0.5)
         with contextlib.suppress(Exception):
             self._run_on_loop(self._cancel_pending(), 1.0)
+        if self._io is not None:
+            self._io.shutdown(wait=False, cancel_futures=True)
+        if self._sync is not None:
+            with contextlib.suppress(Exception):
+                self._sync.close()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=2.0)
         if not self._thread.is_alive():
