@@ -111,6 +111,20 @@ class Tier(ABC):
     def add_eviction_listener(self, listener: EvictionListener) -> None:
         self._eviction_listeners.append(listener)
 
+    def _account_put(
+        self, result: PutResult, written: int, evicted: list[tuple[str, bytes | None]]
+    ) -> PutResult:
+        """Count a finished put (stored bytes, failures by kind) and tell the eviction
+        listeners what it displaced; call after the tier's lock is released."""
+        with self.stats.lock:
+            self.stats.puts += len(result.stored)
+            self.stats.bytes_written += written
+        for reason in result.failed.values():
+            self.stats.count_error(reason.split(":")[0])
+        for key, blob in evicted:
+            self._notify_evicted(key, blob)
+        return result
+
     def _notify_evicted(self, key: str, blob: bytes | None) -> None:
         with self.stats.lock:
             self.stats.evictions += 1

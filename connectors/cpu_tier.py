@@ -142,14 +142,7 @@ class CPUTier(Tier):
                 batch.add(key)
                 result.stored.append(key)
                 written += len(blob)
-        with self.stats.lock:
-            self.stats.puts += len(result.stored)
-            self.stats.bytes_written += written
-        for reason in result.failed.values():
-            self.stats.count_error(reason.split(":")[0])
-        for key, data in evicted:
-            self._notify_evicted(key, data)
-        return result
+        return self._account_put(result, written, evicted)
 
     def _take_slot(self, batch: set[str], evicted: list[tuple[str, bytes]]) -> int | None:
         """A free slot, evicting the LRU chunk not written by this batch if none is free.

@@ -207,14 +207,7 @@ class DiskTier(Tier):
                     written += len(blob)
                 else:
                     result.failed[key] = reason
-        with self.stats.lock:
-            self.stats.puts += len(result.stored)
-            self.stats.bytes_written += written
-        for reason in result.failed.values():
-            self.stats.count_error(reason.split(":")[0])
-        for key, data in evicted_blobs:
-            self._notify_evicted(key, data)
-        return result
+        return self._account_put(result, written, evicted_blobs)
 
     def _make_room(self, size: int, evicted: list[tuple[str, str]]) -> bool:
         """Evict LRU chunks until ``size`` more bytes fit (under the lock). Chunks written by
