@@ -4,7 +4,8 @@ For each history length, a session's history is computed once; then the TTFT of 
 turn (a short new message) is measured four ways on the reference engine's model runner:
 recompute the whole history; KV still in the pool (the floor); restore from each tier
 (CPU arena; disk, warm page cache and cold; Redis when a URL is given) then compute only
-the new message. Ratios are against recompute, measured in the same run.
+the new message — once loading every layer first, once streamed (``*_stream``: layer l
+computes while layer l+1 loads). Ratios are against recompute, measured in the same run.
 """
 
 from __future__ import annotations
@@ -118,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
         _sync(device)
         elapsed = time.perf_counter() - t0
         runner.free_sequence(sid)
+        runner.reap_layer_loads(wait=True)  # a streamed restore is over once the run is
         return elapsed
 
     rows: list[dict[str, Any]] = []
@@ -141,21 +143,23 @@ def run(args: argparse.Namespace) -> int:
 
         cases: dict[str, Any] = {"recompute": evict, "pool_hit": keep}
         for name, x in xfers.items():
-            def prep(evict=evict):
-                evict()
-
-            def restore(x=x, history=history, n=stored[name]):
-                x.load(history, n)
-
-            prep.restore = restore
-            cases[name] = prep
-            if name == "disk":
-                def prep_cold(evict=evict):
+            for stream in (False, True):
+                def prep(evict=evict):
                     evict()
-                    _drop_page_cache(disk_dir)
 
-                prep_cold.restore = restore
-                cases["disk_cold"] = prep_cold
+                def restore(x=x, history=history, n=stored[name], stream=stream):
+                    x.load(history, n, stream=stream)
+
+                prep.restore = restore
+                suffix = "_stream" if stream else ""
+                cases[name + suffix] = prep
+                if name == "disk":
+                    def prep_cold(evict=evict):
+                        evict()
+                        _drop_page_cache(disk_dir)
+
+                    prep_cold.restore = restore
+                    cases["disk_cold" + suffix] = prep_cold
         row: dict[str, Any] = {"history_tokens": h, "new_tokens": NEW_TOKENS,
                                "stored_tokens": stored}
         with console.status(f"history {h}: timing"):
@@ -189,6 +193,8 @@ def run(args: argparse.Namespace) -> int:
             "rows": rows,
         })
         console.print(f"wrote {path}")
+    for x in xfers.values():
+        x.close()
     for tier in tiers.values():
         tier.close()
     if args.disk_dir is None:

@@ -8,6 +8,7 @@ requests together through continuous batching.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -17,6 +18,7 @@ import torch
 
 from kvtier.config import TiersConfig
 from kvtier.errors import InvalidArgumentError, KVTierError
+from kvtier.hashing import chain_hashes
 from kvtier.kv_transfer import KVTransfer, LoadReport, SaveReport
 from kvtier.model_runner import ModelRunner
 from kvtier.sampling import SamplingParams
@@ -50,6 +52,8 @@ class EngineOptions:
     chunk_tokens: int = 256
     max_inflight_bytes: int = 256 << 20
     """Cap on KV bytes copied out of the pool and not yet stored (background offloads)."""
+    stream_restore: bool = True
+    """Restores stream layer by layer: layer l computes while layer l+1 is still loading."""
 
 
 class UnknownSessionError(InvalidArgumentError, LookupError):
@@ -118,7 +122,9 @@ class Engine:
             )
             self.tiers = build_tiers(opts.tiers, slot, self.runner.fingerprint)
             if self.tiers is not None:
-                self.kv = KVTransfer(self.runner, self.tiers, opts.chunk_tokens)
+                self.kv = KVTransfer(
+                    self.runner, self.tiers, opts.chunk_tokens, stream=opts.stream_restore
+                )
                 self.transfers = TransferEngine(self.kv, opts.max_inflight_bytes)
         self.scheduler = Scheduler(
             self.runner,
@@ -129,6 +135,10 @@ class Engine:
         )
         self.sessions: dict[str, ChatSession] = {}
         self._busy: set[str] = set()
+        self._resident_hashes: dict[str, list[bytes]] = {}
+        """Block hashes of each session whose KV is meant to be in the pool."""
+        self._resident_count: Counter[bytes] = Counter()
+        """How many resident sessions hold each block (an offload keeps shared ones)."""
 
     # ----------------------------------------------------------------- requests
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
@@ -238,7 +248,23 @@ class Engine:
             return replace(failed, error=req.error)
         result = turn.session.record(turn.message, turn.system, req, turn.restored_tokens)
         self.sessions[sid] = turn.session
+        self._set_resident(turn.session, True)
         return result
+
+    def _set_resident(self, session: ChatSession, resident: bool) -> None:
+        """Track which blocks resident sessions hold, so an offload costs O(its own blocks)."""
+        old = self._resident_hashes.pop(session.session_id, None)
+        count = self._resident_count
+        for h in old or ():
+            count[h] -= 1
+            if count[h] <= 0:
+                del count[h]
+        if resident:
+            hashes = chain_hashes(
+                session.token_ids, self.runner.pool.block_size, self.runner.fingerprint
+            )
+            self._resident_hashes[session.session_id] = hashes
+            count.update(hashes)
 
     # ------------------------------------------------------------ offload / restore
     def session(self, session_id: str) -> ChatSession:
@@ -272,6 +298,7 @@ class Engine:
         if isinstance(tier, str):
             kv.manager.tier_index(tier)  # an unknown tier name fails here, before any work
         self._settle_offloads(block=True, only=session_id)
+        self.scheduler.settle_loads()  # a restore still streaming in holds blocks it frees
         if wait:
             return self._complete_offload(session, kv.save(session.token_ids, tier), tier, True)
         assert self.transfers is not None
@@ -309,10 +336,12 @@ class Engine:
         storable = kv.storable_tokens(session.token_ids)
         freed = 0
         if evict and not report.failed and session.stored_tokens >= storable:
-            keep: set[int] = set()
-            for other in self.sessions.values():
-                if other is not session and not other.offloaded:
-                    keep |= kv.pool_blocks(other.token_ids)
+            self._set_resident(session, False)
+            lookup = self.runner.pool.block_pool.lookup
+            bs = self.runner.pool.block_size
+            n = session.stored_tokens // bs
+            mine = chain_hashes(session.token_ids[: n * bs], bs, self.runner.fingerprint)
+            keep = {b for h in mine if self._resident_count[h] > 0 and (b := lookup(h)) is not None}
             freed = kv.evict(session.token_ids[: session.stored_tokens], keep)
             session.offloaded = True
         name = kv.manager.tiers[kv.manager.tier_index(tier) if isinstance(tier, str) else tier].name
@@ -325,11 +354,15 @@ class Engine:
             dict(report.failed),
         )
 
-    def restore(self, session_id: str) -> LoadReport:
+    def restore(self, session_id: str, wait: bool = True) -> LoadReport:
         """Bring the session's stored KV back into the pool now (a resumed turn does this
-        by itself; call it on a hint that the user is coming back)."""
+        by itself; call it on a hint that the user is coming back). ``wait=False`` returns
+        once layer 0 is in and lets the other layers stream in meanwhile."""
         self._need_tiers()
-        return self._restore_if_needed(self.session(session_id))
+        report = self._restore_if_needed(self.session(session_id))
+        if wait and report.pending is not None:
+            self.scheduler.settle_loads()
+        return report
 
     def _restore_if_needed(self, session: ChatSession) -> LoadReport:
         if self.kv is None or not session.stored_tokens:
@@ -337,15 +370,21 @@ class Engine:
         report = self.kv.load(session.token_ids, session.stored_tokens)
         if report.tokens >= session.stored_tokens:
             session.offloaded = False
+            self._set_resident(session, True)
         return report
 
     def end_session(self, session_id: str) -> None:
         """Forget a session (its KV blocks stay in the prefix cache until evicted)."""
-        if self.sessions.pop(session_id, None) is None:
+        session = self.sessions.pop(session_id, None)
+        if session is None:
             raise UnknownSessionError(f"unknown session {session_id!r}")
+        self._set_resident(session, False)
 
     def close(self) -> None:
         """Release the tiers (threads, connections, pinned memory)."""
+        if self.kv is not None:
+            self.scheduler.settle_loads()
+            self.kv.close()
         if self.transfers is not None:
             self._settle_offloads(block=True)
             self.transfers.close()

@@ -13,17 +13,19 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
 from kvtier.chunk_format import decode_chunk, encode_chunk
 from kvtier.chunk_keys import ChunkKey, chunk_keys
-from kvtier.errors import InvalidArgumentError, OutOfBlocksError
+from kvtier.errors import ChunkError, InvalidArgumentError, OutOfBlocksError
 from kvtier.gpu_pool.kernels import gather_blocks, scatter_blocks
 from kvtier.hashing import chain_hashes
+from kvtier.layer_load import LayerLoad
 from kvtier.model_runner import ModelRunner
-from kvtier.tier_manager import TierManager
+from kvtier.tier_manager import Location, TierManager
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +63,18 @@ class LoadReport:
     from_tiers: int = 0
     tier_hits: dict[str, int] = field(default_factory=dict)
     bytes: int = 0
+    pending: LayerLoad | None = None
+    """A streamed restore still loading (the pool's forward passes wait on it per layer)."""
 
 
 class KVTransfer:
-    def __init__(self, runner: ModelRunner, manager: TierManager, chunk_tokens: int = 256):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        manager: TierManager,
+        chunk_tokens: int = 256,
+        stream: bool = False,
+    ):
         bs = runner.pool.block_size
         if chunk_tokens < bs or chunk_tokens % bs:
             raise InvalidArgumentError(
@@ -76,6 +86,11 @@ class KVTransfer:
         self.chunk_tokens = chunk_tokens
         self._tmp_ids = itertools.count()
         self._stream: torch.cuda.Stream | None = None
+        self.stream = stream
+        """Restores stream layer by layer by default (the engine turns this on)."""
+        self._executor: ThreadPoolExecutor | None = None
+        self.lost_restores = 0
+        """Restores that lost chunks after they were published (recomputed instead)."""
 
     @property
     def _pool(self):
@@ -187,12 +202,23 @@ class KVTransfer:
         return self.store(self.snapshot(token_ids), tier)
 
     # -------------------------------------------------------------------- load
-    def load(self, token_ids: Sequence[int], stored_tokens: int | None = None) -> LoadReport:
+    def load(
+        self,
+        token_ids: Sequence[int],
+        stored_tokens: int | None = None,
+        stream: bool | None = None,
+    ) -> LoadReport:
         """Bring the longest stored prefix of ``token_ids[:stored_tokens]`` into the pool.
 
         Blocks still cached in the pool are kept; the rest are read from the tiers (verified)
-        and scattered into newly allocated blocks, then published in the prefix cache. Stops
-        at the first chunk that is missing, rejected or does not fit in the pool."""
+        and scattered into newly allocated blocks, which are published in the prefix cache.
+        Layer 0 of every chunk is read first: a chunk missing or broken as a whole ends the
+        restore there. The other layers follow, one at a time; with ``stream`` (default: the
+        ``stream`` given at construction) on a loader thread while the caller goes on — the
+        model waits per layer (see :mod:`kvtier.layer_load`) — otherwise before returning,
+        and then a chunk that fails in a later layer ends the restore at that chunk."""
+        stream = self.stream if stream is None else stream
+        self._reap_if_idle()
         pool, fp = self._pool, self.runner.fingerprint
         limit = len(token_ids) if stored_tokens is None else min(stored_tokens, len(token_ids))
         limit -= limit % pool.block_size
@@ -200,55 +226,162 @@ class KVTransfer:
         cached = len(pool.manager.match_prefix(prefix, fp)) * pool.block_size
         report = LoadReport(tokens=cached, from_pool=cached)
         keys = self._keys(prefix)
-        todo = [k for k in keys if k.end > cached]
-        if not todo:
+        if not any(k.end > cached for k in keys):
             return report
         loc = self.manager.lookup([k.key for k in keys])
-        usable = [k for i, k in enumerate(keys) if i < loc.length and k.end > cached]
+        first = next((i for i, k in enumerate(keys) if k.end > cached), len(keys))
+        usable = keys[first : loc.length]
         if not usable or usable[0].start > cached:
             return report  # the chunk right after the cached blocks is not stored anywhere
-        blobs = self.manager.get([k.key for k in usable])
+        where = Location(len(usable), loc.tiers[first : loc.length])
+        layer0 = self._read_layer(usable, where, 0)
+        chunks: list[ChunkKey] = []
         end = usable[0].start  # <= cached: the first chunk may overlap blocks still pooled
-        tensors: list[tuple[ChunkKey, torch.Tensor]] = []
-        for ck, blob in zip(usable, blobs, strict=True):
-            if blob is None or ck.start != end:
+        for ck, part in zip(usable, layer0, strict=True):
+            if part is None or ck.start != end:
                 break
-            header, kv = decode_chunk(blob, ck.key, fp)
-            if header.num_layers != pool.storage.num_layers or header.first_layer != 0:
-                break
-            tensors.append((ck, kv))
-            report.bytes += len(blob)
+            chunks.append(ck)
             end = ck.end
         if end <= cached:
             return report
-        # Allocate the whole restored prefix as one temporary sequence: cached blocks are
-        # shared, new blocks receive the chunks, then everything is published and released.
+        # The restored prefix is held by one temporary sequence while it loads: cached blocks
+        # are shared, new blocks receive the chunks; it is freed once the load is over.
         sid = f"__restore_{next(self._tmp_ids)}"
         try:
             added = pool.add_sequence(sid, prefix[:end], fp)
         except OutOfBlocksError:
             log.info("restore of %d tokens does not fit in the pool now", end)
             return report
+        blocks = pool.sequence(sid).block_ids
+        bs = pool.block_size
+        spans: list[tuple[int, list[int]]] = []
+        for ck in chunks:
+            lo = max(ck.start, added.num_cached_tokens)
+            spans.append((lo - ck.start, blocks[lo // bs : ck.end // bs] if lo < ck.end else []))
+        load = LayerLoad(pool.storage.num_layers, [ids for _, ids in spans])
+        load.release = lambda ld: pool.free_sequence(sid)
         try:
-            blocks = pool.sequence(sid).block_ids
-            bs = pool.block_size
-            device = pool.storage.kv.device
-            for ck, kv in tensors:
-                lo = max(ck.start, added.num_cached_tokens)
-                if lo >= ck.end:
-                    continue
-                off = lo - ck.start
-                part = kv[:, :, off:].to(device=device, dtype=pool.storage.kv.dtype)
-                scatter_blocks(part.contiguous(), pool.storage.kv, blocks[lo // bs : ck.end // bs])
-            pool.mark_computed(sid, end)
-        finally:
+            self._scatter_layer(0, [p for p in layer0[: len(chunks)] if p is not None], spans)
+        except BaseException:
             pool.free_sequence(sid)
-        report.tokens = end
-        report.from_tiers = end - cached
-        for ti in loc.tiers[: len(keys)]:
+            raise
+        load.layer_loaded(0)
+        load.bytes = sum(p.numel() * p.element_size() for p in layer0[: len(chunks)] if p is not None)
+        pool.mark_computed(sid, end)
+        where = Location(len(chunks), where.tiers[: len(chunks)])
+        if stream and load.num_layers > 1:
+            start = None
+            if pool.storage.kv.is_cuda:
+                start = torch.cuda.Event()
+                start.record()  # blocks just freed may still be read by queued kernels
+            self.runner.add_layer_load(load)
+            self._loader().submit(self._load_layers, load, chunks, spans, where, start)
+            report.pending = load
+            loaded = chunks
+        else:
+            self._load_layers(load, chunks, spans, where, None)
+            for b in load.take_poisoned_blocks():
+                pool.block_pool.uncache_block(b)
+            pool.free_sequence(sid)
+            loaded = chunks[: load.loaded_chunks]
+            end = loaded[-1].end if loaded else cached
+        report.tokens = max(end, cached)
+        report.from_tiers = report.tokens - cached
+        report.bytes = load.bytes
+        for ti in where.tiers[: len(loaded)]:
             name = self.manager.tiers[ti].name
             report.tier_hits[name] = report.tier_hits.get(name, 0) + 1
         return report
+
+    def _read_layer(
+        self, chunks: Sequence[ChunkKey], where: Location, layer: int
+    ) -> list[torch.Tensor | None]:
+        """Layer ``layer`` of each chunk, verified (None where it could not be read)."""
+        blobs = self.manager.get([ck.key for ck in chunks], (layer, layer + 1), where)
+        out: list[torch.Tensor | None] = []
+        fp = self.runner.fingerprint
+        for ck, blob in zip(chunks, blobs, strict=True):
+            part = None
+            if blob is not None:
+                try:
+                    header, part = decode_chunk(blob, ck.key, fp)
+                except ChunkError as exc:  # the manager verified it; a race with a rewrite
+                    log.warning("chunk %s layer %d: %s", ck.key, layer, exc)
+                else:
+                    if header.first_layer != layer or header.num_layers != 1:
+                        part = None
+            out.append(part)
+        return out
+
+    def _scatter_layer(
+        self, layer: int, parts: Sequence[torch.Tensor], spans: Sequence[tuple[int, list[int]]]
+    ) -> None:
+        kv = self._pool.storage.kv
+        dst = kv[layer : layer + 1]
+        for part, (off, ids) in zip(parts, spans, strict=False):
+            if ids:
+                src = part[:, :, off:].to(device=kv.device, dtype=kv.dtype, non_blocking=True)
+                scatter_blocks(src.contiguous(), dst, ids)
+
+    def _load_layers(
+        self,
+        load: LayerLoad,
+        chunks: Sequence[ChunkKey],
+        spans: Sequence[tuple[int, list[int]]],
+        where: Location,
+        start: torch.cuda.Event | None,
+    ) -> None:
+        """Read and scatter layers 1.. of the chunks (the loader thread, or inline). A chunk
+        that fails poisons itself and every later chunk; the earlier ones go on loading."""
+        cuda = start is not None
+        try:
+            side = self._side_stream() if cuda else None
+            if side is not None and start is not None:
+                side.wait_event(start)
+            for layer in range(1, load.num_layers):
+                n = load.active_chunks()
+                if n == 0:
+                    break
+                parts = self._read_layer(chunks[:n], Location(n, where.tiers[:n]), layer)
+                for i, part in enumerate(parts):
+                    if part is None:
+                        load.poison(i, f"chunk {chunks[i].key}: layer {layer} could not be read")
+                        break
+                n = load.active_chunks()
+                good = [p for p in parts[:n] if p is not None]
+                load.bytes += sum(p.numel() * p.element_size() for p in good)
+                event = None
+                if side is not None:
+                    with torch.cuda.stream(side):
+                        self._scatter_layer(layer, good, spans[:n])
+                        event = torch.cuda.Event()
+                        event.record(side)
+                else:
+                    self._scatter_layer(layer, good, spans[:n])
+                load.layer_loaded(layer, event)
+        except Exception as exc:  # noqa: BLE001 - a lost restore is recomputed, never fatal
+            log.warning("streamed restore failed: %s", exc)
+            load.poison(0, f"{type(exc).__name__}: {exc}")
+        finally:
+            if load.error is not None:
+                self.lost_restores += 1
+            load.finish()
+
+    def _loader(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvtier-restore")
+        return self._executor
+
+    def _reap_if_idle(self) -> None:
+        """Free finished, healthy restores' temporary holders (engine thread)."""
+        if self.runner.layer_loads:
+            self.runner.reap_layer_loads()
+
+    def close(self) -> None:
+        """Wait for restores in flight and stop the loader thread."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
 
     # ------------------------------------------------------------------- evict
     def pool_blocks(self, token_ids: Sequence[int]) -> set[int]:

@@ -11,6 +11,7 @@ largest matmul of a decode step.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -197,16 +198,20 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, logits_indices: torch.Tensor | None = None
-                ) -> torch.Tensor:
+                meta: AttentionMetadata, logits_indices: torch.Tensor | None = None,
+                before_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Logits ``[len(logits_indices), vocab]`` (fp32) for the packed tokens.
 
         ``kv_cache`` is the pool's ``[layers, num_blocks, 2, block_size, kv_heads,
         head_dim]`` tensor; ``logits_indices`` picks rows of the packed batch (default: all).
+        ``before_layer(i)`` runs before layer ``i`` (a streamed restore waits there for the
+        layer's KV to have arrived).
         """
         assert self.rope is not None, "build the model with CausalLM.from_state_dict"
         x = self.model.embed_tokens(input_ids)
         for i, layer in enumerate(self.model.layers):
+            if before_layer is not None:
+                before_layer(i)
             x = layer(x, positions, self.rope, kv_cache[i], meta)
         if logits_indices is not None:
             x = x[logits_indices]

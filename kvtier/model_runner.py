@@ -20,6 +20,7 @@ from kvtier.checkpoint import load_state_dict
 from kvtier.errors import InvalidArgumentError
 from kvtier.gpu_pool import AddResult, KVStorage, PagedKVPool
 from kvtier.gpu_pool.kv_storage import resolve_device, resolve_dtype
+from kvtier.layer_load import LayerLoad
 from kvtier.model import AttentionMetadata, CausalLM
 from kvtier.model_config import ModelConfig
 
@@ -76,6 +77,8 @@ class ModelRunner:
         self.kv_dtype_name = _DTYPE_NAMES[self.dtype]
         self.fingerprint = config.fingerprint(self.kv_dtype_name)
         """Chained-hash ``extra`` of every sequence: KV of another model never matches."""
+        self.layer_loads: list[LayerLoad] = []
+        """Streamed restores in progress: every step waits for each layer's KV."""
 
     def _storage(self, num_blocks: int | None, memory_bytes: int | None, block_size: int
                  ) -> KVStorage:
@@ -123,6 +126,37 @@ class ModelRunner:
     def free_sequence(self, seq_id: SeqId) -> None:
         self.pool.free_sequence(seq_id)
 
+    # --------------------------------------------------------- streamed restores
+    def add_layer_load(self, load: LayerLoad) -> None:
+        self.layer_loads.append(load)
+
+    def take_poisoned_blocks(self) -> set[int]:
+        """Take the blocks of chunks that streamed restores lost out of the prefix cache and
+        return them: whoever references them must be recomputed before the next step."""
+        bad: set[int] = set()
+        for load in self.layer_loads:
+            bad.update(load.take_poisoned_blocks())
+        for b in bad:
+            self.pool.block_pool.uncache_block(b)
+        return bad
+
+    def reap_layer_loads(self, wait: bool = False) -> None:
+        """Release finished restores (their poison must have been taken first)."""
+        keep: list[LayerLoad] = []
+        for load in self.layer_loads:
+            if wait:
+                load.wait()
+            if load.done and not load.unhandled_poison():
+                if load.release is not None:
+                    load.release(load)
+            else:
+                keep.append(load)
+        self.layer_loads = keep
+
+    def _wait_layer(self, layer: int) -> None:
+        for load in self.layer_loads:
+            load.wait_layer(layer)
+
     # ------------------------------------------------------------------ steps
     def run(self, batch: Sequence[tuple[SeqId, int]], all_positions: bool = False
             ) -> torch.Tensor:
@@ -135,6 +169,8 @@ class ModelRunner:
         """
         if not batch:
             raise InvalidArgumentError("run() needs at least one (seq_id, num_new_tokens)")
+        if self.layer_loads:
+            self.reap_layer_loads()
         seq_ids = [s for s, _ in batch]
         if len(set(seq_ids)) != len(seq_ids):
             raise InvalidArgumentError(f"a sequence appears twice in one step: {seq_ids}")
@@ -182,6 +218,7 @@ class ModelRunner:
             self.pool.storage.kv,
             meta,
             rows,
+            self._wait_layer if self.layer_loads else None,
         )
         for seq_id, end in zip(seq_ids, computed, strict=True):
             self.pool.mark_computed(seq_id, end)

@@ -23,6 +23,7 @@ import torch
 
 from kvtier.errors import InvalidArgumentError, OutOfBlocksError
 from kvtier.kv_transfer import KVTransfer
+from kvtier.layer_load import LayerLoadError
 from kvtier.model_runner import ModelRunner
 from kvtier.sampling import SamplingParams, StopChecker, sample_one
 from kvtier.tokenizer import StreamDecoder, Tokenizer
@@ -194,11 +195,19 @@ class Scheduler:
     # -------------------------------------------------------------------- step
     def step(self) -> list[Request]:
         """Schedule, run the model once, sample; returns the requests finished by this step."""
+        if self.runner.layer_loads:
+            self._drop_lost_restores()
         batch = self._schedule()
         if not batch:
             return []
         self.steps += 1
-        logits = self.runner.run([(r.request_id, n) for r, n in batch])[:, : self.sample_vocab]
+        try:
+            logits = self.runner.run([(r.request_id, n) for r, n in batch])
+        except LayerLoadError as exc:
+            log.warning("step abandoned: %s", exc)
+            self._drop_lost_restores()
+            return []  # the unaffected rows run again next step; nothing was marked computed
+        logits = logits[:, : self.sample_vocab]
         done: list[Request] = []
         now = time.perf_counter()
         for row, (req, n) in enumerate(batch):
@@ -296,10 +305,27 @@ class Scheduler:
                 if victim is req:
                     return  # re-queued with the token; it is recomputed on re-admission
 
-    def _preempt(self, req: Request) -> None:
+    def _drop_lost_restores(self) -> None:
+        """Recompute the requests over chunks a streamed restore lost, then release the
+        finished restores (see :mod:`kvtier.layer_load`)."""
+        lost = self.runner.take_poisoned_blocks()
+        if lost:
+            for req in list(self.running):
+                if lost.intersection(self.runner.pool.sequence(req.request_id).block_ids):
+                    self._preempt(req, swap=False)
+        self.runner.reap_layer_loads()
+
+    def settle_loads(self) -> None:
+        """Wait for every streamed restore to finish and clean up after it."""
+        for load in list(self.runner.layer_loads):
+            load.wait()
+        self._drop_lost_restores()
+
+    def _preempt(self, req: Request, swap: bool = True) -> None:
         log.debug("preempting %s (%d tokens)", req.request_id, len(req.all_ids))
         self.running.remove(req)
-        if self.swap is not None:  # swap out: its computed KV goes to the fastest tier
+        req._swapped_tokens = 0
+        if swap and self.swap is not None:  # swap out: its computed KV goes to the fastest tier
             req._swapped_tokens = self.swap.save(req.all_ids).tokens
         self.runner.free_sequence(req.request_id)
         req.state = RequestState.WAITING

@@ -222,3 +222,77 @@ def test_background_offload_overlaps_serving_and_caps_bytes_in_flight(model_dir,
         assert got == expected
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_chunk_corrupt_in_a_later_layer_is_recomputed_and_the_reply_unchanged(
+    model_dir, tmp_path, stream
+):
+    """A chunk whose layer 0 reads fine but a later layer is corrupt: the streamed restore
+    has already published it when the bad layer turns up, so the engine takes it back out
+    and recomputes; the reply is the reply of a run that never offloaded."""
+    from kvtier.chunk_format import parse_header
+
+    plain = _engine(model_dir, tmp_path / "plain", None)
+    plain.chat("s", "Tell me about the mountains and the weather there.", GREEDY, system=SYSTEM)
+    expected = plain.chat("s", "And in winter?", GREEDY)
+    eng = _engine(model_dir, tmp_path, TIER_SETUPS["cpu"], stream_restore=stream)
+    try:
+        eng.chat("s", "Tell me about the mountains and the weather there.", GREEDY, system=SYSTEM)
+        off = eng.offload("s", "cpu")
+        assert off.stored_tokens >= 128
+        cpu = eng.tiers.tiers[0]
+        key = eng.kv._keys(eng.sessions["s"].token_ids[:128])[1].key
+        blob = bytearray(cpu.get([key])[0])
+        header, _ = parse_header(blob)
+        blob[len(blob) - header.layer_nbytes + 7] ^= 0xFF  # the last layer
+        cpu.delete([key])
+        cpu.put({key: bytes(blob)})
+        turn2 = eng.chat("s", "And in winter?", GREEDY)
+        assert eng.kv.lost_restores == 1
+        assert eng.runner.layer_loads == []
+        eng.runner.pool.block_pool.check_invariants()
+    finally:
+        eng.close()
+    assert turn2.token_ids == expected.token_ids
+
+
+def test_a_restore_lost_during_a_step_abandons_the_step_and_recomputes(model_dir, tmp_path):
+    """The scheduler's side of a lost streamed restore: the forward is waiting for layer 1
+    when the loader gives up on the chunk; the step is abandoned, the request over those
+    blocks is recomputed, and the reply is unchanged."""
+    import threading
+    import time
+
+    from kvtier.layer_load import LayerLoad
+    from kvtier.scheduler import RequestState
+
+    first = "Tell me about the mountains and the weather there."
+    plain = _engine(model_dir, tmp_path / "plain", None)
+    plain.chat("s", first, GREEDY, system=SYSTEM)
+    expected = plain.chat("s", "And in winter?", GREEDY)
+
+    eng = _engine(model_dir, tmp_path, None)
+    eng.chat("s", first, GREEDY, system=SYSTEM)
+    history = eng.sessions["s"].token_ids
+    blocks = eng.runner.pool.manager.match_prefix(history, eng.runner.fingerprint)
+    turn = eng.begin_turn("s", "And in winter?", GREEDY)
+    load = LayerLoad(eng.runner.config.num_hidden_layers, [blocks[2:]])
+    load.layer_loaded(0)
+    eng.runner.add_layer_load(load)
+
+    def lose_it_once_running() -> None:
+        while turn.request.state is not RequestState.RUNNING:
+            time.sleep(0.001)
+        load.poison(0, "tier went away")
+        load.finish()
+
+    t = threading.Thread(target=lose_it_once_running)
+    t.start()
+    eng.run_until_done([turn.request])
+    t.join()
+    result = eng.finish_turn(turn)
+    assert turn.request.num_preemptions == 1
+    assert eng.runner.layer_loads == []
+    assert result.token_ids == expected.token_ids
+    eng.runner.pool.block_pool.check_invariants()

@@ -142,3 +142,99 @@ def test_a_corrupt_chunk_is_a_miss_and_the_prefix_before_it_loads(model_dir):
     assert loaded.tokens == 128  # the two good chunks; the corrupt one is recomputed
     assert tier.stats.corrupt == 1  # the tier verified, deleted and counted it
     assert xfer.manager.lookup(saved.keys).length == 2
+
+
+def _corrupt_layer(tier, key: str, layer: int) -> None:
+    """Flip a byte inside ``layer`` of a stored chunk (its checksum then fails)."""
+    from kvtier.chunk_format import parse_header
+
+    blob = bytearray(tier.get([key])[0])
+    header, _ = parse_header(blob)
+    offset = len(blob) - header.payload_nbytes + layer * header.layer_nbytes
+    blob[offset + 3] ^= 0xFF
+    tier.delete([key])
+    tier.put({key: bytes(blob)})
+
+
+def test_streamed_load_is_bit_exact_and_releases_its_blocks(model_dir):
+    runner = _runner(model_dir)
+    tokens = _tokens(200, seed=11)
+    _compute(runner, "a", tokens)
+    before = _pool_kv(runner, tokens)
+    xfer, _ = _transfer(runner)
+    xfer.save(tokens)
+    xfer.evict(tokens)
+    free_before = runner.pool.block_pool.num_free
+    loaded = xfer.load(tokens, stream=True)
+    assert loaded.pending is not None and loaded.tokens == 192
+    assert runner.layer_loads == [loaded.pending]
+    loaded.pending.wait()
+    runner.reap_layer_loads()
+    assert runner.layer_loads == []
+    assert torch.equal(_pool_kv(runner, tokens), before)
+    # The temporary holder is gone: the restored blocks are cached, not in use.
+    assert runner.pool.block_pool.num_free == free_before
+    assert all(runner.pool.block_pool.ref_count(b) == 0 for b in xfer.pool_blocks(tokens))
+    xfer.close()
+
+
+def test_forward_over_a_streaming_restore_equals_forward_over_pooled_kv(model_dir):
+    history, turn = _tokens(192, seed=12), _tokens(17, seed=13)
+    ref = _runner(model_dir)
+    _compute(ref, "h", history)
+    ref.add_sequence("r", history + turn)
+    expected = ref.run([("r", 17)])
+    run = _runner(model_dir)
+    _compute(run, "h", history)
+    xfer, _ = _transfer(run)
+    xfer.save(history)
+    xfer.evict(history)
+    loaded = xfer.load(history + turn, 192, stream=True)
+    assert loaded.pending is not None
+    run.add_sequence("r", history + turn)  # scheduled at once, over blocks still loading
+    assert run.pool.sequence("r").num_computed_tokens == 192
+    assert torch.equal(run.run([("r", 17)]), expected)  # waited for each layer
+    xfer.close()
+
+
+def test_a_chunk_corrupt_in_a_later_layer_ends_a_blocking_load_at_that_chunk(model_dir):
+    runner = _runner(model_dir)
+    tokens = _tokens(192, seed=14)
+    _compute(runner, "c", tokens)
+    xfer, tier = _transfer(runner)
+    saved = xfer.save(tokens)
+    _corrupt_layer(tier, saved.keys[1], runner.config.num_hidden_layers - 1)
+    xfer.evict(tokens)
+    loaded = xfer.load(tokens)
+    assert loaded.tokens == 64  # the first chunk; the rest is recomputed
+    assert runner.pool.manager.match_prefix(tokens, runner.fingerprint) == (
+        runner.pool.manager.match_prefix(tokens[:64], runner.fingerprint)
+    )
+    assert len(runner.pool.manager.match_prefix(tokens, runner.fingerprint)) == 4
+    assert xfer.lost_restores == 1
+
+
+def test_a_streamed_chunk_lost_mid_forward_stops_the_forward_and_is_uncached(model_dir):
+    from kvtier.layer_load import LayerLoadError
+
+    runner = _runner(model_dir)
+    tokens = _tokens(192, seed=15)
+    _compute(runner, "c", tokens)
+    xfer, tier = _transfer(runner)
+    saved = xfer.save(tokens)
+    _corrupt_layer(tier, saved.keys[2], 1)
+    xfer.evict(tokens)
+    loaded = xfer.load(tokens + [5, 6], stream=True)
+    assert loaded.tokens == 192  # published before the bad layer was read
+    runner.add_sequence("r", tokens + [5, 6])
+    with pytest.raises(LayerLoadError, match="layer 1"):
+        runner.run([("r", 2)])
+    lost = runner.take_poisoned_blocks()
+    assert len(lost) == 4 and lost <= set(runner.pool.sequence("r").block_ids)
+    runner.free_sequence("r")
+    runner.reap_layer_loads(wait=True)
+    assert runner.layer_loads == []
+    # Only the two good chunks are still found; the lost one is gone from the prefix cache.
+    assert len(runner.pool.manager.match_prefix(tokens, runner.fingerprint)) == 8
+    assert xfer.lost_restores == 1
+    xfer.close()
