@@ -52,8 +52,9 @@ class EngineOptions:
     chunk_tokens: int = 256
     max_inflight_bytes: int = 256 << 20
     """Cap on KV bytes copied out of the pool and not yet stored (background offloads)."""
-    stream_restore: bool = True
-    """Restores stream layer by layer: layer l computes while layer l+1 is still loading."""
+    stream_restore: bool | None = None
+    """Restores stream layer by layer (layer l computes while layer l+1 is still loading);
+    None: on CUDA always, on CPU for restores of 2048 tokens or more."""
 
 
 class UnknownSessionError(InvalidArgumentError, LookupError):

@@ -73,7 +73,7 @@ class KVTransfer:
         runner: ModelRunner,
         manager: TierManager,
         chunk_tokens: int = 256,
-        stream: bool = False,
+        stream: bool | None = False,
     ):
         bs = runner.pool.block_size
         if chunk_tokens < bs or chunk_tokens % bs:
@@ -87,7 +87,11 @@ class KVTransfer:
         self._tmp_ids = itertools.count()
         self._stream: torch.cuda.Stream | None = None
         self.stream = stream
-        """Restores stream layer by layer by default (the engine turns this on)."""
+        """Whether restores stream layer by layer; None: on CUDA always, on CPU from
+        ``stream_min_tokens`` restored tokens (below that, on a few shared cores, the
+        loader thread's competition with the forward costs more than the overlap saves:
+        see docs/tiers.md)."""
+        self.stream_min_tokens = 2048
         self._executor: ThreadPoolExecutor | None = None
         self.lost_restores = 0
         """Restores that lost chunks after they were published (recomputed instead)."""
@@ -214,10 +218,11 @@ class KVTransfer:
         and scattered into newly allocated blocks, which are published in the prefix cache.
         Layer 0 of every chunk is read first: a chunk missing or broken as a whole ends the
         restore there. The other layers follow, one at a time; with ``stream`` (default: the
-        ``stream`` given at construction) on a loader thread while the caller goes on — the
+        ``stream`` given at construction; None decides by device and size) on a loader thread while the caller goes on — the
         model waits per layer (see :mod:`kvtier.layer_load`) — otherwise before returning,
         and then a chunk that fails in a later layer ends the restore at that chunk."""
-        stream = self.stream if stream is None else stream
+        if stream is None:
+            stream = self.stream
         self._reap_if_idle()
         pool, fp = self._pool, self.runner.fingerprint
         limit = len(token_ids) if stored_tokens is None else min(stored_tokens, len(token_ids))
@@ -269,6 +274,8 @@ class KVTransfer:
         load.bytes = sum(p.numel() * p.element_size() for p in layer0[: len(chunks)] if p is not None)
         pool.mark_computed(sid, end)
         where = Location(len(chunks), where.tiers[: len(chunks)])
+        if stream is None:
+            stream = pool.storage.kv.is_cuda or end - cached >= self.stream_min_tokens
         if stream and load.num_layers > 1:
             start = None
             if pool.storage.kv.is_cuda:

@@ -37,7 +37,7 @@ def _engine(model_dir, tmp_path, tiers: dict | None, **kw) -> Engine:
     cfg = None
     if tiers is not None:
         cfg = TiersConfig(disk_dir=str(tmp_path / "chunks"), disk_fsync=False, **tiers)
-    opts = dict(num_blocks=128, tiers=cfg, chunk_tokens=64)
+    opts = dict(num_blocks=128, tiers=cfg, chunk_tokens=64, stream_restore=True)
     opts.update(kw)
     return Engine(model_dir, EngineOptions(**opts))
 
