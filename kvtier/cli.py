@@ -22,12 +22,14 @@ COMMANDS: list[tuple[str, str]] = [
     ("kvtier.config_command", "top"),
     ("kvtier.make_model", "top"),
     ("kvtier.chat_cli", "top"),
+    ("kvtier.calibrate", "top"),
     ("kvtier.benchmarks.fragmentation.cli", "bench"),
     ("kvtier.benchmarks.allocator", "bench"),
     ("kvtier.benchmarks.kernels", "bench"),
     ("kvtier.benchmarks.engine", "bench"),
     ("kvtier.benchmarks.tiers", "bench"),
     ("kvtier.benchmarks.ttft", "bench"),
+    ("kvtier.benchmarks.policy_sim.cli", "bench"),
 ]
 
 

@@ -1,0 +1,196 @@
+"""``kvtier bench policies``: replay workloads against kvtier's policy and the baselines.
+
+``--simulate`` (default) runs the discrete-event simulator driven by a calibration profile
+over every workload x GPU budget x system and prints, per workload and budget, TTFT mean /
+p50 / p99, hit rate per tier, bytes moved per tier, prefill tokens saved and peak GPU KV
+memory; ``--out`` writes JSON and ``--plot DIR`` TTFT CDFs and memory-over-time plots.
+``--real`` replays a small workload on the reference engine with real tiers (see
+:mod:`kvtier.benchmarks.policy_sim.real`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+from kvtier.errors import InvalidArgumentError
+
+BUILTIN_WORKLOADS = ("multiturn", "slow-tiers")
+DEFAULT_PROFILE = Path(__file__).resolve().parents[1] / "profiles" / "cpu-smollm-135m.json"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from kvtier.benchmarks.policy_sim.systems import DEFAULT_SYSTEMS
+
+    p = subparsers.add_parser(
+        "policies",
+        help="compare offload/restore/eviction policies on multi-turn workloads",
+        description="Replay multi-turn workloads (synthetic, Mooncake JSONL traces, CSV) "
+        "against kvtier's policy and baselines (recompute-only, vLLM-like, LMCache-like, "
+        "CachedAttention-like, Pensieve-like) for several GPU memory budgets.",
+    )
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--simulate", action="store_true", help="discrete-event simulation (default)")
+    mode.add_argument("--real", action="store_true", help="replay on the reference engine")
+    p.add_argument("--workloads", default=",".join(BUILTIN_WORKLOADS),
+                   help=f"built-in synthetic workloads, comma-separated, or 'none' "
+                   f"({', '.join(BUILTIN_WORKLOADS)})")
+    p.add_argument("--trace", action="append", default=[], metavar="FILE",
+                   help="a Mooncake-format JSONL trace (repeatable)")
+    p.add_argument("--csv", action="append", default=[], metavar="FILE",
+                   help="a CSV of sessionised turns (see docs/policies.md; repeatable)")
+    p.add_argument("--trace-limit", type=int, default=None, help="first N trace requests only")
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                   help="systems to compare (names or dotted paths to a SystemSpec)")
+    p.add_argument("--budgets", default="0.25,0.5,1.0",
+                   help="GPU KV budgets as fractions of the workload's live working set")
+    p.add_argument("--cpu-frac", type=float, default=0.5, help="CPU tier size / working set")
+    p.add_argument("--disk-frac", type=float, default=4.0, help="disk tier size / working set")
+    p.add_argument("--profile", type=Path, default=DEFAULT_PROFILE, help="calibration profile")
+    p.add_argument("--sessions", type=int, default=400, help="sessions per synthetic workload")
+    p.add_argument("--target-load", type=float, default=0.7,
+                   help="stretch arrivals so recompute-only prefill keeps the GPU this busy "
+                   "(the profile's machine is slower or faster than the one a trace came from)")
+    p.add_argument("--time-scale", type=float, default=None,
+                   help="stretch arrival times by this factor instead of --target-load")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None, help="write JSON results here")
+    p.add_argument("--plot", type=Path, default=None, help="write PNG plots into this directory")
+    p.add_argument("--model", type=Path, default=None, help="--real: model dir (default: tiny)")
+    p.set_defaults(func=run)
+
+
+def builtin_workload(name: str, sessions: int, seed: int):
+    from kvtier.benchmarks.policy_sim.workloads import SyntheticSpec, synthetic
+
+    if name == "multiturn":
+        # Long-context chat: a shared 1K-token system prompt, a pasted document in the
+        # first turn, several follow-ups: reuse is worth a lot, offloading pays.
+        spec = SyntheticSpec(sessions=sessions, system_tokens=1024, first_turn_extra_tokens=1536,
+                             turns_mean=5.0, think_median_s=30.0)
+        return synthetic(spec, seed, "multiturn")
+    if name == "slow-tiers":
+        # The same conversations, with tiers far slower than recompute (see run()).
+        spec = SyntheticSpec(sessions=sessions, system_tokens=1024, first_turn_extra_tokens=1536,
+                             turns_mean=5.0, think_median_s=30.0)
+        return synthetic(spec, seed + 1, "slow-tiers")
+    raise InvalidArgumentError(f"unknown workload {name!r}; built-in: {', '.join(BUILTIN_WORKLOADS)}")
+
+
+def slow_tiers(cost):
+    """The profile with every tier 1000x slower and 50 ms more latency: a remote store
+    behind a congested link, where loading always loses to recompute."""
+    from kvtier.policies.cost_model import LinearCost, TierCost
+
+    def slow(c: LinearCost) -> LinearCost:
+        return LinearCost(c.latency_s + 0.05, c.bandwidth_bps / 1000)
+
+    return dataclasses.replace(cost, tiers={
+        n: TierCost(n, slow(t.read), slow(t.write)) for n, t in cost.tiers.items()
+    })
+
+
+def offered_load(workload, cost) -> float:
+    """Recompute-only prefill seconds per second of arrivals, over the middle 80 % of the
+    turns (a session workload ramps up and trails off; the middle is its busy part)."""
+    turns = workload.turns
+    lo, hi = len(turns) // 10, max(len(turns) * 9 // 10, len(turns) // 10 + 1)
+    mid = turns[lo:hi]
+    span = max(mid[-1].arrival_s - mid[0].arrival_s, 1e-9)
+    return sum(cost.prefill.time(0, t.prompt_tokens) for t in mid) / span
+
+
+def _floats(text: str, what: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise InvalidArgumentError(f"--{what} takes comma-separated numbers, got {text!r}") from None
+    if not vals or any(v <= 0 for v in vals):
+        raise InvalidArgumentError(f"--{what} needs positive numbers, got {text!r}")
+    return vals
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from kvtier.benchmarks.policy_sim.report import plot_results, print_tables
+    from kvtier.benchmarks.policy_sim.simulator import Simulator
+    from kvtier.benchmarks.policy_sim.systems import system
+    from kvtier.benchmarks.policy_sim.workloads import from_csv, mooncake, scale_time
+    from kvtier.benchmarks.results import write_result
+    from kvtier.profile import load_profile, this_machine
+
+    if args.real:
+        from kvtier.benchmarks.policy_sim.real import run_real
+
+        return run_real(args)
+    console = Console()
+    budgets = _floats(args.budgets, "budgets")
+    systems = [system(n.strip()) for n in args.systems.split(",") if n.strip()]
+    cost, warnings = load_profile(args.profile, machine=this_machine())
+    for w in warnings:
+        console.print(f"[yellow]warning:[/] {w}")
+    workloads = []
+    if args.workloads != "none":
+        for name in [n.strip() for n in args.workloads.split(",") if n.strip()]:
+            workloads.append(builtin_workload(name, args.sessions, args.seed))
+    for path in args.trace:
+        workloads.append(mooncake(path, limit=args.trace_limit))
+    for path in args.csv:
+        workloads.append(from_csv(path))
+    if not workloads:
+        raise InvalidArgumentError("nothing to replay: give --workloads, --trace or --csv")
+
+    results: dict[str, Any] = {}
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("replaying", total=len(workloads) * len(budgets) * len(systems))
+        for wl in workloads:
+            wcost = slow_tiers(cost) if wl.name == "slow-tiers" else cost
+            load = offered_load(wl, wcost)
+            scale = args.time_scale or max(1.0, load / args.target_load)
+            wl = scale_time(wl, scale)
+            working = wl.peak_live_tokens() * wcost.kv_bytes_per_token
+            entry: dict[str, Any] = {
+                "turns": len(wl.turns), "sessions": len({t.session for t in wl.turns}),
+                "time_scale": scale, "offered_load_recompute": offered_load(wl, wcost),
+                "working_set_bytes": working, "budgets": {},
+            }
+            tier_bytes = {"cpu": args.cpu_frac * working, "disk": args.disk_frac * working,
+                          "redis": args.disk_frac * working}
+            for b in budgets:
+                rows = {}
+                for spec in systems:
+                    progress.update(task, description=f"{wl.name} budget {b:g} {spec.name}")
+                    sim = Simulator(wl, spec, wcost, b * working, tier_bytes)
+                    res = sim.run()
+                    rows[spec.name] = {**res.summary(), "timeline": res.timeline,
+                                       "ttft_sorted_s": _thin(sorted(res.ttft_s))}
+                    progress.advance(task)
+                entry["budgets"][f"{b:g}"] = rows
+            results[wl.name] = entry
+    print_tables(console, results)
+    if args.plot:
+        for path in plot_results(results, args.plot):
+            console.print(f"wrote {path}")
+    if args.out:
+        path = write_result(args.out, "policies", {
+            "config": {"mode": "simulate", "profile": str(args.profile), "budgets": budgets,
+                       "systems": [s.name for s in systems], "cpu_frac": args.cpu_frac,
+                       "disk_frac": args.disk_frac, "seed": args.seed,
+                       "sessions": args.sessions, "target_load": args.target_load,
+                       "profile_warnings": warnings},
+            "workloads": results,
+        })
+        console.print(f"wrote {path}")
+    return 0
+
+
+def _thin(xs: list[float], n: int = 400) -> list[float]:
+    """At most ``n`` evenly spaced quantiles (for CDF plots) of a sorted list."""
+    if len(xs) <= n:
+        return xs
+    return [xs[min(len(xs) - 1, math.floor(i * len(xs) / n))] for i in range(n)] + [xs[-1]]

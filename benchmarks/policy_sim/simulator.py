@@ -1,0 +1,448 @@
+"""Discrete-event replay of a multi-turn workload against one system on one serving node.
+
+The node is modelled the way its costs were measured (a calibration profile): prefill is
+one FIFO server (``prefill(cached, new)`` seconds per turn); each lower tier is one link
+that reads and writes take turns on (``latency + bytes / bandwidth``); a restore overlaps
+loading with compute layer by layer, so a turn's first token comes at
+``max(start + compute, load_end + compute / layers)``. Memory is counted in chunks: the GPU
+holds a budget of KV bytes, every lower tier its capacity, and each evicts by the system's
+policy. What is simulated is exactly what the policies decide; everything else (decode
+batching, kernels) is folded into the measured costs.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from kvtier.benchmarks.policy_sim.systems import SystemSpec
+from kvtier.benchmarks.policy_sim.workloads import Turn, Workload
+from kvtier.policies.cost_model import CostModel
+from kvtier.policies.eviction import (
+    ChunkInfo,
+    CostAware,
+    EvictionPolicy,
+    SessionAware,
+    make_eviction,
+)
+from kvtier.policies.offload import IdleSession, PredictiveOffload, worth_storing
+from kvtier.policies.think_time import ThinkTimeModel
+
+
+@dataclass
+class Store:
+    """One tier's contents in the simulation: chunk sizes and an eviction policy."""
+
+    name: str
+    capacity: float
+    policy: EvictionPolicy
+    items: dict[Hashable, int] = field(default_factory=dict)
+    used: int = 0
+    peak: int = 0
+    evictions: int = 0
+
+    def has(self, key: Hashable) -> bool:
+        return key in self.items
+
+    def remove(self, key: Hashable) -> None:
+        n = self.items.pop(key, None)
+        if n is not None:
+            self.used -= n
+            self.policy.remove(key)
+
+    def add(
+        self, key: Hashable, nbytes: int, info: ChunkInfo, now: float, pinned: set
+    ) -> list[tuple[Hashable, int]] | None:
+        """Insert, evicting as needed; the victims, or None if it cannot fit."""
+        if key in self.items:
+            self.policy.access(key, now)
+            return []
+        if nbytes > self.capacity:
+            return None
+        out: list[tuple[Hashable, int]] = []
+        while self.used + nbytes > self.capacity:
+            v = self.policy.victim(now, pinned)
+            if v is None:
+                break  # everything left is pinned: over-commit (counted by the caller)
+            out.append((v, self.items[v]))
+            self.remove(v)
+            self.evictions += 1
+        self.items[key] = nbytes
+        self.used += nbytes
+        self.peak = max(self.peak, self.used)
+        self.policy.insert(key, info, now)
+        return out
+
+
+@dataclass
+class Link:
+    """A tier's I/O path: transfers queue behind each other."""
+
+    free_at: float = 0.0
+    read_bytes: int = 0
+    write_bytes: int = 0
+
+    def transfer(self, start: float, seconds: float) -> float:
+        begin = max(start, self.free_at)
+        self.free_at = begin + seconds
+        return self.free_at
+
+
+@dataclass
+class SimResult:
+    system: str
+    ttft_s: list[float] = field(default_factory=list)
+    hits: dict[str, int] = field(default_factory=dict)
+    """Prompt chunks served from each tier (``gpu`` included) and ``miss``."""
+    read_bytes: dict[str, int] = field(default_factory=dict)
+    write_bytes: dict[str, int] = field(default_factory=dict)
+    prompt_tokens: int = 0
+    saved_tokens: int = 0
+    """Prefill tokens not computed thanks to reuse."""
+    peak_gpu_bytes: int = 0
+    overcommits: int = 0
+    timeline: list[tuple[float, dict[str, int]]] = field(default_factory=list)
+    decisions: dict[str, int] = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        xs = sorted(self.ttft_s)
+
+        def pct(p: float) -> float:
+            return xs[min(len(xs) - 1, int(p * len(xs)))] if xs else math.nan
+
+        total = sum(self.hits.values()) or 1
+        return {
+            "system": self.system,
+            "turns": len(xs),
+            "ttft_mean_s": sum(xs) / len(xs) if xs else math.nan,
+            "ttft_p50_s": pct(0.5),
+            "ttft_p99_s": pct(0.99),
+            "hit_rate": {k: v / total for k, v in sorted(self.hits.items())},
+            "read_bytes": dict(self.read_bytes),
+            "write_bytes": dict(self.write_bytes),
+            "prefill_tokens_saved": self.saved_tokens,
+            "prefill_tokens_saved_frac": self.saved_tokens / max(self.prompt_tokens, 1),
+            "peak_gpu_kv_bytes": self.peak_gpu_bytes,
+            "overcommits": self.overcommits,
+            "decisions": dict(self.decisions),
+        }
+
+
+@dataclass
+class _Session:
+    busy_until: float = -math.inf
+    last_end: float | None = None
+    gpu_keys: list[Hashable] = field(default_factory=list)
+    context_tokens: int = 0
+
+
+class Simulator:
+    def __init__(
+        self,
+        workload: Workload,
+        system: SystemSpec,
+        cost: CostModel,
+        gpu_bytes: float,
+        tier_bytes: dict[str, float],
+        timeline_points: int = 200,
+    ) -> None:
+        self.w = workload
+        self.spec = system
+        self.cost = cost
+        self.bpt = cost.kv_bytes_per_token
+        self.think = ThinkTimeModel()
+        self.sessions: dict[Hashable, _Session] = {}
+        self.gpu = Store("gpu", gpu_bytes, self._policy(system.gpu_eviction))
+        names = [t for t in cost.tiers if system.use_tiers and tier_bytes.get(t, 0) > 0]
+        self.tiers = [Store(t, tier_bytes[t], self._policy(system.tier_eviction)) for t in names]
+        self.links = {t: Link() for t in names}
+        self.offload = PredictiveOffload(chunk_tokens=workload.chunk_tokens)
+        self.res = SimResult(system.name)
+        span = (workload.turns[-1].arrival_s - workload.turns[0].arrival_s) if workload.turns else 0
+        self._sample_every = max(span / max(timeline_points, 1), 1e-9)
+        self._next_sample = -math.inf
+        self._pinned: set[Hashable] = set()
+
+    # ------------------------------------------------------------------ helpers
+    def _policy(self, name: str) -> EvictionPolicy:
+        if self.spec.retention_value and name == "cost-aware":
+            return CostAware(half_life_s=1.0)  # value ~ recompute cost / idle time
+        pol = make_eviction(name)
+        if isinstance(pol, SessionAware) and self.spec.predictive:
+            pol.predictor = self._predict
+        return pol
+
+    def _predict(self, session: Hashable, now: float) -> float:
+        s = self.sessions.get(session)
+        if s is None or s.busy_until > now:
+            return -1.0  # running: keep
+        idle = now - (s.last_end if s.last_end is not None else now)
+        return self.think.expected_remaining(session, idle)
+
+    def _info(self, session: Hashable, index: int, tokens: int) -> ChunkInfo:
+        return ChunkInfo(
+            nbytes=tokens * self.bpt,
+            session=session,
+            index=index,
+            recompute_s=self.cost.prefill.time(index * self.w.chunk_tokens, tokens),
+        )
+
+    def _count(self, d: dict, key: str, n: int = 1) -> None:
+        d[key] = d.get(key, 0) + n
+
+    def _where(self, key: Hashable) -> Store | None:
+        for st in self.tiers:
+            if st.has(key):
+                return st
+        return None
+
+    # ------------------------------------------------------------------- tiers
+    def _write(self, tier_index: int, key: Hashable, tokens: int, info: ChunkInfo, now: float) -> float:
+        """Store a chunk in a lower tier (its link carries the bytes) and demote its
+        victims; returns when the write is done."""
+        st = self.tiers[tier_index]
+        if st.has(key):
+            st.policy.access(key, now)
+            return now
+        victims = st.add(key, tokens * self.bpt, info, now, self._pinned)
+        if victims is None:
+            return now
+        cost = self.cost.store_time(st.name, tokens)
+        done = self.links[st.name].transfer(now, cost)
+        self._count(self.res.write_bytes, st.name, tokens * self.bpt)
+        if self.spec.cascade and tier_index + 1 < len(self.tiers):
+            for vkey, vbytes in victims:
+                vt = vbytes // self.bpt
+                if self.spec.predictive and not worth_storing(self.cost, self.tiers[tier_index + 1].name, vt):
+                    continue
+                self._write(tier_index + 1, vkey, vt, ChunkInfo(vbytes), now)
+        return done
+
+    def _evict_from_gpu(self, victims: list[tuple[Hashable, int]], now: float) -> float:
+        """GPU victims leave; with write-back they go to a lower tier first, and their blocks
+        are free only once written: returns when that is (``now`` if nothing was written)."""
+        done = now
+        for key, nbytes in victims:
+            tokens = nbytes // self.bpt
+            if not self.spec.offload_on_evict or not self.tiers or self._where(key) is not None:
+                self._count(self.res.decisions, "gpu_drop")
+                continue
+            target = 0
+            if self.spec.predictive:
+                target = self._offload_target(key, tokens, now)
+                if target is None:
+                    self._count(self.res.decisions, "gpu_drop_not_worth")
+                    continue
+            self._count(self.res.decisions, f"offload_{self.tiers[target].name}")
+            done = max(done, self._write(target, key, tokens, ChunkInfo(nbytes), now))
+        return done
+
+    def _offload_target(self, key: Hashable, tokens: int, now: float) -> int | None:
+        owner = self._owner.get(key)
+        nxt = self._predict(owner, now) if owner is not None else 0.0
+        names = [t.name for t in self.tiers]
+        free = {t.name: t.capacity for t in self.tiers}  # tiers make room by evicting
+        choice = self.offload.target_tier(IdleSession(owner, tokens, tokens, nxt), self.cost, names, free)
+        return None if choice is None else names.index(choice)
+
+    # -------------------------------------------------------------------- turns
+    def run(self) -> SimResult:
+        self._owner: dict[Hashable, Hashable] = {}
+        self._by_session: dict[Hashable, set[Hashable]] = {}
+        server_free = 0.0
+        for turn in self.w.turns:
+            server_free = self._turn(turn, server_free)
+        self.res.peak_gpu_bytes = self.gpu.peak
+        return self.res
+
+    def _turn(self, t: Turn, server_free: float) -> float:
+        spec, cost = self.spec, self.cost
+        now = t.arrival_s
+        sess = self.sessions.setdefault(t.session, _Session())
+        if sess.last_end is not None and spec.predictive:
+            self.think.observe(t.session, max(now - sess.last_end, 0.0))
+        sess.busy_until = math.inf  # running from now on: pinned
+        if spec.predictive:
+            self._watermark_offload(now)
+        start = max(now, server_free)
+
+        # Where each leading chunk of the prompt lies.
+        keys = t.chunk_keys
+        gpu_n = 0
+        if spec.restore != "none":
+            while gpu_n < len(keys) and self.gpu.has(keys[gpu_n]):
+                gpu_n += 1
+        lower: list[tuple[int, Store]] = []
+        if spec.restore in ("any", "cost") and self.tiers:
+            i = gpu_n
+            while i < len(keys):
+                st = self._where(keys[i])
+                if st is None:
+                    break
+                lower.append((i, st))
+                i += 1
+        gpu_tokens = sum(t.tokens_of(i) for i in range(gpu_n))
+        k = len(lower)
+        if spec.restore == "cost" and lower:
+            k = self._plan(t, gpu_tokens, lower)
+            self._count(self.res.decisions, "restore_recompute" if k == 0 else "restore_load")
+        load_tokens = sum(t.tokens_of(i) for i, _ in lower[:k])
+        cached = gpu_tokens + load_tokens
+        if cached >= t.prompt_tokens:  # a full hit still computes the last token
+            cached = t.prompt_tokens - 1
+        compute = cost.prefill.time(cached, t.prompt_tokens - cached)
+        start = max(start, self._make_room(t, keys, now))
+
+        # Loads: from arrival (look-ahead), from the hint, or from the start of the turn.
+        load_from = start
+        if spec.prefetch_on_arrival:
+            load_from = now
+        if spec.prefetch_on_hint and t.hint_lead_s > 0:
+            load_from = now - t.hint_lead_s
+        load_end = load_from
+        per_tier: dict[str, int] = {}
+        for i, st in lower[:k]:
+            per_tier[st.name] = per_tier.get(st.name, 0) + t.tokens_of(i)
+        for name, tokens in per_tier.items():
+            chunks = sum(1 for _, st in lower[:k] if st.name == name)
+            secs = cost.load_time(name, tokens, chunks)
+            load_end = max(load_end, self.links[name].transfer(load_from, secs))
+            self._count(self.res.read_bytes, name, tokens * self.bpt)
+            self._count(self.res.hits, name, chunks)
+        self._count(self.res.hits, "gpu", gpu_n)
+        self._count(self.res.hits, "miss", len(keys) - gpu_n - k)
+        finish = start + compute
+        if k:
+            finish = max(finish, load_end + compute / max(cost.num_layers, 1))
+        self.res.ttft_s.append(finish - now)
+        self.res.prompt_tokens += t.prompt_tokens
+        self.res.saved_tokens += cached
+
+        # The turn's context now lives in the GPU (pinned while it runs): the prompt's full
+        # chunks (a partial tail and the reply are recomputed next turn, for every system).
+        ctx_tokens = t.prompt_tokens + t.output_tokens
+        ctx_keys = [key for i, key in enumerate(keys) if t.tokens_of(i) == t.chunk_tokens]
+        for key in sess.gpu_keys:
+            self._pinned.discard(key)
+        sess.gpu_keys = ctx_keys
+        self._pinned.update(ctx_keys)
+        own = self._by_session.setdefault(t.session, set())
+        for i, key in enumerate(ctx_keys):
+            prev = self._owner.get(key)
+            if prev is not None and prev != t.session:
+                self._by_session.get(prev, set()).discard(key)
+            self._owner[key] = t.session
+            own.add(key)
+            tokens = t.chunk_tokens
+            if spec.restore == "none":
+                continue
+            victims = self.gpu.add(key, tokens * self.bpt, self._info(t.session, i, tokens), finish, self._pinned)
+            if victims is None:
+                self.res.overcommits += 1
+                continue
+            if self.gpu.used > self.gpu.capacity:
+                self.res.overcommits += 1
+            self._evict_from_gpu(victims, finish)
+            if spec.write_through and self.tiers:
+                for ti in range(len(self.tiers)):
+                    self._write(ti, key, tokens, self._info(t.session, i, tokens), finish)
+        for i, _ in lower[:k]:  # promoted chunks were read
+            if i < len(ctx_keys):
+                st = self._where(keys[i])
+                if st is not None:
+                    st.policy.access(keys[i], now)
+
+        decode = t.output_tokens * cost.prefill.time(ctx_tokens, 1)
+        end = finish + decode
+        sess.busy_until = end
+        sess.last_end = end
+        sess.context_tokens = ctx_tokens
+        # Once the turn is over its chunks are evictable again (lazily: at the next turn
+        # of anyone, keys of sessions no longer running are unpinned).
+        self._unpin_finished(now)
+        if now >= self._next_sample:
+            self._next_sample = now + self._sample_every
+            self.res.timeline.append((now, {"gpu": self.gpu.used, **{s.name: s.used for s in self.tiers}}))
+        return finish
+
+    def _make_room(self, t: Turn, keys: tuple, now: float) -> float:
+        """Free GPU space for the turn's new chunks before it computes; returns when the
+        write-back of the victims lets their blocks go."""
+        if self.spec.restore == "none":
+            return now
+        need = sum(t.chunk_tokens for i, k in enumerate(keys)
+                   if t.tokens_of(i) == t.chunk_tokens and not self.gpu.has(k)) * self.bpt
+        done = now
+        pinned = self._pinned | set(keys)
+        while self.gpu.used + need > self.gpu.capacity:
+            v = self.gpu.policy.victim(now, pinned)
+            if v is None:
+                break
+            nbytes = self.gpu.items[v]
+            self.gpu.remove(v)
+            self.gpu.evictions += 1
+            done = max(done, self._evict_from_gpu([(v, nbytes)], now))
+        return done
+
+    def _unpin_finished(self, now: float) -> None:
+        done = [s for s in self.sessions.values() if s.gpu_keys and s.busy_until <= now]
+        for s in done:
+            for key in s.gpu_keys:
+                self._pinned.discard(key)
+            s.gpu_keys = []
+
+    def _plan(self, t: Turn, gpu_tokens: int, lower: list[tuple[int, Store]]) -> int:
+        """kvtier's restore plan: the number of stored chunks to load (0 = recompute)."""
+        cost = self.cost
+        best_k, best = 0, cost.prefill.time(gpu_tokens, t.prompt_tokens - gpu_tokens)
+        load = 0.0
+        loaded = gpu_tokens
+        per_tier_seen: set[str] = set()
+        for k, (i, st) in enumerate(lower, 1):
+            tokens = t.tokens_of(i)
+            load += tokens * self.bpt / cost.tier(st.name).read.bandwidth_bps
+            if st.name not in per_tier_seen:
+                load += cost.tier(st.name).read.latency_s
+                per_tier_seen.add(st.name)
+            loaded += tokens
+            cached = min(loaded, t.prompt_tokens - 1)
+            compute = cost.prefill.time(cached, t.prompt_tokens - cached)
+            ttft = max(compute, load + compute / max(cost.num_layers, 1))
+            if ttft < best:
+                best_k, best = k, ttft
+        return best_k
+
+    def _watermark_offload(self, now: float) -> None:
+        """Above the high watermark, idle sessions predicted to stay away longest leave."""
+        cap_tokens = int(self.gpu.capacity // self.bpt)
+        used_tokens = self.gpu.used // self.bpt
+        if used_tokens <= self.offload.watermarks.high * cap_tokens:
+            return
+        idle = []
+        cands = [
+            sid for sid in self._by_session
+            if self.sessions[sid].busy_until <= now and self.sessions[sid].last_end is not None
+        ]
+        if len(cands) > 512:  # the longest idle are the likely candidates
+            cands = heapq.nlargest(512, cands, key=lambda sid: now - self.sessions[sid].last_end)
+        for sid in cands:
+            held = [k for k in self._by_session[sid] if self.gpu.has(k) and k not in self._pinned]
+            if not held:
+                continue
+            tokens = sum(self.gpu.items[k] for k in held) // self.bpt
+            idle.append(IdleSession(sid, tokens, tokens, self._predict(sid, now)))
+        names = [t.name for t in self.tiers]
+        free = {t.name: t.capacity - t.used for t in self.tiers}
+        for d in self.offload.decide(idle, used_tokens, cap_tokens, self.cost, names, free):
+            if d.tier is None:
+                continue
+            # Pre-stage: write the session down now, keep it in the GPU; when its blocks
+            # are needed they leave at once instead of after a write on the admission path.
+            for key in list(self._by_session.get(d.session, ())):
+                if not self.gpu.has(key) or self._where(key) is not None:
+                    continue
+                nbytes = self.gpu.items[key]
+                self._write(names.index(d.tier), key, nbytes // self.bpt, ChunkInfo(nbytes), now)
+                self._count(self.res.decisions, f"prestage_{d.tier}")

@@ -1,0 +1,118 @@
+"""When an idle session leaves the GPU and how far down it goes.
+
+Under memory pressure (pool use above the high watermark) idle sessions leave, those
+predicted to stay away longest first, until use is back under the low watermark. Each goes
+to the fastest tier that has room and from which loading it back beats recomputing it; a
+session predicted to stay away past ``deep_after_s`` skips the fastest tier, leaving it to
+sessions that come back sooner; a session no tier can bring back faster than recompute is
+dropped (its chunks stay wherever they were already stored).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+
+from kvtier.errors import InvalidArgumentError
+from kvtier.policies.cost_model import CostModel
+from kvtier.policies.registry import register
+
+
+@dataclass(frozen=True)
+class IdleSession:
+    session: Hashable
+    gpu_tokens: int
+    """Tokens of its KV held in the pool (freed by offloading it)."""
+    prefix_tokens: int
+    """Tokens a resume could reuse (what recompute would have to redo)."""
+    predicted_next_s: float
+    """Expected seconds until its next turn."""
+
+
+@dataclass(frozen=True)
+class OffloadDecision:
+    session: Hashable
+    tier: str | None
+    """Target tier, or None: drop from the pool without storing (recompute on return)."""
+
+
+@dataclass(frozen=True)
+class Watermarks:
+    high: float = 0.9
+    low: float = 0.75
+
+    def __post_init__(self) -> None:
+        if not 0 < self.low <= self.high <= 1:
+            raise InvalidArgumentError(
+                f"watermarks need 0 < low <= high <= 1, got low={self.low} high={self.high}"
+            )
+
+
+def worth_storing(cost: CostModel, tier: str, tokens: int, chunk_tokens: int = 256) -> bool:
+    """Loading ``tokens`` back from ``tier`` beats recomputing them."""
+    chunks = max(1, -(-tokens // chunk_tokens))
+    return cost.load_time(tier, tokens, chunks) < cost.prefill.time(0, tokens)
+
+
+@register("offload", "predictive")
+class PredictiveOffload:
+    """kvtier's offload policy (see the module docstring)."""
+
+    name = "predictive"
+
+    def __init__(
+        self,
+        watermarks: Watermarks | None = None,
+        deep_after_s: float = 1800.0,
+        chunk_tokens: int = 256,
+    ) -> None:
+        self.watermarks = watermarks or Watermarks()
+        self.deep_after_s = deep_after_s
+        self.chunk_tokens = chunk_tokens
+
+    def target_tier(
+        self,
+        s: IdleSession,
+        cost: CostModel,
+        tiers: Sequence[str],
+        free_bytes: Mapping[str, float],
+    ) -> str | None:
+        need = s.prefix_tokens * cost.kv_bytes_per_token
+        usable = [
+            t for t in tiers
+            if free_bytes.get(t, 0) >= need and worth_storing(cost, t, s.prefix_tokens, self.chunk_tokens)
+        ]
+        if not usable:
+            return None
+        if s.predicted_next_s > self.deep_after_s and len(usable) > 1:
+            return usable[1]
+        return usable[0]
+
+    def decide(
+        self,
+        idle: Sequence[IdleSession],
+        gpu_used_tokens: int,
+        gpu_capacity_tokens: int,
+        cost: CostModel,
+        tiers: Sequence[str],
+        free_bytes: Mapping[str, float],
+        force: bool = False,
+    ) -> list[OffloadDecision]:
+        """Sessions to move out now (``force``: free down to the low watermark even below
+        the high one, e.g. to admit a request)."""
+        cap = max(gpu_capacity_tokens, 1)
+        if not force and gpu_used_tokens <= self.watermarks.high * cap:
+            return []
+        target = self.watermarks.low * cap
+        free = dict(free_bytes)
+        out: list[OffloadDecision] = []
+        used = gpu_used_tokens
+        for s in sorted(idle, key=lambda s: -s.predicted_next_s):
+            if used <= target:
+                break
+            tier = self.target_tier(s, cost, tiers, free)
+            if tier is not None:
+                free[tier] = free.get(tier, 0) - s.prefix_tokens * cost.kv_bytes_per_token
+            out.append(OffloadDecision(s.session, tier))
+            used -= s.gpu_tokens
+        return out

@@ -1,0 +1,108 @@
+"""How long until a session's next turn: per-user think times shrunk toward the population's.
+
+Think times are modelled as lognormal. The population's log-mean and log-spread are learned
+online from every observed gap (a prior until enough are seen); a session's own log-mean is
+the precision-weighted blend of its gaps and the population's (a normal-normal update with
+the population spread), so a new user is predicted like everyone else and a regular user
+like themself. Given that a session has already been idle ``t`` seconds, the expected time
+left is the lognormal's conditional mean beyond ``t`` minus ``t``: a session idle far longer
+than it usually thinks is predicted to stay away longer still (it has most likely ended).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from kvtier.errors import InvalidArgumentError
+
+
+@dataclass
+class _Running:
+    """Welford mean/variance of log think times."""
+
+    n: int = 0
+    mean: float = 0.0
+    m2: float = 0.0
+
+    def add(self, x: float) -> None:
+        self.n += 1
+        d = x - self.mean
+        self.mean += d / self.n
+        self.m2 += d * (x - self.mean)
+
+    @property
+    def var(self) -> float:
+        return self.m2 / (self.n - 1) if self.n > 1 else 0.0
+
+
+@dataclass
+class ThinkTimeModel:
+    prior_median_s: float = 30.0
+    prior_sigma: float = 1.2
+    prior_weight: int = 20
+    """Pseudo-observations the prior counts for in the population estimate."""
+    population: _Running = field(default_factory=_Running)
+    sessions: dict[Hashable, _Running] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.prior_median_s <= 0 or self.prior_sigma <= 0:
+            raise InvalidArgumentError("think-time prior needs a median > 0 and sigma > 0")
+
+    # ----------------------------------------------------------------- learning
+    def observe(self, session: Hashable, think_s: float) -> None:
+        """A gap between the end of one turn and the start of the next."""
+        x = math.log(max(think_s, 1e-3))
+        self.population.add(x)
+        self.sessions.setdefault(session, _Running()).add(x)
+
+    def forget(self, session: Hashable) -> None:
+        self.sessions.pop(session, None)
+
+    # --------------------------------------------------------------- prediction
+    def population_params(self) -> tuple[float, float]:
+        """(log-mean, log-sigma) of the population, blended with the prior."""
+        w, p = self.prior_weight, self.population
+        mu0 = math.log(self.prior_median_s)
+        mu = (w * mu0 + p.n * p.mean) / (w + p.n)
+        var = (w * self.prior_sigma**2 + max(p.n - 1, 0) * p.var) / (w + max(p.n - 1, 0))
+        return mu, math.sqrt(max(var, 1e-4))
+
+    def params(self, session: Hashable) -> tuple[float, float]:
+        """(log-mean, log-sigma) for one session: its mean shrunk toward the population's."""
+        mu0, sigma = self.population_params()
+        own = self.sessions.get(session)
+        if own is None or own.n == 0:
+            return mu0, sigma
+        # Normal-normal: prior N(mu0, sigma^2) on the session mean, n observations of
+        # spread sigma -> posterior mean = (mu0 + n * mean) / (1 + n).
+        mu = (mu0 + own.n * own.mean) / (1 + own.n)
+        return mu, sigma
+
+    def expected_remaining(self, session: Hashable, idle_s: float) -> float:
+        """Expected seconds until the next turn, given ``idle_s`` seconds idle already."""
+        mu, sigma = self.params(session)
+        if idle_s <= 0:
+            return math.exp(mu + sigma * sigma / 2)
+        z = (math.log(idle_s) - mu) / sigma
+        num = math.erfc((z - sigma) / math.sqrt(2))
+        den = math.erfc(z / math.sqrt(2))
+        if den < 1e-300:  # far in the tail: E[T | T > t] ~ t (1 + sigma / z)
+            return idle_s * sigma / max(z, 1e-9)
+        cond = math.exp(mu + sigma * sigma / 2) * num / den
+        return max(cond - idle_s, 0.0)
+
+    def p_return_within(self, session: Hashable, idle_s: float, horizon_s: float) -> float:
+        """P(next turn within ``horizon_s`` | idle ``idle_s`` so far)."""
+        mu, sigma = self.params(session)
+
+        def sf(t: float) -> float:
+            if t <= 0:
+                return 1.0
+            return 0.5 * math.erfc((math.log(t) - mu) / (sigma * math.sqrt(2)))
+
+        s0 = sf(idle_s)
+        if s0 <= 0:
+            return 0.0
+        return max(0.0, min(1.0, 1.0 - sf(idle_s + horizon_s) / s0))
