@@ -334,50 +334,82 @@ class CostAware(_Scored):
 
 
 @register("eviction", "session-aware")
-class SessionAware(_Scored):
+class SessionAware(EvictionPolicy):
     """Evicts whole sessions, tail chunks first: the session whose next turn is furthest
-    away (predicted; unknown counts as idle time so far) loses its last chunk, so what stays
-    is always a usable prefix. A session about to resume keeps its chunks; shared chunks
-    (no session) go last, by LRU."""
+    away (predicted by ``predictor``; without one, its idle time so far) loses its last
+    chunk, so what stays is always a usable prefix. A session about to resume keeps its
+    chunks; shared chunks (no session) go last, least recently used first. Sessions are
+    ranked, not chunks: O(resident sessions) per victim (a sample of 64 past 256)."""
 
     name = "session-aware"
+    sample_over = 256
 
     def __init__(self, seed: int = 0, predictor=None) -> None:
-        super().__init__(seed)
-        self._last: dict[Hashable, float] = {}
-        self._touched: dict[Key, float] = {}
         self.predictor = predictor
         """``predictor(session, now) -> seconds until its next turn`` (e.g. a think-time
-        model); without one, a session's idle time so far stands in for it."""
+        model)."""
+        self._session_of: dict[Key, Hashable] = {}
+        self._by_session: dict[Hashable, dict[Key, int]] = {}
+        self._shared: OrderedDict[Key, None] = OrderedDict()
+        self._last: dict[Hashable, float] = {}
+        self._rng = random.Random(seed)
 
     def insert(self, key, info, now):
-        self._add(key, info)
-        self._touched[key] = now
-        if info.session is not None:
-            self._last[info.session] = now
+        self.remove(key)
+        if info.session is None:
+            self._shared[key] = None
+            return
+        self._session_of[key] = info.session
+        self._by_session.setdefault(info.session, {})[key] = info.index
+        self._last[info.session] = now
+
+    def update(self, key, info):
+        if key in self:
+            self.remove(key)
+            self.insert(key, info, self._last.get(info.session, 0.0))
 
     def access(self, key, now):
-        self._touched[key] = now
-        info = self._info.get(key)
-        if info is not None and info.session is not None:
-            self._last[info.session] = now
+        if key in self._shared:
+            self._shared.move_to_end(key)
+            return
+        s = self._session_of.get(key)
+        if s is not None:
+            self._last[s] = now
 
     def remove(self, key):
-        super().remove(key)
-        self._touched.pop(key, None)
+        self._shared.pop(key, None)
+        s = self._session_of.pop(key, None)
+        if s is not None:
+            chunks = self._by_session[s]
+            chunks.pop(key, None)
+            if not chunks:
+                del self._by_session[s]
 
-    def _away(self, info: ChunkInfo, now: float) -> float:
+    def away(self, session: Hashable, now: float) -> float:
         if self.predictor is not None:
-            return self.predictor(info.session, now)
-        if info.next_use_s is not None:
-            return info.next_use_s
-        return now - self._last.get(info.session, now)
+            return self.predictor(session, now)
+        return now - self._last.get(session, now)
 
-    def score(self, key, now):
-        info = self._info[key]
-        if info.session is None:  # shared: after every session chunk, oldest first
-            return (1, self._touched.get(key, now), 0)
-        return (0, -self._away(info, now), -info.index)
+    def victim(self, now, pinned=()):
+        pin = pinned if isinstance(pinned, (set, frozenset, dict)) else set(pinned)
+        sessions = list(self._by_session)
+        if len(sessions) > self.sample_over:
+            sessions = self._rng.sample(sessions, self.sample_over // 4)
+        scored = [(-self.away(s, now), i) for i, s in enumerate(sessions)]
+        heapq.heapify(scored)  # best first without sorting them all: usually one pop
+        while scored:
+            _, i = heapq.heappop(scored)
+            chunks = self._by_session[sessions[i]]
+            best = None
+            for k, idx in chunks.items():
+                if k not in pin and (best is None or idx > best[0]):
+                    best = (idx, k)
+            if best is not None:
+                return best[1]
+        return _first_unpinned(self._shared, pin)
+
+    def __contains__(self, key):
+        return key in self._session_of or key in self._shared
 
 
 def make_eviction(name: str, **kwargs) -> EvictionPolicy:

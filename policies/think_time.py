@@ -62,7 +62,16 @@ class ThinkTimeModel:
 
     # --------------------------------------------------------------- prediction
     def population_params(self) -> tuple[float, float]:
-        """(log-mean, log-sigma) of the population, blended with the prior."""
+        """(log-mean, log-sigma) of the population, blended with the prior (cached until
+        the next observation)."""
+        cached = getattr(self, "_pop_cache", None)
+        if cached is not None and cached[0] == self.population.n:
+            return cached[1]
+        out = self._population_params()
+        self._pop_cache = (self.population.n, out)
+        return out
+
+    def _population_params(self) -> tuple[float, float]:
         w, p = self.prior_weight, self.population
         mu0 = math.log(self.prior_median_s)
         mu = (w * mu0 + p.n * p.mean) / (w + p.n)

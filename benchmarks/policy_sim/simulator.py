@@ -30,6 +30,8 @@ from kvtier.policies.eviction import (
 from kvtier.policies.offload import IdleSession, PredictiveOffload, worth_storing
 from kvtier.policies.think_time import ThinkTimeModel
 
+_NO_PINS: frozenset = frozenset()
+
 
 @dataclass
 class Store:
@@ -164,6 +166,8 @@ class Simulator:
         self._sample_every = max(span / max(timeline_points, 1), 1e-9)
         self._next_sample = -math.inf
         self._pinned: set[Hashable] = set()
+        self._shared: set[Hashable] = set()
+        self._ends: list[tuple[float, Hashable]] = []
 
     # ------------------------------------------------------------------ helpers
     def _policy(self, name: str) -> EvictionPolicy:
@@ -181,10 +185,10 @@ class Simulator:
         idle = now - (s.last_end if s.last_end is not None else now)
         return self.think.expected_remaining(session, idle)
 
-    def _info(self, session: Hashable, index: int, tokens: int) -> ChunkInfo:
+    def _info(self, session: Hashable, index: int, tokens: int, key: Hashable = None) -> ChunkInfo:
         return ChunkInfo(
             nbytes=tokens * self.bpt,
-            session=session,
+            session=None if key in self._shared else session,
             index=index,
             recompute_s=self.cost.prefill.time(index * self.w.chunk_tokens, tokens),
         )
@@ -206,7 +210,8 @@ class Simulator:
         if st.has(key):
             st.policy.access(key, now)
             return now
-        victims = st.add(key, tokens * self.bpt, info, now, self._pinned)
+        # Pins protect running sessions' GPU blocks; their copies below may go.
+        victims = st.add(key, tokens * self.bpt, info, now, _NO_PINS)
         if victims is None:
             return now
         cost = self.cost.store_time(st.name, tokens)
@@ -263,6 +268,7 @@ class Simulator:
         sess = self.sessions.setdefault(t.session, _Session())
         if sess.last_end is not None and spec.predictive:
             self.think.observe(t.session, max(now - sess.last_end, 0.0))
+        self._unpin_finished(now)
         sess.busy_until = math.inf  # running from now on: pinned
         if spec.predictive:
             self._watermark_offload(now)
@@ -329,16 +335,23 @@ class Simulator:
         sess.gpu_keys = ctx_keys
         self._pinned.update(ctx_keys)
         own = self._by_session.setdefault(t.session, set())
-        for i, key in enumerate(ctx_keys):
+        # Tail first: an LRU then evicts a session's last chunks before its first (as vLLM
+        # frees a sequence's blocks in reverse), keeping a usable prefix.
+        for i, key in reversed(list(enumerate(ctx_keys))):
             prev = self._owner.get(key)
-            if prev is not None and prev != t.session:
+            shared = prev is not None and prev != t.session
+            if shared:
                 self._by_session.get(prev, set()).discard(key)
+                self._shared.add(key)
             self._owner[key] = t.session
             own.add(key)
             tokens = t.chunk_tokens
             if spec.restore == "none":
                 continue
-            victims = self.gpu.add(key, tokens * self.bpt, self._info(t.session, i, tokens), finish, self._pinned)
+            info = self._info(t.session, i, tokens, key)
+            if shared and self.gpu.has(key):
+                self.gpu.policy.update(key, info)  # seen by two sessions: a shared chunk
+            victims = self.gpu.add(key, tokens * self.bpt, info, finish, self._pinned)
             if victims is None:
                 self.res.overcommits += 1
                 continue
@@ -347,7 +360,7 @@ class Simulator:
             self._evict_from_gpu(victims, finish)
             if spec.write_through and self.tiers:
                 for ti in range(len(self.tiers)):
-                    self._write(ti, key, tokens, self._info(t.session, i, tokens), finish)
+                    self._write(ti, key, tokens, info, finish)
         for i, _ in lower[:k]:  # promoted chunks were read
             if i < len(ctx_keys):
                 st = self._where(keys[i])
@@ -358,10 +371,10 @@ class Simulator:
         end = finish + decode
         sess.busy_until = end
         sess.last_end = end
+        heapq.heappush(self._ends, (end, t.session))
         sess.context_tokens = ctx_tokens
-        # Once the turn is over its chunks are evictable again (lazily: at the next turn
-        # of anyone, keys of sessions no longer running are unpinned).
-        self._unpin_finished(now)
+        # Once the turn is over its chunks are evictable again (lazily: at the start of
+        # the next turn of anyone, keys of sessions no longer running are unpinned).
         if now >= self._next_sample:
             self._next_sample = now + self._sample_every
             self.res.timeline.append((now, {"gpu": self.gpu.used, **{s.name: s.used for s in self.tiers}}))
@@ -387,8 +400,11 @@ class Simulator:
         return done
 
     def _unpin_finished(self, now: float) -> None:
-        done = [s for s in self.sessions.values() if s.gpu_keys and s.busy_until <= now]
-        for s in done:
+        while self._ends and self._ends[0][0] <= now:
+            end, sid = heapq.heappop(self._ends)
+            s = self.sessions[sid]
+            if s.busy_until != end:
+                continue  # a later turn of the session superseded this entry
             for key in s.gpu_keys:
                 self._pinned.discard(key)
             s.gpu_keys = []
@@ -436,8 +452,8 @@ class Simulator:
         names = [t.name for t in self.tiers]
         free = {t.name: t.capacity - t.used for t in self.tiers}
         for d in self.offload.decide(idle, used_tokens, cap_tokens, self.cost, names, free):
-            if d.tier is None:
-                continue
+            if d.tier is None or self.links[d.tier].free_at > now:
+                continue  # never queue a pre-stage ahead of reads
             # Pre-stage: write the session down now, keep it in the GPU; when its blocks
             # are needed they leave at once instead of after a write on the admission path.
             for key in list(self._by_session.get(d.session, ())):

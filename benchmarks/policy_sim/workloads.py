@@ -103,7 +103,10 @@ class SyntheticSpec:
     """A document pasted into the first turn (long-context chat)."""
     think: str = "lognormal"
     think_median_s: float = 30.0
-    think_sigma: float = 1.0
+    think_sigma: float = 0.6
+    """Spread of one user's think times around their own median."""
+    think_between_sigma: float = 1.0
+    """Spread of users' medians around the population's (some users are quick, some slow)."""
     hint_fraction: float = 0.5
     """Turns the chat backend announces (typing) before they arrive."""
     hint_lead_s: float = 5.0
@@ -129,6 +132,7 @@ def synthetic(spec: SyntheticSpec, seed: int = 0, name: str = "synthetic") -> Wo
         sys_tokens = spec.system_tokens if sys_id is not None else 0
         context = sys_tokens
         now = t0
+        user_median = spec.think_median_s * math.exp(rng.gauss(0.0, spec.think_between_sigma))
         for k in range(n_turns):
             user = max(1, int(rng.lognormvariate(math.log(spec.user_tokens_median), spec.user_tokens_sigma)))
             if k == 0:
@@ -143,9 +147,9 @@ def synthetic(spec: SyntheticSpec, seed: int = 0, name: str = "synthetic") -> Wo
             turns.append(Turn(sid, now, keys, chunk, prompt, out, hint))
             context = prompt + out
             if spec.think == "lognormal":
-                gap = rng.lognormvariate(math.log(spec.think_median_s), spec.think_sigma)
+                gap = rng.lognormvariate(math.log(user_median), spec.think_sigma)
             else:
-                gap = rng.expovariate(1.0 / spec.think_median_s)
+                gap = rng.expovariate(1.0 / user_median)
             now += gap + out * 0.02  # the reply streams before the user starts thinking
     turns.sort(key=lambda t: t.arrival_s)
     return Workload(name, turns, chunk, {"generator": "synthetic", "seed": seed, **spec.__dict__})
@@ -156,15 +160,17 @@ def mooncake(path: str | Path, block_tokens: int = 512, limit: int | None = None
     """A Mooncake-format JSONL trace (``timestamp`` ms, ``input_length``,
     ``output_length``, ``hash_ids`` of 512-token chained blocks). Sessions are rebuilt from
     shared hash prefixes: a request continues the session of the latest earlier request
-    whose whole block chain its own chain starts with; otherwise it starts a session."""
+    whose full blocks its own chain starts with (the earlier request's last block is
+    usually partial, so its hash differs once the conversation grows); a request sharing
+    less than that (a common system prompt) starts a session."""
     path = Path(path)
     turns: list[Turn] = []
-    ends: dict[int, Hashable] = {}  # last hash id of a request's chain -> its session
+    ends: dict[int, Hashable] = {}  # last full block of a request's chain -> its session
     next_session = 0
     try:
         fh = path.open()
     except OSError as exc:
-        raise TraceFormatError(f"{path}: cannot read the trace: {exc}") from None
+        raise InvalidArgumentError(f"{path}: cannot read the trace: {exc}") from None
     with fh:
         for lineno, line in enumerate(fh, 1):
             if limit is not None and len(turns) >= limit:
@@ -179,16 +185,18 @@ def mooncake(path: str | Path, block_tokens: int = 512, limit: int | None = None
                 ids = [int(h) for h in rec["hash_ids"]]
             except (ValueError, KeyError, TypeError) as exc:
                 raise TraceFormatError(
-                    f"{path}:{lineno}: not a Mooncake trace record ({type(exc).__name__}: {exc}); "
-                    "need timestamp (ms), input_length, output_length, hash_ids"
+                    str(path), lineno,
+                    f"not a Mooncake trace record ({type(exc).__name__}: {exc}); "
+                    "need timestamp (ms), input_length, output_length, hash_ids",
                 ) from None
             if inp < 1 or out < 0 or not ids or len(ids) != math.ceil(inp / block_tokens):
                 raise TraceFormatError(
-                    f"{path}:{lineno}: input_length {inp} needs {math.ceil(inp / block_tokens)} "
-                    f"hash_ids of {block_tokens} tokens, got {len(ids)}"
+                    str(path), lineno,
+                    f"input_length {inp} needs {math.ceil(inp / block_tokens)} "
+                    f"hash_ids of {block_tokens} tokens, got {len(ids)}",
                 )
             session = None
-            for h in reversed(ids[:-1] if len(ids) > 1 else []):
+            for h in reversed(ids):
                 if h in ends:
                     session = ends[h]
                     break
@@ -197,9 +205,11 @@ def mooncake(path: str | Path, block_tokens: int = 512, limit: int | None = None
                 next_session += 1
             keys = tuple(ids[:-1]) + ((ids[-1], inp - (len(ids) - 1) * block_tokens),)
             turns.append(Turn(session, ts, keys, block_tokens, inp, out))
-            ends[ids[-1]] = session
+            full = inp // block_tokens
+            if full:
+                ends[ids[full - 1]] = session
     if not turns:
-        raise TraceFormatError(f"{path}: no requests in the trace")
+        raise InvalidArgumentError(f"{path}: no requests in the trace")
     turns.sort(key=lambda t: t.arrival_s)
     return Workload(path.stem, turns, block_tokens, {"trace": str(path), "sessions": next_session})
 
@@ -217,13 +227,13 @@ def from_csv(path: str | Path, chunk_tokens: int = 256, system_column: str = "sy
     try:
         fh = path.open(newline="")
     except OSError as exc:
-        raise TraceFormatError(f"{path}: cannot read: {exc}") from None
+        raise InvalidArgumentError(f"{path}: cannot read: {exc}") from None
     rows: list[tuple[float, str, int, int, int, str]] = []
     with fh:
         reader = csv.DictReader(fh)
         missing = [c for c in CSV_COLUMNS if c not in (reader.fieldnames or [])]
         if missing:
-            raise TraceFormatError(f"{path}: missing column(s) {', '.join(missing)}; need {CSV_COLUMNS}")
+            raise TraceFormatError(str(path), 1, f"missing column(s) {', '.join(missing)}; need {CSV_COLUMNS}")
         for lineno, row in enumerate(reader, 2):
             try:
                 rows.append((
@@ -232,9 +242,9 @@ def from_csv(path: str | Path, chunk_tokens: int = 256, system_column: str = "sy
                     row.get("system_id") or "",
                 ))
             except (TypeError, ValueError) as exc:
-                raise TraceFormatError(f"{path}:{lineno}: bad value ({exc})") from None
+                raise TraceFormatError(str(path), lineno, f"bad value ({exc})") from None
             if rows[-1][2] < 1 or rows[-1][3] < 0:
-                raise TraceFormatError(f"{path}:{lineno}: new_tokens must be >= 1, output_tokens >= 0")
+                raise TraceFormatError(str(path), lineno, "new_tokens must be >= 1, output_tokens >= 0")
     rows.sort()
     context: dict[str, int] = {}
     turns: list[Turn] = []
@@ -247,7 +257,7 @@ def from_csv(path: str | Path, chunk_tokens: int = 256, system_column: str = "sy
         turns.append(Turn(sid, arrival, tuple(sys_keys) + tuple(own), chunk_tokens, prompt, out))
         context[sid] = prompt + out
     if not turns:
-        raise TraceFormatError(f"{path}: no turns")
+        raise InvalidArgumentError(f"{path}: no turns")
     return Workload(path.stem, turns, chunk_tokens, {"csv": str(path)})
 
 

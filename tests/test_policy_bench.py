@@ -1,0 +1,168 @@
+"""The policy benchmark: workloads (synthetic, Mooncake, CSV), the simulator on
+hand-computable cases, calibration profiles and the CLI's errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvtier.benchmarks.policy_sim.simulator import Simulator
+from kvtier.benchmarks.policy_sim.systems import SYSTEMS, system
+from kvtier.benchmarks.policy_sim.workloads import (
+    SyntheticSpec,
+    Turn,
+    Workload,
+    from_csv,
+    mooncake,
+    synthetic,
+)
+from kvtier.cli import main
+from kvtier.errors import ConfigError, InvalidArgumentError, TraceFormatError
+from kvtier.policies.cost_model import CostModel, LinearCost, PrefillCost, TierCost
+from kvtier.profile import load_profile, save_profile
+
+CHUNK = 256
+
+
+def _cost(tier_bw: float = 1e12, latency: float = 0.0) -> CostModel:
+    """1 ms per prefilled token, nothing else; 1 KB of KV per token."""
+    t = lambda n: TierCost(n, LinearCost(latency, tier_bw), LinearCost(latency, tier_bw))  # noqa: E731
+    return CostModel("m", "test", 1000, 4, PrefillCost(0.0, 1e-3, 0.0),
+                     {"cpu": t("cpu"), "disk": t("disk")})
+
+
+def _two_turns(gap_s: float = 100.0) -> Workload:
+    k1 = tuple(("s", i) for i in range(4))  # 1024 tokens
+    k2 = k1 + (("s", 4), ("s", 5))  # 1536 tokens
+    return Workload("two", [
+        Turn("a", 0.0, k1, CHUNK, 1024, 0),
+        Turn("a", gap_s, k2, CHUNK, 1536, 0),
+    ], CHUNK)
+
+
+def test_simulated_ttft_is_the_prefill_of_what_is_not_reused():
+    wl = _two_turns()
+    big = 1e9
+    rec = Simulator(wl, SYSTEMS["recompute-only"], _cost(), big, {"cpu": big}).run()
+    assert rec.ttft_s == pytest.approx([1.024, 1.536])
+    vllm = Simulator(wl, SYSTEMS["vllm-like"], _cost(), big, {}).run()
+    assert vllm.ttft_s == pytest.approx([1.024, 0.512])  # the 4 chunks of turn 1 are hits
+    assert vllm.saved_tokens == 1024
+
+
+def test_a_gpu_too_small_sends_kvtier_to_the_cpu_tier_and_loads_back():
+    wl = Workload("two", [
+        *_two_turns().turns[:1],
+        Turn("b", 10.0, tuple(("b", i) for i in range(4)), CHUNK, 1024, 0),
+        Turn("a", 200.0, tuple(("s", i) for i in range(6)), CHUNK, 1536, 0),
+    ], CHUNK)
+    gpu = 4 * CHUNK * 1000  # room for one session's 4 chunks
+    res = Simulator(wl, SYSTEMS["kvtier"], _cost(), gpu, {"cpu": 1e9, "disk": 1e9}).run()
+    assert res.hits.get("cpu", 0) == 4 and res.read_bytes["cpu"] == 4 * CHUNK * 1000
+    assert res.ttft_s[2] == pytest.approx(0.512, rel=1e-3)  # loads are free at 1 TB/s
+    vllm = Simulator(wl, SYSTEMS["vllm-like"], _cost(), gpu, {}).run()
+    assert vllm.ttft_s[2] == pytest.approx(1.536)
+
+
+def test_slow_tiers_are_never_read_by_kvtier_but_are_by_load_any_hit():
+    wl = Workload("two", [
+        *_two_turns().turns[:1],
+        Turn("b", 10.0, tuple(("b", i) for i in range(4)), CHUNK, 1024, 0),
+        Turn("a", 200.0, tuple(("s", i) for i in range(6)), CHUNK, 1536, 0),
+    ], CHUNK)
+    slow = _cost(tier_bw=1e4, latency=1.0)  # 25 s per chunk: recompute (0.256 s) wins
+    gpu = 4 * CHUNK * 1000
+    k = Simulator(wl, SYSTEMS["kvtier"], slow, gpu, {"cpu": 1e9, "disk": 1e9}).run()
+    assert k.hits.get("cpu", 0) == 0 and k.ttft_s[2] == pytest.approx(1.536)
+    lm = Simulator(wl, SYSTEMS["lmcache-like"], slow, gpu, {"cpu": 1e9, "disk": 1e9}).run()
+    assert lm.hits.get("cpu", 0) > 0 and lm.ttft_s[2] > 10
+
+
+def test_synthetic_sessions_share_system_prompt_chunks_and_are_seeded():
+    spec = SyntheticSpec(sessions=30, system_prompts=2, system_tokens=512)
+    a, b = synthetic(spec, seed=1), synthetic(spec, seed=1)
+    assert a.turns == b.turns
+    firsts = {t.chunk_keys[:2] for t in a.turns}
+    assert len(firsts) == 2  # two system prompts, 2 chunks each, shared by all sessions
+    by_session: dict = {}
+    for t in a.turns:
+        prev = by_session.get(t.session)
+        if prev is not None:  # a later turn extends the earlier prompt's full chunks
+            assert t.prompt_tokens > prev.prompt_tokens and t.arrival_s > prev.arrival_s
+            full = prev.prompt_tokens // CHUNK
+            assert t.chunk_keys[:full] == prev.chunk_keys[:full]
+        by_session[t.session] = t
+    assert a.peak_live_tokens() > 0
+
+
+def test_mooncake_sessions_are_rebuilt_from_shared_prefixes(tmp_path):
+    rows = [
+        {"timestamp": 0, "input_length": 1200, "output_length": 10, "hash_ids": [1, 2, 3]},
+        {"timestamp": 5, "input_length": 600, "output_length": 10, "hash_ids": [1, 9]},
+        # continues the first: its full blocks [1, 2] then new ones
+        {"timestamp": 9, "input_length": 2000, "output_length": 5, "hash_ids": [1, 2, 7, 8]},
+    ]
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    wl = mooncake(path)
+    assert [t.session for t in wl.turns] == [0, 1, 0]
+    assert wl.turns[2].chunk_keys[:2] == (1, 2) and wl.turns[0].arrival_s == 0.0
+    assert wl.turns[2].arrival_s == pytest.approx(0.009)
+    path.write_text(json.dumps(rows[0]) + "\n{not json\n")
+    with pytest.raises(TraceFormatError, match=r"t.jsonl:2"):
+        mooncake(path)
+    path.write_text(json.dumps({**rows[0], "hash_ids": [1]}) + "\n")
+    with pytest.raises(TraceFormatError, match="needs 3 hash_ids"):
+        mooncake(path)
+
+
+def test_csv_turns_build_growing_prompts_and_reject_bad_files(tmp_path):
+    path = tmp_path / "turns.csv"
+    path.write_text("session_id,arrival_s,new_tokens,output_tokens,system_tokens,system_id\n"
+                    "u1,0,300,200,512,sys\nu1,60,100,50,512,sys\nu2,1,10,5,512,sys\n")
+    wl = from_csv(path)
+    u1 = [t for t in wl.turns if t.session == "u1"]
+    assert [t.prompt_tokens for t in u1] == [812, 1112]
+    u2 = next(t for t in wl.turns if t.session == "u2")
+    assert u2.chunk_keys[:2] == u1[0].chunk_keys[:2]  # the shared system prompt
+    path.write_text("session_id,arrival_s,new_tokens\nu1,0,3\n")
+    with pytest.raises(TraceFormatError, match="missing column.*output_tokens"):
+        from_csv(path)
+    path.write_text("session_id,arrival_s,new_tokens,output_tokens\nu1,zero,3,4\n")
+    with pytest.raises(TraceFormatError, match=":2: bad value"):
+        from_csv(path)
+
+
+def test_profiles_flag_another_model_or_machine(tmp_path):
+    path = save_profile(tmp_path / "p.json", _cost(), {"note": "test"})
+    cost, warnings = load_profile(path, model_fingerprint="m", machine="test")
+    assert cost == _cost() and warnings == []
+    _, warnings = load_profile(path, model_fingerprint="other", machine="elsewhere")
+    assert len(warnings) == 2 and "another model" in warnings[0] and "another machine" in warnings[1]
+    with pytest.raises(ConfigError, match="does not exist.*kvtier calibrate"):
+        load_profile(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text('{"kvtier_profile": 1, "cost_model": {"model": "m"}}')
+    with pytest.raises(ConfigError, match="bad.json"):
+        load_profile(tmp_path / "bad.json")
+
+
+def test_bench_policies_cli_runs_and_reports_bad_input(tmp_path, capsys):
+    prof = save_profile(tmp_path / "p.json", _cost(tier_bw=1e9), {})
+    out = tmp_path / "r.json"
+    rc = main(["bench", "policies", "--workloads", "multiturn", "--sessions", "20",
+               "--budgets", "0.5", "--profile", str(prof), "--out", str(out),
+               "--plot", str(tmp_path / "plots")])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    rows = doc["workloads"]["multiturn"]["budgets"]["0.5"]
+    assert set(rows) == set(SYSTEMS)
+    assert rows["kvtier"]["ttft_mean_s"] < rows["recompute-only"]["ttft_mean_s"]
+    assert doc["config"]["profile_warnings"]  # the test profile is from "another machine"
+    assert (tmp_path / "plots" / "policies-multiturn-ttft-cdf.png").stat().st_size > 0
+    with pytest.raises(InvalidArgumentError, match="unknown system policy 'nope'"):
+        system("nope")
+    assert main(["bench", "policies", "--systems", "nope", "--profile", str(prof)]) != 0
+    assert main(["bench", "policies", "--profile", str(tmp_path / "none.json")]) != 0
+    err = capsys.readouterr().err
+    assert "nope" in err and "kvtier calibrate" in err

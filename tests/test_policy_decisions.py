@@ -1,0 +1,144 @@
+"""Eviction, think-time and offload decisions on hand-computable cases, and policies by name."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.errors import InvalidArgumentError
+from kvtier.policies.cost_model import CostModel, LinearCost, PrefillCost, TierCost
+from kvtier.policies.eviction import (
+    ARC,
+    LFU,
+    LRU,
+    SLRU,
+    ChunkInfo,
+    CostAware,
+    SessionAware,
+    make_eviction,
+)
+from kvtier.policies.offload import IdleSession, PredictiveOffload, Watermarks
+from kvtier.policies.registry import names, resolve
+from kvtier.policies.think_time import ThinkTimeModel
+
+INFO = ChunkInfo(nbytes=100)
+
+
+def _fill(policy, keys, now=0.0):
+    for i, k in enumerate(keys):
+        policy.insert(k, INFO, now + i)
+    return policy
+
+
+def test_policies_by_name_and_by_dotted_path():
+    assert {"lru", "slru", "lfu", "arc", "cost-aware", "session-aware"} <= set(names("eviction"))
+    assert isinstance(make_eviction("arc"), ARC)
+    assert resolve("eviction", "kvtier.policies.eviction:LRU") is LRU
+    assert resolve("eviction", "kvtier.policies.eviction.LFU") is LFU
+    with pytest.raises(InvalidArgumentError, match="unknown eviction policy 'mru'.*known: arc"):
+        resolve("eviction", "mru")
+    with pytest.raises(InvalidArgumentError, match="cannot import eviction policy"):
+        resolve("eviction", "kvtier.policies.eviction:Nope")
+
+
+def test_lru_evicts_the_least_recent_and_never_a_pinned_key():
+    p = _fill(LRU(), "abc")
+    p.access("a", 5)
+    assert p.victim(6) == "b"
+    assert p.victim(6, pinned={"b"}) == "c"
+    assert p.victim(6, pinned={"a", "b", "c"}) is None
+
+
+def test_slru_keeps_reused_keys_through_a_scan():
+    p = _fill(SLRU(protected_fraction=0.5), "ab")
+    p.access("a", 3)  # a is reused: protected
+    _fill(p, "xyz", 10)  # a scan of cold keys
+    assert [p.victim(20) for _ in range(1)] == ["b"]
+    p.remove("b")
+    assert p.victim(20) == "x"  # probation first; a survives
+    assert "a" in p
+
+
+def test_lfu_evicts_the_least_used_then_the_oldest():
+    p = _fill(LFU(), "abc")
+    p.access("a", 5)
+    p.access("c", 6)
+    assert p.victim(7) == "b"
+    p.remove("b")
+    assert p.victim(7) == "a"  # a and c used twice; a less recently
+
+
+def test_arc_moves_towards_the_list_whose_ghosts_come_back():
+    p = ARC(capacity_keys=2)
+    _fill(p, "ab")
+    p.access("a", 3)  # a -> T2
+    assert p.victim(4) == "b"  # T1 is over its target p=0
+    p.remove("b")  # b becomes a ghost in B1
+    p.insert("b", INFO, 5)  # a ghost hit: T1 was too small, b goes to T2
+    assert p.p >= 1 and "b" in p.t2
+
+
+def test_cost_aware_keeps_expensive_chunks_and_ages_them():
+    p = CostAware(half_life_s=10)
+    p.insert("cheap", ChunkInfo(100, recompute_s=0.1), 0)
+    p.insert("dear", ChunkInfo(100, recompute_s=1.0), 0)
+    assert p.victim(0) == "cheap"
+    p.access("cheap", 1000)  # the expensive one has not been read for 1000 s
+    assert p.victim(1000) == "dear"
+
+
+def test_session_aware_evicts_the_session_away_longest_tail_first():
+    away = {"soon": 5.0, "hours": 7200.0}
+    p = SessionAware(predictor=lambda s, now: away[s])
+    for i in range(3):
+        p.insert(("hours", i), ChunkInfo(100, session="hours", index=i), 0)
+        p.insert(("soon", i), ChunkInfo(100, session="soon", index=i), 0)
+    p.insert("system", ChunkInfo(100, session=None), 0)
+    order = []
+    while (v := p.victim(1)) is not None:
+        order.append(v)
+        p.remove(v)
+    assert order[:3] == [("hours", 2), ("hours", 1), ("hours", 0)]
+    assert order[3:6] == [("soon", 2), ("soon", 1), ("soon", 0)]
+    assert order[6] == "system"  # shared chunks go last
+
+
+def test_think_time_model_learns_each_user_and_the_population():
+    m = ThinkTimeModel(prior_median_s=30)
+    fresh = m.expected_remaining("new", 0)
+    for _ in range(10):
+        m.observe("quick", 3.0)
+        m.observe("slow", 600.0)
+    assert m.expected_remaining("quick", 0) < fresh < m.expected_remaining("slow", 0)
+    # Idle far longer than it ever thinks: predicted to stay away longer still (ended?).
+    assert m.expected_remaining("quick", 3600) > m.expected_remaining("quick", 1)
+    assert 0.0 <= m.p_return_within("slow", 0, 60) < m.p_return_within("quick", 0, 60) <= 1.0
+
+
+def _cost(**tiers):
+    return CostModel("m", "test", 1000, 10, PrefillCost(0.0, 1e-3, 0.0), {
+        n: TierCost(n, LinearCost(lat, bw), LinearCost(lat, bw)) for n, (lat, bw) in tiers.items()
+    })
+
+
+def test_offload_waits_for_the_high_watermark_then_frees_longest_away_first():
+    pol = PredictiveOffload(Watermarks(high=0.9, low=0.5), deep_after_s=3600)
+    cost = _cost(cpu=(0.0, 1e9), disk=(0.001, 1e8))
+    idle = [IdleSession("back-soon", 200, 200, 10.0), IdleSession("gone", 300, 300, 7200.0),
+            IdleSession("lunch", 200, 200, 1800.0)]
+    free = {"cpu": 1e9, "disk": 1e9}
+    assert pol.decide(idle, 850, 1000, cost, ["cpu", "disk"], free) == []
+    out = pol.decide(idle, 950, 1000, cost, ["cpu", "disk"], free)
+    assert [d.session for d in out] == ["gone", "lunch"]  # 950 - 300 - 200 = 450 <= 500
+    assert [d.tier for d in out] == ["disk", "cpu"]  # away for hours: the deeper tier
+
+
+def test_offload_never_targets_a_tier_slower_than_recompute():
+    pol = PredictiveOffload()
+    slow = _cost(cpu=(5.0, 1e3))  # 5 s latency, 1 KB/s: recompute (1 ms/token) always wins
+    out = pol.decide([IdleSession("s", 500, 500, 60.0)], 1000, 1000, slow, ["cpu"], {"cpu": 1e12})
+    assert [(d.session, d.tier) for d in out] == [("s", None)]
+    full = _cost(cpu=(0.0, 1e9))
+    out = pol.decide([IdleSession("s", 500, 500, 60.0)], 1000, 1000, full, ["cpu"], {"cpu": 10})
+    assert out[0].tier is None  # no room anywhere: dropped, not half-stored
+    with pytest.raises(InvalidArgumentError, match="watermarks"):
+        Watermarks(high=0.5, low=0.9)
