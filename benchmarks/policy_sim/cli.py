@@ -4,8 +4,7 @@
 over every workload x GPU budget x system and prints, per workload and budget, TTFT mean /
 p50 / p99, hit rate per tier, bytes moved per tier, prefill tokens saved and peak GPU KV
 memory; ``--out`` writes JSON and ``--plot DIR`` TTFT CDFs and memory-over-time plots.
-``--real`` replays a small workload on the reference engine with real tiers (see
-:mod:`kvtier.benchmarks.policy_sim.real`).
+(A ``--real`` replay on the reference engine is not built yet.)
 """
 
 from __future__ import annotations
@@ -32,9 +31,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "against kvtier's policy and baselines (recompute-only, vLLM-like, LMCache-like, "
         "CachedAttention-like, Pensieve-like) for several GPU memory budgets.",
     )
-    mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--simulate", action="store_true", help="discrete-event simulation (default)")
-    mode.add_argument("--real", action="store_true", help="replay on the reference engine")
+    p.add_argument("--simulate", action="store_true",
+                   help="discrete-event simulation (the default and, for now, only mode)")
     p.add_argument("--workloads", default=",".join(BUILTIN_WORKLOADS),
                    help=f"built-in synthetic workloads, comma-separated, or 'none' "
                    f"({', '.join(BUILTIN_WORKLOADS)})")
@@ -59,7 +57,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="write JSON results here")
     p.add_argument("--plot", type=Path, default=None, help="write PNG plots into this directory")
-    p.add_argument("--model", type=Path, default=None, help="--real: model dir (default: tiny)")
     p.set_defaults(func=run)
 
 
@@ -124,10 +121,6 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.benchmarks.results import write_result
     from kvtier.profile import load_profile, this_machine
 
-    if args.real:
-        from kvtier.benchmarks.policy_sim.real import run_real
-
-        return run_real(args)
     console = Console()
     budgets = _floats(args.budgets, "budgets")
     systems = [system(n.strip()) for n in args.systems.split(",") if n.strip()]
