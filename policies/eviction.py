@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import heapq
 import random
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
@@ -34,26 +35,27 @@ class ChunkInfo:
     """Predicted seconds until its session's next turn (None: unknown)."""
 
 
-class EvictionPolicy:
+class EvictionPolicy(ABC):
     name = "base"
 
-    def insert(self, key: Key, info: ChunkInfo, now: float) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def insert(self, key: Key, info: ChunkInfo, now: float) -> None: ...
 
-    def access(self, key: Key, now: float) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def access(self, key: Key, now: float) -> None: ...
 
-    def remove(self, key: Key) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def remove(self, key: Key) -> None: ...
 
-    def victim(self, now: float, pinned: Iterable[Key] = ()) -> Key | None:
-        raise NotImplementedError
+    @abstractmethod
+    def victim(self, now: float, pinned: Iterable[Key] = ()) -> Key | None: ...
 
     def update(self, key: Key, info: ChunkInfo) -> None:
         """New knowledge of a chunk (e.g. its session's predicted return); default: ignored."""
+        return None
 
-    def __contains__(self, key: Key) -> bool:
-        raise NotImplementedError
+    @abstractmethod
+    def __contains__(self, key: Key) -> bool: ...
 
 
 def _first_unpinned(keys: Iterable[Key], pinned: Iterable[Key]) -> Key | None:
@@ -276,8 +278,8 @@ class _Scored(EvictionPolicy):
         if key in self._info:
             self._info[key] = info
 
-    def score(self, key: Key, now: float) -> tuple:
-        raise NotImplementedError
+    @abstractmethod
+    def score(self, key: Key, now: float) -> tuple: ...
 
     def victim(self, now, pinned=()):
         pin = pinned if isinstance(pinned, (set, frozenset, dict)) else set(pinned)
