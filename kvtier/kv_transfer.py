@@ -64,7 +64,8 @@ class LoadReport:
     tier_hits: dict[str, int] = field(default_factory=dict)
     bytes: int = 0
     pending: LayerLoad | None = None
-    """A streamed restore still loading (the pool's forward passes wait on it per layer)."""
+    """A streamed restore still loading (the pool's forward passes wait on it per layer);
+    then ``bytes`` counts only what was read before returning (``pending.bytes`` grows)."""
 
 
 class KVTransfer:

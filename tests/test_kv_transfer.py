@@ -53,6 +53,15 @@ def _transfer(runner, slots=32):
     return KVTransfer(runner, TierManager([tier], fingerprint=runner.fingerprint), CHUNK), tier
 
 
+def _saved(model_dir, n: int, seed: int):
+    """A runner with ``n`` random tokens computed and saved to a CPU tier."""
+    runner = _runner(model_dir)
+    tokens = _tokens(n, seed=seed)
+    _compute(runner, "c", tokens)
+    xfer, tier = _transfer(runner)
+    return runner, tokens, xfer, tier, xfer.save(tokens)
+
+
 def test_save_evict_load_is_bit_exact(model_dir):
     runner = _runner(model_dir)
     tokens = _tokens(200)  # 3 chunks of 64 + a tail of 8 (whole blocks of 16: 192 tokens)
@@ -127,11 +136,7 @@ def test_other_models_chunks_are_never_loaded(model_dir):
 
 
 def test_a_corrupt_chunk_is_a_miss_and_the_prefix_before_it_loads(model_dir):
-    runner = _runner(model_dir)
-    tokens = _tokens(192, seed=10)
-    _compute(runner, "c", tokens)
-    xfer, tier = _transfer(runner)
-    saved = xfer.save(tokens)
+    runner, tokens, xfer, tier, saved = _saved(model_dir, 192, seed=10)
     third = saved.keys[2]
     blob = bytearray(tier.get([third])[0])
     blob[-5] ^= 0xFF
@@ -198,11 +203,7 @@ def test_forward_over_a_streaming_restore_equals_forward_over_pooled_kv(model_di
 
 
 def test_a_chunk_corrupt_in_a_later_layer_ends_a_blocking_load_at_that_chunk(model_dir):
-    runner = _runner(model_dir)
-    tokens = _tokens(192, seed=14)
-    _compute(runner, "c", tokens)
-    xfer, tier = _transfer(runner)
-    saved = xfer.save(tokens)
+    runner, tokens, xfer, tier, saved = _saved(model_dir, 192, seed=14)
     _corrupt_layer(tier, saved.keys[1], runner.config.num_hidden_layers - 1)
     xfer.evict(tokens)
     loaded = xfer.load(tokens)
@@ -217,11 +218,7 @@ def test_a_chunk_corrupt_in_a_later_layer_ends_a_blocking_load_at_that_chunk(mod
 def test_a_streamed_chunk_lost_mid_forward_stops_the_forward_and_is_uncached(model_dir):
     from kvtier.layer_load import LayerLoadError
 
-    runner = _runner(model_dir)
-    tokens = _tokens(192, seed=15)
-    _compute(runner, "c", tokens)
-    xfer, tier = _transfer(runner)
-    saved = xfer.save(tokens)
+    runner, tokens, xfer, tier, saved = _saved(model_dir, 192, seed=15)
     _corrupt_layer(tier, saved.keys[2], 1)
     xfer.evict(tokens)
     loaded = xfer.load(tokens + [5, 6], stream=True)

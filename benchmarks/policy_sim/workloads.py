@@ -12,7 +12,7 @@ import csv
 import json
 import math
 import random
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,15 +42,6 @@ class Workload:
     turns: list[Turn]
     chunk_tokens: int
     meta: dict = field(default_factory=dict)
-
-    def unique_tokens(self) -> int:
-        """Tokens of distinct chunks over all turns: the KV working set if nothing is
-        ever dropped (memory budgets are fractions of this)."""
-        seen: dict[Hashable, int] = {}
-        for t in self.turns:
-            for i, k in enumerate(t.chunk_keys):
-                seen[k] = max(seen.get(k, 0), t.tokens_of(i))
-        return sum(seen.values())
 
     def peak_live_tokens(self) -> int:
         """Largest sum of live sessions' context (first to last turn): the working set
@@ -267,6 +258,3 @@ def scale_time(w: Workload, factor: float) -> Workload:
                   t.output_tokens, t.hint_lead_s * factor) for t in w.turns]
     return Workload(w.name, turns, w.chunk_tokens, {**w.meta, "time_scale": factor})
 
-
-def sessions_of(turns: Iterable[Turn]) -> int:
-    return len({t.session for t in turns})
