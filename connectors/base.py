@@ -13,6 +13,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 Blob = bytes | bytearray | memoryview
 EvictionListener = Callable[[str, "bytes | None"], None]
@@ -77,8 +78,10 @@ class Tier(ABC):
 
     # --- data -----------------------------------------------------------------------
     @abstractmethod
-    def put(self, chunks: Mapping[str, Blob]) -> PutResult:
-        """Store every chunk, or report per key why not. Existing keys are not rewritten."""
+    def put(self, chunks: Mapping[str, Blob], info: Mapping[str, Any] | None = None) -> PutResult:
+        """Store every chunk, or report per key why not. Existing keys are not rewritten.
+        ``info`` (a :class:`~kvtier.policies.eviction.ChunkInfo` per key: its session and
+        position) feeds the tier's eviction policy where the tier evicts by itself."""
 
     @abstractmethod
     def get(self, keys: Sequence[str], layers: tuple[int, int] | None = None) -> list[bytes | None]:
@@ -106,6 +109,12 @@ class Tier(ABC):
     @abstractmethod
     def __len__(self) -> int:
         """Chunks stored."""
+
+    @property
+    def eviction(self) -> Any:
+        """The :class:`~kvtier.policies.eviction.EvictionPolicy` choosing this tier's
+        victims, or None where the backing store evicts by itself (Redis)."""
+        return None
 
     # --- eviction hook ----------------------------------------------------------------
     def add_eviction_listener(self, listener: EvictionListener) -> None:

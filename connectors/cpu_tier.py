@@ -21,8 +21,9 @@ import torch
 from kvtier.chunk_format import layer_span, parse_header, slice_chunk
 from kvtier.connectors.base import Blob, PutResult, Tier
 from kvtier.connectors.chunk_checks import admission_error, is_valid
-from kvtier.connectors.lru import LRUIndex
+from kvtier.connectors.chunk_index import ChunkIndex
 from kvtier.errors import ChunkFormatError, InvalidArgumentError, TierError
+from kvtier.policies.eviction import ChunkInfo, EvictionPolicy, eviction_policy
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +52,15 @@ class CPUTier(Tier):
 
     name = "cpu"
 
-    def __init__(self, capacity_bytes: int, slot_bytes: int, pin: bool | None = None) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        slot_bytes: int,
+        pin: bool | None = None,
+        eviction: str | EvictionPolicy = "lru",
+    ) -> None:
         super().__init__()
+        self._eviction = eviction
         if slot_bytes < 1:
             raise InvalidArgumentError(f"slot_bytes must be >= 1, got {slot_bytes}")
         num_slots = capacity_bytes // slot_bytes
@@ -71,7 +79,7 @@ class CPUTier(Tier):
             log.warning("CPU tier: pinning asked for but CUDA is not available; arena is pageable")
         self._view: memoryview | None = memoryview(self._arena.numpy()).cast("B")
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
-        self._index: LRUIndex[int] = LRUIndex()
+        self._index: ChunkIndex[int] = ChunkIndex(eviction_policy(eviction))
         self._lock = threading.Lock()
 
     # --- pinning ---------------------------------------------------------------------
@@ -101,7 +109,7 @@ class CPUTier(Tier):
                 self._view.release()
             self._view = None
             self._arena = None
-            self._index = LRUIndex()
+            self._index = ChunkIndex(self._index.policy)
             self._free = []
 
     def _arena_view(self) -> memoryview:
@@ -110,7 +118,9 @@ class CPUTier(Tier):
         return self._view
 
     # --- data ------------------------------------------------------------------------
-    def put(self, chunks: Mapping[str, Blob]) -> PutResult:
+    def put(
+        self, chunks: Mapping[str, Blob], info: Mapping[str, ChunkInfo] | None = None
+    ) -> PutResult:
         result = PutResult()
         evicted: list[tuple[str, bytes]] = []
         written = 0
@@ -138,7 +148,7 @@ class CPUTier(Tier):
                 start = slot * self.slot_bytes
                 # torch's copy uses every core (a memoryview assignment is one memcpy)
                 arena[start : start + len(blob)].copy_(_as_tensor(blob))
-                self._index.add(key, slot, len(blob))
+                self._index.add(key, slot, len(blob), info.get(key) if info else None)
                 batch.add(key)
                 result.stored.append(key)
                 written += len(blob)
@@ -149,7 +159,7 @@ class CPUTier(Tier):
         Evicted bytes are copied out here and handed to listeners after the lock."""
         if self._free:
             return self._free.pop()
-        victim = self._index.oldest(exclude=batch)
+        victim = self._index.victim(exclude=batch)
         if victim is None:
             return None
         slot, length = self._index.pop(victim)  # type: ignore[misc]
@@ -232,6 +242,10 @@ class CPUTier(Tier):
     def delete(self, keys: Sequence[str]) -> int:
         with self._lock:
             return sum(self._drop(key) for key in keys)
+
+    @property
+    def eviction(self) -> EvictionPolicy:
+        return self._index.policy
 
     # --- capacity --------------------------------------------------------------------
     @property

@@ -36,8 +36,9 @@ from kvtier.chunk_format import layer_span, parse_header, slice_chunk
 from kvtier.connectors import disk_io
 from kvtier.connectors.base import Blob, PutResult, Tier
 from kvtier.connectors.chunk_checks import admission_error, is_valid
-from kvtier.connectors.lru import LRUIndex
+from kvtier.connectors.chunk_index import ChunkIndex
 from kvtier.errors import ChunkFormatError, InvalidArgumentError, TierError
+from kvtier.policies.eviction import ChunkInfo, EvictionPolicy, eviction_policy
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class DiskTier(Tier):
         o_direct: bool = False,
         max_workers: int = 4,
         read_evicted: bool = False,
+        eviction: str | EvictionPolicy = "lru",
     ) -> None:
         super().__init__()
         if capacity_bytes is not None and capacity_bytes < 1:
@@ -97,7 +99,7 @@ class DiskTier(Tier):
         self._lock = threading.Lock()
         self._lock_fd: int | None
         self._lock_fd, sole = self._acquire_dir_lock()
-        self._index: LRUIndex[None] = LRUIndex()
+        self._index: ChunkIndex[None] = ChunkIndex(eviction_policy(eviction))
         self._reserved = 0
         self.removed_temp_files = self._scan(remove_temps=sole)
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
@@ -168,7 +170,9 @@ class DiskTier(Tier):
         return list(self._pool.map(fn, items))
 
     # --- put ---------------------------------------------------------------------------
-    def put(self, chunks: Mapping[str, Blob]) -> PutResult:
+    def put(
+        self, chunks: Mapping[str, Blob], info: Mapping[str, ChunkInfo] | None = None
+    ) -> PutResult:
         result = PutResult()
         todo: list[tuple[str, Blob]] = []
         evicted: list[tuple[str, str]] = []
@@ -202,7 +206,7 @@ class DiskTier(Tier):
                 self._reserved -= len(blob)
                 reason = outcomes[key]
                 if reason is None:
-                    self._index.add(key, None, len(blob))
+                    self._index.add(key, None, len(blob), info.get(key) if info else None)
                     result.stored.append(key)
                     written += len(blob)
                 else:
@@ -216,7 +220,7 @@ class DiskTier(Tier):
         read/removed after the lock."""
         assert self._capacity is not None
         while self._index.used_bytes + self._reserved + size > self._capacity:
-            victim = self._index.oldest()
+            victim = self._index.victim()
             if victim is None:
                 return False
             self._index.pop(victim)
@@ -411,6 +415,10 @@ class DiskTier(Tier):
                     _unlink(self._path(key))
                     n += 1
         return n
+
+    @property
+    def eviction(self) -> EvictionPolicy:
+        return self._index.policy
 
     @property
     def capacity_bytes(self) -> int | None:

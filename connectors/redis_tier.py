@@ -423,7 +423,8 @@ class RedisTier(Tier):
     def _put_failed(self, chunks: Mapping[str, Blob]) -> Callable[[str], PutResult]:
         return lambda why: PutResult(failed={k: why for k in chunks})
 
-    def put(self, chunks: Mapping[str, Blob]) -> PutResult:
+    def put(self, chunks: Mapping[str, Blob], info: Mapping[str, object] | None = None) -> PutResult:
+        """``info`` is ignored: Redis evicts by its own ``maxmemory`` policy."""
         return self._guarded("put", self._put(chunks), self._put_failed(chunks))
 
     def get(self, keys: Sequence[str], layers: tuple[int, int] | None = None) -> list[bytes | None]:

@@ -65,6 +65,11 @@ class BlockPool:
         return len(self._empty) + len(self._evictable)
 
     @property
+    def num_empty(self) -> int:
+        """Blocks holding nothing (free without evicting any cached content)."""
+        return len(self._empty)
+
+    @property
     def num_used(self) -> int:
         return self.num_blocks - self.num_free
 

@@ -87,6 +87,24 @@ class TiersConfig(_Section):
     redis_ttl_s: int | None = None
     redis_timeout_s: float = 1.0
     write_policy: Literal["write_through", "write_back"] = "write_back"
+    cpu_eviction: str = "session-aware"
+    """Which chunk a full CPU tier gives up: lru, slru, lfu, arc, cost-aware,
+    session-aware (kvtier's: whole sessions, tail first, those predicted to stay away
+    longest first; chunks with no session are evicted LRU) or a dotted path."""
+    disk_eviction: str = "session-aware"
+
+    @field_validator("cpu_eviction", "disk_eviction")
+    @classmethod
+    def _known_policy(cls, v: str) -> str:
+        import kvtier.policies.eviction  # noqa: F401 - registers the built-in policies
+        from kvtier.errors import InvalidArgumentError
+        from kvtier.policies.registry import resolve
+
+        try:
+            resolve("eviction", v)  # an unknown name fails with the list of known ones
+        except InvalidArgumentError as exc:
+            raise ValueError(str(exc)) from None
+        return v
 
     @field_validator("cpu_bytes")
     @classmethod

@@ -8,6 +8,9 @@ requests together through continuous batching.
 
 from __future__ import annotations
 
+import logging
+import math
+import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
@@ -20,13 +23,17 @@ from kvtier.config import TiersConfig
 from kvtier.errors import InvalidArgumentError, KVTierError
 from kvtier.hashing import chain_hashes
 from kvtier.kv_transfer import KVTransfer, LoadReport, SaveReport
+from kvtier.live_policy import LivePolicy, PolicyOptions, load_cost_model
 from kvtier.model_runner import ModelRunner
+from kvtier.policies.eviction import SessionAware
 from kvtier.sampling import SamplingParams
 from kvtier.scheduler import Request, Scheduler
 from kvtier.session import ChatSession, TurnResult
 from kvtier.tier_factory import build_tiers, chunk_blob_bytes
 from kvtier.tokenizer import Tokenizer
 from kvtier.transfer_engine import TransferEngine
+
+log = logging.getLogger(__name__)
 
 
 class RequestError(KVTierError):
@@ -55,6 +62,8 @@ class EngineOptions:
     stream_restore: bool | None = None
     """Restores stream layer by layer (layer l computes while layer l+1 is still loading);
     None: on CUDA always, on CPU for restores of 2048 tokens or more."""
+    policy: PolicyOptions = field(default_factory=PolicyOptions)
+    """Restore-vs-recompute, offload and think-time policies (see :mod:`kvtier.live_policy`)."""
 
 
 class UnknownSessionError(InvalidArgumentError, LookupError):
@@ -88,7 +97,13 @@ class PendingTurn:
 
 
 class Engine:
-    def __init__(self, model_dir: str | Path, options: EngineOptions | None = None):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        options: EngineOptions | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        """``clock`` times users' think gaps (a replay passes its virtual clock)."""
         opts = options or EngineOptions()
         if opts.num_threads:
             torch.set_num_threads(opts.num_threads)
@@ -134,6 +149,18 @@ class Engine:
             opts.max_num_batched_tokens,
             swap=self.kv,
         )
+        self.policy: LivePolicy | None = None
+        if self.kv is not None:
+            from kvtier.profile import this_machine
+
+            cost = load_cost_model(
+                opts.policy.profile, self.model_dir, self.runner.fingerprint.hex(), this_machine()
+            )
+            names = [t.name for t in self.kv.manager.tiers]
+            self.policy = LivePolicy(cost, names, opts.chunk_tokens, opts.policy, clock)
+            for tier in self.kv.manager.tiers:
+                if isinstance(tier.eviction, SessionAware):
+                    tier.eviction.predictor = self.policy.eviction_rank
         self.sessions: dict[str, ChatSession] = {}
         self._busy: set[str] = set()
         self._resident_hashes: dict[str, list[bytes]] = {}
@@ -159,6 +186,8 @@ class Engine:
     def step(self) -> list[Request]:
         if self._pending:
             self._settle_offloads()
+        if self.policy is not None and self.policy.due():
+            self._auto_offload()
         return self.scheduler.step()
 
     def run_until_done(self, requests: Sequence[Request] | None = None) -> None:
@@ -204,6 +233,8 @@ class Engine:
         ids = [sid for sid, _ in turns]
         if len(set(ids)) != len(ids):
             raise InvalidArgumentError(f"one turn per session at a time, got {ids}")
+        for sid in ids[1:]:  # look-ahead: later turns' chunks rise while earlier ones load
+            self.prefetch(sid)
         pending: list[PendingTurn] = []
         try:
             for sid, message in turns:
@@ -233,7 +264,9 @@ class Engine:
         session = self.sessions.get(session_id) or ChatSession(session_id)
         sys_msg = system if not session.messages else None
         prompt = session.next_prompt(self.tokenizer, message, sys_msg)
-        restored = self._restore_if_needed(session).from_tiers
+        if self.policy is not None:
+            self.policy.turn_started(session_id)
+        restored = self._restore_if_needed(session, len(prompt)).from_tiers
         cb = (lambda _r, _t, delta: on_text(delta) if delta else None) if on_text else None
         req = self.scheduler.add(prompt, params, f"{session_id}#{len(session.turns) + 1}", cb)
         self._busy.add(session_id)
@@ -243,6 +276,8 @@ class Engine:
         """Record a finished turn in its session (a failed one leaves the session as it was)."""
         sid = turn.session.session_id
         self._busy.discard(sid)
+        if self.policy is not None and (sid in self.sessions or turn.request.finish_reason != "error"):
+            self.policy.turn_ended(sid)
         req = turn.request
         if req.finish_reason == "error":
             failed = ChatSession(sid).record(turn.message, None, req)
@@ -301,10 +336,12 @@ class Engine:
         self._settle_offloads(block=True, only=session_id)
         self.scheduler.settle_loads()  # a restore still streaming in holds blocks it frees
         if wait:
-            return self._complete_offload(session, kv.save(session.token_ids, tier), tier, True)
+            report = kv.save(session.token_ids, tier, session_id)
+            return self._complete_offload(session, report, tier, True)
         assert self.transfers is not None
         out: Future[OffloadResult] = Future()
-        self._pending[session_id] = (self.transfers.submit_save(session.token_ids, tier), tier, out)
+        fut = self.transfers.submit_save(session.token_ids, tier, session_id)
+        self._pending[session_id] = (fut, tier, out)
         return out
 
     def _settle_offloads(
@@ -365,14 +402,84 @@ class Engine:
             self.scheduler.settle_loads()
         return report
 
-    def _restore_if_needed(self, session: ChatSession) -> LoadReport:
+    def _restore_if_needed(
+        self, session: ChatSession, prompt_tokens: int | None = None
+    ) -> LoadReport:
+        """Load the session's stored prefix, as much of it as the restore plan says beats
+        recomputing (all of it without a cost model, or for an explicit restore)."""
         if self.kv is None or not session.stored_tokens:
             return LoadReport(tokens=0)
-        report = self.kv.load(session.token_ids, session.stored_tokens)
+        limit = session.stored_tokens
+        if self.policy is not None and self.policy.cost is not None and prompt_tokens:
+            cached, chunks = self.kv.stored_prefix(session.token_ids, limit)
+            k = self.policy.plan_load(chunks, prompt_tokens, cached)
+            limit = cached + sum(n for n, _ in chunks[:k])
+            if limit <= cached:
+                return LoadReport(tokens=cached, from_pool=cached)
+        t0 = time.perf_counter()
+        report = self.kv.load(session.token_ids, limit)
+        if self.policy is not None and report.pending is None and len(report.tier_hits) == 1:
+            (tier,) = report.tier_hits
+            self.policy.observe_read(tier, report.bytes, time.perf_counter() - t0)
         if report.tokens >= session.stored_tokens:
             session.offloaded = False
             self._set_resident(session, True)
         return report
+
+    def prefetch(self, session_id: str) -> Future[int] | None:
+        """Raise an offloaded session's chunks to the fastest tier in the background (its
+        next restore then reads RAM, not disk or Redis); the future gives how many chunks
+        were read. Unknown or resident sessions prefetch nothing (None)."""
+        session = self.sessions.get(session_id)
+        if self.transfers is None or session is None or not session.offloaded:
+            return None
+        return self.transfers.submit_prefetch(session.token_ids[: session.stored_tokens])
+
+    def hint(self, session_id: str) -> str:
+        """The chat backend says the user is typing: bring the session back before the
+        turn arrives. With room in the pool (below the low watermark after it) the KV is
+        restored into the pool at once, streaming; otherwise its chunks rise to the fastest
+        tier. Returns what was done: ``resident``, ``restoring``, ``prefetching``."""
+        session = self.session(session_id)
+        self._need_tiers()
+        if not session.offloaded:
+            return "resident"
+        assert self.policy is not None
+        bp = self.runner.pool.block_pool
+        need = -(-session.stored_tokens // self.runner.pool.block_size)
+        room = bp.num_empty - need - (1 - self.policy.options.watermarks.low) * bp.num_blocks
+        if room >= 0 and session_id not in self._busy:
+            self.restore(session_id, wait=False)
+            if not session.offloaded:
+                return "restoring"
+        self.prefetch(session_id)
+        return "prefetching"
+
+    def _auto_offload(self) -> None:
+        """Above the high watermark, idle sessions leave the pool (stored in the background,
+        their blocks freed once stored), those predicted to stay away longest first."""
+        assert self.policy is not None and self.kv is not None
+        bp = self.runner.pool.block_pool
+        bs = self.runner.pool.block_size
+        used = (bp.num_blocks - bp.num_empty) * bs
+        if used <= self.policy.options.watermarks.high * bp.num_blocks * bs:
+            return
+        idle = [
+            (sid, len(hashes) * bs, len(hashes) * bs)
+            for sid, hashes in self._resident_hashes.items()
+            if hashes and sid not in self._busy and sid not in self._pending
+        ]
+        free = {
+            t.name: math.inf if t.capacity_bytes is None else float(t.capacity_bytes)
+            for t in self.kv.manager.tiers
+        }  # a full tier makes room by demoting its own victims
+        for d in self.policy.offloads(idle, used, bp.num_blocks * bs, free):
+            if d.tier is None:
+                continue  # not worth storing anywhere: the pool's LRU drops it when needed
+            try:
+                self.offload(d.session, d.tier, wait=False)
+            except KVTierError as exc:
+                log.warning("auto-offload of session %r failed: %s", d.session, exc)
 
     def end_session(self, session_id: str) -> None:
         """Forget a session (its KV blocks stay in the prefix cache until evicted)."""
@@ -380,6 +487,8 @@ class Engine:
         if session is None:
             raise UnknownSessionError(f"unknown session {session_id!r}")
         self._set_resident(session, False)
+        if self.policy is not None:
+            self.policy.forget(session_id)
 
     def close(self) -> None:
         """Release the tiers (threads, connections, pinned memory)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -25,6 +25,7 @@ from kvtier.gpu_pool.kernels import gather_blocks, scatter_blocks
 from kvtier.hashing import chain_hashes
 from kvtier.layer_load import LayerLoad
 from kvtier.model_runner import ModelRunner
+from kvtier.policies.eviction import ChunkInfo
 from kvtier.tier_manager import Location, TierManager
 
 log = logging.getLogger(__name__)
@@ -180,15 +181,20 @@ class KVTransfer:
             self._stream = torch.cuda.Stream(device=self._pool.storage.kv.device)
         return self._stream
 
-    def store(self, snap: Snapshot, tier: int | str = 0) -> SaveReport:
-        """Encode a snapshot's chunks and put them in ``tier`` (any thread)."""
+    def store(self, snap: Snapshot, tier: int | str = 0, owner: Hashable | None = None) -> SaveReport:
+        """Encode a snapshot's chunks and put them in ``tier`` (any thread); ``owner`` (a
+        session id) lets the tiers' eviction policy treat them as that session's chain."""
         report = SaveReport(tokens=0, keys=[k.key for k in snap.keys], already=snap.already)
         if snap.ready is not None:
             snap.ready.synchronize()
         fp = self.runner.fingerprint
         blobs = {key: encode_chunk(key, fp, t) for key, t in snap.tensors.items()}
         if blobs:
-            res = self.manager.put(blobs, tier)
+            info = {
+                ck.key: ChunkInfo(len(blobs[ck.key]), session=owner, index=i)
+                for i, ck in enumerate(snap.keys) if ck.key in blobs
+            }
+            res = self.manager.put(blobs, tier, info)
             report.failed = dict(res.failed)
             report.stored = len(blobs) - len(res.failed)
             report.bytes = sum(len(b) for k, b in blobs.items() if k not in res.failed)
@@ -199,14 +205,47 @@ class KVTransfer:
             report.tokens = ck.end
         return report
 
-    def save(self, token_ids: Sequence[int], tier: int | str = 0) -> SaveReport:
+    def save(
+        self, token_ids: Sequence[int], tier: int | str = 0, owner: Hashable | None = None
+    ) -> SaveReport:
         """Store the KV of ``token_ids`` up to its last block held in the pool (whole
         blocks; the last chunk is a tail keyed by its length). Chunks already in a tier are
         not written again; a chunk that is neither stored nor fully in the pool ends the
         stored prefix."""
-        return self.store(self.snapshot(token_ids), tier)
+        return self.store(self.snapshot(token_ids), tier, owner)
 
     # -------------------------------------------------------------------- load
+    def stored_prefix(
+        self, token_ids: Sequence[int], stored_tokens: int | None = None
+    ) -> tuple[int, list[tuple[int, str]]]:
+        """What a restore of ``token_ids[:stored_tokens]`` would find: the tokens still
+        cached in the pool, and the stored chunks after them (new tokens each brings, name
+        of the fastest tier holding it), in order, up to the first gap."""
+        pool, fp = self._pool, self.runner.fingerprint
+        limit = len(token_ids) if stored_tokens is None else min(stored_tokens, len(token_ids))
+        limit -= limit % pool.block_size
+        prefix = list(token_ids[:limit])
+        cached = len(pool.manager.match_prefix(prefix, fp)) * pool.block_size
+        keys = self._keys(prefix)
+        first = next((i for i, k in enumerate(keys) if k.end > cached), len(keys))
+        if first == len(keys):
+            return cached, []
+        loc = self.manager.lookup([k.key for k in keys])
+        out: list[tuple[int, str]] = []
+        end = cached
+        for i in range(first, loc.length):
+            if keys[i].start > end:
+                break
+            out.append((keys[i].end - end, self.manager.tiers[loc.tiers[i]].name))
+            end = keys[i].end
+        return cached, out
+
+    def keys_below_fastest(self, token_ids: Sequence[int]) -> list[str]:
+        """Keys of the stored prefix of ``token_ids`` that only slower tiers hold."""
+        keys = [k.key for k in self._keys(list(token_ids))]
+        loc = self.manager.lookup(keys)
+        return [keys[i] for i in range(loc.length) if loc.tiers[i] > 0]
+
     def load(
         self,
         token_ids: Sequence[int],

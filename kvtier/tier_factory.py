@@ -37,7 +37,7 @@ def build_tiers(cfg: TiersConfig, slot_bytes: int, fingerprint: bytes) -> TierMa
                 f"tiers.cpu_bytes={cfg.cpu_bytes} holds no chunk of this model "
                 f"({slot_bytes} bytes); raise it or set 0 to disable the CPU tier"
             )
-        tiers.append(CPUTier(cfg.cpu_bytes, slot_bytes))
+        tiers.append(CPUTier(cfg.cpu_bytes, slot_bytes, eviction=cfg.cpu_eviction))
     if cfg.disk_bytes != 0:
         from kvtier.connectors.disk_tier import DiskTier
 
@@ -50,6 +50,7 @@ def build_tiers(cfg: TiersConfig, slot_bytes: int, fingerprint: bytes) -> TierMa
                 cfg.disk_fsync,
                 cfg.disk_o_direct,
                 read_evicted=bool(cfg.redis_url),
+                eviction=cfg.disk_eviction,
             )
         )
     if cfg.redis_url:

@@ -19,6 +19,7 @@ from typing import Literal
 from kvtier.chunk_format import validate_chunk
 from kvtier.connectors.base import Blob, PutResult, Tier
 from kvtier.errors import ChunkError, InvalidArgumentError
+from kvtier.policies.eviction import ChunkInfo
 
 log = logging.getLogger(__name__)
 
@@ -115,9 +116,14 @@ class TierManager:
         return loc
 
     # --------------------------------------------------------------------- put
-    def put(self, chunks: Mapping[str, Blob], tier: int | str = 0) -> PutReport:
+    def put(
+        self,
+        chunks: Mapping[str, Blob],
+        tier: int | str = 0,
+        info: Mapping[str, ChunkInfo] | None = None,
+    ) -> PutReport:
         """Store chunks in ``tier`` (and, write-through, every tier below it). A key is
-        failed only if no tier took it."""
+        failed only if no tier took it. ``info`` goes to the tiers' eviction policies."""
         start = self.tier_index(tier) if isinstance(tier, str) else tier
         targets = self.tiers[start:]
         report = PutReport()
@@ -130,7 +136,7 @@ class TierManager:
                 pending = {k: v for k, v in pending.items() if k not in stored_somewhere}
                 if not pending:
                     break
-            res = self._safe_put(t, pending)
+            res = self._safe_put(t, pending, info)
             report.per_tier[t.name] = res
             stored_somewhere.update(res.stored)
             stored_somewhere.update(res.present)
@@ -144,9 +150,11 @@ class TierManager:
         return report
 
     @staticmethod
-    def _safe_put(tier: Tier, chunks: Mapping[str, Blob]) -> PutResult:
+    def _safe_put(
+        tier: Tier, chunks: Mapping[str, Blob], info: Mapping[str, ChunkInfo] | None = None
+    ) -> PutResult:
         try:
-            return tier.put(chunks)
+            return tier.put(chunks, info) if info else tier.put(chunks)
         except Exception as exc:  # noqa: BLE001 - reported per key, never raised
             tier.stats.count_error(type(exc).__name__)
             return PutResult(failed={k: f"error: {exc}" for k in chunks})

@@ -10,7 +10,7 @@ compute; on CUDA the gather also runs on a side stream, see ``KVTransfer.snapsho
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvtier.errors import InvalidArgumentError
@@ -31,6 +31,7 @@ class TransferEngine:
         self.peak_inflight_bytes = 0
         self.submitted = 0
         self.completed = 0
+        self.prefetches = 0
 
     def _reserve(self, nbytes: int) -> None:
         """Wait until ``nbytes`` fit under the cap (a single larger store runs alone)."""
@@ -48,7 +49,9 @@ class TransferEngine:
             self.completed += 1
             self._cond.notify_all()
 
-    def submit_save(self, token_ids: Sequence[int], tier: int | str = 0) -> Future[SaveReport]:
+    def submit_save(
+        self, token_ids: Sequence[int], tier: int | str = 0, owner: Hashable | None = None
+    ) -> Future[SaveReport]:
         """Snapshot now (engine thread), store in the background; the future's result is
         the :class:`SaveReport`."""
         snap = self.kv.snapshot(token_ids, reserve=self._reserve)
@@ -56,7 +59,7 @@ class TransferEngine:
 
         def work() -> SaveReport:
             try:
-                return self.kv.store(snap, tier)
+                return self.kv.store(snap, tier, owner)
             finally:
                 if snap.tensors:
                     self._release(snap.nbytes)
@@ -64,9 +67,22 @@ class TransferEngine:
         if not snap.tensors:  # nothing to copy: complete at once
             self.completed += 1
             done: Future[SaveReport] = Future()
-            done.set_result(self.kv.store(snap, tier))
+            done.set_result(self.kv.store(snap, tier, owner))
             return done
         return self._pool.submit(work)
+
+    def submit_prefetch(self, token_ids: Sequence[int]) -> Future[int]:
+        """Raise the stored chunks of ``token_ids`` to the fastest tier in the background
+        (a read that promotes); the future gives how many chunks were read."""
+        keys = self.kv.keys_below_fastest(token_ids)
+        if not keys:
+            done: Future[int] = Future()
+            done.set_result(0)
+            return done
+        self.prefetches += 1
+        return self._pool.submit(
+            lambda: sum(b is not None for b in self.kv.manager.get(keys))
+        )
 
     def drain(self) -> None:
         """Wait until every submitted store has finished."""

@@ -414,6 +414,11 @@ class SessionAware(EvictionPolicy):
         return key in self._session_of or key in self._shared
 
 
+def eviction_policy(policy: str | EvictionPolicy) -> EvictionPolicy:
+    """A policy instance from a name (or dotted path), or the instance itself."""
+    return policy if isinstance(policy, EvictionPolicy) else make_eviction(policy)
+
+
 def make_eviction(name: str, **kwargs) -> EvictionPolicy:
     from kvtier.policies.registry import resolve
 

@@ -63,7 +63,7 @@ class PredictiveOffload:
     def __init__(
         self,
         watermarks: Watermarks | None = None,
-        deep_after_s: float = 1800.0,
+        deep_after_s: float = 7200.0,
         chunk_tokens: int = 256,
     ) -> None:
         self.watermarks = watermarks or Watermarks()

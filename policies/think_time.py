@@ -6,7 +6,12 @@ the precision-weighted blend of its gaps and the population's (a normal-normal u
 the population spread), so a new user is predicted like everyone else and a regular user
 like themself. Given that a session has already been idle ``t`` seconds, the expected time
 left is the lognormal's conditional mean beyond ``t`` minus ``t``: a session idle far longer
-than it usually thinks is predicted to stay away longer still (it has most likely ended).
+than it usually thinks is predicted to stay away longer still.
+
+Conversations also end: after each turn a session comes back with probability ``p``
+(learned online as gaps seen per turn finished, with a Beta prior). Bayes turns a long
+silence into evidence that the session is over, so :meth:`p_return_within` (what eviction
+ranks by) falls with idle time faster than the think-time tail alone would say.
 """
 
 from __future__ import annotations
@@ -43,8 +48,11 @@ class ThinkTimeModel:
     prior_sigma: float = 1.2
     prior_weight: int = 20
     """Pseudo-observations the prior counts for in the population estimate."""
+    continue_prior: tuple[float, float] = (4.0, 1.0)
+    """Beta prior (returns, ends) on the chance that a session comes back after a turn."""
     population: _Running = field(default_factory=_Running)
     sessions: dict[Hashable, _Running] = field(default_factory=dict)
+    turns_ended: int = 0
 
     def __post_init__(self) -> None:
         if self.prior_median_s <= 0 or self.prior_sigma <= 0:
@@ -57,8 +65,19 @@ class ThinkTimeModel:
         self.population.add(x)
         self.sessions.setdefault(session, _Running()).add(x)
 
+    def turn_ended(self, session: Hashable) -> None:
+        """A turn finished (the session may or may not come back)."""
+        self.turns_ended += 1
+
     def forget(self, session: Hashable) -> None:
         self.sessions.pop(session, None)
+
+    def p_continue(self) -> float:
+        """Chance that a session comes back after a turn: gaps seen per turn finished.
+        Turns whose next gap is still running count as ends, so it errs low early on."""
+        a, b = self.continue_prior
+        seen = self.population.n
+        return (seen + a) / (max(self.turns_ended, seen) + a + b)
 
     # --------------------------------------------------------------- prediction
     def population_params(self) -> tuple[float, float]:
@@ -102,8 +121,23 @@ class ThinkTimeModel:
         cond = math.exp(mu + sigma * sigma / 2) * num / den
         return max(cond - idle_s, 0.0)
 
-    def p_return_within(self, session: Hashable, idle_s: float, horizon_s: float) -> float:
-        """P(next turn within ``horizon_s`` | idle ``idle_s`` so far)."""
+    def p_alive(self, session: Hashable, idle_s: float) -> float:
+        """P(the session comes back at all | idle ``idle_s`` so far)."""
+        mu, sigma = self.params(session)
+        s0 = 1.0 if idle_s <= 0 else 0.5 * math.erfc((math.log(idle_s) - mu) / (sigma * math.sqrt(2)))
+        p = self.p_continue()
+        return p * s0 / (p * s0 + 1.0 - p)
+
+    def expected_next_s(self, session: Hashable, idle_s: float) -> float:
+        """Expected seconds until the next turn, weighted up by the chance it never comes
+        (what the offload policy compares with its deep-offload threshold)."""
+        return self.expected_remaining(session, idle_s) / max(self.p_alive(session, idle_s), 1e-9)
+
+    def p_return_within(
+        self, session: Hashable, idle_s: float, horizon_s: float, ends: bool = True
+    ) -> float:
+        """P(next turn within ``horizon_s`` | idle ``idle_s`` so far). With ``ends``, the
+        session may have ended: P = p (S(t) - S(t+h)) / (p S(t) + 1 - p)."""
         mu, sigma = self.params(session)
 
         def sf(t: float) -> float:
@@ -112,6 +146,15 @@ class ThinkTimeModel:
             return 0.5 * math.erfc((math.log(t) - mu) / (sigma * math.sqrt(2)))
 
         s0 = sf(idle_s)
-        if s0 <= 0:
-            return 0.0
-        return max(0.0, min(1.0, 1.0 - sf(idle_s + horizon_s) / s0))
+        s1 = sf(idle_s + horizon_s)
+        if not ends:
+            return 0.0 if s0 <= 0 else max(0.0, min(1.0, 1.0 - s1 / s0))
+        p = self.p_continue()
+        den = p * s0 + (1.0 - p)
+        return 0.0 if den <= 0 else max(0.0, min(1.0, p * (s0 - s1) / den))
+
+    def eviction_rank(self, session: Hashable, idle_s: float) -> float:
+        """Higher = evict sooner: 1 - P(back within the population's median think time).
+        (The median is the horizon on which a GPU-resident session's memory is contested.)"""
+        horizon = math.exp(self.population_params()[0])
+        return 1.0 - self.p_return_within(session, idle_s, horizon)

@@ -179,11 +179,19 @@ class Simulator:
         return pol
 
     def _predict(self, session: Hashable, now: float) -> float:
+        """Eviction rank of a session (higher: evict sooner); running sessions stay."""
         s = self.sessions.get(session)
         if s is None or s.busy_until > now:
             return -1.0  # running: keep
         idle = now - (s.last_end if s.last_end is not None else now)
-        return self.think.expected_remaining(session, idle)
+        return self.think.eviction_rank(session, idle)
+
+    def _next_s(self, session: Hashable, now: float) -> float:
+        s = self.sessions.get(session)
+        if s is None or s.busy_until > now:
+            return 0.0
+        idle = now - (s.last_end if s.last_end is not None else now)
+        return self.think.expected_next_s(session, idle)
 
     def _info(self, session: Hashable, index: int, tokens: int, key: Hashable = None) -> ChunkInfo:
         return ChunkInfo(
@@ -246,7 +254,7 @@ class Simulator:
 
     def _offload_target(self, key: Hashable, tokens: int, now: float) -> int | None:
         owner = self._owner.get(key)
-        nxt = self._predict(owner, now) if owner is not None else 0.0
+        nxt = self._next_s(owner, now) if owner is not None else 0.0
         names = [t.name for t in self.tiers]
         free = {t.name: t.capacity for t in self.tiers}  # tiers make room by evicting
         choice = self.offload.target_tier(IdleSession(owner, tokens, tokens, nxt), self.cost, names, free)
@@ -371,6 +379,7 @@ class Simulator:
         end = finish + decode
         sess.busy_until = end
         sess.last_end = end
+        self.think.turn_ended(t.session)
         heapq.heappush(self._ends, (end, t.session))
         sess.context_tokens = ctx_tokens
         # Once the turn is over its chunks are evictable again (lazily: at the start of
@@ -448,7 +457,7 @@ class Simulator:
             if not held:
                 continue
             tokens = sum(self.gpu.items[k] for k in held) // self.bpt
-            idle.append(IdleSession(sid, tokens, tokens, self._predict(sid, now)))
+            idle.append(IdleSession(sid, tokens, tokens, self._next_s(sid, now)))
         names = [t.name for t in self.tiers]
         free = {t.name: t.capacity - t.used for t in self.tiers}
         for d in self.offload.decide(idle, used_tokens, cap_tokens, self.cost, names, free):

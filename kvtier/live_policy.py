@@ -1,0 +1,175 @@
+"""The policies of :mod:`kvtier.policies` applied to a running engine.
+
+The simulator (``kvtier bench policies``) and the engine decide with the same functions:
+``plan_restore`` picks how much of a resuming session's stored prefix to load, the
+think-time model learns when users come back, and ``PredictiveOffload`` picks which idle
+sessions leave the pool under memory pressure and how far down they go. This module keeps
+the live state those decisions need (when each session went idle, the cost model refined
+from observed transfers, counts of decisions by kind) and nothing else: the engine moves
+the bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from kvtier.policies.cost_model import CostModel
+from kvtier.policies.offload import IdleSession, OffloadDecision, PredictiveOffload, Watermarks
+from kvtier.policies.restore import StoredChunk, plan_restore
+from kvtier.policies.think_time import ThinkTimeModel
+
+log = logging.getLogger(__name__)
+
+PROFILE_NAME = "kvtier-profile.json"
+"""Where ``kvtier calibrate --model DIR`` writes by default, and where an engine looks."""
+
+
+@dataclass(frozen=True)
+class PolicyOptions:
+    profile: str | Path | None = None
+    """Calibration profile; None: ``<model>/kvtier-profile.json`` if it exists. Without one
+    every stored prefix is loaded (no restore-vs-recompute decision) and offloads target the
+    fastest tier."""
+    auto_offload: bool = True
+    """Offload idle sessions when the pool fills past the high watermark."""
+    watermarks: Watermarks = Watermarks()
+    deep_after_s: float = 7200.0
+    check_every_s: float = 0.05
+    """Least time between two watermark checks (each walks the idle sessions)."""
+
+
+class LivePolicy:
+    def __init__(
+        self,
+        cost: CostModel | None,
+        tier_names: Sequence[str],
+        chunk_tokens: int,
+        options: PolicyOptions | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.options = options or PolicyOptions()
+        self.cost = cost
+        self.tier_names = list(tier_names)
+        self.chunk_tokens = chunk_tokens
+        self.clock = clock
+        self.think = ThinkTimeModel()
+        self.offload = PredictiveOffload(
+            self.options.watermarks, self.options.deep_after_s, chunk_tokens
+        )
+        self.idle_since: dict[Hashable, float] = {}
+        self.decisions: Counter[str] = Counter()
+        self._next_check = -float("inf")
+
+    # ---------------------------------------------------------------- sessions
+    def turn_started(self, session: Hashable) -> None:
+        """A turn arrived: the gap since the last one ended teaches the think-time model."""
+        since = self.idle_since.pop(session, None)
+        if since is not None:
+            self.think.observe(session, max(self.clock() - since, 0.0))
+
+    def turn_ended(self, session: Hashable) -> None:
+        self.idle_since[session] = self.clock()
+        self.think.turn_ended(session)
+
+    def forget(self, session: Hashable) -> None:
+        self.idle_since.pop(session, None)
+        self.think.forget(session)
+
+    def eviction_rank(self, session: Hashable, _now: float | None = None) -> float:
+        """For a tier's session-aware eviction: higher = give up sooner (running: -1)."""
+        since = self.idle_since.get(session)
+        if since is None:
+            return -1.0
+        return self.think.eviction_rank(session, max(self.clock() - since, 0.0))
+
+    def predicted_next_s(self, session: Hashable) -> float:
+        since = self.idle_since.get(session)
+        if since is None:
+            return 0.0  # running
+        return self.think.expected_next_s(session, max(self.clock() - since, 0.0))
+
+    # ----------------------------------------------------------------- restore
+    def plan_load(
+        self, chunks: Sequence[tuple[int, str]], prompt_tokens: int, cached_tokens: int
+    ) -> int:
+        """How many of the stored chunks (tokens, tier name), in order after what the pool
+        holds, to load; the rest of the prompt is recomputed. Without a cost model: all."""
+        if self.cost is None or not chunks:
+            return len(chunks)
+        known = [StoredChunk(n, t) for n, t in chunks if t in self.cost.tiers]
+        if len(known) < len(chunks):
+            # A tier the profile has not measured: load up to it, decide nothing about it.
+            first_unknown = next(i for i, (_, t) in enumerate(chunks) if t not in self.cost.tiers)
+            known = known[:first_unknown]
+        plan = plan_restore(self.cost, known, prompt_tokens, cached_tokens)
+        self.decisions["restore_recompute" if plan.recompute_all else "restore_load"] += 1
+        return plan.load_chunks
+
+    def observe_read(self, tier: str, nbytes: int, seconds: float) -> None:
+        """Refine a tier's read bandwidth from a restore that was timed end to end."""
+        if self.cost is None or tier not in self.cost.tiers or nbytes <= 0:
+            return
+        tiers = dict(self.cost.tiers)
+        tiers[tier] = tiers[tier].observe_read(nbytes, seconds)
+        self.cost = replace(self.cost, tiers=tiers)
+
+    # ----------------------------------------------------------------- offload
+    def due(self) -> bool:
+        """Rate limit for :meth:`offloads` (a check walks every idle session)."""
+        now = self.clock()
+        if now < self._next_check:
+            return False
+        self._next_check = now + self.options.check_every_s
+        return self.options.auto_offload
+
+    def offloads(
+        self,
+        idle: Sequence[tuple[Hashable, int, int]],
+        used_tokens: int,
+        capacity_tokens: int,
+        free_bytes: Mapping[str, float],
+    ) -> list[OffloadDecision]:
+        """Idle sessions (id, tokens held in the pool, tokens a resume reuses) that should
+        leave the pool now, and where to."""
+        sessions = [IdleSession(s, g, p, self.predicted_next_s(s)) for s, g, p in idle]
+        if self.cost is None:
+            # No measured costs: no "worth storing" test; the fastest tier with room.
+            if used_tokens <= self.offload.watermarks.high * max(capacity_tokens, 1):
+                return []
+            target = self.offload.watermarks.low * capacity_tokens
+            out = []
+            for s in sorted(sessions, key=lambda s: -s.predicted_next_s):
+                if used_tokens <= target:
+                    break
+                out.append(OffloadDecision(s.session, self.tier_names[0] if self.tier_names else None))
+                used_tokens -= s.gpu_tokens
+        else:
+            names = [t for t in self.tier_names if t in self.cost.tiers]
+            out = self.offload.decide(
+                sessions, used_tokens, capacity_tokens, self.cost, names, free_bytes
+            )
+        for d in out:
+            self.decisions[f"offload_{d.tier}" if d.tier else "offload_drop"] += 1
+        return out
+
+
+def load_cost_model(
+    profile: str | Path | None, model_dir: Path, fingerprint: str, machine: str
+) -> CostModel | None:
+    """The engine's cost model: the given profile (an error if missing), else the model
+    directory's default one if present; profiles of another model or machine are used with
+    a logged warning (recalibrate to silence it)."""
+    from kvtier.profile import load_profile
+
+    path = Path(profile) if profile is not None else model_dir / PROFILE_NAME
+    if profile is None and not path.is_file():
+        return None
+    cost, warnings = load_profile(path, model_fingerprint=fingerprint, machine=machine)
+    for w in warnings:
+        log.warning("%s", w)
+    return cost

@@ -1,0 +1,176 @@
+"""The engine decides with the same policies as the simulator: restore or recompute from a
+calibration profile, watermark offloads ranked by predicted think time, hints and prefetch.
+Every reply is checked against an engine that never offloads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.config import TiersConfig
+from kvtier.engine import Engine, EngineOptions
+from kvtier.live_policy import PROFILE_NAME, PolicyOptions
+from kvtier.make_model import make_model
+from kvtier.policies.cost_model import CostModel, LinearCost, PrefillCost, TierCost
+from kvtier.policies.offload import Watermarks
+from kvtier.profile import save_profile, this_machine
+from kvtier.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=8)
+SYSTEM = "You are a helpful assistant who answers about offloading KV caches. " * 3
+FIRST = "Tell me about the mountains and the weather there, in some detail please."
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    torch.set_num_threads(1)
+    return make_model("tiny", tmp_path_factory.mktemp("m") / "tiny", seed=7).path
+
+
+def _profile(path, engine_fp: str, read_bps: float) -> str:
+    """A profile whose tiers read at ``read_bps`` and whose prefill costs 1 ms per token."""
+    tier = TierCost("x", LinearCost(1e-4, read_bps), LinearCost(1e-4, read_bps))
+    cost = CostModel(
+        model=engine_fp, machine=this_machine(), kv_bytes_per_token=4096, num_layers=2,
+        prefill=PrefillCost(1e-3, 1e-3, 0.0),
+        tiers={n: TierCost(n, tier.read, tier.write) for n in ("cpu", "disk")},
+    )
+    return str(save_profile(path, cost, {}))
+
+
+def _engine(model_dir, tmp_path, clock=None, **policy) -> Engine:
+    tiers = TiersConfig(cpu_bytes=64 << 20, disk_bytes=256 << 20,
+                        disk_dir=str(tmp_path / "chunks"), disk_fsync=False)
+    opts = EngineOptions(num_blocks=policy.pop("num_blocks", 128), tiers=tiers, chunk_tokens=64,
+                         policy=PolicyOptions(**policy))
+    return Engine(model_dir, opts, **({"clock": clock} if clock else {}))
+
+
+def _expected(model_dir, tmp_path, turns):
+    plain = Engine(model_dir, EngineOptions(num_blocks=256, tiers=None))
+    out = {}
+    for sid, msg in turns:
+        out.setdefault(sid, []).append(plain.chat(sid, msg, GREEDY, system=SYSTEM).token_ids)
+    return out
+
+
+@pytest.mark.parametrize("read_bps,loads", [(1e12, True), (1.0, False)])
+def test_restore_plan_loads_only_what_beats_recompute(model_dir, tmp_path, read_bps, loads):
+    expected = _expected(model_dir, tmp_path, [("s", FIRST), ("s", "And in winter?")])
+    probe = Engine(model_dir, EngineOptions(num_blocks=16, tiers=None))
+    fp = probe.runner.fingerprint.hex()
+    path = _profile(tmp_path / "p.json", fp, read_bps)
+    eng = _engine(model_dir, tmp_path, profile=path, auto_offload=False)
+    try:
+        eng.chat("s", FIRST, GREEDY, system=SYSTEM)
+        off = eng.offload("s", "disk")
+        turn2 = eng.chat("s", "And in winter?", GREEDY)
+    finally:
+        eng.close()
+    assert turn2.token_ids == expected["s"][1]
+    decisions = eng.policy.decisions
+    if loads:  # a fast tier: the whole stored prefix comes back
+        assert turn2.stats.restored_tokens == off.stored_tokens
+        assert decisions["restore_load"] == 1 and decisions["restore_recompute"] == 0
+    else:  # a tier slower than recompute is never read
+        assert turn2.stats.restored_tokens == 0
+        assert decisions["restore_recompute"] == 1 and decisions["restore_load"] == 0
+
+
+def test_engine_finds_the_model_directory_profile(model_dir, tmp_path):
+    probe = Engine(model_dir, EngineOptions(num_blocks=16, tiers=None))
+    own = tmp_path / "model"
+    own.mkdir()
+    for f in model_dir.iterdir():
+        (own / f.name).symlink_to(f)
+    _profile(own / PROFILE_NAME, probe.runner.fingerprint.hex(), 1e9)
+    eng = _engine(own, tmp_path)
+    try:
+        assert eng.policy.cost is not None and eng.policy.cost.tiers["cpu"].read.bandwidth_bps == 1e9
+    finally:
+        eng.close()
+    bare = _engine(model_dir, tmp_path / "bare")
+    try:
+        assert bare.policy.cost is None  # no profile: load every stored prefix
+    finally:
+        bare.close()
+
+
+def test_watermark_offload_moves_the_session_away_longest_first(model_dir, tmp_path):
+    """A pool past its high watermark offloads idle sessions: the one idle for two hours
+    goes, the ones that finished recently stay, and all come back with the same replies."""
+    now = [0.0]
+    names = (("old", 0.0), ("mid", 3600.0), ("new", 7190.0))
+    turns = [(s, f"{s} asks: {FIRST}") for s, _ in names]
+    expected = _expected(model_dir, tmp_path, turns + [(s, "More?") for s, _ in names])
+    # Checks at t=0 and t=7200 only: 24 blocks, 16 used (a shared system prompt, 3 blocks
+    # of each session's own) is past 60 %; one session leaving brings it under 50 %.
+    eng = _engine(model_dir, tmp_path, clock=lambda: now[0], num_blocks=24,
+                  watermarks=Watermarks(high=0.6, low=0.5), check_every_s=7200.0)
+    try:
+        for (sid, msg), (_, t) in zip(turns, names, strict=True):
+            now[0] = t
+            eng.chat(sid, msg, GREEDY, system=SYSTEM)
+        now[0] = 7200.0
+        eng.step()  # the watermark check runs on the engine's step
+        eng._settle_offloads(block=True)
+        assert {s: x.offloaded for s, x in eng.sessions.items()} == {
+            "old": True, "mid": False, "new": False}
+        assert eng.policy.decisions == {"offload_cpu": 1}
+        bp = eng.runner.pool.block_pool
+        assert bp.num_blocks - bp.num_empty < 0.6 * bp.num_blocks
+        second = {s: eng.chat(s, "More?", GREEDY) for s, _ in names}
+    finally:
+        eng.close()
+    assert second["old"].stats.restored_tokens > 0
+    assert {s: r.token_ids for s, r in second.items()} == {s: v[1] for s, v in expected.items()}
+
+
+def test_think_times_are_learned_from_the_engine_clock(model_dir, tmp_path):
+    now = [0.0]
+    eng = _engine(model_dir, tmp_path, clock=lambda: now[0], auto_offload=False)
+    try:
+        for gap in (5.0, 5.0, 5.0):
+            eng.chat("quick", "hi", GREEDY)
+            now[0] += gap
+        eng.chat("quick", "hi", GREEDY)
+        eng.chat("other", "hi", GREEDY)
+        assert eng.policy.think.population.n == 3
+        quick = eng.policy.predicted_next_s("quick")
+        assert 0 < quick < eng.policy.think.expected_next_s("stranger", 0.0)
+        eng.end_session("quick")
+        assert "quick" not in eng.policy.idle_since
+    finally:
+        eng.close()
+
+
+def test_hint_restores_into_a_roomy_pool_and_prefetch_raises_chunks(model_dir, tmp_path):
+    expected = _expected(model_dir, tmp_path, [("s", FIRST), ("s", "And in winter?")])
+    eng = _engine(model_dir, tmp_path, auto_offload=False, num_blocks=256)
+    try:
+        eng.chat("s", FIRST, GREEDY, system=SYSTEM)
+        eng.offload("s", "disk")
+        s = eng.sessions["s"]
+        keys = eng.kv.keys_below_fastest(s.token_ids[: s.stored_tokens])
+        assert keys  # on disk only
+        assert eng.prefetch("s").result() == len(keys)
+        assert eng.kv.keys_below_fastest(s.token_ids[: s.stored_tokens]) == []  # now in RAM
+        assert eng.hint("s") == "restoring"
+        assert eng.hint("s") == "resident"
+        turn2 = eng.chat("s", "And in winter?", GREEDY)
+        assert eng.prefetch("s") is None  # resident: nothing to fetch
+    finally:
+        eng.close()
+    assert turn2.token_ids == expected["s"][1]
+
+
+def test_hint_on_a_full_pool_only_prefetches(model_dir, tmp_path):
+    eng = _engine(model_dir, tmp_path, auto_offload=False, num_blocks=40,
+                  watermarks=Watermarks(high=0.9, low=0.1))
+    try:
+        eng.chat("s", FIRST, GREEDY, system=SYSTEM)
+        eng.offload("s", "disk")
+        assert eng.hint("s") == "prefetching"
+        assert eng.sessions["s"].offloaded
+    finally:
+        eng.close()

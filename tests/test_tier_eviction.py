@@ -1,0 +1,71 @@
+"""Tiers evict by a configurable policy: LRU by default, kvtier's session-aware policy when
+chunks carry their session and position."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.chunk_format import encode_chunk
+from kvtier.config import TiersConfig
+from kvtier.connectors.cpu_tier import CPUTier
+from kvtier.connectors.disk_tier import DiskTier
+from kvtier.policies.eviction import LFU, ChunkInfo, SessionAware
+
+FP = b"f" * 16
+
+
+def _blob(i: int) -> tuple[str, bytes]:
+    import torch
+
+    key = f"{i:064x}"
+    return key, encode_chunk(key, FP, torch.full((2, 2, 4, 1, 8), float(i)))
+
+
+def _tier(kind: str, tmp_path, slots: int, eviction):
+    key, blob = _blob(0)
+    if kind == "cpu":
+        return CPUTier(slots * len(blob), len(blob), eviction=eviction)
+    return DiskTier(tmp_path / "d", slots * len(blob), fsync=False, eviction=eviction)
+
+
+@pytest.mark.parametrize("kind", ["cpu", "disk"])
+def test_session_aware_tier_gives_up_the_idle_sessions_tail_first(kind, tmp_path):
+    away = {"idle": 10.0, "active": 0.1}
+    policy = SessionAware(predictor=lambda s, now: away[s])
+    tier = _tier(kind, tmp_path, 4, policy)
+    try:
+        chunks = {s: [_blob(10 * n + i) for i in range(2)] for n, s in enumerate(away, 1)}
+        for sid, pairs in chunks.items():
+            tier.put(dict(pairs), {k: ChunkInfo(len(b), sid, i) for i, (k, b) in enumerate(pairs)})
+        assert tier.eviction is policy and len(tier) == 4
+        tier.put(dict([_blob(99)]))  # one more chunk: the idle session's last chunk goes
+        idle0, idle1 = (k for k, _ in chunks["idle"])
+        assert tier.contains_prefix([idle0, idle1]) == 1
+        tier.put(dict([_blob(98)]))  # then its first
+        assert tier.contains_prefix([idle0]) == 0
+        assert tier.contains_prefix([k for k, _ in chunks["active"]]) == 2
+    finally:
+        tier.close()
+
+
+def test_tiers_default_to_lru_and_take_any_policy_by_name_or_instance(tmp_path):
+    tier = _tier("cpu", tmp_path, 2, "lru")
+    try:
+        a, b, c = (_blob(i) for i in range(3))
+        tier.put(dict([a, b]))
+        tier.get([a[0]])  # a is now the most recently used
+        tier.put(dict([c]))
+        assert tier.contains_prefix([a[0]]) == 1 and tier.contains_prefix([b[0]]) == 0
+    finally:
+        tier.close()
+    lfu = _tier("disk", tmp_path, 2, LFU())
+    try:
+        assert isinstance(lfu.eviction, LFU)
+    finally:
+        lfu.close()
+
+
+def test_unknown_tier_eviction_policy_is_a_config_error():
+    with pytest.raises(ValueError, match="unknown eviction policy 'mru'.*session-aware"):
+        TiersConfig(cpu_eviction="mru")
+    assert TiersConfig().cpu_eviction == "session-aware"
