@@ -267,6 +267,8 @@ class Engine:
         if self.policy is not None:
             self.policy.turn_started(session_id)
         restored = self._restore_if_needed(session, len(prompt)).from_tiers
+        if self.policy is not None and self.policy.options.auto_offload:
+            self._make_room(len(prompt) - len(session.token_ids), exclude=session_id)
         cb = (lambda _r, _t, delta: on_text(delta) if delta else None) if on_text else None
         req = self.scheduler.add(prompt, params, f"{session_id}#{len(session.turns) + 1}", cb)
         self._busy.add(session_id)
@@ -458,28 +460,52 @@ class Engine:
     def _auto_offload(self) -> None:
         """Above the high watermark, idle sessions leave the pool (stored in the background,
         their blocks freed once stored), those predicted to stay away longest first."""
+        bp = self.runner.pool.block_pool
+        used = (bp.num_blocks - bp.num_empty) * self.runner.pool.block_size
+        assert self.policy is not None
+        if used > self.policy.options.watermarks.high * bp.num_blocks * self.runner.pool.block_size:
+            self._offload_idle(used, force=False, wait=False)
+
+    def _make_room(self, new_tokens: int, exclude: str) -> None:
+        """Write-back before eviction: when a turn's new tokens do not fit in the empty
+        blocks, idle sessions are stored (now, on the admission path) and leave, rather
+        than the pool's LRU dropping cached KV that nothing stored."""
+        bp = self.runner.pool.block_pool
+        bs = self.runner.pool.block_size
+        need = -(-max(new_tokens, 0) // bs) + 1
+        if bp.num_empty >= need:
+            return
+        used = (bp.num_blocks - bp.num_empty + need) * bs
+        self._offload_idle(used, force=True, wait=True, exclude=exclude)
+
+    def _offload_idle(self, used: int, force: bool, wait: bool, exclude: str | None = None) -> None:
         assert self.policy is not None and self.kv is not None
         bp = self.runner.pool.block_pool
         bs = self.runner.pool.block_size
-        used = (bp.num_blocks - bp.num_empty) * bs
-        if used <= self.policy.options.watermarks.high * bp.num_blocks * bs:
-            return
         idle = [
             (sid, len(hashes) * bs, len(hashes) * bs)
             for sid, hashes in self._resident_hashes.items()
-            if hashes and sid not in self._busy and sid not in self._pending
+            if hashes and sid != exclude and sid not in self._busy and sid not in self._pending
         ]
         free = {
             t.name: math.inf if t.capacity_bytes is None else float(t.capacity_bytes)
             for t in self.kv.manager.tiers
         }  # a full tier makes room by demoting its own victims
-        for d in self.policy.offloads(idle, used, bp.num_blocks * bs, free):
+        for d in self.policy.offloads(idle, used, bp.num_blocks * bs, free, force):
             if d.tier is None:
                 continue  # not worth storing anywhere: the pool's LRU drops it when needed
             try:
-                self.offload(d.session, d.tier, wait=False)
+                self.offload(d.session, d.tier, wait=wait)
             except KVTierError as exc:
-                log.warning("auto-offload of session %r failed: %s", d.session, exc)
+                log.warning("offload of idle session %r failed: %s", d.session, exc)
+
+    def drain(self) -> None:
+        """Finish every background offload and streaming restore (an idle moment)."""
+        self.scheduler.settle_loads()
+        self._settle_offloads(block=True)
+        if self.policy is not None and self.policy.due():
+            self._auto_offload()
+            self._settle_offloads(block=True)
 
     def end_session(self, session_id: str) -> None:
         """Forget a session (its KV blocks stay in the prefix cache until evicted)."""

@@ -133,13 +133,15 @@ class LivePolicy:
         used_tokens: int,
         capacity_tokens: int,
         free_bytes: Mapping[str, float],
+        force: bool = False,
     ) -> list[OffloadDecision]:
         """Idle sessions (id, tokens held in the pool, tokens a resume reuses) that should
-        leave the pool now, and where to."""
+        leave the pool now, and where to (``force``: down to the low watermark even below
+        the high one, to admit a turn)."""
         sessions = [IdleSession(s, g, p, self.predicted_next_s(s)) for s, g, p in idle]
         if self.cost is None:
             # No measured costs: no "worth storing" test; the fastest tier with room.
-            if used_tokens <= self.offload.watermarks.high * max(capacity_tokens, 1):
+            if not force and used_tokens <= self.offload.watermarks.high * max(capacity_tokens, 1):
                 return []
             target = self.offload.watermarks.low * capacity_tokens
             out = []
@@ -151,7 +153,7 @@ class LivePolicy:
         else:
             names = [t for t in self.tier_names if t in self.cost.tiers]
             out = self.offload.decide(
-                sessions, used_tokens, capacity_tokens, self.cost, names, free_bytes
+                sessions, used_tokens, capacity_tokens, self.cost, names, free_bytes, force
             )
         for d in out:
             self.decisions[f"offload_{d.tier}" if d.tier else "offload_drop"] += 1

@@ -4,7 +4,10 @@
 over every workload x GPU budget x system and prints, per workload and budget, TTFT mean /
 p50 / p99, hit rate per tier, bytes moved per tier, prefill tokens saved and peak GPU KV
 memory; ``--out`` writes JSON and ``--plot DIR`` TTFT CDFs and memory-over-time plots.
-(A ``--real`` replay on the reference engine is not built yet.)
+``--real --model DIR`` replays the same workloads (use few ``--sessions``) on the reference
+engine with real tiers for the systems the engine can be (recompute-only, vLLM-like,
+kvtier), and simulates each replay's as-run workload next to it: the table then shows the
+real TTFTs and the simulator's error.
 """
 
 from __future__ import annotations
@@ -31,8 +34,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "against kvtier's policy and baselines (recompute-only, vLLM-like, LMCache-like, "
         "CachedAttention-like, Pensieve-like) for several GPU memory budgets.",
     )
-    p.add_argument("--simulate", action="store_true",
-                   help="discrete-event simulation (the default and, for now, only mode)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--simulate", action="store_true",
+                      help="discrete-event simulation driven by --profile (the default)")
+    mode.add_argument("--real", action="store_true",
+                      help="replay on the reference engine with real tiers (needs --model; "
+                      "the profile should be this model's, from `kvtier calibrate`)")
+    p.add_argument("--model", type=Path, default=None, help="model directory for --real")
+    p.add_argument("--max-output", type=int, default=8,
+                   help="--real: cap on generated reply tokens per turn")
     p.add_argument("--workloads", default=",".join(BUILTIN_WORKLOADS),
                    help=f"built-in synthetic workloads, comma-separated, or 'none' "
                    f"({', '.join(BUILTIN_WORKLOADS)})")
@@ -116,14 +126,25 @@ def run(args: argparse.Namespace) -> int:
 
     from kvtier.benchmarks.policy_sim.report import plot_results, print_tables
     from kvtier.benchmarks.policy_sim.simulator import Simulator
-    from kvtier.benchmarks.policy_sim.systems import system
+    from kvtier.benchmarks.policy_sim.systems import DEFAULT_SYSTEMS, system
     from kvtier.benchmarks.policy_sim.workloads import from_csv, mooncake, scale_time
     from kvtier.benchmarks.results import write_result
     from kvtier.profile import load_profile, this_machine
 
     console = Console()
     budgets = _floats(args.budgets, "budgets")
-    systems = [system(n.strip()) for n in args.systems.split(",") if n.strip()]
+    names = [n.strip() for n in args.systems.split(",") if n.strip()]
+    if args.real:
+        from kvtier.benchmarks.policy_sim.real import REAL_SYSTEMS
+
+        if args.systems == ",".join(DEFAULT_SYSTEMS):
+            names = list(REAL_SYSTEMS)
+        if "slow-tiers" in args.workloads.split(","):
+            raise InvalidArgumentError("--real replays on this machine's tiers; slow-tiers is "
+                                       "simulation only (use --workloads multiturn)")
+    systems = [system(n) for n in names]
+    if args.real and args.model is None:
+        raise InvalidArgumentError("--real needs --model DIR (a checkpoint from `kvtier make-model`)")
     cost, warnings = load_profile(args.profile, machine=this_machine())
     for w in warnings:
         console.print(f"[yellow]warning:[/] {w}")
@@ -158,6 +179,10 @@ def run(args: argparse.Namespace) -> int:
                 rows = {}
                 for spec in systems:
                     progress.update(task, description=f"{wl.name} budget {b:g} {spec.name}")
+                    if args.real:
+                        rows[spec.name] = _real_row(args, wl, spec, wcost, b, working, tier_bytes)
+                        progress.advance(task)
+                        continue
                     sim = Simulator(wl, spec, wcost, b * working, tier_bytes)
                     res = sim.run()
                     rows[spec.name] = {**res.summary(), "timeline": res.timeline,
@@ -166,12 +191,19 @@ def run(args: argparse.Namespace) -> int:
                 entry["budgets"][f"{b:g}"] = rows
             results[wl.name] = entry
     print_tables(console, results)
+    if args.real:
+        for wname, entry in results.items():
+            for b, rows in entry["budgets"].items():
+                for name, row in rows.items():
+                    console.print(f"{wname} budget {b} {name}: real mean TTFT "
+                                  f"{row['ttft_mean_s']:.3f} s, simulated {row['sim_ttft_mean_s']:.3f} s "
+                                  f"({row['sim_error']:+.0%})")
     if args.plot:
         for path in plot_results(results, args.plot):
             console.print(f"wrote {path}")
     if args.out:
         path = write_result(args.out, "policies", {
-            "config": {"mode": "simulate", "profile": str(args.profile), "budgets": budgets,
+            "config": {"mode": "real" if args.real else "simulate", "profile": str(args.profile), "budgets": budgets,
                        "systems": [s.name for s in systems], "cpu_frac": args.cpu_frac,
                        "disk_frac": args.disk_frac, "seed": args.seed,
                        "sessions": args.sessions, "target_load": args.target_load,
@@ -180,6 +212,21 @@ def run(args: argparse.Namespace) -> int:
         })
         console.print(f"wrote {path}")
     return 0
+
+
+def _real_row(args, wl, spec, cost, budget, working, tier_bytes) -> dict:
+    """One system on the reference engine, and the simulator on the same turns as run."""
+    from kvtier.benchmarks.policy_sim.real import replay_real
+    from kvtier.benchmarks.policy_sim.simulator import Simulator
+
+    gpu_tokens = int(budget * working / cost.kv_bytes_per_token)
+    res, as_run = replay_real(wl, spec, args.model, gpu_tokens, tier_bytes, args.profile,
+                              max_output_tokens=args.max_output, seed=args.seed)
+    sim = Simulator(as_run, spec, cost, gpu_tokens * cost.kv_bytes_per_token, tier_bytes).run()
+    real_mean, sim_mean = res.summary()["ttft_mean_s"], sim.summary()["ttft_mean_s"]
+    return {**res.summary(), "mode": "real", "ttft_sorted_s": _thin(sorted(res.ttft_s)),
+            "timeline": [], "sim_ttft_mean_s": sim_mean,
+            "sim_error": (sim_mean - real_mean) / real_mean if real_mean else math.nan}
 
 
 def _thin(xs: list[float], n: int = 400) -> list[float]:

@@ -1,0 +1,59 @@
+"""``--real``: the reference engine replays a small workload with real tiers and live
+policies, and the simulator, driven by this machine's calibration of the same model,
+predicts its mean TTFT within 25 %."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.benchmarks.policy_sim.real import replay_real
+from kvtier.benchmarks.policy_sim.simulator import Simulator
+from kvtier.benchmarks.policy_sim.systems import system
+from kvtier.benchmarks.policy_sim.workloads import SyntheticSpec, synthetic
+from kvtier.cli import main
+from kvtier.errors import InvalidArgumentError
+from kvtier.make_model import make_model
+from kvtier.profile import load_profile
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    """smollm-135m shapes (random weights): prefill costs dominate Python overheads."""
+    model = make_model("smollm-135m", tmp_path_factory.mktemp("m") / "smol", seed=7).path
+    assert main(["calibrate", "--model", str(model), "--max-tokens", "1024",
+                 "--chunk-tokens", "64", "--repeats", "2", "--threads", "2"]) == 0
+    return model, model / "kvtier-profile.json"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["vllm-like", "kvtier"])
+def test_simulator_predicts_the_real_replay_within_25_percent(calibrated, tmp_path, name):
+    model, profile = calibrated
+    cost, _ = load_profile(profile)
+    wl = synthetic(SyntheticSpec(
+        sessions=6, system_tokens=256, first_turn_extra_tokens=256, turns_mean=4,
+        think_median_s=30, chunk_tokens=64, output_tokens_median=8, user_tokens_median=60,
+        session_rate_per_s=0.2), seed=0, name="small")
+    working = wl.peak_live_tokens()
+    gpu_tokens = working // 2  # offloads and restores happen
+    tiers = {"cpu": 0.5 * working * cost.kv_bytes_per_token,
+             "disk": 4 * working * cost.kv_bytes_per_token}
+    real, as_run = replay_real(wl, system(name), model, gpu_tokens, tiers, profile,
+                               work_dir=tmp_path)
+    assert len(real.ttft_s) == len(wl.turns) == len(as_run.turns)
+    assert real.saved_tokens > 0  # reuse happened for real
+    if name == "kvtier":
+        assert real.decisions.get("offload_cpu", 0) > 0  # the live policy offloaded
+    sim = Simulator(as_run, system(name), cost, gpu_tokens * cost.kv_bytes_per_token, tiers).run()
+    real_mean = sum(real.ttft_s) / len(real.ttft_s)
+    sim_mean = sum(sim.ttft_s) / len(sim.ttft_s)
+    assert abs(sim_mean - real_mean) <= 0.25 * real_mean, (name, real_mean, sim_mean)
+
+
+def test_real_mode_refuses_simulator_only_systems(calibrated):
+    model, profile = calibrated
+    wl = synthetic(SyntheticSpec(sessions=1, turns_mean=1), seed=0)
+    with pytest.raises(InvalidArgumentError, match="exists only in the simulator"):
+        replay_real(wl, system("lmcache-like"), model, 1024, {}, profile)
+    with pytest.raises(InvalidArgumentError, match="--real needs --model"):
+        main(["bench", "policies", "--real", "--workloads", "multiturn"])
