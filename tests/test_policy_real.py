@@ -50,10 +50,10 @@ def test_simulator_predicts_the_real_replay_within_25_percent(calibrated, tmp_pa
     assert abs(sim_mean - real_mean) <= 0.25 * real_mean, (name, real_mean, sim_mean)
 
 
-def test_real_mode_refuses_simulator_only_systems(calibrated):
+def test_real_mode_refuses_simulator_only_systems(calibrated, capsys):
     model, profile = calibrated
     wl = synthetic(SyntheticSpec(sessions=1, turns_mean=1), seed=0)
     with pytest.raises(InvalidArgumentError, match="exists only in the simulator"):
         replay_real(wl, system("lmcache-like"), model, 1024, {}, profile)
-    with pytest.raises(InvalidArgumentError, match="--real needs --model"):
-        main(["bench", "policies", "--real", "--workloads", "multiturn"])
+    assert main(["bench", "policies", "--real", "--workloads", "multiturn"]) != 0
+    assert "--real needs --model" in capsys.readouterr().err
