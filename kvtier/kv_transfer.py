@@ -215,18 +215,25 @@ class KVTransfer:
         return self.store(self.snapshot(token_ids), tier, owner)
 
     # -------------------------------------------------------------------- load
+    def _restorable(
+        self, token_ids: Sequence[int], stored_tokens: int | None
+    ) -> tuple[list[int], int, list[ChunkKey]]:
+        """The whole-block prefix a restore may bring back, the tokens of it still cached
+        in the pool, and its chunk keys."""
+        pool = self._pool
+        limit = len(token_ids) if stored_tokens is None else min(stored_tokens, len(token_ids))
+        limit -= limit % pool.block_size
+        prefix = list(token_ids[:limit])
+        cached = len(pool.manager.match_prefix(prefix, self.runner.fingerprint)) * pool.block_size
+        return prefix, cached, self._keys(prefix)
+
     def stored_prefix(
         self, token_ids: Sequence[int], stored_tokens: int | None = None
     ) -> tuple[int, list[tuple[int, str]]]:
         """What a restore of ``token_ids[:stored_tokens]`` would find: the tokens still
         cached in the pool, and the stored chunks after them (new tokens each brings, name
         of the fastest tier holding it), in order, up to the first gap."""
-        pool, fp = self._pool, self.runner.fingerprint
-        limit = len(token_ids) if stored_tokens is None else min(stored_tokens, len(token_ids))
-        limit -= limit % pool.block_size
-        prefix = list(token_ids[:limit])
-        cached = len(pool.manager.match_prefix(prefix, fp)) * pool.block_size
-        keys = self._keys(prefix)
+        _, cached, keys = self._restorable(token_ids, stored_tokens)
         first = next((i for i, k in enumerate(keys) if k.end > cached), len(keys))
         if first == len(keys):
             return cached, []
@@ -265,12 +272,8 @@ class KVTransfer:
             stream = self.stream
         self._reap_if_idle()
         pool, fp = self._pool, self.runner.fingerprint
-        limit = len(token_ids) if stored_tokens is None else min(stored_tokens, len(token_ids))
-        limit -= limit % pool.block_size
-        prefix = list(token_ids[:limit])
-        cached = len(pool.manager.match_prefix(prefix, fp)) * pool.block_size
+        prefix, cached, keys = self._restorable(token_ids, stored_tokens)
         report = LoadReport(tokens=cached, from_pool=cached)
-        keys = self._keys(prefix)
         if not any(k.end > cached for k in keys):
             return report
         loc = self.manager.lookup([k.key for k in keys])
