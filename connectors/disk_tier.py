@@ -23,7 +23,6 @@ import errno
 import fcntl
 import logging
 import os
-import re
 import struct
 import threading
 import uuid
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from kvtier.chunk_format import layer_span, parse_header, slice_chunk
+from kvtier.chunk_keys import KEY_RE
 from kvtier.connectors import disk_io
 from kvtier.connectors.base import Blob, PutResult, Tier
 from kvtier.connectors.chunk_checks import admission_error, is_valid
@@ -45,7 +45,6 @@ log = logging.getLogger(__name__)
 CHUNK_SUFFIX = ".kvc"
 TEMP_SUFFIX = ".tmp"
 LOCK_NAME = ".lock"
-_KEY_RE = re.compile(r"^[0-9A-Za-z_-]{2,200}$")
 _PREFIX = struct.Struct("<4sI")
 _CORRUPT = object()
 T = TypeVar("T")
@@ -184,7 +183,7 @@ class DiskTier(Tier):
                     self._index.get(key)
                     result.present.append(key)
                     continue
-                if not _KEY_RE.match(key):
+                if not KEY_RE.match(key):
                     result.failed[key] = f"invalid: key {key!r} is not a chunk key (hex digest)"
                     continue
                 reason = admission_error(key, blob)

@@ -8,23 +8,29 @@ so a web server can hold thousands of open conversations while the model batches
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from kvtier.engine import Engine, RequestError
 from kvtier.sampling import SamplingParams
 from kvtier.session import TurnResult
 
 _STOP = object()
+T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class AsyncEngine:
     """Owns an :class:`Engine` and the thread that runs it."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, tick_s: float = 0.25):
+        """``tick_s``: how often an idle engine looks after background offloads and the
+        offload policy (idle sessions leave the pool even when no request arrives)."""
         self.engine = engine
+        self.tick_s = tick_s
         self._jobs: queue.Queue[Any] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="kvtier-engine", daemon=True)
         self._closed = False
@@ -37,9 +43,11 @@ class AsyncEngine:
         while True:
             block = not pending and not self.engine.scheduler.has_work
             try:
-                job = self._jobs.get(block=block, timeout=None if block else 0)
+                job = self._jobs.get(block=block, timeout=self.tick_s if block else 0)
             except queue.Empty:
                 job = None
+                if block:
+                    self._guarded(self.engine.tick)
             if job is _STOP:
                 return
             if job is not None:
@@ -55,6 +63,13 @@ class AsyncEngine:
                     still.append((complete, is_done))
             pending = still
 
+    @staticmethod
+    def _guarded(fn: Callable[[], Any]) -> None:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - background upkeep must never stop the loop
+            log.exception("engine upkeep failed")
+
     def _submit(
         self, make: Callable[[AsyncEngine], tuple[Callable[[], None], Callable[[], bool]]]
     ) -> None:
@@ -63,6 +78,24 @@ class AsyncEngine:
         self._jobs.put(make)
 
     # ------------------------------------------------------------------- caller side
+    async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run ``fn(*args, **kwargs)`` on the engine thread between steps (the engine is
+        single-threaded: control calls such as offload or restore go through here)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[T] = loop.create_future()
+
+        def make(_: AsyncEngine):
+            try:
+                value = fn(*args, **kwargs)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                loop.call_soon_threadsafe(_set_exception, fut, exc)
+            else:
+                loop.call_soon_threadsafe(_set_result, fut, value)
+            return (lambda: None), (lambda: True)
+
+        self._submit(make)
+        return await fut
+
     async def chat(
         self,
         session_id: str,
@@ -70,8 +103,11 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         system: str | None = None,
         on_text: Callable[[str], None] | None = None,
+        prepare: Callable[[Engine], None] | None = None,
     ) -> TurnResult:
-        """One turn; ``on_text`` is called on the caller's event loop with each text delta."""
+        """One turn; ``on_text`` is called on the caller's event loop with each text delta.
+        ``prepare(engine)`` runs on the engine thread just before the turn is queued (to
+        open or reseed the session in the same step as its turn)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[TurnResult] = loop.create_future()
 
@@ -82,6 +118,8 @@ class AsyncEngine:
         def make(_: AsyncEngine):
             eng = self.engine
             try:
+                if prepare is not None:
+                    prepare(eng)
                 turn = eng.begin_turn(
                     session_id, message, params, system, deliver if on_text else None
                 )
@@ -108,10 +146,13 @@ class AsyncEngine:
         message: str,
         params: SamplingParams | None = None,
         system: str | None = None,
+        prepare: Callable[[Engine], None] | None = None,
     ) -> AsyncIterator[str | TurnResult]:
         """Yield text deltas as they are generated, then the :class:`TurnResult`."""
         q: asyncio.Queue[Any] = asyncio.Queue()
-        task = asyncio.ensure_future(self.chat(session_id, message, params, system, q.put_nowait))
+        task = asyncio.ensure_future(
+            self.chat(session_id, message, params, system, q.put_nowait, prepare)
+        )
         task.add_done_callback(lambda _t: q.put_nowait(_STOP))
         while True:
             item = await q.get()

@@ -9,6 +9,7 @@ full chunk.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -16,6 +17,10 @@ from kvtier.errors import InvalidArgumentError
 from kvtier.hashing import chain_hash
 
 TAIL_MARKER = b"|tail"
+KEY_PATTERN = r"^[0-9A-Za-z_-]{2,200}$"
+"""What a tier accepts as a chunk key: safe as a file name, a Redis key and a URL segment
+(kvtier's own keys are hex digests; a connector may key chunks its own way)."""
+KEY_RE = re.compile(KEY_PATTERN)
 
 
 @dataclass(frozen=True)

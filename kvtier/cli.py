@@ -23,6 +23,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("kvtier.make_model", "top"),
     ("kvtier.chat_cli", "top"),
     ("kvtier.calibrate", "top"),
+    ("kvtier.server.serve", "top"),
     ("kvtier.benchmarks.fragmentation.cli", "bench"),
     ("kvtier.benchmarks.allocator", "bench"),
     ("kvtier.benchmarks.kernels", "bench"),

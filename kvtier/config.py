@@ -114,11 +114,42 @@ class TiersConfig(_Section):
         return v
 
 
+class ServerConfig(_Section):
+    """``kvtier serve``: where it listens, who may call it, how big a request may be."""
+
+    host: str = "127.0.0.1"
+    port: int = 8100
+    auth_token: str | None = None
+    """Bearer token every route but ``/healthz`` asks for; unset: no auth (loopback use)."""
+    max_body_bytes: int = 256 << 20
+    """Largest request body accepted; larger ones get 413 before anything is read into a tier."""
+    chunk_slot_bytes: int = 4 << 20
+    """Sidecar mode (no ``--model``): the CPU arena's slot size, the largest chunk it holds
+    (bigger chunks go to the disk tier). Engine mode sizes slots from the model."""
+    max_tokens_default: int = 256
+    """``/v1/chat/completions``: output tokens when a request names no ``max_tokens``."""
+
+    @field_validator("port")
+    @classmethod
+    def _port(cls, v: int) -> int:
+        if not 0 <= v <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {v}")
+        return v
+
+    @field_validator("max_body_bytes", "chunk_slot_bytes", "max_tokens_default")
+    @classmethod
+    def _positive_size(cls, v: int) -> int:
+        if v <= 0:
+            raise ValueError(f"must be a positive integer, got {v}")
+        return v
+
+
 class KVTierConfig(_Section):
     """Root configuration object."""
 
     pool: PoolConfig = PoolConfig()
     tiers: TiersConfig = TiersConfig()
+    server: ServerConfig = ServerConfig()
     chunk_tokens: int = 256
     """Tokens per chunk in the lower tiers; a multiple of pool.block_size."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from kvtier.chat_template import Message
 from kvtier.config import TiersConfig
 from kvtier.errors import InvalidArgumentError, KVTierError
 from kvtier.hashing import chain_hashes
@@ -68,6 +69,10 @@ class EngineOptions:
 
 class UnknownSessionError(InvalidArgumentError, LookupError):
     """A session id the engine does not hold."""
+
+
+class SessionBusyError(InvalidArgumentError):
+    """The session already has a turn in flight (one turn per session at a time)."""
 
 
 @dataclass(frozen=True)
@@ -257,7 +262,7 @@ class Engine:
     ) -> PendingTurn:
         """Queue a turn without running it (the async engine's half of :meth:`chat`)."""
         if session_id in self._busy:
-            raise InvalidArgumentError(
+            raise SessionBusyError(
                 f"session {session_id!r} already has a turn in flight; wait for its reply"
             )
         self._settle_offloads(block=True, only=session_id, evict=False)  # active again
@@ -311,6 +316,11 @@ class Engine:
         except KeyError:
             raise UnknownSessionError(f"unknown session {session_id!r}") from None
 
+    @property
+    def busy_sessions(self) -> frozenset[str]:
+        """Sessions with a turn in flight."""
+        return frozenset(self._busy)
+
     def _need_tiers(self) -> KVTransfer:
         if self.kv is None:
             raise InvalidArgumentError(
@@ -332,7 +342,7 @@ class Engine:
         kv = self._need_tiers()
         session = self.session(session_id)
         if session_id in self._busy:
-            raise InvalidArgumentError(f"session {session_id!r} has a turn in flight")
+            raise SessionBusyError(f"session {session_id!r} has a turn in flight")
         if isinstance(tier, str):
             kv.manager.tier_index(tier)  # an unknown tier name fails here, before any work
         self._settle_offloads(block=True, only=session_id)
@@ -498,6 +508,29 @@ class Engine:
                 self.offload(d.session, d.tier, wait=wait)
             except KVTierError as exc:
                 log.warning("offload of idle session %r failed: %s", d.session, exc)
+
+    def tick(self) -> None:
+        """Upkeep for an idle moment without blocking: settle finished background offloads
+        and let the offload policy act (a server calls this while no request runs)."""
+        if self._pending:
+            self._settle_offloads()
+        if self.policy is not None and self.policy.due():
+            self._auto_offload()
+
+    def open_session(self, session_id: str, history: Sequence[Message]) -> ChatSession:
+        """Start (or restart) a session from a conversation the engine has not seen, such
+        as an OpenAI-style request carrying its whole history: its next turn renders the
+        history in full, and the prefix cache and tiers still reuse any KV they hold."""
+        if session_id in self._busy:
+            raise SessionBusyError(
+                f"session {session_id!r} already has a turn in flight; wait for its reply"
+            )
+        old = self.sessions.pop(session_id, None)
+        if old is not None:
+            self._set_resident(old, False)
+        session = ChatSession(session_id, messages=[dict(m) for m in history])
+        self.sessions[session_id] = session
+        return session
 
     def drain(self) -> None:
         """Finish every background offload and streaming restore (an idle moment)."""

@@ -197,6 +197,39 @@ class TierManager:
             self.stats.promotions += len(res.stored)
         return out
 
+    def get_each(
+        self, keys: Sequence[str], layers: tuple[int, int] | None = None
+    ) -> list[tuple[bytes | None, str | None]]:
+        """Each key on its own, not as a prefix: (verified blob, tier name) or (None, None).
+        One batch read per tier for the keys the faster tiers missed; hits in a slower tier
+        are promoted like :meth:`get`'s."""
+        out: list[tuple[bytes | None, str | None]] = [(None, None)] * len(keys)
+        todo = list(range(len(keys)))
+        promote: dict[str, bytes] = {}
+        for ti, tier in enumerate(self.tiers):
+            if not todo:
+                break
+            try:
+                blobs = tier.get([keys[i] for i in todo], layers)
+            except Exception as exc:  # noqa: BLE001 - a failing tier is a miss
+                tier.stats.count_error(type(exc).__name__)
+                continue
+            missed = []
+            for i, blob in zip(todo, blobs, strict=True):
+                if blob is None or not self._accept(tier, keys[i], blob):
+                    missed.append(i)
+                    continue
+                out[i] = (bytes(blob), tier.name)
+                self.stats.hits_by_tier[tier.name] = self.stats.hits_by_tier.get(tier.name, 0) + 1
+                if ti > 0 and layers is None and self.promote_on_hit:
+                    promote[keys[i]] = out[i][0]
+            todo = missed
+        self.stats.misses += len(todo)
+        if promote:
+            res = self._safe_put(self.tiers[0], promote)
+            self.stats.promotions += len(res.stored)
+        return out
+
     def _accept(self, tier: Tier, key: str, blob: Blob) -> bool:
         try:
             validate_chunk(blob, key, self.fingerprint)

@@ -1,0 +1,405 @@
+"""Clients for a running ``kvtier serve``: :class:`Client` (sync) and :class:`AsyncClient`.
+
+Both speak every route with the same method names; the async one awaits. Errors come back as
+:class:`ServiceError` carrying the HTTP status and the server's error type, so a caller can
+tell an unknown session (404) from a bad chunk (400) from a full store (507).
+
+    with Client("http://127.0.0.1:8100") as kv:
+        kv.put_chunk(key, blob)
+        n = kv.lookup(keys).length
+        reply = kv.chat([{"role": "user", "content": "hi"}], session_id="u1")
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import msgpack
+
+from kvtier.errors import KVTierError
+
+MSGPACK = "application/x-msgpack"
+
+
+class ServiceError(KVTierError):
+    """The service answered with an error status."""
+
+    def __init__(self, status: int, type_: str, message: str) -> None:
+        super().__init__(f"HTTP {status} {type_}: {message}")
+        self.status = status
+        self.type = type_
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Lookup:
+    length: int
+    tiers: list[str]
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One HTTP request, built once and sent by either client."""
+
+    method: str
+    path: str
+    json: Any = None
+    content: bytes | None = None
+    params: dict[str, Any] | None = None
+    headers: dict[str, str] | None = None
+    ok: tuple[int, ...] = (200,)
+    """Statuses that are not errors (a 404 of HEAD is an answer, not an error)."""
+
+
+def _raise_for(resp: httpx.Response, ok: tuple[int, ...]) -> None:
+    if resp.status_code in ok or resp.status_code < 300 and 200 in ok:
+        return
+    try:
+        err = resp.json()["error"]
+        raise ServiceError(resp.status_code, err["type"], err["message"])
+    except (ValueError, KeyError, TypeError):
+        raise ServiceError(resp.status_code, "http_error", resp.text[:500]) from None
+
+
+def _chat_body(
+    messages: Sequence[Mapping[str, str]], stream: bool, options: Mapping[str, Any]
+) -> dict[str, Any]:
+    return {"messages": [dict(m) for m in messages], "stream": stream, **options}
+
+
+def _session_headers(session_id: str | None) -> dict[str, str] | None:
+    return {"X-Session-Id": session_id} if session_id else None
+
+
+def _sse_event(line: str) -> dict[str, Any] | None:
+    """A parsed ``data:`` line of a chat stream; None for keep-alives and ``[DONE]``."""
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    if data == "[DONE]":
+        return None
+    event = json.loads(data)
+    if "error" in event:
+        err = event["error"]
+        raise ServiceError(err.get("code", 500), err.get("type", "error"), err.get("message", ""))
+    return event
+
+
+class _Routes:
+    """The request of every route (shared by both clients)."""
+
+    @staticmethod
+    def health() -> _Call:
+        return _Call("GET", "/healthz")
+
+    @staticmethod
+    def stats() -> _Call:
+        return _Call("GET", "/v1/stats")
+
+    @staticmethod
+    def metrics() -> _Call:
+        return _Call("GET", "/metrics")
+
+    @staticmethod
+    def sessions() -> _Call:
+        return _Call("GET", "/v1/sessions")
+
+    @staticmethod
+    def session(session_id: str) -> _Call:
+        return _Call("GET", f"/v1/sessions/{session_id}")
+
+    @staticmethod
+    def offload(session_id: str, tier: str | None, wait: bool) -> _Call:
+        return _Call("POST", f"/v1/sessions/{session_id}/offload", {"tier": tier, "wait": wait})
+
+    @staticmethod
+    def restore(session_id: str) -> _Call:
+        return _Call("POST", f"/v1/sessions/{session_id}/restore")
+
+    @staticmethod
+    def hint(session_id: str) -> _Call:
+        return _Call("POST", f"/v1/sessions/{session_id}/hint")
+
+    @staticmethod
+    def end_session(session_id: str) -> _Call:
+        return _Call("DELETE", f"/v1/sessions/{session_id}", ok=(204,))
+
+    @staticmethod
+    def put_chunk(key: str, blob: bytes, tier: str | None) -> _Call:
+        params = {"tier": tier} if tier else None
+        headers = {"Content-Type": "application/octet-stream"}
+        return _Call("PUT", f"/v1/chunks/{key}", None, bytes(blob), params, headers, (200, 201))
+
+    @staticmethod
+    def get_chunk(key: str, layers: tuple[int, int] | None) -> _Call:
+        params = {"layers": f"{layers[0]}:{layers[1]}"} if layers else None
+        return _Call("GET", f"/v1/chunks/{key}", params=params, ok=(200, 404))
+
+    @staticmethod
+    def has_chunk(key: str) -> _Call:
+        return _Call("HEAD", f"/v1/chunks/{key}", ok=(200, 404))
+
+    @staticmethod
+    def delete_chunk(key: str) -> _Call:
+        return _Call("DELETE", f"/v1/chunks/{key}", ok=(204, 404))
+
+    @staticmethod
+    def lookup(keys: Sequence[str]) -> _Call:
+        return _Call("POST", "/v1/chunks/lookup", {"keys": list(keys)})
+
+    @staticmethod
+    def get_chunks(keys: Sequence[str], layers: tuple[int, int] | None) -> _Call:
+        body: dict[str, Any] = {"keys": list(keys)}
+        if layers:
+            body["layers"] = list(layers)
+        return _Call("POST", "/v1/chunks/batch/get", body)
+
+    @staticmethod
+    def put_chunks(chunks: Mapping[str, bytes], tier: str | None) -> _Call:
+        payload = msgpack.packb({k: bytes(v) for k, v in chunks.items()}, use_bin_type=True)
+        params = {"tier": tier} if tier else None
+        return _Call(
+            "POST", "/v1/chunks/batch/put", None, payload, params, {"Content-Type": MSGPACK}
+        )
+
+    @staticmethod
+    def chat(
+        messages: Sequence[Mapping[str, str]], session_id: str | None, stream: bool, **options: Any
+    ) -> _Call:
+        return _Call(
+            "POST",
+            "/v1/chat/completions",
+            _chat_body(messages, stream, options),
+            headers=_session_headers(session_id),
+        )
+
+
+def _headers(token: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+class Client:
+    """Synchronous client (one connection pool; thread-safe as httpx.Client is)."""
+
+    def __init__(
+        self, base_url: str, token: str | None = None, timeout: float = 60.0, **httpx_kwargs: Any
+    ) -> None:
+        self.http = httpx.Client(
+            base_url=base_url, headers=_headers(token), timeout=timeout, **httpx_kwargs
+        )
+
+    def _send(self, call: _Call) -> httpx.Response:
+        resp = self.http.request(
+            call.method,
+            call.path,
+            json=call.json,
+            content=call.content,
+            params=call.params,
+            headers=call.headers,
+        )
+        _raise_for(resp, call.ok)
+        return resp
+
+    # control
+    def health(self) -> dict[str, Any]:
+        return self._send(_Routes.health()).json()
+
+    def stats(self) -> dict[str, Any]:
+        return self._send(_Routes.stats()).json()
+
+    def metrics(self) -> str:
+        return self._send(_Routes.metrics()).text
+
+    def sessions(self) -> list[dict[str, Any]]:
+        return self._send(_Routes.sessions()).json()
+
+    def session(self, session_id: str) -> dict[str, Any]:
+        return self._send(_Routes.session(session_id)).json()
+
+    def offload(self, session_id: str, tier: str | None = None, wait: bool = True) -> dict[str, Any]:
+        return self._send(_Routes.offload(session_id, tier, wait)).json()
+
+    def restore(self, session_id: str) -> dict[str, Any]:
+        return self._send(_Routes.restore(session_id)).json()
+
+    def hint(self, session_id: str) -> str:
+        return self._send(_Routes.hint(session_id)).json()["action"]
+
+    def end_session(self, session_id: str) -> None:
+        self._send(_Routes.end_session(session_id))
+
+    # data plane
+    def put_chunk(self, key: str, blob: bytes, tier: str | None = None) -> dict[str, Any]:
+        return self._send(_Routes.put_chunk(key, blob, tier)).json()
+
+    def get_chunk(self, key: str, layers: tuple[int, int] | None = None) -> bytes | None:
+        resp = self._send(_Routes.get_chunk(key, layers))
+        return None if resp.status_code == 404 else resp.content
+
+    def has_chunk(self, key: str) -> bool:
+        return self._send(_Routes.has_chunk(key)).status_code == 200
+
+    def delete_chunk(self, key: str) -> bool:
+        return self._send(_Routes.delete_chunk(key)).status_code == 204
+
+    def lookup(self, keys: Sequence[str]) -> Lookup:
+        return Lookup(**self._send(_Routes.lookup(keys)).json())
+
+    def get_chunks(
+        self, keys: Sequence[str], layers: tuple[int, int] | None = None
+    ) -> list[bytes | None]:
+        return msgpack.unpackb(self._send(_Routes.get_chunks(keys, layers)).content, raw=False)
+
+    def put_chunks(self, chunks: Mapping[str, bytes], tier: str | None = None) -> dict[str, Any]:
+        return self._send(_Routes.put_chunks(chunks, tier)).json()
+
+    # chat
+    def chat(
+        self, messages: Sequence[Mapping[str, str]], session_id: str | None = None, **options: Any
+    ) -> dict[str, Any]:
+        """A chat completion (OpenAI's response object plus ``kvtier`` timings)."""
+        return self._send(_Routes.chat(messages, session_id, False, **options)).json()
+
+    def chat_stream(
+        self, messages: Sequence[Mapping[str, str]], session_id: str | None = None, **options: Any
+    ) -> Iterator[dict[str, Any]]:
+        """The stream's chunk objects, in order (text is in ``choices[0].delta.content``)."""
+        call = _Routes.chat(messages, session_id, True, **options)
+        with self.http.stream(
+            call.method, call.path, json=call.json, headers=call.headers
+        ) as resp:
+            if resp.status_code != 200:
+                resp.read()
+                _raise_for(resp, (200,))
+            for line in resp.iter_lines():
+                event = _sse_event(line)
+                if event is not None:
+                    yield event
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """Asynchronous client: the same methods as :class:`Client`, awaited."""
+
+    def __init__(
+        self, base_url: str, token: str | None = None, timeout: float = 60.0, **httpx_kwargs: Any
+    ) -> None:
+        self.http = httpx.AsyncClient(
+            base_url=base_url, headers=_headers(token), timeout=timeout, **httpx_kwargs
+        )
+
+    async def _send(self, call: _Call) -> httpx.Response:
+        resp = await self.http.request(
+            call.method,
+            call.path,
+            json=call.json,
+            content=call.content,
+            params=call.params,
+            headers=call.headers,
+        )
+        _raise_for(resp, call.ok)
+        return resp
+
+    async def health(self) -> dict[str, Any]:
+        return (await self._send(_Routes.health())).json()
+
+    async def stats(self) -> dict[str, Any]:
+        return (await self._send(_Routes.stats())).json()
+
+    async def metrics(self) -> str:
+        return (await self._send(_Routes.metrics())).text
+
+    async def sessions(self) -> list[dict[str, Any]]:
+        return (await self._send(_Routes.sessions())).json()
+
+    async def session(self, session_id: str) -> dict[str, Any]:
+        return (await self._send(_Routes.session(session_id))).json()
+
+    async def offload(
+        self, session_id: str, tier: str | None = None, wait: bool = True
+    ) -> dict[str, Any]:
+        return (await self._send(_Routes.offload(session_id, tier, wait))).json()
+
+    async def restore(self, session_id: str) -> dict[str, Any]:
+        return (await self._send(_Routes.restore(session_id))).json()
+
+    async def hint(self, session_id: str) -> str:
+        return (await self._send(_Routes.hint(session_id))).json()["action"]
+
+    async def end_session(self, session_id: str) -> None:
+        await self._send(_Routes.end_session(session_id))
+
+    async def put_chunk(self, key: str, blob: bytes, tier: str | None = None) -> dict[str, Any]:
+        return (await self._send(_Routes.put_chunk(key, blob, tier))).json()
+
+    async def get_chunk(self, key: str, layers: tuple[int, int] | None = None) -> bytes | None:
+        resp = await self._send(_Routes.get_chunk(key, layers))
+        return None if resp.status_code == 404 else resp.content
+
+    async def has_chunk(self, key: str) -> bool:
+        return (await self._send(_Routes.has_chunk(key))).status_code == 200
+
+    async def delete_chunk(self, key: str) -> bool:
+        return (await self._send(_Routes.delete_chunk(key))).status_code == 204
+
+    async def lookup(self, keys: Sequence[str]) -> Lookup:
+        return Lookup(**(await self._send(_Routes.lookup(keys))).json())
+
+    async def get_chunks(
+        self, keys: Sequence[str], layers: tuple[int, int] | None = None
+    ) -> list[bytes | None]:
+        resp = await self._send(_Routes.get_chunks(keys, layers))
+        return msgpack.unpackb(resp.content, raw=False)
+
+    async def put_chunks(
+        self, chunks: Mapping[str, bytes], tier: str | None = None
+    ) -> dict[str, Any]:
+        return (await self._send(_Routes.put_chunks(chunks, tier))).json()
+
+    async def chat(
+        self, messages: Sequence[Mapping[str, str]], session_id: str | None = None, **options: Any
+    ) -> dict[str, Any]:
+        return (await self._send(_Routes.chat(messages, session_id, False, **options))).json()
+
+    async def chat_stream(
+        self, messages: Sequence[Mapping[str, str]], session_id: str | None = None, **options: Any
+    ) -> AsyncIterator[dict[str, Any]]:
+        call = _Routes.chat(messages, session_id, True, **options)
+        async with self.http.stream(
+            call.method, call.path, json=call.json, headers=call.headers
+        ) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                _raise_for(resp, (200,))
+            async for line in resp.aiter_lines():
+                event = _sse_event(line)
+                if event is not None:
+                    yield event
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+def chat_text(events: Sequence[Mapping[str, Any]]) -> str:
+    """The reply text of a list of stream events."""
+    return "".join(
+        e["choices"][0]["delta"].get("content") or "" for e in events if e.get("choices")
+    )

@@ -1,0 +1,40 @@
+"""The FastAPI application: routes, guards, error bodies and request metrics together."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request, Response
+
+from kvtier import __version__
+from kvtier.server import routes_chat, routes_chunks, routes_control
+from kvtier.server.errors import install_error_handlers
+from kvtier.server.middleware import BearerAuth, BodyLimit
+from kvtier.server.state import ServiceState
+
+DESCRIPTION = """Tiered KV-cache service. Control plane (sessions, stats, metrics), chunk
+data plane (the chunk format of kvtier), and in engine mode an OpenAI-compatible chat
+endpoint whose sessions survive idleness by moving their KV down the tiers."""
+
+
+def create_app(state: ServiceState) -> FastAPI:
+    """An app serving ``state``; the caller owns ``state`` and closes it after the server."""
+    app = FastAPI(title="kvtier", version=__version__, description=DESCRIPTION)
+    app.state.kvtier = state
+    install_error_handlers(app, state.metrics.count_error)
+    app.include_router(routes_control.router)
+    app.include_router(routes_chunks.router)
+    app.include_router(routes_chat.router)
+
+    @app.middleware("http")
+    async def count_requests(request: Request, call_next) -> Response:
+        response = await call_next(request)
+        route = request.scope.get("route")
+        path = getattr(route, "path", "unmatched")
+        state.metrics.requests.labels(request.method, path, str(response.status_code)).inc()
+        return response
+
+    server = state.config.server
+    # Outermost first to run: auth, then the size limit, then the app.
+    app.add_middleware(BodyLimit, limit=server.max_body_bytes)
+    if server.auth_token:
+        app.add_middleware(BearerAuth, token=server.auth_token)
+    return app

@@ -1,0 +1,217 @@
+"""``POST /v1/chat/completions``: OpenAI-compatible chat on the reference engine.
+
+A conversation is a session: its id comes from the ``X-Session-Id`` header or the request's
+``user`` field. When the request's history is exactly what the session holds, only the new
+user message is computed and the earlier turns' KV is reused from the pool, or restored from
+the tiers if the session was offloaded. A history the engine has not seen (another client,
+an edited conversation) reseeds the session from the request. Without a session id the turn
+runs in a throwaway session. Every response carries per-turn timings under ``kvtier``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Header, Request, Response
+from fastapi.responses import StreamingResponse
+
+from kvtier.engine import Engine
+from kvtier.errors import InvalidArgumentError
+from kvtier.sampling import SamplingParams
+from kvtier.server.errors import ErrorBody, ServiceError, error_body, status_of
+from kvtier.server.schemas import ChatCompletion, ChatCompletionRequest
+from kvtier.server.state import ServiceState
+from kvtier.session import TurnResult
+
+router = APIRouter(tags=["chat"])
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorBody},
+    401: {"model": ErrorBody},
+    404: {"model": ErrorBody},
+    409: {"model": ErrorBody},
+    503: {"model": ErrorBody},
+}
+
+
+def _params(body: ChatCompletionRequest, default_max: int) -> SamplingParams:
+    stop = body.stop if isinstance(body.stop, list) else ([body.stop] if body.stop else [])
+    return SamplingParams(
+        max_tokens=body.max_completion_tokens or body.max_tokens or default_max,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        seed=body.seed,
+        stop=tuple(stop),
+    )
+
+
+def _preparer(session_id: str, history: list[dict[str, str]]):
+    """Continue the session when the request's history is what it holds; otherwise open
+    it from the history (runs on the engine thread, in the same step as the turn)."""
+
+    def prepare(engine: Engine) -> None:
+        session = engine.sessions.get(session_id)
+        if session is not None and [dict(m) for m in session.messages] == history:
+            return
+        fresh = all(m["role"] == "system" for m in history) and len(history) <= 1
+        if session is None and fresh:
+            return  # a new conversation: begin_turn renders the system prompt itself
+        engine.open_session(session_id, history)
+
+    return prepare
+
+
+def _timings(result: TurnResult) -> dict[str, Any]:
+    s = result.stats
+    return {
+        "session_id": result.session_id,
+        "turn": s.turn,
+        "reused_tokens": s.reused_tokens,
+        "restored_tokens": s.restored_tokens,
+        "recomputed_tokens": s.recomputed_tokens,
+        "queue_s": s.queue_s,
+        "ttft_s": s.ttft_s,
+        "tpot_s": s.tpot_s,
+        "total_s": s.total_s,
+        "preemptions": s.preemptions,
+    }
+
+
+def _usage(result: TurnResult) -> dict[str, Any]:
+    s = result.stats
+    return {
+        "prompt_tokens": s.prompt_tokens,
+        "completion_tokens": s.output_tokens,
+        "total_tokens": s.prompt_tokens + s.output_tokens,
+        "prompt_tokens_details": {"cached_tokens": s.reused_tokens},
+    }
+
+
+@router.post(
+    "/v1/chat/completions",
+    response_model=ChatCompletion,
+    responses={200: {"content": {"text/event-stream": {}}}, **_ERRORS},
+)
+async def chat_completions(
+    body: ChatCompletionRequest,
+    request: Request,
+    x_session_id: str | None = Header(default=None, max_length=256),
+) -> Any:
+    """One chat turn; ``stream: true`` answers with server-sent events."""
+    state: ServiceState = request.app.state.kvtier
+    if state.engine is None:
+        raise ServiceError(
+            404, "this server runs without a model: start kvtier serve with --model DIR to chat"
+        )
+    messages = [m.model_dump() for m in body.messages]
+    if messages[-1]["role"] != "user":
+        raise InvalidArgumentError("the last message must be the user's (role 'user')")
+    history, message = messages[:-1], messages[-1]["content"]
+    system = history[0]["content"] if len(history) == 1 and history[0]["role"] == "system" else None
+    session_id = x_session_id or body.user
+    ephemeral = not session_id
+    session_id = session_id or f"ephemeral-{uuid.uuid4().hex}"
+    params = _params(body, state.config.server.max_tokens_default)
+    prepare = _preparer(session_id, history)
+    model = body.model or state.model_name or "kvtier"
+    completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    headers = {} if ephemeral else {"X-Session-Id": session_id}
+    eng = state.engine
+
+    async def finish(result: TurnResult) -> None:
+        state.metrics.observe_turn(result.stats.as_dict())
+        if ephemeral:
+            await _forget(eng, session_id)
+
+    if not body.stream:
+        try:
+            result = await eng.chat(session_id, message, params, system, prepare=prepare)
+        finally:
+            if ephemeral:
+                await _forget(eng, session_id)
+        state.metrics.observe_turn(result.stats.as_dict())
+        out = {
+            "id": completion_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": result.text},
+                    "finish_reason": result.stats.finish_reason,
+                }
+            ],
+            "usage": _usage(result),
+            "kvtier": _timings(result),
+        }
+        return Response(json.dumps(out), media_type="application/json", headers=headers)
+
+    events = eng.stream(session_id, message, params, system, prepare=prepare)
+    try:
+        first = await anext(events)  # a turn refused at admission is an HTTP error
+    except Exception:
+        if ephemeral:
+            await _forget(eng, session_id)
+        raise
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def chunk(delta: dict[str, Any], finish_reason: str | None = None, **extra: Any) -> str:
+        payload = {
+            "id": completion_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
+            **extra,
+        }
+        return f"data: {json.dumps(payload)}\n\n"
+
+    async def sse() -> AsyncIterator[str]:
+        yield chunk({"role": "assistant", "content": ""})
+        item = first
+        try:
+            while not isinstance(item, TurnResult):
+                if item:
+                    yield chunk({"content": item})
+                item = await anext(events)
+        except Exception as exc:  # noqa: BLE001 - reported in the stream, not raised
+            status, type_ = status_of(exc)
+            state.metrics.count_error(type_)
+            yield f"data: {json.dumps(error_body(status, str(exc), type_))}\n\n"
+            yield "data: [DONE]\n\n"
+            if ephemeral:
+                await _forget(eng, session_id)
+            return
+        await finish(item)
+        yield chunk({}, item.stats.finish_reason, kvtier=_timings(item))
+        if include_usage:
+            usage = {
+                "id": completion_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": [],
+                "usage": _usage(item),
+            }
+            yield f"data: {json.dumps(usage)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(
+        sse(),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", **headers},
+    )
+
+
+async def _forget(eng, session_id: str) -> None:
+    def end(engine: Engine) -> None:
+        if session_id in engine.sessions:
+            engine.end_session(session_id)
+
+    await eng.call(end, eng.engine)

@@ -1,0 +1,239 @@
+"""Data plane: chunks in and out of the tiers, one at a time or in batches.
+
+A chunk travels in the chunk format of :mod:`kvtier.chunk_format` (header, per-layer
+checksums, payload). Every upload is verified in full (header, length, checksums, that it
+holds the key it is put under and, in engine mode, the engine's model) before any tier sees
+it: a malformed chunk is a 400 and nothing is stored. A batch put is all-or-nothing on
+validation. Reads are verified again by the tier manager; a chunk found corrupt at rest is
+dropped and reported as missing, never served.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any
+
+import msgpack
+from fastapi import APIRouter, Path, Query, Request, Response
+from fastapi.concurrency import run_in_threadpool
+
+from kvtier.chunk_format import validate_chunk
+from kvtier.chunk_keys import KEY_PATTERN, KEY_RE
+from kvtier.errors import ChunkError
+from kvtier.server.errors import ErrorBody, ServiceError
+from kvtier.server.schemas import (
+    BatchGetRequest,
+    BatchPutResponse,
+    LookupRequest,
+    LookupResponse,
+    PutResponse,
+)
+from kvtier.server.state import ServiceState
+from kvtier.tier_manager import PutReport, TierManager
+
+router = APIRouter(prefix="/v1/chunks", tags=["chunks"])
+
+MSGPACK = "application/x-msgpack"
+OCTETS = "application/octet-stream"
+Key = Annotated[str, Path(pattern=KEY_PATTERN, description="chunk key")]
+Layers = Annotated[
+    str | None,
+    Query(pattern=r"^\d{1,4}:\d{1,4}$", description="read only layers START:END of the chunk"),
+]
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorBody},
+    401: {"model": ErrorBody},
+    404: {"model": ErrorBody},
+    413: {"model": ErrorBody},
+    507: {"model": ErrorBody},
+}
+_BINARY_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {OCTETS: {"schema": {"type": "string", "format": "binary"}}},
+    }
+}
+_MSGPACK_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            MSGPACK: {
+                "schema": {"type": "string", "format": "binary"},
+                "description": "a msgpack map of chunk key -> chunk bytes",
+            }
+        },
+    }
+}
+
+
+def _manager(request: Request) -> tuple[ServiceState, TierManager]:
+    state: ServiceState = request.app.state.kvtier
+    if state.manager is None:
+        raise ServiceError(404, "this server has no tiers configured (all of them are disabled)")
+    return state, state.manager
+
+
+def _tier_arg(manager: TierManager, tier: str | None) -> int:
+    return 0 if tier is None else manager.tier_index(tier)
+
+
+def _parse_layers(layers: str | None) -> tuple[int, int] | None:
+    if layers is None:
+        return None
+    start, end = (int(x) for x in layers.split(":"))
+    if start >= end:
+        raise ServiceError(400, f"layers {layers}: START must be below END")
+    return start, end
+
+
+def _verify(manager: TierManager, key: str, blob: bytes) -> None:
+    try:
+        validate_chunk(blob, key, manager.fingerprint)
+    except ChunkError as exc:
+        raise ServiceError(400, f"chunk {key}: {exc}", "invalid_chunk") from None
+
+
+def _put_failed(report: PutReport) -> ServiceError:
+    reasons = "; ".join(f"{k}: {why}" for k, why in report.failed.items())
+    return ServiceError(507, f"no tier could store the chunk ({reasons})")
+
+
+@router.put(
+    "/{key}",
+    status_code=201,
+    response_model=PutResponse,
+    responses={200: {"model": PutResponse}, **_ERRORS},
+    openapi_extra=_BINARY_BODY,
+)
+async def put_chunk(key: Key, request: Request, tier: str | None = None) -> Response:
+    """Store one chunk (201), or confirm it is already stored (200)."""
+    state, manager = _manager(request)
+    start = _tier_arg(manager, tier)
+    blob = await request.body()
+    _verify(manager, key, blob)
+    t0 = time.perf_counter()
+    report = await run_in_threadpool(manager.put, {key: blob}, start)
+    state.metrics.transfer.labels("put").observe(time.perf_counter() - t0)
+    if not report.ok:
+        raise _put_failed(report)
+    stored = [name for name, res in report.per_tier.items() if key in res.stored]
+    status = "stored" if stored else "present"
+    if stored:
+        state.metrics.transfer_bytes.labels("put").inc(len(blob))
+    tiers = stored or [name for name, res in report.per_tier.items() if key in res.present]
+    body = PutResponse(key=key, status=status, tiers=tiers)
+    return Response(
+        body.model_dump_json(), status_code=201 if stored else 200, media_type="application/json"
+    )
+
+
+@router.get(
+    "/{key}",
+    response_class=Response,
+    responses={200: {"content": {OCTETS: {}}}, **_ERRORS},
+)
+async def get_chunk(key: Key, request: Request, layers: Layers = None) -> Response:
+    """The chunk's bytes (verified), from the fastest tier holding it."""
+    state, manager = _manager(request)
+    span = _parse_layers(layers)
+    t0 = time.perf_counter()
+
+    ((blob, tier),) = await run_in_threadpool(manager.get_each, [key], span)
+    if blob is None:
+        where = "" if span is None else f" (or layers {layers} lie outside it)"
+        raise ServiceError(404, f"chunk {key} is not stored{where}")
+    state.metrics.transfer.labels("get").observe(time.perf_counter() - t0)
+    state.metrics.transfer_bytes.labels("get").inc(len(blob))
+    return Response(blob, media_type=OCTETS, headers={"X-KVTier-Tier": tier or ""})
+
+
+@router.head("/{key}", response_class=Response, responses={404: {"description": "not stored"}})
+async def head_chunk(key: Key, request: Request) -> Response:
+    """200 with ``X-KVTier-Tier`` when the chunk is stored, 404 otherwise (no body)."""
+    _, manager = _manager(request)
+    loc = await run_in_threadpool(manager.lookup, [key])
+    if not loc.length:
+        return Response(status_code=404)
+    return Response(status_code=200, headers={"X-KVTier-Tier": manager.tiers[loc.tiers[0]].name})
+
+
+@router.delete("/{key}", status_code=204, responses=_ERRORS)
+async def delete_chunk(key: Key, request: Request) -> Response:
+    _, manager = _manager(request)
+    if not await run_in_threadpool(manager.delete, [key]):
+        raise ServiceError(404, f"chunk {key} is not stored")
+    return Response(status_code=204)
+
+
+def _check_keys(keys: list[str]) -> None:
+    bad = [k for k in keys if not KEY_RE.match(k)]
+    if bad:
+        raise ServiceError(400, f"not chunk keys: {bad[:5]} (pattern {KEY_PATTERN})")
+
+
+@router.post("/lookup", response_model=LookupResponse, responses=_ERRORS)
+async def lookup(body: LookupRequest, request: Request) -> dict[str, Any]:
+    """The longest stored prefix of ``keys`` and the tier holding each of its keys."""
+    _, manager = _manager(request)
+    _check_keys(body.keys)
+    loc = await run_in_threadpool(manager.lookup, body.keys)
+    return {"length": loc.length, "tiers": [manager.tiers[i].name for i in loc.tiers]}
+
+
+@router.post(
+    "/batch/get",
+    response_class=Response,
+    responses={
+        200: {"content": {MSGPACK: {}}, "description": "msgpack list: chunk bytes or nil"},
+        **_ERRORS,
+    },
+)
+async def batch_get(body: BatchGetRequest, request: Request) -> Response:
+    """Many chunks in one round trip: a msgpack list, in key order, of bytes or nil."""
+    state, manager = _manager(request)
+    _check_keys(body.keys)
+    span = _parse_layers(f"{body.layers[0]}:{body.layers[1]}") if body.layers else None
+    if span is not None and span[0] < 0:
+        raise ServiceError(400, "layers must be non-negative")
+    t0 = time.perf_counter()
+    found = await run_in_threadpool(manager.get_each, body.keys, span)
+    blobs = [blob for blob, _ in found]
+    state.metrics.transfer.labels("get").observe(time.perf_counter() - t0)
+    state.metrics.transfer_bytes.labels("get").inc(sum(len(b) for b in blobs if b))
+    return Response(msgpack.packb(blobs, use_bin_type=True), media_type=MSGPACK)
+
+
+@router.post(
+    "/batch/put", response_model=BatchPutResponse, responses=_ERRORS, openapi_extra=_MSGPACK_BODY
+)
+async def batch_put(request: Request, tier: str | None = None) -> dict[str, Any]:
+    """Many chunks in one round trip (a msgpack map key -> bytes). Every chunk is verified
+    first: one bad chunk fails the request with 400 and nothing is stored."""
+    state, manager = _manager(request)
+    start = _tier_arg(manager, tier)
+    raw = await request.body()
+    try:
+        chunks = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as exc:  # noqa: BLE001 - any decoding failure is the caller's
+        raise ServiceError(400, f"body is not a msgpack map: {exc}") from None
+    if not isinstance(chunks, dict) or not all(
+        isinstance(k, str) and isinstance(v, bytes) for k, v in chunks.items()
+    ):
+        raise ServiceError(400, "body must be a msgpack map of chunk key (str) -> chunk (bin)")
+    _check_keys(list(chunks))
+    for key, blob in chunks.items():
+        _verify(manager, key, blob)
+    t0 = time.perf_counter()
+    report = await run_in_threadpool(manager.put, chunks, start)
+    state.metrics.transfer.labels("put").observe(time.perf_counter() - t0)
+    stored = sorted({k for res in report.per_tier.values() for k in res.stored})
+    present = sorted(
+        {k for res in report.per_tier.values() for k in res.present} - set(stored)
+    )
+    state.metrics.transfer_bytes.labels("put").inc(sum(len(chunks[k]) for k in stored))
+    if chunks and len(report.failed) == len(chunks):
+        raise _put_failed(report)
+    return {"stored": stored, "present": present, "failed": report.failed}
+
+
+

@@ -1,0 +1,193 @@
+"""Request and response bodies of the HTTP API (they make the OpenAPI schema)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvtier.chunk_keys import KEY_PATTERN
+
+ChunkKeyStr = Field(pattern=KEY_PATTERN, description="chunk key (hex digest or connector key)")
+MAX_BATCH_KEYS = 65536
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ------------------------------------------------------------------------ control plane
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+    mode: Literal["engine", "sidecar"]
+    model: str | None = None
+
+
+class TurnInfo(BaseModel):
+    turn: int
+    prompt_tokens: int
+    reused_tokens: int
+    recomputed_tokens: int
+    restored_tokens: int
+    output_tokens: int
+    queue_s: float | None
+    ttft_s: float | None
+    tpot_s: float | None
+    total_s: float | None
+    finish_reason: str | None
+    preemptions: int
+
+
+class SessionInfo(BaseModel):
+    id: str
+    turns: int
+    tokens: int
+    """Tokens the session's KV covers (prompt and reply of its last turn)."""
+    stored_tokens: int
+    """Leading tokens stored in the lower tiers."""
+    offloaded: bool
+    """Its KV left the pool: the next turn restores it (or recomputes, if cheaper)."""
+    busy: bool
+    """A turn is in flight."""
+    idle_s: float | None = None
+    predicted_next_s: float | None = None
+    """The policy's expected seconds until the next turn (think-time model)."""
+
+
+class SessionDetail(SessionInfo):
+    messages: int
+    history: list[TurnInfo]
+
+
+class OffloadRequest(_Body):
+    tier: str | None = Field(default=None, description="target tier name; default the fastest")
+    wait: bool = Field(default=True, description="false: store in the background")
+
+
+class OffloadResponse(BaseModel):
+    session_id: str
+    stored_tokens: int
+    freed_blocks: int
+    tier: str
+    bytes: int
+    failed: dict[str, str]
+    pending: bool = False
+    """True when ``wait`` was false: the store runs in the background."""
+
+
+class RestoreResponse(BaseModel):
+    session_id: str
+    tokens: int
+    from_pool: int
+    from_tiers: int
+    tier_hits: dict[str, int]
+    bytes: int
+
+
+class HintResponse(BaseModel):
+    session_id: str
+    action: Literal["resident", "restoring", "prefetching"]
+
+
+# --------------------------------------------------------------------------- data plane
+class LookupRequest(_Body):
+    keys: list[str] = Field(max_length=MAX_BATCH_KEYS)
+
+
+class LookupResponse(BaseModel):
+    length: int
+    """How many leading keys are stored somewhere."""
+    tiers: list[str]
+    """The fastest tier holding each of those keys."""
+
+
+class BatchGetRequest(_Body):
+    keys: list[str] = Field(max_length=MAX_BATCH_KEYS)
+    layers: tuple[int, int] | None = Field(
+        default=None, description="read only layers [start, end) of each chunk"
+    )
+
+
+class PutResponse(BaseModel):
+    key: str
+    status: Literal["stored", "present"]
+    tiers: list[str]
+
+
+class BatchPutResponse(BaseModel):
+    stored: list[str]
+    present: list[str]
+    failed: dict[str, str]
+
+
+# --------------------------------------------------------------------------------- chat
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(BaseModel):
+    """OpenAI's chat-completions request (the fields kvtier's engine honours)."""
+
+    model_config = ConfigDict(extra="ignore")  # clients send fields we do not use
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0, description="kvtier extension; 0 disables")
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1, le=1, description="one choice per request")
+    user: str | None = Field(
+        default=None, description="session id (the X-Session-Id header takes precedence)"
+    )
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int]
+
+
+class ChoiceMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class Choice(BaseModel):
+    index: int = 0
+    message: ChoiceMessage
+    finish_reason: str | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+    kvtier: dict[str, Any]
+    """Per-response timings and where the prompt's KV came from."""
+
+
+class Stats(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    mode: Literal["engine", "sidecar"]
+    uptime_s: float
+    tiers: list[dict[str, Any]]
+    manager: dict[str, Any] | None
+    pool: dict[str, Any] | None
+    sessions: dict[str, int] | None
+    policy: dict[str, Any] | None

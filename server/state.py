@@ -1,0 +1,169 @@
+"""What one running service holds: its tiers, its engine (engine mode) and its metrics.
+
+Sidecar mode (no model) serves the chunk data plane over a tier stack of its own. Engine
+mode runs the reference engine on a dedicated thread (:class:`AsyncEngine`) and serves the
+data plane over the engine's own tiers, so chunks put by a connector and sessions offloaded
+by the engine share one cache and one eviction policy.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from kvtier.async_engine import AsyncEngine
+from kvtier.config import KVTierConfig
+from kvtier.engine import Engine, EngineOptions
+from kvtier.server.metrics import ServiceMetrics
+from kvtier.session import ChatSession
+from kvtier.tier_factory import build_tiers
+from kvtier.tier_manager import TierManager
+
+
+class ServiceState:
+    def __init__(
+        self,
+        config: KVTierConfig,
+        manager: TierManager | None,
+        engine: AsyncEngine | None = None,
+        model_name: str | None = None,
+    ) -> None:
+        self.config = config
+        self.manager = manager
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = ServiceMetrics()
+        self.started = time.monotonic()
+
+    @property
+    def mode(self) -> str:
+        return "engine" if self.engine is not None else "sidecar"
+
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def sidecar(cls, config: KVTierConfig) -> ServiceState:
+        """Tiers only: chunks of any model, keyed by their callers (no fingerprint check)."""
+        manager = build_tiers(config.tiers, config.server.chunk_slot_bytes, fingerprint=None)
+        return cls(config, manager)
+
+    @classmethod
+    def with_engine(
+        cls,
+        config: KVTierConfig,
+        model_dir: str | Path,
+        dtype: str = "float32",
+        kv_memory_bytes: int | None = None,
+        num_threads: int | None = None,
+    ) -> ServiceState:
+        pool = config.pool
+        options = EngineOptions(
+            dtype=dtype,
+            device=pool.device,
+            block_size=pool.block_size,
+            num_blocks=pool.num_blocks,
+            kv_memory_bytes=pool.memory_bytes or (None if pool.num_blocks else kv_memory_bytes),
+            enable_prefix_caching=pool.enable_prefix_caching,
+            num_threads=num_threads,
+            tiers=config.tiers,
+            chunk_tokens=config.chunk_tokens,
+        )
+        engine = Engine(model_dir, options)
+        return cls(config, engine.tiers, AsyncEngine(engine), Path(model_dir).name)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine.engine.close()  # closes its tiers too
+        elif self.manager is not None:
+            self.manager.close()
+
+    # -------------------------------------------------------------------- snapshots
+    async def snapshot(self) -> dict[str, Any]:
+        """Every counter and gauge of the service, read consistently (the engine's part on
+        the engine thread, between steps)."""
+        snap: dict[str, Any] = {
+            "mode": self.mode,
+            "model": self.model_name,
+            "uptime_s": time.monotonic() - self.started,
+            "tiers": tier_stats(self.manager),
+            "manager": manager_stats(self.manager),
+            "pool": None,
+            "sessions": None,
+            "policy": None,
+        }
+        if self.engine is not None:
+            snap.update(await self.engine.call(engine_stats, self.engine.engine))
+        return snap
+
+
+def tier_stats(manager: TierManager | None) -> list[dict[str, Any]]:
+    out = []
+    for tier in manager.tiers if manager is not None else []:
+        s = tier.stats.as_dict()
+        reads = s["hits"] + s["misses"]
+        out.append(
+            {
+                "name": tier.name,
+                "capacity_bytes": tier.capacity_bytes,
+                "used_bytes": tier.used_bytes,
+                "chunks": len(tier),
+                "hit_rate": s["hits"] / reads if reads else 0.0,
+                **s,
+            }
+        )
+    return out
+
+
+def manager_stats(manager: TierManager | None) -> dict[str, Any] | None:
+    if manager is None:
+        return None
+    s = manager.stats
+    return {
+        "lookups": s.lookups,
+        "hits_by_tier": dict(s.hits_by_tier),
+        "misses": s.misses,
+        "promotions": s.promotions,
+        "demotions": s.demotions,
+        "demotion_failures": s.demotion_failures,
+        "rejected": dict(s.rejected),
+    }
+
+
+def engine_stats(engine: Engine) -> dict[str, Any]:
+    """The engine's part of a snapshot; runs on the engine thread."""
+    sessions = engine.sessions.values()
+    return {
+        "pool": engine.runner.pool.stats().as_dict(),
+        "sessions": {
+            "total": len(engine.sessions),
+            "offloaded": sum(1 for s in sessions if s.offloaded),
+            "resident": sum(1 for s in sessions if not s.offloaded),
+            "busy": len(engine.busy_sessions),
+        },
+        "policy": None if engine.policy is None else {"decisions": dict(engine.policy.decisions)},
+    }
+
+
+def session_info(engine: Engine, session: ChatSession, detail: bool = False) -> dict[str, Any]:
+    """A session as the API shows it; runs on the engine thread."""
+    sid = session.session_id
+    info: dict[str, Any] = {
+        "id": sid,
+        "turns": len(session.turns),
+        "tokens": len(session.token_ids),
+        "stored_tokens": session.stored_tokens,
+        "offloaded": session.offloaded,
+        "busy": sid in engine.busy_sessions,
+    }
+    policy = engine.policy
+    if policy is not None and sid in policy.idle_since:
+        info["idle_s"] = max(0.0, policy.clock() - policy.idle_since[sid])
+        nxt = policy.predicted_next_s(sid)
+        info["predicted_next_s"] = nxt if math.isfinite(nxt) else None
+    if detail:
+        info["messages"] = len(session.messages)
+        info["history"] = [asdict(t) for t in session.turns]
+    return info
