@@ -14,7 +14,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
-from kvtier.engine import Engine, RequestError
+from kvtier.engine import Engine, turn_error
 from kvtier.sampling import SamplingParams
 from kvtier.session import TurnResult
 
@@ -54,7 +54,7 @@ class AsyncEngine:
                 pending.append(job(self))
                 continue  # drain every queued submission before the next step
             if self.engine.scheduler.has_work:
-                self.engine.step()
+                self._guarded(self.engine.step)
             still = []
             for complete, is_done in pending:
                 if is_done():
@@ -128,9 +128,13 @@ class AsyncEngine:
                 return (lambda: None), (lambda: True)
 
             def complete() -> None:
-                result = eng.finish_turn(turn)
+                try:
+                    result = eng.finish_turn(turn)
+                except Exception as exc:  # noqa: BLE001 - handed to the caller
+                    loop.call_soon_threadsafe(_set_exception, fut, exc)
+                    return
                 if result.error is not None:
-                    err = RequestError(f"session {session_id!r}: {result.error}")
+                    err = turn_error(session_id, result)
                     loop.call_soon_threadsafe(_set_exception, fut, err)
                 else:
                     loop.call_soon_threadsafe(_set_result, fut, result)

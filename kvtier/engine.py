@@ -41,6 +41,11 @@ class RequestError(KVTierError):
     """One request failed (for example, its prompt is over max_model_len); others go on."""
 
 
+class EngineStepError(RequestError):
+    """The engine failed while running the request (a bug or a device error, not the
+    request's fault); the engine itself goes on serving."""
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     dtype: str = "float32"
@@ -65,6 +70,12 @@ class EngineOptions:
     None: on CUDA always, on CPU for restores of 2048 tokens or more."""
     policy: PolicyOptions = field(default_factory=PolicyOptions)
     """Restore-vs-recompute, offload and think-time policies (see :mod:`kvtier.live_policy`)."""
+
+
+def turn_error(session_id: str, result: TurnResult) -> RequestError:
+    """The exception a failed turn raises: the engine's fault or the request's."""
+    cls = EngineStepError if result.internal_error else RequestError
+    return cls(f"session {session_id!r}: {result.error}")
 
 
 class UnknownSessionError(InvalidArgumentError, LookupError):
@@ -193,7 +204,11 @@ class Engine:
             self._settle_offloads()
         if self.policy is not None and self.policy.due():
             self._auto_offload()
-        return self.scheduler.step()
+        try:
+            return self.scheduler.step()
+        except Exception as exc:  # noqa: BLE001 - fail the batch, keep the engine alive
+            log.exception("engine step failed; failing the requests in flight")
+            return self.scheduler.fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
 
     def run_until_done(self, requests: Sequence[Request] | None = None) -> None:
         """Step until the given requests (default: all) are finished."""
@@ -223,7 +238,7 @@ class Engine:
         session is then unchanged)."""
         (result,) = self.chat_many([(session_id, message)], params, system, on_text)
         if result.error is not None:
-            raise RequestError(f"session {session_id!r}: {result.error}")
+            raise turn_error(session_id, result)
         return result
 
     def chat_many(
@@ -288,7 +303,7 @@ class Engine:
         req = turn.request
         if req.finish_reason == "error":
             failed = ChatSession(sid).record(turn.message, None, req)
-            return replace(failed, error=req.error)
+            return replace(failed, error=req.error, internal_error=req.internal_error)
         result = turn.session.record(turn.message, turn.system, req, turn.restored_tokens)
         self.sessions[sid] = turn.session
         self._set_resident(turn.session, True)

@@ -41,6 +41,8 @@ class SamplingParams:
             raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise InvalidArgumentError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 64:
+            raise InvalidArgumentError(f"seed must fit in 64 bits, got {self.seed}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         if any(not s for s in self.stop):
@@ -85,9 +87,14 @@ def sample_one(
     """Next token for one request from its ``[vocab]`` logits."""
     if params.greedy:
         return int(torch.argmax(logits).item())
-    x = logits.float() / params.temperature
+    x = logits.float()
+    # Shift so the largest logit is 0 before scaling: a tiny temperature then sends the
+    # others to -inf (greedy in the limit) instead of the largest to +inf (NaN probabilities).
+    x = (x - x.max()) / params.temperature
     x = _filter_top_p(_filter_top_k(x, params.top_k), params.top_p)
     probs = torch.softmax(x, dim=-1)
+    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
+        return int(torch.argmax(logits).item())  # degenerate logits: fall back to greedy
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 

@@ -84,6 +84,8 @@ class Request:
     num_computed_tokens: int = 0
     """Tokens this request ran through the model (prefill, recompute after preemption, decode)."""
     num_preemptions: int = 0
+    internal_error: bool = False
+    """Failed by the engine itself (a step raised), not by anything in the request."""
     num_swapped_in_tokens: int = 0
     """Tokens restored from the tiers after a preemption (instead of recomputed)."""
     _swapped_tokens: int = 0
@@ -346,6 +348,18 @@ class Scheduler:
         if req.decoder is not None and not req.params.stop:
             req.decoder.finish()
             req.text = req.decoder.text
+
+    def fail_all(self, error: str) -> list[Request]:
+        """A step raised: finish every queued and running request with ``error`` and give
+        back their blocks, so the engine can go on serving new requests."""
+        failed = [*self.running, *self.waiting]
+        for req in list(self.running):
+            self._release(req)
+        self.waiting.clear()
+        for req in failed:
+            req.internal_error = True
+            self._finish(req, "error", error)
+        return failed
 
     def abort(self, request_id: Hashable) -> bool:
         """Drop a request wherever it is; True if it was found."""

@@ -46,6 +46,8 @@ class TurnResult:
     stats: TurnStats
     error: str | None = None
     """Why the turn failed (the session is then unchanged); None on success."""
+    internal_error: bool = False
+    """The engine failed, not the request (an HTTP service answers 500, not 400)."""
 
 
 @dataclass

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvtier.engine import RequestError, UnknownSessionError
+from kvtier.engine import EngineStepError, RequestError, UnknownSessionError
 from kvtier.errors import ChunkError, InvalidArgumentError, KVTierError, PoolError
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,8 @@ def status_of(exc: BaseException) -> tuple[int, str]:
     """The HTTP status and error type a kvtier exception stands for."""
     if isinstance(exc, ServiceError):
         return exc.status, exc.type
+    if isinstance(exc, EngineStepError):
+        return 500, "engine_error"
     if isinstance(exc, UnknownSessionError):
         return 404, "not_found"
     if isinstance(exc, ChunkError):

@@ -144,7 +144,7 @@ class ChatCompletionRequest(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0, description="kvtier extension; 0 disables")
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(1 << 63), le=(1 << 64) - 1)
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=1, description="one choice per request")
     user: str | None = Field(

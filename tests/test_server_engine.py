@@ -206,3 +206,37 @@ def test_concurrent_sessions_through_the_async_client(server, expected):
     replies, events, sessions = asyncio.run(go())
     assert all(r["choices"][0]["message"]["content"] == text1 for r in replies)
     assert chat_text(events) == text1 and len(sessions) == 5
+
+
+def test_degenerate_sampling_settings_answer_not_crash(server):
+    """A temperature of 1e-300 once turned every probability into NaN and killed the engine
+    thread (found by the schemathesis run); it now samples greedily and the server goes on."""
+    url, _ = server
+    with Client(url) as kv:
+        r = kv.chat([{"role": "user", "content": Q1}], temperature=1e-300, max_tokens=4)
+        assert r["usage"]["completion_tokens"] >= 1
+        assert kv.chat([{"role": "user", "content": Q2}], max_tokens=2)["choices"]
+
+
+def test_a_failing_step_fails_its_turns_with_500_and_the_engine_goes_on(server):
+    url, state = server
+    runner = state.engine.engine.runner
+    real_run = runner.run
+    calls = {"n": 0}
+
+    def broken_once(*a, **kw):  # fault injection: the device fails for one step
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return real_run(*a, **kw)
+
+    runner.run = broken_once
+    with Client(url) as kv:
+        with pytest.raises(ServiceError) as err:
+            kv.chat([{"role": "user", "content": Q1}], session_id="eve", **GREEDY)
+        assert err.value.status == 500 and err.value.type == "engine_error"
+        assert "illegal memory access" in err.value.message
+        r = kv.chat([{"role": "user", "content": Q1}], session_id="eve", **GREEDY)
+        assert r["kvtier"]["turn"] == 1  # the failed turn left no trace in the session
+    stats = state.engine.engine.runner.pool.stats()
+    assert stats.num_sequences == 0
