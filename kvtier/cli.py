@@ -24,6 +24,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("kvtier.chat_cli", "top"),
     ("kvtier.calibrate", "top"),
     ("kvtier.server.serve", "top"),
+    ("kvtier.server.demo", "top"),
     ("kvtier.benchmarks.fragmentation.cli", "bench"),
     ("kvtier.benchmarks.allocator", "bench"),
     ("kvtier.benchmarks.kernels", "bench"),

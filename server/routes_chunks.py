@@ -159,6 +159,7 @@ async def head_chunk(key: Key, request: Request) -> Response:
 
 @router.delete("/{key}", status_code=204, responses=_ERRORS)
 async def delete_chunk(key: Key, request: Request) -> Response:
+    """Remove the chunk from every tier (204), or 404 if no tier held it."""
     _, manager = _manager(request)
     if not await run_in_threadpool(manager.delete, [key]):
         raise ServiceError(404, f"chunk {key} is not stored")

@@ -51,12 +51,14 @@ def _engine(state: ServiceState, session_id: str):
 
 @router.get("/healthz", response_model=Health, tags=["control"])
 async def healthz(request: Request) -> Health:
+    """Liveness and mode (``engine`` with a model, ``sidecar`` without); needs no token."""
     state = _state(request)
     return Health(mode=state.mode, model=state.model_name)
 
 
 @router.get("/v1/stats", response_model=Stats, responses=_ERRORS, tags=["control"])
 async def stats(request: Request) -> dict[str, Any]:
+    """Every counter of the service as JSON: tiers, tier manager, pool, sessions, policy."""
     return await _state(request).snapshot()
 
 
@@ -67,6 +69,7 @@ async def stats(request: Request) -> dict[str, Any]:
     tags=["control"],
 )
 async def metrics(request: Request) -> Response:
+    """Prometheus text exposition (see docs/server.md for the list)."""
     state = _state(request)
     body = state.metrics.render(await state.snapshot())
     return Response(body, media_type=CONTENT_TYPE)
@@ -74,6 +77,7 @@ async def metrics(request: Request) -> Response:
 
 @router.get("/v1/sessions", response_model=list[SessionInfo], responses=_ERRORS, tags=["sessions"])
 async def list_sessions(request: Request) -> list[dict[str, Any]]:
+    """Every chat session the engine holds (empty in sidecar mode)."""
     state = _state(request)
     if state.engine is None:
         return []
@@ -88,6 +92,7 @@ async def list_sessions(request: Request) -> list[dict[str, Any]]:
     "/v1/sessions/{session_id}", response_model=SessionDetail, responses=_ERRORS, tags=["sessions"]
 )
 async def get_session(session_id: str, request: Request) -> dict[str, Any]:
+    """One session with its per-turn history (timings, where each turn's KV came from)."""
     eng = _engine(_state(request), session_id)
 
     def detail(engine: Engine) -> dict[str, Any]:
@@ -176,6 +181,7 @@ async def hint_session(session_id: str, request: Request) -> dict[str, Any]:
     "/v1/sessions/{session_id}", status_code=204, responses=_ERRORS, tags=["sessions"]
 )
 async def delete_session(session_id: str, request: Request) -> Response:
+    """End the session (its stored chunks stay in the tiers until evicted)."""
     eng = _engine(_state(request), session_id)
     await eng.call(eng.engine.end_session, session_id)
     return Response(status_code=204)

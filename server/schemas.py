@@ -6,24 +6,26 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvtier.chunk_keys import KEY_PATTERN
 
-ChunkKeyStr = Field(pattern=KEY_PATTERN, description="chunk key (hex digest or connector key)")
 MAX_BATCH_KEYS = 65536
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Doc(BaseModel):
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+
+class _Body(_Doc):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
 
 # ------------------------------------------------------------------------ control plane
-class Health(BaseModel):
+class Health(_Doc):
     status: Literal["ok"] = "ok"
     mode: Literal["engine", "sidecar"]
     model: str | None = None
 
 
-class TurnInfo(BaseModel):
+class TurnInfo(_Doc):
     turn: int
     prompt_tokens: int
     reused_tokens: int
@@ -38,7 +40,7 @@ class TurnInfo(BaseModel):
     preemptions: int
 
 
-class SessionInfo(BaseModel):
+class SessionInfo(_Doc):
     id: str
     turns: int
     tokens: int
@@ -64,7 +66,7 @@ class OffloadRequest(_Body):
     wait: bool = Field(default=True, description="false: store in the background")
 
 
-class OffloadResponse(BaseModel):
+class OffloadResponse(_Doc):
     session_id: str
     stored_tokens: int
     freed_blocks: int
@@ -75,7 +77,7 @@ class OffloadResponse(BaseModel):
     """True when ``wait`` was false: the store runs in the background."""
 
 
-class RestoreResponse(BaseModel):
+class RestoreResponse(_Doc):
     session_id: str
     tokens: int
     from_pool: int
@@ -84,7 +86,7 @@ class RestoreResponse(BaseModel):
     bytes: int
 
 
-class HintResponse(BaseModel):
+class HintResponse(_Doc):
     session_id: str
     action: Literal["resident", "restoring", "prefetching"]
 
@@ -94,7 +96,7 @@ class LookupRequest(_Body):
     keys: list[str] = Field(max_length=MAX_BATCH_KEYS)
 
 
-class LookupResponse(BaseModel):
+class LookupResponse(_Doc):
     length: int
     """How many leading keys are stored somewhere."""
     tiers: list[str]
@@ -108,20 +110,20 @@ class BatchGetRequest(_Body):
     )
 
 
-class PutResponse(BaseModel):
+class PutResponse(_Doc):
     key: str
     status: Literal["stored", "present"]
     tiers: list[str]
 
 
-class BatchPutResponse(BaseModel):
+class BatchPutResponse(_Doc):
     stored: list[str]
     present: list[str]
     failed: dict[str, str]
 
 
 # --------------------------------------------------------------------------------- chat
-class ChatMessage(BaseModel):
+class ChatMessage(_Doc):
     role: Literal["system", "user", "assistant"]
     content: str
 
@@ -130,10 +132,10 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(BaseModel):
+class ChatCompletionRequest(_Doc):
     """OpenAI's chat-completions request (the fields kvtier's engine honours)."""
 
-    model_config = ConfigDict(extra="ignore")  # clients send fields we do not use
+    model_config = ConfigDict(extra="ignore", use_attribute_docstrings=True)  # unused fields
 
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
@@ -152,25 +154,25 @@ class ChatCompletionRequest(BaseModel):
     )
 
 
-class Usage(BaseModel):
+class Usage(_Doc):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: dict[str, int]
 
 
-class ChoiceMessage(BaseModel):
+class ChoiceMessage(_Doc):
     role: Literal["assistant"] = "assistant"
     content: str
 
 
-class Choice(BaseModel):
+class Choice(_Doc):
     index: int = 0
     message: ChoiceMessage
     finish_reason: str | None
 
 
-class ChatCompletion(BaseModel):
+class ChatCompletion(_Doc):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
@@ -181,8 +183,8 @@ class ChatCompletion(BaseModel):
     """Per-response timings and where the prompt's KV came from."""
 
 
-class Stats(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class Stats(_Doc):
+    model_config = ConfigDict(extra="allow", use_attribute_docstrings=True)
 
     mode: Literal["engine", "sidecar"]
     uptime_s: float
