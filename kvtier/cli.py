@@ -32,6 +32,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("kvtier.benchmarks.tiers", "bench"),
     ("kvtier.benchmarks.ttft", "bench"),
     ("kvtier.benchmarks.policy_sim.cli", "bench"),
+    ("kvtier.benchmarks.service", "bench"),
 ]
 
 

@@ -49,7 +49,9 @@ def _wait_ready(client, seconds: float) -> dict:
             return client.health()
         except Exception as exc:  # noqa: BLE001 - not up yet
             if time.monotonic() > deadline:
-                raise KVTierError(f"kvtier serve did not answer within {seconds:.0f} s: {exc}")
+                raise KVTierError(
+                    f"kvtier serve did not answer within {seconds:.0f} s: {exc}"
+                ) from None
             time.sleep(0.5)
 
 

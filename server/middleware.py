@@ -84,6 +84,9 @@ class BodyLimit:
             if too_big:
                 await _send_error(send, 413, message)
                 return
+            # The server reads exactly Content-Length bytes: nothing to count or buffer.
+            await self.app(scope, receive, send)
+            return
         # Chunked uploads carry no length: buffer up to the limit, then replay the body.
         body = bytearray()
         more = True
