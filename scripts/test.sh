@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
-# Set up and run kvtier's test suite (CPU; Triton kernels run under TRITON_INTERPRET=1).
+# Set up and run kvtier's test suite (CPU; Triton kernels run under TRITON_INTERPRET=1):
+# lint, the unit and service tests in .venv, then the engine integration tests (real vLLM)
+# in their own environment (.venv-integration). Arguments go to the first pytest run and
+# then only it runs (for a quick subset: bash scripts/test.sh tests/test_engine.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check .
-exec .venv/bin/python -m pytest "$@"
+.venv/bin/python -m pytest "$@"
+if [ "$#" -eq 0 ]; then
+  bash scripts/setup_integration.sh
+  .venv-integration/bin/python -m pytest -c tests_vllm/pytest.ini tests_vllm
+fi

