@@ -49,6 +49,11 @@ class ErrorBody(BaseModel):
     error: ErrorDetail
 
 
+def error_responses(*codes: int) -> dict[int | str, dict]:
+    """OpenAPI ``responses`` entries documenting the error body for ``codes``."""
+    return {code: {"model": ErrorBody} for code in codes}
+
+
 class ServiceError(Exception):
     """Raised by a route to answer with a given status and error type."""
 

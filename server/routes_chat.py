@@ -22,19 +22,13 @@ from fastapi.responses import StreamingResponse
 from kvtier.engine import Engine
 from kvtier.errors import InvalidArgumentError
 from kvtier.sampling import SamplingParams
-from kvtier.server.errors import ErrorBody, ServiceError, error_body, status_of
+from kvtier.server.errors import ServiceError, error_body, error_responses, status_of
 from kvtier.server.schemas import ChatCompletion, ChatCompletionRequest
 from kvtier.server.state import ServiceState
 from kvtier.session import TurnResult
 
 router = APIRouter(tags=["chat"])
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    400: {"model": ErrorBody},
-    401: {"model": ErrorBody},
-    404: {"model": ErrorBody},
-    409: {"model": ErrorBody},
-    503: {"model": ErrorBody},
-}
+_ERRORS = error_responses(400, 401, 404, 409, 503)
 
 
 def _params(body: ChatCompletionRequest, default_max: int) -> SamplingParams:

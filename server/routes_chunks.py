@@ -20,7 +20,7 @@ from fastapi.concurrency import run_in_threadpool
 from kvtier.chunk_format import validate_chunk
 from kvtier.chunk_keys import KEY_PATTERN, KEY_RE
 from kvtier.errors import ChunkError
-from kvtier.server.errors import ErrorBody, ServiceError
+from kvtier.server.errors import ServiceError, error_responses
 from kvtier.server.schemas import (
     BatchGetRequest,
     BatchPutResponse,
@@ -40,13 +40,7 @@ Layers = Annotated[
     str | None,
     Query(pattern=r"^\d{1,4}:\d{1,4}$", description="read only layers START:END of the chunk"),
 ]
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    400: {"model": ErrorBody},
-    401: {"model": ErrorBody},
-    404: {"model": ErrorBody},
-    413: {"model": ErrorBody},
-    507: {"model": ErrorBody},
-}
+_ERRORS = error_responses(400, 401, 404, 413, 507)
 _BINARY_BODY = {
     "requestBody": {
         "required": True,

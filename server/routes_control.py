@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 
 from kvtier.engine import Engine, UnknownSessionError
-from kvtier.server.errors import ErrorBody
+from kvtier.server.errors import ErrorBody, error_responses
 from kvtier.server.metrics import CONTENT_TYPE
 from kvtier.server.schemas import (
     Health,
@@ -28,12 +28,7 @@ from kvtier.server.schemas import (
 from kvtier.server.state import ServiceState, session_info
 
 router = APIRouter()
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    400: {"model": ErrorBody},
-    401: {"model": ErrorBody},
-    404: {"model": ErrorBody},
-    409: {"model": ErrorBody},
-}
+_ERRORS = error_responses(400, 401, 404, 409)
 
 
 def _state(request: Request) -> ServiceState:
