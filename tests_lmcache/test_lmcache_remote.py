@@ -1,0 +1,112 @@
+"""kvtier as LMCache's remote backend: a real LMCache 0.5 engine (on CPU, its local CPU
+cache off so every chunk goes remote) stores KV through a running ``kvtier serve`` and a
+second engine retrieves it bit-exact; a stopped server is a miss, never an error or wrong
+KV. LMCache ships no connector that copies from plain CPU tensors, so the test has one."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from lmcache.v1.memory_management import MemoryFormat
+from lmcache.v1.protocol import RemoteMetadata, init_remote_metadata_info
+
+from kvtier.connectors.lmcache_remote import decode, encode, kvtier_key
+from kvtier.errors import ChunkError
+
+pytestmark = pytest.mark.lmcache
+HERE = Path(__file__).resolve().parent
+LAYERS, HEADS, HEAD_DIM, CHUNK = 2, 4, 16, 256
+TOKEN = "lmc-t0k"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def server(tmp_path):
+    port = _free_port()
+    env = dict(os.environ, KVTIER_TIERS__DISK_DIR=str(tmp_path / "chunks"),
+               KVTIER_TIERS__DISK_FSYNC="false")  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvtier.cli", "serve", "--port", str(port),
+         "--log-level", "warning", "--auth-token", TOKEN],
+        env=env,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{url}/healthz").status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "kvtier serve did not start"
+        time.sleep(0.2)
+    yield port, proc
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def run_engine(role: str, port: int) -> dict:
+    """One LMCache engine in a fresh process (``lmcache_run.py``): its teardown is not safe
+    to run twice in one process, and a second process proves the chunks crossed over."""
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "lmcache_run.py"), role, str(port), TOKEN],
+        capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, PYTHONHASHSEED="0"),  # LMCache's chunk hashes, stable
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    return json.loads(line[7:])
+
+
+def _stats(port: int) -> dict:
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    return httpx.get(f"http://127.0.0.1:{port}/v1/stats", headers=headers).json()
+
+
+def test_lmcache_stores_and_retrieves_through_kvtier_serve(server):
+    port, proc = server
+    wrote = run_engine("write", port)
+    assert wrote["stored_tokens"] == 3 * CHUNK + 40 and wrote["visible"] == 3 * CHUNK
+    stats = _stats(port)
+    assert sum(t["chunks"] for t in stats["tiers"]) == 3  # the full chunks (partial: off)
+
+    read = run_engine("read", port)
+    assert read["lookup"] == 3 * CHUNK and read["retrieved"] == 3 * CHUNK
+    assert read["equal"] and read["nothing_past_hit"]  # bit-exact, nothing invented
+    assert read["other_lookup"] == 0
+    assert sum(t["hits"] for t in _stats(port)["tiers"]) >= 3  # served by kvtier
+
+    proc.terminate()  # the server goes away: a miss, not an error or wrong KV
+    proc.wait(timeout=30)
+    gone = run_engine("read", port)
+    assert gone["lookup"] == 0 and gone["retrieved"] == 0 and gone["untouched"]
+
+
+def test_chunk_encoding_round_trip_and_refusals():
+    init_remote_metadata_info(1)  # what LMCache's RemoteConnector does at start-up
+    shape = torch.Size([2, LAYERS, 40, HEADS * HEAD_DIM])  # a partial chunk
+    data = torch.randn(shape).half().numpy().tobytes()
+    meta = RemoteMetadata(len(data), [shape], [torch.float16], MemoryFormat.KV_2LTD)
+    key = kvtier_key("kvtier-test@1@0@abc@half")
+    blob = encode(key, data, meta)
+    got_meta, got = decode(key, blob)
+    assert bytes(got) == data and list(got_meta.shapes[0]) == list(shape)
+    assert got_meta.dtypes == [torch.float16]
+    with pytest.raises(ChunkError, match="checksum"):
+        decode(key, blob[:-1] + bytes([blob[-1] ^ 1]))
+    with pytest.raises(ChunkError, match="holds"):
+        decode(kvtier_key("another"), blob)
