@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -12,12 +11,7 @@ import uvicorn
 
 from kvtier.server.app import create_app
 from kvtier.server.state import ServiceState
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.serve_process import free_port
 
 
 @contextlib.contextmanager

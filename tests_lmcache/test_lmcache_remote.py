@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -21,6 +19,7 @@ from lmcache.v1.protocol import RemoteMetadata, init_remote_metadata_info
 
 from kvtier.connectors.lmcache_remote import decode, encode, kvtier_key
 from kvtier.errors import ChunkError
+from tests.serve_process import start_serve
 
 pytestmark = pytest.mark.lmcache
 HERE = Path(__file__).resolve().parent
@@ -28,32 +27,9 @@ LAYERS, HEADS, HEAD_DIM, CHUNK = 2, 4, 16, 256
 TOKEN = "lmc-t0k"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def server(tmp_path):
-    port = _free_port()
-    env = dict(os.environ, KVTIER_TIERS__DISK_DIR=str(tmp_path / "chunks"),
-               KVTIER_TIERS__DISK_FSYNC="false")  # fmt: skip
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvtier.cli", "serve", "--port", str(port),
-         "--log-level", "warning", "--auth-token", TOKEN],
-        env=env,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{url}/healthz").status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "kvtier serve did not start"
-        time.sleep(0.2)
+    proc, _, port = start_serve(tmp_path / "chunks", TOKEN)
     yield port, proc
     proc.terminate()
     proc.wait(timeout=30)

@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -20,6 +17,7 @@ import pytest
 
 from kvtier.make_model import make_model
 from kvtier.model_presets import get_preset
+from tests.serve_process import start_serve
 
 pytestmark = pytest.mark.vllm
 HERE = Path(__file__).resolve().parent
@@ -83,33 +81,10 @@ def test_in_process_tiers(model_dir, baseline, tmp_path):
     check_against_baseline(results, metrics, baseline)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_through_kvtier_serve(model_dir, baseline, tmp_path):
-    port = _free_port()
-    env = dict(os.environ, KVTIER_TIERS__DISK_DIR=str(tmp_path / "serve-chunks"),
-               KVTIER_TIERS__DISK_FSYNC="false")  # fmt: skip
-    server = subprocess.Popen(
-        [sys.executable, "-m", "kvtier.cli", "serve", "--port", str(port),
-         "--log-level", "warning", "--auth-token", "t0k"],
-        env=env,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+    server, url, _ = start_serve(tmp_path / "serve-chunks", "t0k")
     headers = {"Authorization": "Bearer t0k"}
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/healthz").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "kvtier serve did not start"
-            time.sleep(0.2)
         results, metrics = run_vllm(model_dir, "kvtier", {"url": url, "token": "t0k"})
         check_against_baseline(results, metrics, baseline)
         stats = httpx.get(f"{url}/v1/stats", headers=headers).json()
