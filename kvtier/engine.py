@@ -437,14 +437,15 @@ class Engine:
         if self.kv is None or not session.stored_tokens:
             return LoadReport(tokens=0)
         limit = session.stored_tokens
+        found = None
         if self.policy is not None and self.policy.cost is not None and prompt_tokens:
-            cached, chunks = self.kv.stored_prefix(session.token_ids, limit)
-            k = self.policy.plan_load(chunks, prompt_tokens, cached)
-            limit = cached + sum(n for n, _ in chunks[:k])
-            if limit <= cached:
-                return LoadReport(tokens=cached, from_pool=cached)
+            found = self.kv.stored_prefix(session.token_ids, limit)
+            k = self.policy.plan_load(found.chunks, prompt_tokens, found.cached)
+            limit = found.cached + sum(n for n, _ in found.chunks[:k])
+            if limit <= found.cached:
+                return LoadReport(tokens=found.cached, from_pool=found.cached)
         t0 = time.perf_counter()
-        report = self.kv.load(session.token_ids, limit)
+        report = self.kv.load(session.token_ids, limit, found=found)
         if self.policy is not None and report.pending is None and len(report.tier_hits) == 1:
             (tier,) = report.tier_hits
             self.policy.observe_read(tier, report.bytes, time.perf_counter() - t0)
@@ -512,11 +513,11 @@ class Engine:
             for sid, hashes in self._resident_hashes.items()
             if hashes and sid != exclude and sid not in self._busy and sid not in self._pending
         ]
-        free = {
+        room = {
             t.name: math.inf if t.capacity_bytes is None else float(t.capacity_bytes)
             for t in self.kv.manager.tiers
         }  # a full tier makes room by demoting its own victims
-        for d in self.policy.offloads(idle, used, bp.num_blocks * bs, free, force):
+        for d in self.policy.offloads(idle, used, bp.num_blocks * bs, room, force):
             if d.tier is None:
                 continue  # not worth storing anywhere: the pool's LRU drops it when needed
             try:

@@ -57,6 +57,21 @@ class Snapshot:
 
 
 @dataclass
+class StoredPrefix:
+    """What a restore would find (:meth:`KVTransfer.stored_prefix`). Hand it to
+    :meth:`KVTransfer.load` right after, and the restore reads what it saw without asking
+    every tier (a Redis round trip among them) where each chunk lies a second time."""
+
+    cached: int
+    """Leading tokens still cached in the pool."""
+    chunks: list[tuple[int, str]]
+    """The stored chunks after them, in order: new tokens each brings, fastest tier."""
+    prefix: list[int] = field(default_factory=list, repr=False)
+    keys: list[ChunkKey] = field(default_factory=list, repr=False)
+    loc: Location | None = field(default=None, repr=False)
+
+
+@dataclass
 class LoadReport:
     tokens: int
     """Leading tokens whose KV is now in the pool (cached blocks or restored from tiers)."""
@@ -229,23 +244,35 @@ class KVTransfer:
 
     def stored_prefix(
         self, token_ids: Sequence[int], stored_tokens: int | None = None
-    ) -> tuple[int, list[tuple[int, str]]]:
+    ) -> StoredPrefix:
         """What a restore of ``token_ids[:stored_tokens]`` would find: the tokens still
         cached in the pool, and the stored chunks after them (new tokens each brings, name
         of the fastest tier holding it), in order, up to the first gap."""
-        _, cached, keys = self._restorable(token_ids, stored_tokens)
+        prefix, cached, keys = self._restorable(token_ids, stored_tokens)
+        found = StoredPrefix(cached, [], prefix, keys)
         first = next((i for i, k in enumerate(keys) if k.end > cached), len(keys))
         if first == len(keys):
-            return cached, []
-        loc = self.manager.lookup([k.key for k in keys])
-        out: list[tuple[int, str]] = []
+            return found
+        found.loc = loc = self.manager.lookup([k.key for k in keys])
         end = cached
         for i in range(first, loc.length):
             if keys[i].start > end:
                 break
-            out.append((keys[i].end - end, self.manager.tiers[loc.tiers[i]].name))
+            found.chunks.append((keys[i].end - end, self.manager.tiers[loc.tiers[i]].name))
             end = keys[i].end
-        return cached, out
+        return found
+
+    def _seen(self, found: StoredPrefix, stored_tokens: int | None) -> tuple | None:
+        """``found`` cut to ``stored_tokens`` (prefix, cached, keys, location) when the cut
+        falls on a chunk boundary it knows; else None (look again)."""
+        if found.loc is None:
+            return None
+        limit = len(found.prefix) if stored_tokens is None else min(stored_tokens, len(found.prefix))
+        keys = [k for k in found.keys if k.end <= limit]
+        if limit != (keys[-1].end if keys else 0):
+            return None
+        n = min(found.loc.length, len(keys))
+        return found.prefix[:limit], min(found.cached, limit), keys, Location(n, found.loc.tiers[:n])
 
     def keys_below_fastest(self, token_ids: Sequence[int]) -> list[str]:
         """Keys of the stored prefix of ``token_ids`` that only slower tiers hold."""
@@ -258,6 +285,7 @@ class KVTransfer:
         token_ids: Sequence[int],
         stored_tokens: int | None = None,
         stream: bool | None = None,
+        found: StoredPrefix | None = None,
     ) -> LoadReport:
         """Bring the longest stored prefix of ``token_ids[:stored_tokens]`` into the pool.
 
@@ -267,16 +295,24 @@ class KVTransfer:
         restore there. The other layers follow, one at a time; with ``stream`` (default: the
         ``stream`` given at construction; None decides by device and size) on a loader thread while the caller goes on — the
         model waits per layer (see :mod:`kvtier.layer_load`) — otherwise before returning,
-        and then a chunk that fails in a later layer ends the restore at that chunk."""
+        and then a chunk that fails in a later layer ends the restore at that chunk.
+
+        ``found``: what :meth:`stored_prefix` returned for the same tokens just before
+        (nothing ran in between), so the tiers are not asked again."""
         if stream is None:
             stream = self.stream
         self._reap_if_idle()
         pool, fp = self._pool, self.runner.fingerprint
-        prefix, cached, keys = self._restorable(token_ids, stored_tokens)
+        seen = self._seen(found, stored_tokens) if found is not None else None
+        if seen is not None:
+            prefix, cached, keys, loc = seen
+        else:
+            prefix, cached, keys = self._restorable(token_ids, stored_tokens)
         report = LoadReport(tokens=cached, from_pool=cached)
         if not any(k.end > cached for k in keys):
             return report
-        loc = self.manager.lookup([k.key for k in keys])
+        if seen is None:
+            loc = self.manager.lookup([k.key for k in keys])
         first = next((i for i, k in enumerate(keys) if k.end > cached), len(keys))
         usable = keys[first : loc.length]
         if not usable or usable[0].start > cached:

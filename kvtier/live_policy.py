@@ -38,7 +38,6 @@ class PolicyOptions:
     auto_offload: bool = True
     """Offload idle sessions when the pool fills past the high watermark."""
     watermarks: Watermarks = Watermarks()
-    deep_after_s: float = 7200.0
     check_every_s: float = 0.05
     """Least time between two watermark checks (each walks the idle sessions)."""
 
@@ -58,9 +57,7 @@ class LivePolicy:
         self.chunk_tokens = chunk_tokens
         self.clock = clock
         self.think = ThinkTimeModel()
-        self.offload = PredictiveOffload(
-            self.options.watermarks, self.options.deep_after_s, chunk_tokens
-        )
+        self.offload = PredictiveOffload(self.options.watermarks, chunk_tokens)
         self.idle_since: dict[Hashable, float] = {}
         self.decisions: Counter[str] = Counter()
         self._next_check = -float("inf")
@@ -132,12 +129,13 @@ class LivePolicy:
         idle: Sequence[tuple[Hashable, int, int]],
         used_tokens: int,
         capacity_tokens: int,
-        free_bytes: Mapping[str, float],
+        room_bytes: Mapping[str, float],
         force: bool = False,
     ) -> list[OffloadDecision]:
         """Idle sessions (id, tokens held in the pool, tokens a resume reuses) that should
         leave the pool now, and where to (``force``: down to the low watermark even below
-        the high one, to admit a turn)."""
+        the high one, to admit a turn); ``room_bytes`` as in
+        :meth:`PredictiveOffload.target_tier`."""
         sessions = [IdleSession(s, g, p, self.predicted_next_s(s)) for s, g, p in idle]
         if self.cost is None:
             # No measured costs: no "worth storing" test; the fastest tier with room.
@@ -153,7 +151,7 @@ class LivePolicy:
         else:
             names = [t for t in self.tier_names if t in self.cost.tiers]
             out = self.offload.decide(
-                sessions, used_tokens, capacity_tokens, self.cost, names, free_bytes, force
+                sessions, used_tokens, capacity_tokens, self.cost, names, room_bytes, force
             )
         for d in out:
             self.decisions[f"offload_{d.tier}" if d.tier else "offload_drop"] += 1

@@ -246,17 +246,20 @@ class ARC(EvictionPolicy):
 
 class _Scored(EvictionPolicy):
     """Victim = the lowest score; exact up to ``exact_up_to`` keys, else the lowest of a
-    random sample (as Redis approximates LRU/LFU): the score depends on the clock, so no
-    index stays ordered, and a scan of every key per eviction would be quadratic."""
+    random sample plus the best candidates left from earlier calls (Redis's eviction pool):
+    the score depends on the clock, so no index stays ordered, and a scan of every key per
+    eviction would be quadratic."""
 
-    exact_up_to = 512
-    sample = 128
+    exact_up_to = 64
+    sample = 32
+    pool_size = 16
 
     def __init__(self, seed: int = 0) -> None:
         self._info: dict[Key, ChunkInfo] = {}
         self._keys: list[Key] = []
         self._pos: dict[Key, int] = {}
         self._rng = random.Random(seed)
+        self._pool: list[Key] = []
 
     def _add(self, key: Key, info: ChunkInfo) -> None:
         self._info[key] = info
@@ -284,22 +287,18 @@ class _Scored(EvictionPolicy):
     def victim(self, now, pinned=()):
         pin = pinned if isinstance(pinned, (set, frozenset, dict)) else set(pinned)
         keys = self._keys
-        if len(keys) > self.exact_up_to:
-            keys = self._rng.sample(keys, self.sample)
-        best = None
-        for k in keys:
-            if k in pin:
-                continue
-            rank = self.score(k, now)
-            if best is None or rank < best[0]:
-                best = (rank, k)
-        if best is None and len(keys) < len(self._keys):
-            return _first_unpinned(self._keys, pin)
-        return None if best is None else best[1]
+        sampled = len(keys) > self.exact_up_to
+        if sampled:
+            keys = {*self._rng.sample(keys, self.sample), *(k for k in self._pool if k in self._pos)}
+        scored = [(self.score(k, now), i, k) for i, k in enumerate(keys) if k not in pin]
+        if not scored:
+            return _first_unpinned(self._keys, pin) if sampled else None
+        best = heapq.nsmallest(self.pool_size + 1, scored) if sampled else [min(scored)]
+        self._pool = [k for _, _, k in best[1:]]
+        return best[0][2]
 
     def __contains__(self, key):
         return key in self._info
-
 
 @register("eviction", "cost-aware")
 class CostAware(_Scored):
@@ -340,21 +339,32 @@ class SessionAware(EvictionPolicy):
     """Evicts whole sessions, tail chunks first: the session whose next turn is furthest
     away (predicted by ``predictor``; without one, its idle time so far) loses its last
     chunk, so what stays is always a usable prefix. A session about to resume keeps its
-    chunks; shared chunks (no session) go last, least recently used first. Sessions are
-    ranked, not chunks: O(resident sessions) per victim (a sample of 64 past 256)."""
+    chunks; shared chunks (no session) go last, least recently used first.
+
+    Sessions are ranked, not chunks, and the ranking is kept for as long as the clock does
+    not move and no session joins (evicting a whole session asks for many victims at one
+    instant): O(resident sessions) per instant, a random sample of ``sample_over // 4``
+    past ``sample_over`` sessions (as Redis samples), whole again when a sample runs dry."""
 
     name = "session-aware"
     sample_over = 256
 
     def __init__(self, seed: int = 0, predictor=None) -> None:
         self.predictor = predictor
-        """``predictor(session, now) -> seconds until its next turn`` (e.g. a think-time
-        model)."""
+        """``predictor(session, now) -> eviction rank`` (higher: evict sooner; e.g. the
+        think-time model's seconds until the next turn)."""
         self._session_of: dict[Key, Hashable] = {}
         self._by_session: dict[Hashable, dict[Key, int]] = {}
         self._shared: OrderedDict[Key, None] = OrderedDict()
         self._last: dict[Hashable, float] = {}
         self._rng = random.Random(seed)
+        self._ranked: list[Hashable] | None = None
+        self._ranked_at: float | None = None
+        self._ranked_sample = False
+
+    def invalidate(self) -> None:
+        """The predictor's view changed without the clock moving: rank again."""
+        self._ranked = None
 
     def insert(self, key, info, now):
         self.remove(key)
@@ -362,7 +372,13 @@ class SessionAware(EvictionPolicy):
             self._shared[key] = None
             return
         self._session_of[key] = info.session
-        self._by_session.setdefault(info.session, {})[key] = info.index
+        chunks = self._by_session.get(info.session)
+        if chunks is None:
+            chunks = self._by_session[info.session] = {}
+            self._ranked = None
+        chunks[key] = info.index
+        if self.predictor is None and self._last.get(info.session) != now:
+            self._ranked = None
         self._last[info.session] = now
 
     def update(self, key, info):
@@ -376,6 +392,8 @@ class SessionAware(EvictionPolicy):
             return
         s = self._session_of.get(key)
         if s is not None:
+            if self.predictor is None and self._last.get(s) != now:
+                self._ranked = None
             self._last[s] = now
 
     def remove(self, key):
@@ -392,23 +410,43 @@ class SessionAware(EvictionPolicy):
             return self.predictor(session, now)
         return now - self._last.get(session, now)
 
-    def victim(self, now, pinned=()):
-        pin = pinned if isinstance(pinned, (set, frozenset, dict)) else set(pinned)
+    def _rank(self, now: float, sample: bool) -> list[Hashable]:
         sessions = list(self._by_session)
-        if len(sessions) > self.sample_over:
+        self._ranked_sample = sample and len(sessions) > self.sample_over
+        if self._ranked_sample:
             sessions = self._rng.sample(sessions, self.sample_over // 4)
-        scored = [(-self.away(s, now), i) for i, s in enumerate(sessions)]
-        heapq.heapify(scored)  # best first without sorting them all: usually one pop
-        while scored:
-            _, i = heapq.heappop(scored)
-            chunks = self._by_session[sessions[i]]
+        sessions.sort(key=lambda s: self.away(s, now), reverse=True)
+        self._ranked, self._ranked_at = sessions, now
+        return sessions
+
+    def _tail_of(self, order: list[Hashable], pin) -> Key | None:
+        """The last unpinned chunk of the first session in ``order`` that has one;
+        sessions left with no chunk drop off the front."""
+        drop = 0
+        for i, s in enumerate(order):
+            chunks = self._by_session.get(s)
+            if not chunks:
+                drop += i == drop
+                continue
             best = None
             for k, idx in chunks.items():
                 if k not in pin and (best is None or idx > best[0]):
                     best = (idx, k)
             if best is not None:
+                del order[:drop]
                 return best[1]
-        return _first_unpinned(self._shared, pin)
+        del order[:drop]
+        return None
+
+    def victim(self, now, pinned=()):
+        pin = pinned if isinstance(pinned, (set, frozenset, dict)) else set(pinned)
+        order = self._ranked if self._ranked_at == now else None
+        if order is None:
+            order = self._rank(now, sample=True)
+        k = self._tail_of(order, pin)
+        if k is None and self._ranked_sample:  # the sample ran dry: rank every session
+            k = self._tail_of(self._rank(now, sample=False), pin)
+        return k if k is not None else _first_unpinned(self._shared, pin)
 
     def __contains__(self, key):
         return key in self._session_of or key in self._shared

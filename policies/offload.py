@@ -2,10 +2,15 @@
 
 Under memory pressure (pool use above the high watermark) idle sessions leave, those
 predicted to stay away longest first, until use is back under the low watermark. Each goes
-to the fastest tier that has room and from which loading it back beats recomputing it; a
-session predicted to stay away past ``deep_after_s`` skips the fastest tier, leaving it to
-sessions that come back sooner; a session no tier can bring back faster than recompute is
-dropped (its chunks stay wherever they were already stored).
+to the fastest tier that can hold it and from which loading it back beats recomputing it (a
+full tier makes room by demoting its own victims, ranked by its eviction policy, one tier
+down). A session no tier can bring back faster than recompute is dropped (its chunks stay
+wherever they were already stored).
+
+Sending sessions predicted to stay away for hours straight to a deeper tier, so as not to
+displace sooner returns from the fastest one, was measured and lost: the fastest tier's own
+session-aware eviction already demotes them, and skipping it sent sessions that did come
+back to the slower tier (``docs/policies.md``).
 """
 
 from __future__ import annotations
@@ -60,14 +65,8 @@ class PredictiveOffload:
 
     name = "predictive"
 
-    def __init__(
-        self,
-        watermarks: Watermarks | None = None,
-        deep_after_s: float = 7200.0,
-        chunk_tokens: int = 256,
-    ) -> None:
+    def __init__(self, watermarks: Watermarks | None = None, chunk_tokens: int = 256) -> None:
         self.watermarks = watermarks or Watermarks()
-        self.deep_after_s = deep_after_s
         self.chunk_tokens = chunk_tokens
 
     def target_tier(
@@ -75,18 +74,15 @@ class PredictiveOffload:
         s: IdleSession,
         cost: CostModel,
         tiers: Sequence[str],
-        free_bytes: Mapping[str, float],
+        room_bytes: Mapping[str, float],
     ) -> str | None:
+        """``room_bytes``: the most each tier can take for it (a tier's capacity, or its
+        empty space for a speculative write that must not displace anything)."""
         need = s.prefix_tokens * cost.kv_bytes_per_token
-        usable = [
-            t for t in tiers
-            if free_bytes.get(t, 0) >= need and worth_storing(cost, t, s.prefix_tokens, self.chunk_tokens)
-        ]
-        if not usable:
-            return None
-        if s.predicted_next_s > self.deep_after_s and len(usable) > 1:
-            return usable[1]
-        return usable[0]
+        for t in tiers:
+            if room_bytes.get(t, 0) >= need and worth_storing(cost, t, s.prefix_tokens, self.chunk_tokens):
+                return t
+        return None
 
     def decide(
         self,
@@ -95,16 +91,17 @@ class PredictiveOffload:
         gpu_capacity_tokens: int,
         cost: CostModel,
         tiers: Sequence[str],
-        free_bytes: Mapping[str, float],
+        room_bytes: Mapping[str, float],
         force: bool = False,
     ) -> list[OffloadDecision]:
         """Sessions to move out now (``force``: free down to the low watermark even below
-        the high one, e.g. to admit a request)."""
+        the high one, e.g. to admit a request); ``room_bytes`` as in :meth:`target_tier`,
+        used up as sessions are placed."""
         cap = max(gpu_capacity_tokens, 1)
         if not force and gpu_used_tokens <= self.watermarks.high * cap:
             return []
         target = self.watermarks.low * cap
-        free = dict(free_bytes)
+        free = dict(room_bytes)
         out: list[OffloadDecision] = []
         used = gpu_used_tokens
         for s in sorted(idle, key=lambda s: -s.predicted_next_s):

@@ -77,6 +77,36 @@ def test_save_evict_load_is_bit_exact(model_dir):
     assert torch.equal(_pool_kv(runner, tokens), before)
 
 
+class _CountingManager(TierManager):
+    lookups = 0
+
+    def lookup(self, keys):
+        self.lookups += 1
+        return super().lookup(keys)
+
+
+def test_a_planned_restore_reads_what_its_lookup_saw(model_dir):
+    runner = _runner(model_dir)
+    tokens = _tokens(200, seed=9)
+    _compute(runner, "p", tokens)
+    before, head = _pool_kv(runner, tokens), _pool_kv(runner, tokens[:128])
+    tier = CPUTier(32 * _chunk_bytes(runner), _chunk_bytes(runner))
+    manager = _CountingManager([tier], fingerprint=runner.fingerprint)
+    xfer = KVTransfer(runner, manager, CHUNK)
+    assert xfer.save(tokens).tokens == 192
+    xfer.evict(tokens)
+    found = xfer.stored_prefix(tokens, 192)
+    assert found.cached == 0 and found.chunks == [(64, "cpu")] * 3
+    seen = manager.lookups
+    # the plan loads two of the three chunks; the load asks no tier again
+    loaded = xfer.load(tokens, 128, found=found)
+    assert loaded.tokens == 128 and manager.lookups == seen
+    assert torch.equal(_pool_kv(runner, tokens[:128]), head)
+    # the rest, looked up afresh (the pool changed since): the whole prefix, bit-exact
+    assert xfer.load(tokens, 192).tokens == 192 and manager.lookups == seen + 1
+    assert torch.equal(_pool_kv(runner, tokens), before)
+
+
 def test_tail_chunk_restores_exactly(model_dir):
     runner = _runner(model_dir)
     tokens = _tokens(90, seed=3)  # one chunk + a tail of 16 tokens (80 in whole blocks)

@@ -3,6 +3,7 @@ hand-computable cases, calibration profiles and the CLI's errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -51,6 +52,31 @@ def test_simulated_ttft_is_the_prefill_of_what_is_not_reused():
     assert vllm.saved_tokens == 1024
 
 
+def test_a_reply_kept_in_the_gpu_is_reused_by_the_next_turn():
+    k1 = tuple(("s", i) for i in range(4))
+    wl = Workload("reply", [
+        Turn("a", 0.0, k1, CHUNK, 1024, 512, reply_keys=(("s", 4), ("s", 5))),
+        Turn("a", 100.0, k1 + tuple(("s", i) for i in range(4, 7)), CHUNK, 1792, 0),
+    ], CHUNK)
+    keep = Simulator(wl, SYSTEMS["vllm-like"], _cost(), 1e9, {}).run()
+    assert keep.ttft_s[1] == pytest.approx(0.256)  # only the new message is computed
+    drop = dataclasses.replace(SYSTEMS["vllm-like"], keep_reply=False)
+    assert Simulator(wl, drop, _cost(), 1e9, {}).run().ttft_s[1] == pytest.approx(0.768)
+    # LMCache stores at prefill: once the GPU lets the reply go, its tiers lack it
+    first = Workload("first", wl.turns[:1], CHUNK)
+    lm = Simulator(first, SYSTEMS["lmcache-like"], _cost(), 1e9, {"cpu": 1e9}).run()
+    assert lm.write_bytes["cpu"] == 1024 * 1000  # 4 prompt chunks, not the 2 of the reply
+
+
+def test_arrivals_are_stretched_for_the_busiest_stretch_of_the_workload():
+    from kvtier.benchmarks.policy_sim.cli import offered_load
+
+    calm = [Turn(i, float(i), (("c", i),), CHUNK, 100, 0) for i in range(100)]
+    burst = [Turn(100 + i, 100.0 + i / 4, (("b", i),), CHUNK, 100, 0) for i in range(100)]
+    # 0.1 s of prefill per turn: 0.1 busy in the calm half, 0.4 in the burst
+    assert offered_load(Workload("w", calm + burst, CHUNK), _cost()) == pytest.approx(0.4, rel=0.1)
+
+
 def test_a_gpu_too_small_sends_kvtier_to_the_cpu_tier_and_loads_back():
     wl = Workload("two", [
         *_two_turns().turns[:1],
@@ -92,14 +118,18 @@ def test_synthetic_sessions_share_system_prompt_chunks_and_are_seeded():
             assert t.prompt_tokens > prev.prompt_tokens and t.arrival_s > prev.arrival_s
             full = prev.prompt_tokens // CHUNK
             assert t.chunk_keys[:full] == prev.chunk_keys[:full]
+            # the reply's full chunks are the next prompt's chunks at those positions
+            n_reply = (prev.prompt_tokens + prev.output_tokens) // CHUNK - full
+            assert len(prev.reply_keys) == n_reply
+            assert t.chunk_keys[full:full + n_reply] == prev.reply_keys
         by_session[t.session] = t
     assert a.peak_live_tokens() > 0
 
 
 def test_mooncake_sessions_are_rebuilt_from_shared_prefixes(tmp_path):
     rows = [
-        {"timestamp": 0, "input_length": 1200, "output_length": 10, "hash_ids": [1, 2, 3]},
-        {"timestamp": 5, "input_length": 600, "output_length": 10, "hash_ids": [1, 9]},
+        {"timestamp": 0, "input_length": 1200, "output_length": 400, "hash_ids": [1, 2, 3]},
+        {"timestamp": 5, "input_length": 600, "output_length": 500, "hash_ids": [1, 9]},
         # continues the first: its full blocks [1, 2] then new ones
         {"timestamp": 9, "input_length": 2000, "output_length": 5, "hash_ids": [1, 2, 7, 8]},
     ]
@@ -109,6 +139,11 @@ def test_mooncake_sessions_are_rebuilt_from_shared_prefixes(tmp_path):
     assert [t.session for t in wl.turns] == [0, 1, 0]
     assert wl.turns[2].chunk_keys[:2] == (1, 2) and wl.turns[0].arrival_s == 0.0
     assert wl.turns[2].arrival_s == pytest.approx(0.009)
+    # 1200 + 400 tokens fill a third block: the next request's third block is the reply's
+    assert wl.turns[0].reply_keys == (7,)
+    # a reply no later request holds gets keys of its own, which nothing shares
+    (own,) = wl.turns[1].reply_keys
+    assert own not in {k for t in wl.turns for k in t.chunk_keys}
     path.write_text(json.dumps(rows[0]) + "\n{not json\n")
     with pytest.raises(TraceFormatError, match=r"t.jsonl:2"):
         mooncake(path)
@@ -120,10 +155,11 @@ def test_mooncake_sessions_are_rebuilt_from_shared_prefixes(tmp_path):
 def test_csv_turns_build_growing_prompts_and_reject_bad_files(tmp_path):
     path = tmp_path / "turns.csv"
     path.write_text("session_id,arrival_s,new_tokens,output_tokens,system_tokens,system_id\n"
-                    "u1,0,300,200,512,sys\nu1,60,100,50,512,sys\nu2,1,10,5,512,sys\n")
+                    "u1,0,300,300,512,sys\nu1,60,100,50,512,sys\nu2,1,10,5,512,sys\n")
     wl = from_csv(path)
     u1 = [t for t in wl.turns if t.session == "u1"]
-    assert [t.prompt_tokens for t in u1] == [812, 1112]
+    assert [t.prompt_tokens for t in u1] == [812, 1212]
+    assert u1[0].reply_keys == (u1[1].chunk_keys[3],)  # 812 + 300 tokens fill chunk 3
     u2 = next(t for t in wl.turns if t.session == "u2")
     assert u2.chunk_keys[:2] == u1[0].chunk_keys[:2]  # the shared system prompt
     path.write_text("session_id,arrival_s,new_tokens\nu1,0,3\n")

@@ -102,6 +102,37 @@ def test_session_aware_evicts_the_session_away_longest_tail_first():
     assert order[6] == "system"  # shared chunks go last
 
 
+def test_session_aware_ranks_again_when_a_session_joins_or_the_owner_says_so():
+    away = {"a": 5.0, "b": 50.0}
+    p = SessionAware(predictor=lambda s, now: away[s])
+    for s in away:
+        p.insert((s, 0), ChunkInfo(100, session=s, index=0), 0)
+    assert p.victim(1) == ("b", 0)
+    away["c"] = 500.0
+    p.insert(("c", 0), ChunkInfo(100, session="c", index=0), 1)  # same instant
+    assert p.victim(1) == ("c", 0)
+    away["a"] = 5000.0  # the predictor changed its mind without the clock moving
+    assert p.victim(1) == ("c", 0)
+    p.invalidate()
+    assert p.victim(1) == ("a", 0)
+
+
+def test_scored_eviction_samples_well_past_the_exact_limit():
+    p = CostAware(half_life_s=1e9)
+    n = 2000
+    for i in range(n):  # value i: the cheap keys are the ones to give up
+        p.insert(i, ChunkInfo(1, recompute_s=float(i)), 0)
+    pinned = {0, 1, 2}
+    victims = []
+    for _ in range(100):
+        v = p.victim(0, pinned)
+        victims.append(v)
+        p.remove(v)
+    assert not pinned & set(victims)
+    # random sampling alone would average n / 2; the carried-over pool keeps it low
+    assert sum(victims) / len(victims) < n / 10
+
+
 def test_think_time_model_learns_each_user_and_the_population():
     m = ThinkTimeModel(prior_median_s=30)
     fresh = m.expected_remaining("new", 0)
@@ -121,15 +152,19 @@ def _cost(**tiers):
 
 
 def test_offload_waits_for_the_high_watermark_then_frees_longest_away_first():
-    pol = PredictiveOffload(Watermarks(high=0.9, low=0.5), deep_after_s=3600)
+    pol = PredictiveOffload(Watermarks(high=0.9, low=0.5))
     cost = _cost(cpu=(0.0, 1e9), disk=(0.001, 1e8))
     idle = [IdleSession("back-soon", 200, 200, 10.0), IdleSession("gone", 300, 300, 7200.0),
             IdleSession("lunch", 200, 200, 1800.0)]
-    free = {"cpu": 1e9, "disk": 1e9}
-    assert pol.decide(idle, 850, 1000, cost, ["cpu", "disk"], free) == []
-    out = pol.decide(idle, 950, 1000, cost, ["cpu", "disk"], free)
+    room = {"cpu": 1e9, "disk": 1e9}
+    assert pol.decide(idle, 850, 1000, cost, ["cpu", "disk"], room) == []
+    out = pol.decide(idle, 950, 1000, cost, ["cpu", "disk"], room)
     assert [d.session for d in out] == ["gone", "lunch"]  # 950 - 300 - 200 = 450 <= 500
-    assert [d.tier for d in out] == ["disk", "cpu"]  # away for hours: the deeper tier
+    assert [d.tier for d in out] == ["cpu", "cpu"]  # the fastest tier that pays
+    # room is used up as sessions are placed: the second goes one tier down
+    kv = cost.kv_bytes_per_token
+    out = pol.decide(idle, 950, 1000, cost, ["cpu", "disk"], {"cpu": 300 * kv, "disk": 1e9})
+    assert [d.tier for d in out] == ["cpu", "disk"]
 
 
 def test_offload_never_targets_a_tier_slower_than_recompute():

@@ -127,7 +127,11 @@ def replay_real(
                 raise InvalidArgumentError(f"real replay: turn of session {sid} failed: {result.error}")
             prompt = req.prompt_ids
             keys = tuple(k.key for k in chunk_keys(prompt, chunk, fp))
-            as_run.append(Turn(t.session, t.arrival_s, keys, chunk, len(prompt), len(req.output_ids)))
+            # The session holds the reply's KV but for its last token (never fed back).
+            held = [*prompt, *req.output_ids][:-1]
+            reply = tuple(k.key for k in chunk_keys(held, chunk, fp, include_tail=False))
+            as_run.append(Turn(t.session, t.arrival_s, keys, chunk, len(prompt), len(req.output_ids),
+                               reply_keys=reply[len(prompt) // chunk:]))
             context[t.session] = len(prompt) + len(req.output_ids)
             res.ttft_s.append(ttft)
             res.prompt_tokens += len(prompt)

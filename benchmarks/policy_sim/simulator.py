@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from kvtier.benchmarks.policy_sim.systems import SystemSpec
@@ -44,6 +44,7 @@ class Store:
     used: int = 0
     peak: int = 0
     evictions: int = 0
+    on_remove: Callable[[Hashable], None] | None = None
 
     def has(self, key: Hashable) -> bool:
         return key in self.items
@@ -53,6 +54,8 @@ class Store:
         if n is not None:
             self.used -= n
             self.policy.remove(key)
+            if self.on_remove is not None:
+                self.on_remove(key)
 
     def add(
         self, key: Hashable, nbytes: int, info: ChunkInfo, now: float, pinned: set
@@ -107,6 +110,10 @@ class SimResult:
     overcommits: int = 0
     timeline: list[tuple[float, dict[str, int]]] = field(default_factory=list)
     decisions: dict[str, int] = field(default_factory=dict)
+    breakdown: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
+        ("queue_s", "write_back_s", "compute_s", "load_wait_s"), 0.0))
+    """Where the TTFTs went, summed over turns: waiting for the server, for GPU victims'
+    write-back, computing, and for loads the compute did not hide."""
 
     def summary(self) -> dict:
         xs = sorted(self.ttft_s)
@@ -129,6 +136,7 @@ class SimResult:
             "peak_gpu_kv_bytes": self.peak_gpu_bytes,
             "overcommits": self.overcommits,
             "decisions": dict(self.decisions),
+            "ttft_breakdown_mean_s": {k: v / max(len(xs), 1) for k, v in self.breakdown.items()},
         }
 
 
@@ -156,7 +164,8 @@ class Simulator:
         self.bpt = cost.kv_bytes_per_token
         self.think = ThinkTimeModel()
         self.sessions: dict[Hashable, _Session] = {}
-        self.gpu = Store("gpu", gpu_bytes, self._policy(system.gpu_eviction))
+        self._tier_bytes = tier_bytes
+        self.gpu = Store("gpu", gpu_bytes, self._policy(system.gpu_eviction, gpu=True))
         names = [t for t in cost.tiers if system.use_tiers and tier_bytes.get(t, 0) > 0]
         self.tiers = [Store(t, tier_bytes[t], self._policy(system.tier_eviction)) for t in names]
         self.links = {t: Link() for t in names}
@@ -168,30 +177,79 @@ class Simulator:
         self._pinned: set[Hashable] = set()
         self._shared: set[Hashable] = set()
         self._ends: list[tuple[float, Hashable]] = []
+        self._owner: dict[Hashable, Hashable] = {}
+        """Chunk -> the session that used it last."""
+        self._by_session: dict[Hashable, set[Hashable]] = {}
+        """Session -> the chunks it owns that are in the GPU."""
+        self._unstaged: set[Hashable] = set()
+        """Idle sessions with GPU chunks that have no copy below yet (what a watermark
+        offload may pre-stage)."""
+        self._memo: dict[Hashable, tuple] = {}
+        self._links_busy_until = -math.inf
+        self._infos: dict[Hashable, ChunkInfo] = {}
+        """What the eviction policies know of each chunk held anywhere (its session and
+        position travel with it down the tiers)."""
+        self.gpu.on_remove = self._left_gpu
+        for st in self.tiers:
+            st.on_remove = self._forget_if_gone
+
+    def _forget_if_gone(self, key: Hashable) -> None:
+        if not self.gpu.has(key) and self._where(key) is None:
+            self._infos.pop(key, None)
+
+    def _left_gpu(self, key: Hashable) -> None:
+        self._forget_if_gone(key)
+        owner = self._owner.get(key)
+        held = self._by_session.get(owner)
+        if held is not None:
+            held.discard(key)
+            if not held:
+                del self._by_session[owner]
 
     # ------------------------------------------------------------------ helpers
-    def _policy(self, name: str) -> EvictionPolicy:
+    def _policy(self, name: str, gpu: bool = False) -> EvictionPolicy:
         if self.spec.retention_value and name == "cost-aware":
             return CostAware(half_life_s=1.0)  # value ~ recompute cost / idle time
         pol = make_eviction(name)
-        if isinstance(pol, SessionAware) and self.spec.predictive:
+        if isinstance(pol, SessionAware) and self.spec.predictive and (not gpu or not self._tiers_pay()):
             pol.predictor = self._predict
         return pol
 
+    def _tiers_pay(self) -> bool:
+        """Loading a chunk back from the fastest tier beats recomputing it. Then the GPU's
+        order only decides which sessions move down (and recency serves: the live engine's
+        pool is an LRU too); what is lost is decided by the tiers' predictive eviction.
+        When no tier pays, the GPU is the only cache that counts, and its victims are
+        the sessions predicted back last."""
+        names = [t for t in self.cost.tiers if self.spec.use_tiers and self._tier_bytes.get(t, 0) > 0]
+        return bool(names) and worth_storing(self.cost, names[0], self.w.chunk_tokens, self.w.chunk_tokens)
+
+    def _predicted(self, session: Hashable, now: float) -> tuple[float, float] | None:
+        """(eviction rank, expected seconds to the next turn) of an idle session, None
+        while it runs. Memoised until its idle time grows 5 % or the population's
+        think-time estimate has taken 1 % more gaps: predictions move slowly, and
+        eviction asks for them per resident session at every instant."""
+        s = self.sessions.get(session)
+        if s is None or s.busy_until > now:
+            return None
+        last = s.last_end if s.last_end is not None else now
+        idle = now - last
+        seen = self.think.population.n
+        m = self._memo.get(session)
+        if m is not None and m[0] == last and idle <= m[1] * 1.05 + 1e-3 and seen <= m[2] * 1.01 + 1:
+            return m[3]
+        out = (self.think.eviction_rank(session, idle), self.think.expected_next_s(session, idle))
+        self._memo[session] = (last, idle, seen, out)
+        return out
+
     def _predict(self, session: Hashable, now: float) -> float:
         """Eviction rank of a session (higher: evict sooner); running sessions stay."""
-        s = self.sessions.get(session)
-        if s is None or s.busy_until > now:
-            return -1.0  # running: keep
-        idle = now - (s.last_end if s.last_end is not None else now)
-        return self.think.eviction_rank(session, idle)
+        p = self._predicted(session, now)
+        return -1.0 if p is None else p[0]
 
     def _next_s(self, session: Hashable, now: float) -> float:
-        s = self.sessions.get(session)
-        if s is None or s.busy_until > now:
-            return 0.0
-        idle = now - (s.last_end if s.last_end is not None else now)
-        return self.think.expected_next_s(session, idle)
+        p = self._predicted(session, now)
+        return 0.0 if p is None else p[1]
 
     def _info(self, session: Hashable, index: int, tokens: int, key: Hashable = None) -> ChunkInfo:
         return ChunkInfo(
@@ -230,7 +288,7 @@ class Simulator:
                 vt = vbytes // self.bpt
                 if self.spec.predictive and not worth_storing(self.cost, self.tiers[tier_index + 1].name, vt):
                     continue
-                self._write(tier_index + 1, vkey, vt, ChunkInfo(vbytes), now)
+                self._write(tier_index + 1, vkey, vt, self._infos.get(vkey) or ChunkInfo(vbytes), now)
         return done
 
     def _evict_from_gpu(self, victims: list[tuple[Hashable, int]], now: float) -> float:
@@ -249,21 +307,20 @@ class Simulator:
                     self._count(self.res.decisions, "gpu_drop_not_worth")
                     continue
             self._count(self.res.decisions, f"offload_{self.tiers[target].name}")
-            done = max(done, self._write(target, key, tokens, ChunkInfo(nbytes), now))
+            info = self._infos.get(key) or ChunkInfo(nbytes)
+            done = max(done, self._write(target, key, tokens, info, now))
         return done
 
     def _offload_target(self, key: Hashable, tokens: int, now: float) -> int | None:
         owner = self._owner.get(key)
         nxt = self._next_s(owner, now) if owner is not None else 0.0
         names = [t.name for t in self.tiers]
-        free = {t.name: t.capacity for t in self.tiers}  # tiers make room by evicting
-        choice = self.offload.target_tier(IdleSession(owner, tokens, tokens, nxt), self.cost, names, free)
+        room = {t.name: t.capacity for t in self.tiers}  # tiers make room by evicting
+        choice = self.offload.target_tier(IdleSession(owner, tokens, tokens, nxt), self.cost, names, room)
         return None if choice is None else names.index(choice)
 
     # -------------------------------------------------------------------- turns
     def run(self) -> SimResult:
-        self._owner: dict[Hashable, Hashable] = {}
-        self._by_session: dict[Hashable, set[Hashable]] = {}
         server_free = 0.0
         for turn in self.w.turns:
             server_free = self._turn(turn, server_free)
@@ -278,6 +335,10 @@ class Simulator:
             self.think.observe(t.session, max(now - sess.last_end, 0.0))
         self._unpin_finished(now)
         sess.busy_until = math.inf  # running from now on: pinned
+        self._unstaged.discard(t.session)
+        for st in (self.gpu, *self.tiers):
+            if isinstance(st.policy, SessionAware):
+                st.policy.invalidate()  # this session's rank changed at this instant
         if spec.predictive:
             self._watermark_offload(now)
         start = max(now, server_free)
@@ -307,6 +368,7 @@ class Simulator:
         if cached >= t.prompt_tokens:  # a full hit still computes the last token
             cached = t.prompt_tokens - 1
         compute = cost.prefill.time(cached, t.prompt_tokens - cached)
+        queued = start
         start = max(start, self._make_room(t, keys, now))
 
         # Loads: from arrival (look-ahead), from the hint, or from the start of the turn.
@@ -331,28 +393,35 @@ class Simulator:
         if k:
             finish = max(finish, load_end + compute / max(cost.num_layers, 1))
         self.res.ttft_s.append(finish - now)
+        b = self.res.breakdown
+        b["queue_s"] += queued - now
+        b["write_back_s"] += start - queued
+        b["compute_s"] += compute
+        b["load_wait_s"] += finish - start - compute
         self.res.prompt_tokens += t.prompt_tokens
         self.res.saved_tokens += cached
 
         # The turn's context now lives in the GPU (pinned while it runs): the prompt's full
-        # chunks (a partial tail and the reply are recomputed next turn, for every system).
+        # chunks, and the full chunks the reply completes when the system keeps generated
+        # tokens' KV (a partial tail is recomputed next turn, by every system).
         ctx_tokens = t.prompt_tokens + t.output_tokens
-        ctx_keys = [key for i, key in enumerate(keys) if t.tokens_of(i) == t.chunk_tokens]
+        prompt_full = t.prompt_tokens // t.chunk_tokens
+        ctx_keys = list(keys[:prompt_full])
+        if spec.keep_reply:
+            ctx_keys.extend(t.reply_keys)
         for key in sess.gpu_keys:
             self._pinned.discard(key)
         sess.gpu_keys = ctx_keys
         self._pinned.update(ctx_keys)
-        own = self._by_session.setdefault(t.session, set())
         # Tail first: an LRU then evicts a session's last chunks before its first (as vLLM
         # frees a sequence's blocks in reverse), keeping a usable prefix.
         for i, key in reversed(list(enumerate(ctx_keys))):
             prev = self._owner.get(key)
             shared = prev is not None and prev != t.session
             if shared:
-                self._by_session.get(prev, set()).discard(key)
+                self._left_gpu(key)
                 self._shared.add(key)
             self._owner[key] = t.session
-            own.add(key)
             tokens = t.chunk_tokens
             if spec.restore == "none":
                 continue
@@ -363,10 +432,12 @@ class Simulator:
             if victims is None:
                 self.res.overcommits += 1
                 continue
+            self._by_session.setdefault(t.session, set()).add(key)
+            self._infos[key] = info
             if self.gpu.used > self.gpu.capacity:
                 self.res.overcommits += 1
             self._evict_from_gpu(victims, finish)
-            if spec.write_through and self.tiers:
+            if spec.write_through and self.tiers and i < prompt_full:  # stored at prefill
                 for ti in range(len(self.tiers)):
                     self._write(ti, key, tokens, info, finish)
         for i, _ in lower[:k]:  # promoted chunks were read
@@ -417,6 +488,7 @@ class Simulator:
             for key in s.gpu_keys:
                 self._pinned.discard(key)
             s.gpu_keys = []
+            self._unstaged.add(sid)
 
     def _plan(self, t: Turn, gpu_tokens: int, lower: list[tuple[int, Store]]) -> int:
         """kvtier's restore plan: the number of stored chunks to load (0 = recompute)."""
@@ -443,31 +515,43 @@ class Simulator:
         """Above the high watermark, idle sessions predicted to stay away longest leave."""
         cap_tokens = int(self.gpu.capacity // self.bpt)
         used_tokens = self.gpu.used // self.bpt
-        if used_tokens <= self.offload.watermarks.high * cap_tokens:
+        if used_tokens <= self.offload.watermarks.high * cap_tokens or now < self._links_busy_until:
             return
-        idle = []
-        cands = [
-            sid for sid in self._by_session
-            if self.sessions[sid].busy_until <= now and self.sessions[sid].last_end is not None
-        ]
+        cands = []
+        for sid in list(self._unstaged):
+            if sid not in self._by_session:
+                self._unstaged.discard(sid)  # it left the GPU
+                continue
+            cands.append((self.sessions[sid].last_end, sid))
         if len(cands) > 512:  # the longest idle are the likely candidates
-            cands = heapq.nlargest(512, cands, key=lambda sid: now - self.sessions[sid].last_end)
-        for sid in cands:
-            held = [k for k in self._by_session[sid] if self.gpu.has(k) and k not in self._pinned]
+            cands = heapq.nsmallest(512, cands)
+        idle = []
+        for _, sid in cands:
+            held = sum(1 for k in self._by_session[sid] if k not in self._pinned)
             if not held:
                 continue
-            tokens = sum(self.gpu.items[k] for k in held) // self.bpt
+            tokens = held * self.w.chunk_tokens  # the GPU holds full chunks only
             idle.append(IdleSession(sid, tokens, tokens, self._next_s(sid, now)))
         names = [t.name for t in self.tiers]
+        # A pre-stage is speculative: it takes empty space only, never displaces a copy.
         free = {t.name: t.capacity - t.used for t in self.tiers}
+        busy_until = math.inf
         for d in self.offload.decide(idle, used_tokens, cap_tokens, self.cost, names, free):
-            if d.tier is None or self.links[d.tier].free_at > now:
+            if d.tier is None:
+                self._unstaged.discard(d.session)  # no tier pays: it will be dropped
+                continue
+            if self.links[d.tier].free_at > now:
+                busy_until = min(busy_until, self.links[d.tier].free_at)
                 continue  # never queue a pre-stage ahead of reads
+            busy_until = -math.inf
             # Pre-stage: write the session down now, keep it in the GPU; when its blocks
             # are needed they leave at once instead of after a write on the admission path.
-            for key in list(self._by_session.get(d.session, ())):
-                if not self.gpu.has(key) or self._where(key) is not None:
-                    continue
+            for key in [k for k in self._by_session.get(d.session, ()) if self._where(k) is None]:
                 nbytes = self.gpu.items[key]
-                self._write(names.index(d.tier), key, nbytes // self.bpt, ChunkInfo(nbytes), now)
+                info = self._infos.get(key) or ChunkInfo(nbytes)
+                self._write(names.index(d.tier), key, nbytes // self.bpt, info, now)
                 self._count(self.res.decisions, f"prestage_{d.tier}")
+            self._unstaged.discard(d.session)
+        if busy_until < math.inf:
+            # Every pick waits for a busy link: nothing to do until the first one frees.
+            self._links_busy_until = busy_until

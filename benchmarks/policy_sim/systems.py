@@ -36,6 +36,11 @@ class SystemSpec:
     """Think-time predictions drive eviction order, offload depth and watermark offloads."""
     retention_value: bool = False
     """Pensieve-style: GPU and tier victims have the lowest recompute-cost / idle-time."""
+    keep_reply: bool = True
+    """The GPU keeps the KV of generated tokens after a turn (vLLM caches full decode
+    blocks, CachedAttention and Pensieve keep whole conversations, kvtier sessions hold
+    their replies), so the next turn reuses the reply. Write-through stores prompt chunks
+    only: LMCache saves KV at prefill (``save_decode_cache`` is off by default)."""
 
 
 SYSTEMS = {

@@ -13,7 +13,7 @@ import json
 import math
 import random
 from collections.abc import Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvtier.errors import InvalidArgumentError, TraceFormatError
@@ -30,6 +30,10 @@ class Turn:
     output_tokens: int
     hint_lead_s: float = 0.0
     """Seconds before arrival that the chat backend announced the turn (user typing)."""
+    reply_keys: tuple[Hashable, ...] = ()
+    """Keys of the full chunks the reply completes after the prompt's full chunks (the
+    session's next prompt starts with them): what a system that keeps the KV of generated
+    tokens can reuse next turn."""
 
     def tokens_of(self, i: int) -> int:
         """Tokens of chunk ``i`` of the prompt."""
@@ -61,6 +65,11 @@ class Workload:
             cur += d
             peak = max(peak, cur)
         return peak
+
+
+def _reply_keys(context_keys: list, prompt_tokens: int, context_tokens: int, chunk: int) -> tuple:
+    """The full chunks of a session's context after a turn that its prompt had not filled."""
+    return tuple(context_keys[prompt_tokens // chunk: context_tokens // chunk])
 
 
 def _keys_for(prefix: tuple, tokens: int, chunk: int, start_index: int = 0) -> list:
@@ -135,7 +144,10 @@ def synthetic(spec: SyntheticSpec, seed: int = 0, name: str = "synthetic") -> Wo
             own = _keys_for(("s", seed, sid), prompt - sys_tokens, chunk, len(sys_keys))
             keys = tuple(sys_keys[: sys_tokens // chunk]) + tuple(own)
             hint = spec.hint_lead_s if rng.random() < spec.hint_fraction else 0.0
-            turns.append(Turn(sid, now, keys, chunk, prompt, out, hint))
+            ctx = tuple(sys_keys[: sys_tokens // chunk]) + tuple(
+                _keys_for(("s", seed, sid), prompt + out - sys_tokens, chunk, len(sys_keys)))
+            turns.append(Turn(sid, now, keys, chunk, prompt, out, hint,
+                              _reply_keys(list(ctx), prompt, prompt + out, chunk)))
             context = prompt + out
             if spec.think == "lognormal":
                 gap = rng.lognormvariate(math.log(user_median), spec.think_sigma)
@@ -157,6 +169,7 @@ def mooncake(path: str | Path, block_tokens: int = 512, limit: int | None = None
     path = Path(path)
     turns: list[Turn] = []
     ends: dict[int, Hashable] = {}  # last full block of a request's chain -> its session
+    raw: list[list[int]] = []
     next_session = 0
     try:
         fh = path.open()
@@ -196,13 +209,37 @@ def mooncake(path: str | Path, block_tokens: int = 512, limit: int | None = None
                 next_session += 1
             keys = tuple(ids[:-1]) + ((ids[-1], inp - (len(ids) - 1) * block_tokens),)
             turns.append(Turn(session, ts, keys, block_tokens, inp, out))
+            raw.append(ids)
             full = inp // block_tokens
             if full:
                 ends[ids[full - 1]] = session
     if not turns:
         raise InvalidArgumentError(f"{path}: no requests in the trace")
+    turns = _with_reply_keys(turns, raw, block_tokens)
     turns.sort(key=lambda t: t.arrival_s)
     return Workload(path.stem, turns, block_tokens, {"trace": str(path), "sessions": next_session})
+
+
+def _with_reply_keys(turns: list[Turn], ids: list[list[int]], block: int) -> list[Turn]:
+    """A trace names a reply's blocks only through the session's next request: when that
+    request's prompt holds this prompt and the whole reply, the reply's blocks are its
+    blocks at those positions; otherwise the reply gets keys of its own (nothing reuses
+    them)."""
+    nxt: dict[Hashable, int] = {}
+    out = list(turns)
+    for i in range(len(turns) - 1, -1, -1):  # file order: the session's next request is later
+        t = turns[i]
+        full, ctx_full = t.prompt_tokens // block, (t.prompt_tokens + t.output_tokens) // block
+        j = nxt.get(t.session)
+        follow = ids[j] if j is not None else []
+        grows = j is not None and turns[j].prompt_tokens >= t.prompt_tokens + t.output_tokens
+        if grows and follow[:full] == ids[i][:full]:
+            reply = tuple(follow[full:ctx_full])
+        else:
+            reply = tuple(("reply", i, k) for k in range(full, ctx_full))
+        out[i] = replace(t, reply_keys=reply)
+        nxt[t.session] = i
+    return out
 
 
 # ----------------------------------------------------------------------------- CSV
@@ -245,7 +282,9 @@ def from_csv(path: str | Path, chunk_tokens: int = 256, system_column: str = "sy
         prev = context.get(sid, sys_tokens)
         prompt = prev + new
         own = _keys_for(("csv", sid), prompt - sys_full, chunk_tokens, len(sys_keys))
-        turns.append(Turn(sid, arrival, tuple(sys_keys) + tuple(own), chunk_tokens, prompt, out))
+        ctx = sys_keys + _keys_for(("csv", sid), prompt + out - sys_full, chunk_tokens, len(sys_keys))
+        turns.append(Turn(sid, arrival, tuple(sys_keys) + tuple(own), chunk_tokens, prompt, out,
+                          reply_keys=_reply_keys(ctx, prompt, prompt + out, chunk_tokens)))
         context[sid] = prompt + out
     if not turns:
         raise InvalidArgumentError(f"{path}: no turns")
@@ -254,7 +293,7 @@ def from_csv(path: str | Path, chunk_tokens: int = 256, system_column: str = "sy
 
 def scale_time(w: Workload, factor: float) -> Workload:
     """Stretch (factor > 1) or compress arrival times and hint leads."""
-    turns = [Turn(t.session, t.arrival_s * factor, t.chunk_keys, t.chunk_tokens, t.prompt_tokens,
-                  t.output_tokens, t.hint_lead_s * factor) for t in w.turns]
+    turns = [replace(t, arrival_s=t.arrival_s * factor, hint_lead_s=t.hint_lead_s * factor)
+             for t in w.turns]
     return Workload(w.name, turns, w.chunk_tokens, {**w.meta, "time_scale": factor})
 
