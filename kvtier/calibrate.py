@@ -1,20 +1,24 @@
 """``kvtier calibrate``: measure this machine's tiers and a model's prefill into a profile.
 
-Tiers: chunks of the model's real size are put and read back through the tier classes
-themselves (CPU arena, disk directory, and Redis when ``--redis-url`` is given) at several
-batch sizes, and ``latency + bytes / bandwidth`` is fitted to each direction. Prefill: the
-model runner computes ``new`` tokens after ``cached`` ones over a grid, and the
-``overhead + linear + attention`` model is fitted by non-negative least squares. The
+Tiers: the model's KV is offloaded from the pool to each tier (CPU arena, disk directory,
+and Redis when ``--redis-url`` is given) and restored back, end to end as the engine does
+it, at several sizes, and ``latency + bytes / bandwidth`` is fitted to each direction.
+Prefill: the model runner computes ``new`` tokens after ``cached`` ones over a grid of
+lengths off round numbers, and the ``overhead + linear + attention`` model is fitted by
+non-negative least squares. The
 profile is what the policies and ``kvtier bench policies --simulate`` decide with.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from kvtier.errors import KVTierError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -48,18 +52,55 @@ def _median_time(fn, repeats: int, before=None) -> float:
     return statistics.median(out)
 
 
-def calibrate_tier(tier, blobs: dict[str, bytes], repeats: int) -> tuple[list, list]:
-    """(bytes, seconds) samples of put and get at 1, 4 and all chunks per batch."""
-    keys = list(blobs)
+def prefill_sizes(top: int, rng: random.Random) -> list[int]:
+    """New-token counts to time, from a few tokens up to ``top``: spread over the range and
+    jittered off round numbers, because real prompts have arbitrary lengths and a matmul over
+    a power-of-two length runs measurably faster than its neighbours (a fit to round sizes
+    alone under-predicts real prefills by about 10 % on a CPU)."""
+    sizes = {max(8, round(top * f * rng.uniform(0.85, 1.0)))
+             for f in (1 / 128, 1 / 32, 1 / 8, 1 / 4, 1 / 2, 3 / 4, 1)}
+    return sorted(n for n in sizes if n <= top)
+
+
+def calibrate_transfer(runner, tier, chunk_tokens: int, repeats: int,
+                       n_chunks: int = 8) -> tuple[list, list]:
+    """(bytes, seconds) samples of offloading and restoring 1, 4 and ``n_chunks`` chunks
+    between the pool and ``tier`` end to end, as the engine does it: gathering blocks and
+    encoding chunks on the way out, reading, verifying and scattering on the way back (a
+    restore that does not stream). The tier's raw put and get alone under-state what a
+    restore costs several times on a CPU, and the policies decide with these numbers."""
+    from kvtier.kv_transfer import KVTransfer
+    from kvtier.tier_manager import TierManager
+
+    kv = KVTransfer(runner, TierManager([tier], fingerprint=runner.fingerprint), chunk_tokens,
+                    stream=False)
+    per_token = runner.pool.storage.bytes_per_token
+    vocab = min(runner.config.vocab_size, 1000)
     writes, reads = [], []
-    for n in sorted({1, min(4, len(keys)), len(keys)}):
-        batch = {k: blobs[k] for k in keys[:n]}
-        nbytes = sum(len(b) for b in batch.values())
-        writes.append((nbytes, _median_time(lambda b=batch: tier.put(b), repeats,
-                                            lambda b=batch: tier.delete(list(b)))))
-        tier.put(batch)
-        reads.append((nbytes, _median_time(lambda b=batch: tier.get(list(b)), repeats)))
-        tier.delete(list(batch))
+    for n in sorted({1, min(4, n_chunks), n_chunks}):
+        ids = random.Random(n).choices(range(10, vocab), k=n * chunk_tokens)
+        keys = [ck.key for ck in kv._keys(ids)]
+        runner.add_sequence("__calibrate", ids)  # its blocks hold the chunks' KV
+        runner.pool.mark_computed("__calibrate", len(ids))
+        runner.free_sequence("__calibrate")
+
+        def save(ids=ids):
+            if kv.save(ids).tokens != len(ids):
+                raise KVTierError(f"calibration: the {tier.name} tier did not take the chunks")
+
+        def restore(ids=ids):
+            if kv.load(ids, stream=False).tokens != len(ids):
+                raise KVTierError(f"calibration: the {tier.name} tier lost the chunks")
+
+        save()  # warm-up (first writes allocate)
+        kv.evict(ids)
+        restore()
+        writes.append((n * chunk_tokens * per_token,
+                       _median_time(save, repeats, lambda k=keys: tier.delete(k))))
+        reads.append((n * chunk_tokens * per_token,
+                       _median_time(restore, repeats, lambda ids=ids: kv.evict(ids))))
+        tier.delete(keys)
+        kv.evict(ids)
     return writes, reads
 
 
@@ -67,11 +108,10 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
 
-    from kvtier.chunk_format import encode_chunk
-    from kvtier.chunk_keys import chunk_keys
     from kvtier.connectors.cpu_tier import CPUTier
     from kvtier.connectors.disk_tier import DiskTier
     from kvtier.gpu_pool.kv_storage import resolve_device
+    from kvtier.kv_transfer import CPU_STREAM_MIN_TOKENS
     from kvtier.model_runner import ModelRunner
     from kvtier.policies.cost_model import CostModel, LinearCost, PrefillCost, TierCost
     from kvtier.profile import save_profile, this_machine
@@ -83,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     dtype = args.dtype or ("float32" if device.type == "cpu" else "bfloat16")
     runner = ModelRunner(args.model, dtype=dtype, device=device,
-                         memory_bytes=None, num_blocks=2 * args.max_tokens // 16 + 64,
+                         memory_bytes=None,
+                         num_blocks=(2 * args.max_tokens + 8 * args.chunk_tokens) // 16 + 64,
                          max_model_len=None)
     cfg = runner.config
     top = min(args.max_tokens, runner.max_model_len - 1)
@@ -92,13 +133,6 @@ def run(args: argparse.Namespace) -> int:
     slot = chunk_blob_bytes(cfg.num_hidden_layers, args.chunk_tokens, cfg.num_key_value_heads,
                             cfg.head_dim, elem)
     n_chunks = 8
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(10, min(cfg.vocab_size, 1000), (n_chunks * args.chunk_tokens,),
-                           generator=gen).tolist()
-    shape = (cfg.num_hidden_layers, 2, args.chunk_tokens, cfg.num_key_value_heads, cfg.head_dim)
-    blobs = {ck.key: encode_chunk(ck.key, runner.fingerprint,
-                                  torch.randn(shape, generator=gen).to(kv.kv.dtype))
-             for ck in chunk_keys(tokens, args.chunk_tokens, runner.fingerprint)}
     tmp = None
     disk_dir = args.disk_dir
     if disk_dir is None:
@@ -114,7 +148,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         for name, tier in tiers.items():
             with console.status(f"calibrating the {name} tier"):
-                writes, reads = calibrate_tier(tier, blobs, args.repeats)
+                writes, reads = calibrate_transfer(runner, tier, args.chunk_tokens,
+                                                   args.repeats, n_chunks)
             tier_costs[name] = TierCost(name, LinearCost.fit(reads), LinearCost.fit(writes))
             console.print(f"{name}: read {tier_costs[name].read}, write {tier_costs[name].write}")
     finally:
@@ -124,7 +159,8 @@ def run(args: argparse.Namespace) -> int:
             tmp.cleanup()
 
     samples = []
-    news = [n for n in (16, 64, 256, 1024, 2048) if n <= top]
+    gen = torch.Generator().manual_seed(0)
+    news = prefill_sizes(top, random.Random(0))
     with console.status("calibrating prefill"):
         counter = iter(range(10**9))
         for cached in (0, top // 2):
@@ -164,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
         num_layers=cfg.num_hidden_layers,
         prefill=prefill,
         tiers=tier_costs,
+        stream_min_tokens=0 if device.type == "cuda" else CPU_STREAM_MIN_TOKENS,
     )
     out = args.out or Path(args.model) / "kvtier-profile.json"
     save_profile(out, cost, {

@@ -142,7 +142,10 @@ class Engine:
         self.tiers = None
         self.kv: KVTransfer | None = None
         self.transfers: TransferEngine | None = None
-        self._pending: dict[str, tuple[Future[SaveReport], int | str, Future[OffloadResult]]] = {}
+        self._pending: dict[
+            str, tuple[Future[SaveReport], int | str, Future[OffloadResult], bool]
+        ] = {}
+        """Background stores by session: (store, tier, result, whether the blocks go after)."""
         if opts.tiers is not None:
             cfg = self.runner.config
             slot = chunk_blob_bytes(
@@ -368,14 +371,32 @@ class Engine:
         assert self.transfers is not None
         out: Future[OffloadResult] = Future()
         fut = self.transfers.submit_save(session.token_ids, tier, session_id)
-        self._pending[session_id] = (fut, tier, out)
+        self._pending[session_id] = (fut, tier, out, True)
+        return out
+
+    def stage(self, session_id: str, tier: int | str = 0) -> Future[OffloadResult]:
+        """Store the session's KV in ``tier`` in the background and keep its blocks: a
+        later offload (one that makes room for a turn) then writes nothing and frees them at
+        once, instead of storing on the admission path. The future's result says what was
+        stored (``freed_blocks`` 0)."""
+        kv = self._need_tiers()
+        session = self.session(session_id)
+        if session_id in self._busy:
+            raise SessionBusyError(f"session {session_id!r} has a turn in flight")
+        if isinstance(tier, str):
+            kv.manager.tier_index(tier)
+        self._settle_offloads(block=True, only=session_id)
+        assert self.transfers is not None
+        out: Future[OffloadResult] = Future()
+        fut = self.transfers.submit_save(session.token_ids, tier, session_id)
+        self._pending[session_id] = (fut, tier, out, False)
         return out
 
     def _settle_offloads(
         self, block: bool = False, only: str | None = None, evict: bool = True
     ) -> None:
         """Finish background offloads whose store is done (or all of them, ``block``)."""
-        for sid, (fut, tier, out) in list(self._pending.items()):
+        for sid, (fut, tier, out, leaves) in list(self._pending.items()):
             if (only is not None and sid != only) or not (block or fut.done()):
                 continue
             del self._pending[sid]
@@ -389,7 +410,9 @@ class Engine:
                 out.set_exception(UnknownSessionError(f"session {sid!r} ended during offload"))
                 continue
             out.set_result(
-                self._complete_offload(session, report, tier, evict and sid not in self._busy)
+                self._complete_offload(
+                    session, report, tier, leaves and evict and sid not in self._busy
+                )
             )
 
     def _complete_offload(
@@ -484,13 +507,36 @@ class Engine:
         return "prefetching"
 
     def _auto_offload(self) -> None:
-        """Above the high watermark, idle sessions leave the pool (stored in the background,
-        their blocks freed once stored), those predicted to stay away longest first."""
+        """Above the high watermark, idle sessions are pre-staged: stored in the background
+        into the tiers' empty space, those predicted to stay away longest first, while
+        their blocks stay in the pool. When a turn needs the blocks (:meth:`_make_room`)
+        they leave at once, with nothing left to write on the admission path; until then a
+        session that comes back finds its KV still in the pool."""
         bp = self.runner.pool.block_pool
-        used = (bp.num_blocks - bp.num_empty) * self.runner.pool.block_size
-        assert self.policy is not None
-        if used > self.policy.options.watermarks.high * bp.num_blocks * self.runner.pool.block_size:
-            self._offload_idle(used, force=False, wait=False)
+        bs = self.runner.pool.block_size
+        used = (bp.num_blocks - bp.num_empty) * bs
+        assert self.policy is not None and self.kv is not None
+        if self._pending or used <= self.policy.options.watermarks.high * bp.num_blocks * bs:
+            return  # one batch of pre-stages at a time: they never queue ahead of reads
+        kv = self.kv
+        idle = []
+        for sid, hashes in self._resident_hashes.items():
+            session = self.sessions.get(sid)
+            if not hashes or session is None or sid in self._busy:
+                continue
+            if session.stored_tokens < kv.storable_tokens(session.token_ids):
+                idle.append((sid, len(hashes) * bs, len(hashes) * bs))
+        room = {  # speculative: empty space only, never displacing what a tier holds
+            t.name: math.inf if t.capacity_bytes is None else float(t.capacity_bytes - t.used_bytes)
+            for t in kv.manager.tiers
+        }
+        for d in self.policy.offloads(idle, used, bp.num_blocks * bs, room, staged=True):
+            if d.tier is None:
+                continue
+            try:
+                self.stage(d.session, d.tier)
+            except KVTierError as exc:
+                log.warning("pre-stage of idle session %r failed: %s", d.session, exc)
 
     def _make_room(self, new_tokens: int, exclude: str) -> None:
         """Write-back before eviction: when a turn's new tokens do not fit in the empty

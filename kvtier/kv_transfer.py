@@ -84,6 +84,10 @@ class LoadReport:
     then ``bytes`` counts only what was read before returning (``pending.bytes`` grows)."""
 
 
+CPU_STREAM_MIN_TOKENS = 2048
+"""On a CPU, restores stream layer by layer only from this many tokens (docs/tiers.md)."""
+
+
 class KVTransfer:
     def __init__(
         self,
@@ -108,7 +112,7 @@ class KVTransfer:
         ``stream_min_tokens`` restored tokens (below that, on a few shared cores, the
         loader thread's competition with the forward costs more than the overlap saves:
         see docs/tiers.md)."""
-        self.stream_min_tokens = 2048
+        self.stream_min_tokens = CPU_STREAM_MIN_TOKENS
         self._executor: ThreadPoolExecutor | None = None
         self.lost_restores = 0
         """Restores that lost chunks after they were published (recomputed instead)."""
@@ -365,7 +369,7 @@ class KVTransfer:
             report.pending = load
             loaded = chunks
         else:
-            self._load_layers(load, chunks, spans, where, None)
+            self._load_rest(load, chunks, spans, where)
             for b in load.take_poisoned_blocks():
                 pool.block_pool.uncache_block(b)
             pool.free_sequence(sid)
@@ -380,10 +384,12 @@ class KVTransfer:
         return report
 
     def _read_layer(
-        self, chunks: Sequence[ChunkKey], where: Location, layer: int
+        self, chunks: Sequence[ChunkKey], where: Location, layer: int, last: int | None = None
     ) -> list[torch.Tensor | None]:
-        """Layer ``layer`` of each chunk, verified (None where it could not be read)."""
-        blobs = self.manager.get([ck.key for ck in chunks], (layer, layer + 1), where)
+        """Layers ``layer`` to ``last`` (default: ``layer`` alone) of each chunk, verified
+        (None where they could not be read)."""
+        stop = layer + 1 if last is None else last + 1
+        blobs = self.manager.get([ck.key for ck in chunks], (layer, stop), where)
         out: list[torch.Tensor | None] = []
         fp = self.runner.fingerprint
         for ck, blob in zip(chunks, blobs, strict=True):
@@ -392,18 +398,53 @@ class KVTransfer:
                 try:
                     header, part = decode_chunk(blob, ck.key, fp)
                 except ChunkError as exc:  # the manager verified it; a race with a rewrite
-                    log.warning("chunk %s layer %d: %s", ck.key, layer, exc)
+                    log.warning("chunk %s layers %d-%d: %s", ck.key, layer, stop - 1, exc)
                 else:
-                    if header.first_layer != layer or header.num_layers != 1:
+                    if header.first_layer != layer or header.num_layers != stop - layer:
                         part = None
             out.append(part)
         return out
 
+    def _load_rest(
+        self,
+        load: LayerLoad,
+        chunks: Sequence[ChunkKey],
+        spans: Sequence[tuple[int, list[int]]],
+        where: Location,
+    ) -> None:
+        """Layers 1.. of the chunks in one read per chunk and one scatter (a restore that
+        does not stream: per-layer reads would pay the tier's and the decoder's per-call
+        costs once per layer, several times the copy itself on a CPU). A chunk that cannot
+        be read ends the restore there."""
+        last = load.num_layers - 1
+        try:
+            if last >= 1:
+                parts = self._read_layer(chunks, where, 1, last)
+                n = next((i for i, p in enumerate(parts) if p is None), len(parts))
+                if n < len(parts):
+                    load.poison(n, f"chunk {chunks[n].key}: layers 1-{last} could not be read")
+                good = [p for p in parts[:n] if p is not None]
+                load.bytes += sum(p.numel() * p.element_size() for p in good)
+                self._scatter_layer(1, good, spans[:n], last)
+            for layer in range(1, load.num_layers):
+                load.layer_loaded(layer)
+        except Exception as exc:  # noqa: BLE001 - a lost restore is recomputed, never fatal
+            log.warning("restore failed: %s", exc)
+            load.poison(0, f"{type(exc).__name__}: {exc}")
+        finally:
+            if load.error is not None:
+                self.lost_restores += 1
+            load.finish()
+
     def _scatter_layer(
-        self, layer: int, parts: Sequence[torch.Tensor], spans: Sequence[tuple[int, list[int]]]
+        self,
+        layer: int,
+        parts: Sequence[torch.Tensor],
+        spans: Sequence[tuple[int, list[int]]],
+        last: int | None = None,
     ) -> None:
         kv = self._pool.storage.kv
-        dst = kv[layer : layer + 1]
+        dst = kv[layer : (layer if last is None else last) + 1]
         for part, (off, ids) in zip(parts, spans, strict=False):
             if ids:
                 src = part[:, :, off:].to(device=kv.device, dtype=kv.dtype, non_blocking=True)

@@ -131,11 +131,13 @@ class LivePolicy:
         capacity_tokens: int,
         room_bytes: Mapping[str, float],
         force: bool = False,
+        staged: bool = False,
     ) -> list[OffloadDecision]:
         """Idle sessions (id, tokens held in the pool, tokens a resume reuses) that should
         leave the pool now, and where to (``force``: down to the low watermark even below
         the high one, to admit a turn); ``room_bytes`` as in
-        :meth:`PredictiveOffload.target_tier`."""
+        :meth:`PredictiveOffload.target_tier`; ``staged``: they are pre-staged (stored,
+        kept in the pool), counted as such)."""
         sessions = [IdleSession(s, g, p, self.predicted_next_s(s)) for s, g, p in idle]
         if self.cost is None:
             # No measured costs: no "worth storing" test; the fastest tier with room.
@@ -154,7 +156,8 @@ class LivePolicy:
                 sessions, used_tokens, capacity_tokens, self.cost, names, room_bytes, force
             )
         for d in out:
-            self.decisions[f"offload_{d.tier}" if d.tier else "offload_drop"] += 1
+            kind = "prestage" if staged else "offload"
+            self.decisions[f"{kind}_{d.tier}" if d.tier else f"{kind}_drop"] += 1
         return out
 
 

@@ -122,6 +122,10 @@ class CostModel:
     num_layers: int
     prefill: PrefillCost
     tiers: dict[str, TierCost] = field(default_factory=dict)
+    stream_min_tokens: int = 0
+    """Restores of fewer tokens load every layer before the forward starts (no overlap):
+    the engine streams them layer by layer only from this size (always on CUDA; on a CPU
+    the loader thread competes with the forward for the same cores)."""
 
     def tier(self, name: str) -> TierCost:
         try:
@@ -131,8 +135,13 @@ class CostModel:
                 f"the cost model has no tier {name!r}; calibrated: {', '.join(self.tiers)}"
             ) from None
 
+    def overlaps(self, restored_tokens: int) -> bool:
+        """Whether a restore of this many tokens streams under the forward."""
+        return restored_tokens >= self.stream_min_tokens
+
     def load_time(self, tier: str, tokens: int, chunks: int = 1) -> float:
-        """Seconds to read ``tokens`` tokens of KV from ``tier`` in ``chunks`` requests."""
+        """Seconds to restore ``tokens`` tokens of KV from ``tier`` into the pool in
+        ``chunks`` requests (a restore reads each tier's share in one request)."""
         t = self.tier(tier).read
         return chunks * t.latency_s + tokens * self.kv_bytes_per_token / t.bandwidth_bps
 
@@ -157,6 +166,7 @@ class CostModel:
                 num_layers=int(doc["num_layers"]),
                 prefill=PrefillCost(**doc["prefill"]),
                 tiers=tiers,
+                stream_min_tokens=int(doc.get("stream_min_tokens", 0)),
             )
         except (KeyError, TypeError) as exc:
             raise InvalidArgumentError(f"not a kvtier cost profile: missing or bad {exc}") from None

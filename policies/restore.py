@@ -4,7 +4,9 @@ Loading chunk ``i`` saves recomputing its tokens but costs its transfer from the
 holds it. The plan picks the number of leading chunks ``k`` (0 = recompute everything) that
 minimises predicted time to first token. With layer-wise overlap, layer ``l`` computes while
 layer ``l + 1`` loads, so loading and compute overlap except for one layer's share of the
-smaller of the two; without it they add up. A tier slower than recomputing is never chosen.
+smaller of the two; without it (overlap off, or a restore smaller than the cost model's
+``stream_min_tokens``, which the engine does not stream) they add up. Each tier's share is
+read in one request. A tier slower than recomputing is never chosen.
 """
 
 from __future__ import annotations
@@ -43,12 +45,16 @@ def predicted_ttft(
     overlap: bool = True,
 ) -> float:
     """TTFT if the first ``k`` stored chunks are loaded and the rest of the prompt computed.
-    ``cached_tokens`` are already in the pool (free)."""
+    ``cached_tokens`` are already in the pool (free); ``chunks`` are the stored ones after
+    them, each with the new tokens it brings."""
     loaded = sum(c.tokens for c in chunks[:k])
-    have = max(cached_tokens, loaded)
-    load = sum(cost.load_time(c.tier, c.tokens) for c in chunks[:k])
+    have = cached_tokens + loaded
+    per_tier: dict[str, int] = {}
+    for c in chunks[:k]:
+        per_tier[c.tier] = per_tier.get(c.tier, 0) + c.tokens
+    load = sum(cost.load_time(tier, tokens) for tier, tokens in per_tier.items())
     compute = cost.prefill.time(have, max(prompt_tokens - have, 1))
-    if not overlap or load == 0:
+    if not overlap or load == 0 or not cost.overlaps(loaded):
         return load + compute
     per_layer = min(load, compute) / max(cost.num_layers, 1)
     return max(load, compute) + per_layer
@@ -70,5 +76,5 @@ def plan_restore(
         if t < best:
             best_k, best = k, t
     loaded = sum(c.tokens for c in chunks[:best_k])
-    have = max(cached_tokens, loaded)
+    have = cached_tokens + loaded
     return RestorePlan(best_k, loaded, max(prompt_tokens - have, 0), best, scratch)

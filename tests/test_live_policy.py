@@ -96,15 +96,18 @@ def test_engine_finds_the_model_directory_profile(model_dir, tmp_path):
         bare.close()
 
 
-def test_watermark_offload_moves_the_session_away_longest_first(model_dir, tmp_path):
-    """A pool past its high watermark offloads idle sessions: the one idle for two hours
-    goes, the ones that finished recently stay, and all come back with the same replies."""
+def test_watermark_prestages_the_session_away_longest_first(model_dir, tmp_path):
+    """A pool past its high watermark pre-stages idle sessions: the one idle for two hours
+    is stored and keeps its blocks, the ones that finished recently are not stored. When a
+    turn then needs the room, the staged session leaves without being written again; every
+    session comes back with the same replies."""
     now = [0.0]
     names = (("old", 0.0), ("mid", 3600.0), ("new", 7190.0))
     turns = [(s, f"{s} asks: {FIRST}") for s, _ in names]
-    expected = _expected(model_dir, tmp_path, turns + [(s, "More?") for s, _ in names])
+    late = ("late", " ".join([FIRST] * 2))
+    expected = _expected(model_dir, tmp_path, turns + [late] + [(s, "More?") for s, _ in names])
     # Checks at t=0 and t=7200 only: 24 blocks, 16 used (a shared system prompt, 3 blocks
-    # of each session's own) is past 60 %; one session leaving brings it under 50 %.
+    # of each session's own) is past 60 %.
     eng = _engine(model_dir, tmp_path, clock=lambda: now[0], num_blocks=24,
                   watermarks=Watermarks(high=0.6, low=0.5), check_every_s=7200.0)
     try:
@@ -112,18 +115,32 @@ def test_watermark_offload_moves_the_session_away_longest_first(model_dir, tmp_p
             now[0] = t
             eng.chat(sid, msg, GREEDY, system=SYSTEM)
         now[0] = 7200.0
+        bp = eng.runner.pool.block_pool
+        used = bp.num_blocks - bp.num_empty
         eng.step()  # the watermark check runs on the engine's step
         eng._settle_offloads(block=True)
-        assert {s: x.offloaded for s, x in eng.sessions.items()} == {
+        assert {s: x.stored_tokens > 0 for s, x in eng.sessions.items()} == {
             "old": True, "mid": False, "new": False}
-        assert eng.policy.decisions == {"offload_cpu": 1}
-        bp = eng.runner.pool.block_pool
-        assert bp.num_blocks - bp.num_empty < 0.6 * bp.num_blocks
+        assert not eng.sessions["old"].offloaded
+        assert bp.num_blocks - bp.num_empty == used  # staged, not freed
+        assert eng.policy.decisions == {"prestage_cpu": 1}
+        cpu = eng.tiers.tiers[0]
+        written = cpu.stats.bytes_written
+        assert written > 0
+        # A long turn does not fit in the empty blocks: idle sessions make room down to the
+        # low watermark, the staged one first. It leaves without a write; "mid" is written
+        # then (its chunks but the shared system prompt's: fewer bytes than "old" took).
+        late_reply = eng.chat(*late, GREEDY, system=SYSTEM)
+        assert eng.sessions["old"].offloaded and not eng.sessions["new"].offloaded
+        assert 0 < cpu.stats.bytes_written - written < written
+        assert eng.policy.decisions["offload_cpu"] >= 1
         second = {s: eng.chat(s, "More?", GREEDY) for s, _ in names}
     finally:
         eng.close()
+    assert late_reply.token_ids == expected["late"][0]
     assert second["old"].stats.restored_tokens > 0
-    assert {s: r.token_ids for s, r in second.items()} == {s: v[1] for s, v in expected.items()}
+    assert {s: r.token_ids for s, r in second.items()} == {s: v[1] for s, v in expected.items()
+                                                           if s != "late"}
 
 
 def test_think_times_are_learned_from_the_engine_clock(model_dir, tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from kvtier.errors import InvalidArgumentError
@@ -79,9 +81,22 @@ def test_layer_overlap_hides_most_of_the_smaller_side():
 
 
 def test_tokens_already_in_the_pool_are_free():
+    # 256 tokens still in the pool, one stored chunk of 256 after them: loaded, 88 computed.
     cost = _model(cpu=(1e-4, 10e9))
-    plan = plan_restore(cost, [StoredChunk(256, "cpu")] * 2, prompt_tokens=600, cached_tokens=512)
-    assert plan.recompute_tokens == 88
+    plan = plan_restore(cost, [StoredChunk(256, "cpu")], prompt_tokens=600, cached_tokens=256)
+    assert (plan.load_chunks, plan.recompute_tokens) == (1, 88)
+    assert plan.recompute_all_ttft_s == pytest.approx(cost.prefill.time(256, 344))
+    load, compute = cost.load_time("cpu", 256), cost.prefill.time(512, 88)
+    assert plan.predicted_ttft_s == pytest.approx(compute + load / 10)  # overlapped
+
+
+def test_small_restores_that_do_not_stream_pay_load_plus_compute():
+    cost = replace(_model(disk=(0.0, 200e6)), stream_min_tokens=1024)
+    chunks = [StoredChunk(256, "disk")] * 2
+    load = 2 * 256 * 100 * KIB / 200e6
+    assert predicted_ttft(cost, chunks, 2, 600) == pytest.approx(load + cost.prefill.time(512, 88))
+    streamed = replace(cost, stream_min_tokens=512)
+    assert predicted_ttft(streamed, chunks, 2, 600) < load + cost.prefill.time(512, 88)
 
 
 def test_online_refinement_moves_toward_observed_bandwidth():

@@ -87,7 +87,7 @@ def replay_real(
     engine = Engine(model_dir, EngineOptions(
         num_blocks=max(gpu_tokens // block_size, 4), block_size=block_size, tiers=tiers,
         chunk_tokens=chunk, enable_prefix_caching=spec.restore != "none",
-        max_num_batched_tokens=max(2048, chunk), stream_restore=True,
+        max_num_batched_tokens=max(2048, chunk),
         policy=PolicyOptions(profile=profile, check_every_s=0.0),
     ), clock=lambda: now[0])
     rng = random.Random(seed)

@@ -28,6 +28,7 @@ from kvtier.policies.eviction import (
     make_eviction,
 )
 from kvtier.policies.offload import IdleSession, PredictiveOffload, worth_storing
+from kvtier.policies.restore import StoredChunk, plan_restore
 from kvtier.policies.think_time import ThinkTimeModel
 
 _NO_PINS: frozenset = frozenset()
@@ -383,15 +384,17 @@ class Simulator:
             per_tier[st.name] = per_tier.get(st.name, 0) + t.tokens_of(i)
         for name, tokens in per_tier.items():
             chunks = sum(1 for _, st in lower[:k] if st.name == name)
-            secs = cost.load_time(name, tokens, chunks)
+            secs = cost.load_time(name, tokens)  # each tier's share in one request
             load_end = max(load_end, self.links[name].transfer(load_from, secs))
             self._count(self.res.read_bytes, name, tokens * self.bpt)
             self._count(self.res.hits, name, chunks)
         self._count(self.res.hits, "gpu", gpu_n)
         self._count(self.res.hits, "miss", len(keys) - gpu_n - k)
         finish = start + compute
-        if k:
+        if k and cost.overlaps(load_tokens):  # streamed: layer l computes as l + 1 loads
             finish = max(finish, load_end + compute / max(cost.num_layers, 1))
+        elif k:  # loaded whole, then computed
+            finish = max(start, load_end) + compute
         self.res.ttft_s.append(finish - now)
         b = self.res.breakdown
         b["queue_s"] += queued - now
@@ -491,25 +494,10 @@ class Simulator:
             self._unstaged.add(sid)
 
     def _plan(self, t: Turn, gpu_tokens: int, lower: list[tuple[int, Store]]) -> int:
-        """kvtier's restore plan: the number of stored chunks to load (0 = recompute)."""
-        cost = self.cost
-        best_k, best = 0, cost.prefill.time(gpu_tokens, t.prompt_tokens - gpu_tokens)
-        load = 0.0
-        loaded = gpu_tokens
-        per_tier_seen: set[str] = set()
-        for k, (i, st) in enumerate(lower, 1):
-            tokens = t.tokens_of(i)
-            load += tokens * self.bpt / cost.tier(st.name).read.bandwidth_bps
-            if st.name not in per_tier_seen:
-                load += cost.tier(st.name).read.latency_s
-                per_tier_seen.add(st.name)
-            loaded += tokens
-            cached = min(loaded, t.prompt_tokens - 1)
-            compute = cost.prefill.time(cached, t.prompt_tokens - cached)
-            ttft = max(compute, load + compute / max(cost.num_layers, 1))
-            if ttft < best:
-                best_k, best = k, ttft
-        return best_k
+        """kvtier's restore plan, as the live engine makes it: the number of stored chunks
+        to load (0 = recompute)."""
+        chunks = [StoredChunk(t.tokens_of(i), st.name) for i, st in lower]
+        return plan_restore(self.cost, chunks, t.prompt_tokens, gpu_tokens).load_chunks
 
     def _watermark_offload(self, now: float) -> None:
         """Above the high watermark, idle sessions predicted to stay away longest leave."""
