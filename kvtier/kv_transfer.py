@@ -10,9 +10,10 @@ offload's second half: only once its chunks are safely stored).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -417,7 +418,7 @@ class KVTransfer:
         costs once per layer, several times the copy itself on a CPU). A chunk that cannot
         be read ends the restore there."""
         last = load.num_layers - 1
-        try:
+        with self._finishing(load, "restore"):
             if last >= 1:
                 parts = self._read_layer(chunks, where, 1, last)
                 n = next((i for i, p in enumerate(parts) if p is None), len(parts))
@@ -428,8 +429,15 @@ class KVTransfer:
                 self._scatter_layer(1, good, spans[:n], last)
             for layer in range(1, load.num_layers):
                 load.layer_loaded(layer)
-        except Exception as exc:  # noqa: BLE001 - a lost restore is recomputed, never fatal
-            log.warning("restore failed: %s", exc)
+
+    @contextlib.contextmanager
+    def _finishing(self, load: LayerLoad, what: str) -> Iterator[None]:
+        """Run a restore's loading: an error poisons it (a lost restore is recomputed,
+        never fatal), and the load is finished whatever happens."""
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001
+            log.warning("%s failed: %s", what, exc)
             load.poison(0, f"{type(exc).__name__}: {exc}")
         finally:
             if load.error is not None:
@@ -461,7 +469,7 @@ class KVTransfer:
         """Read and scatter layers 1.. of the chunks (the loader thread, or inline). A chunk
         that fails poisons itself and every later chunk; the earlier ones go on loading."""
         cuda = start is not None
-        try:
+        with self._finishing(load, "streamed restore"):
             side = self._side_stream() if cuda else None
             if side is not None and start is not None:
                 side.wait_event(start)
@@ -486,13 +494,6 @@ class KVTransfer:
                 else:
                     self._scatter_layer(layer, good, spans[:n])
                 load.layer_loaded(layer, event)
-        except Exception as exc:  # noqa: BLE001 - a lost restore is recomputed, never fatal
-            log.warning("streamed restore failed: %s", exc)
-            load.poison(0, f"{type(exc).__name__}: {exc}")
-        finally:
-            if load.error is not None:
-                self.lost_restores += 1
-            load.finish()
 
     def _loader(self) -> ThreadPoolExecutor:
         if self._executor is None:
