@@ -508,35 +508,51 @@ class Engine:
 
     def _auto_offload(self) -> None:
         """Above the high watermark, idle sessions are pre-staged: stored in the background
-        into the tiers' empty space, those predicted to stay away longest first, while
-        their blocks stay in the pool. When a turn needs the blocks (:meth:`_make_room`)
-        they leave at once, with nothing left to write on the admission path; until then a
-        session that comes back finds its KV still in the pool."""
+        while their blocks stay in the pool. Into the tiers' empty space, those predicted
+        to stay away longest first; and, displacing what the tiers would demote anyway,
+        the next ones a turn making room would let go (stage-ahead). When a turn needs the
+        blocks (:meth:`_make_room`) they leave at once, with nothing left to write on the
+        admission path; until then a session that comes back finds its KV still in the
+        pool."""
         bp = self.runner.pool.block_pool
         bs = self.runner.pool.block_size
         used = (bp.num_blocks - bp.num_empty) * bs
         assert self.policy is not None and self.kv is not None
         if self._pending or used <= self.policy.options.watermarks.high * bp.num_blocks * bs:
             return  # one batch of pre-stages at a time: they never queue ahead of reads
-        kv = self.kv
-        idle = []
-        for sid, hashes in self._resident_hashes.items():
-            session = self.sessions.get(sid)
-            if not hashes or session is None or sid in self._busy:
-                continue
-            if session.stored_tokens < kv.storable_tokens(session.token_ids):
-                idle.append((sid, len(hashes) * bs, len(hashes) * bs))
-        room = {  # speculative: empty space only, never displacing what a tier holds
+        idle = self._idle_sessions()
+        tiers = self.kv.manager.tiers
+        empty = {  # speculative: empty space only, never displacing what a tier holds
             t.name: math.inf if t.capacity_bytes is None else float(t.capacity_bytes - t.used_bytes)
-            for t in kv.manager.tiers
+            for t in tiers
         }
-        for d in self.policy.offloads(idle, used, bp.num_blocks * bs, room, staged=True):
+        unstored = [(sid, g, p) for sid, g, p, stored in idle if not stored]
+        chosen = self.policy.offloads(unstored, used, bp.num_blocks * bs, empty, staged=True)
+        taken = {d.session for d in chosen if d.tier is not None}
+        whole = {t.name: math.inf if t.capacity_bytes is None else float(t.capacity_bytes) for t in tiers}
+        ahead = [(sid, g, p, stored or sid in taken) for sid, g, p, stored in idle]
+        chosen += self.policy.stage_ahead(ahead, used, bp.num_blocks * bs, whole)
+        for d in chosen:
             if d.tier is None:
                 continue
             try:
                 self.stage(d.session, d.tier)
             except KVTierError as exc:
                 log.warning("pre-stage of idle session %r failed: %s", d.session, exc)
+
+    def _idle_sessions(self, exclude: str | None = None) -> list[tuple[str, int, int, bool]]:
+        """Idle sessions holding pool blocks: (id, tokens held, tokens a resume reuses,
+        whether all of it is stored below already)."""
+        assert self.kv is not None
+        bs = self.runner.pool.block_size
+        out = []
+        for sid, hashes in self._resident_hashes.items():
+            session = self.sessions.get(sid)
+            if not hashes or session is None or sid == exclude or sid in self._busy or sid in self._pending:
+                continue
+            stored = session.stored_tokens >= self.kv.storable_tokens(session.token_ids)
+            out.append((sid, len(hashes) * bs, len(hashes) * bs, stored))
+        return out
 
     def _make_room(self, new_tokens: int, exclude: str) -> None:
         """Write-back before eviction: when a turn's new tokens do not fit in the empty
@@ -554,16 +570,18 @@ class Engine:
         assert self.policy is not None and self.kv is not None
         bp = self.runner.pool.block_pool
         bs = self.runner.pool.block_size
-        idle = [
-            (sid, len(hashes) * bs, len(hashes) * bs)
-            for sid, hashes in self._resident_hashes.items()
-            if hashes and sid != exclude and sid not in self._busy and sid not in self._pending
-        ]
+        idle = self._idle_sessions(exclude)
         room = {
             t.name: math.inf if t.capacity_bytes is None else float(t.capacity_bytes)
             for t in self.kv.manager.tiers
         }  # a full tier makes room by demoting its own victims
-        for d in self.policy.offloads(idle, used, bp.num_blocks * bs, room, force):
+        # Sessions stored already go first: they leave without a write.
+        stored = [(sid, g, p) for sid, g, p, done in idle if done]
+        chosen = self.policy.offloads(stored, used, bp.num_blocks * bs, room, force)
+        used -= sum(g for sid, g, _, _ in idle if sid in {d.session for d in chosen})
+        rest = [(sid, g, p) for sid, g, p, done in idle if not done]
+        chosen += self.policy.offloads(rest, used, bp.num_blocks * bs, room, force)
+        for d in chosen:
             if d.tier is None:
                 continue  # not worth storing anywhere: the pool's LRU drops it when needed
             try:

@@ -160,6 +160,26 @@ class LivePolicy:
             self.decisions[f"{kind}_{d.tier}" if d.tier else f"{kind}_drop"] += 1
         return out
 
+    def stage_ahead(
+        self,
+        idle: Sequence[tuple[Hashable, int, int, bool]],
+        used_tokens: int,
+        capacity_tokens: int,
+        room_bytes: Mapping[str, float],
+    ) -> list[OffloadDecision]:
+        """Idle sessions (id, tokens held, tokens a resume reuses, stored already) to store
+        now while they keep their blocks: the next ones :meth:`offloads` would let go to
+        make room, so that a turn needing the room does not wait for their write
+        (:meth:`PredictiveOffload.stage_ahead`; a full tier demotes its own victims).
+        Without measured costs every such session goes to the fastest tier."""
+        sessions = [(IdleSession(s, g, p, self.predicted_next_s(s)), done) for s, g, p, done in idle]
+        order = sorted(sessions, key=lambda x: -x[0].predicted_next_s)  # decide()'s order
+        names = list(self.tier_names) if self.cost is None else [t for t in self.tier_names if t in self.cost.tiers]
+        out = self.offload.stage_ahead(order, used_tokens, capacity_tokens, self.cost, names, room_bytes)
+        for d in out:
+            self.decisions[f"stage_ahead_{d.tier}"] += 1
+        return out
+
 
 def load_cost_model(
     profile: str | Path | None, model_dir: Path, fingerprint: str, machine: str

@@ -7,6 +7,13 @@ full tier makes room by demoting its own victims, ranked by its eviction policy,
 down). A session no tier can bring back faster than recompute is dropped (its chunks stay
 wherever they were already stored).
 
+Writes on the admission path are what make a turn wait, so they are done ahead of need:
+above the high watermark, the idle sessions next in line to leave (as many as a room-making
+offload down to the low watermark would take) are stored while their blocks stay in the
+pool (:meth:`PredictiveOffload.stage_ahead`). When a turn then needs the room they leave at
+once; a full tier makes room for them by demoting its own victims, as the write on the
+admission path would have.
+
 Sending sessions predicted to stay away for hours straight to a deeper tier, so as not to
 displace sooner returns from the fastest one, was measured and lost: the fastest tier's own
 session-aware eviction already demotes them, and skipping it sent sessions that did come
@@ -15,7 +22,7 @@ back to the slower tier (``docs/policies.md``).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvtier.errors import InvalidArgumentError
@@ -112,4 +119,38 @@ class PredictiveOffload:
                 free[tier] = free.get(tier, 0) - s.prefix_tokens * cost.kv_bytes_per_token
             out.append(OffloadDecision(s.session, tier))
             used -= s.gpu_tokens
+        return out
+
+    def stage_ahead(
+        self,
+        in_eviction_order: Iterable[tuple[IdleSession, bool]],
+        gpu_used_tokens: int,
+        gpu_capacity_tokens: int,
+        cost: CostModel | None,
+        tiers: Sequence[str],
+        room_bytes: Mapping[str, float],
+    ) -> list[OffloadDecision]:
+        """Which idle sessions to store now, keeping their blocks: the pool's next victims
+        (``in_eviction_order``: each with whether it is stored already), as many as making
+        room down to the low watermark would take, that have no copy below yet. Above the
+        high watermark only; sessions no tier pays for are left out (they are dropped when
+        their turn comes). Without a cost model (nothing measured) each goes to the first
+        tier."""
+        cap = max(gpu_capacity_tokens, 1)
+        if gpu_used_tokens <= self.watermarks.high * cap:
+            return []
+        ahead = gpu_used_tokens - self.watermarks.low * cap
+        out: list[OffloadDecision] = []
+        for s, stored in in_eviction_order:
+            if ahead <= 0:
+                break
+            ahead -= s.gpu_tokens
+            if stored:
+                continue
+            if cost is None:
+                tier = tiers[0] if tiers else None
+            else:
+                tier = self.target_tier(s, cost, tiers, room_bytes)
+            if tier is not None:
+                out.append(OffloadDecision(s.session, tier))
         return out

@@ -27,11 +27,11 @@ def model_dir(tmp_path_factory):
     return make_model("tiny", tmp_path_factory.mktemp("m") / "tiny", seed=7).path
 
 
-def _profile(path, engine_fp: str, read_bps: float) -> str:
+def _profile(path, engine_fp: str, read_bps: float, kv_bytes_per_token: int = 4096) -> str:
     """A profile whose tiers read at ``read_bps`` and whose prefill costs 1 ms per token."""
     tier = TierCost("x", LinearCost(1e-4, read_bps), LinearCost(1e-4, read_bps))
     cost = CostModel(
-        model=engine_fp, machine=this_machine(), kv_bytes_per_token=4096, num_layers=2,
+        model=engine_fp, machine=this_machine(), kv_bytes_per_token=kv_bytes_per_token, num_layers=2,
         prefill=PrefillCost(1e-3, 1e-3, 0.0),
         tiers={n: TierCost(n, tier.read, tier.write) for n in ("cpu", "disk")},
     )
@@ -134,6 +134,64 @@ def test_watermark_prestages_the_session_away_longest_first(model_dir, tmp_path)
         assert eng.sessions["old"].offloaded and not eng.sessions["new"].offloaded
         assert 0 < cpu.stats.bytes_written - written < written
         assert eng.policy.decisions["offload_cpu"] >= 1
+        second = {s: eng.chat(s, "More?", GREEDY) for s, _ in names}
+    finally:
+        eng.close()
+    assert late_reply.token_ids == expected["late"][0]
+    assert second["old"].stats.restored_tokens > 0
+    assert {s: r.token_ids for s, r in second.items()} == {s: v[1] for s, v in expected.items()
+                                                           if s != "late"}
+
+
+def test_a_full_tier_still_takes_the_next_victim_ahead_of_need(model_dir, tmp_path):
+    """The CPU tier is nearly full (another session was offloaded there), so pre-staging
+    into empty space finds no room for the idle session away longest; staging ahead stores
+    it anyway, displacing the tier's own victim as a write on the admission path would
+    have. The turn that then needs the room frees it without writing it; replies match."""
+    now = [0.0]
+    names = (("filler", 0.0), ("old", 10.0), ("mid", 3600.0), ("new", 7190.0))
+    turns = [(s, f"{s} asks: {FIRST}") for s, _ in names]
+    late = ("late", "Hi")  # does not fit the 8 empty blocks: "old" alone makes the room
+    expected = _expected(model_dir, tmp_path, turns + [late] + [(s, "More?") for s, _ in names])
+    def tiers(cpu_bytes):
+        return TiersConfig(cpu_bytes=cpu_bytes, disk_bytes=0, disk_dir=str(tmp_path / "chunks"),
+                           disk_fsync=False)
+
+    probe = Engine(model_dir, EngineOptions(num_blocks=16, tiers=tiers(1 << 20), chunk_tokens=64))
+    slot = probe.tiers.tiers[0].slot_bytes  # one chunk
+    probe.close()
+    # Four chunk slots: the filler takes three, "old" needs two (its first is the shared
+    # system prompt's, stored already). By the cost model's count (600 bytes a token, 160
+    # tokens) it needs 96 KB: more than the empty space, less than the tier.
+    prof = _profile(tmp_path / "p.json", probe.runner.fingerprint.hex(), 1e12, kv_bytes_per_token=600)
+    opts = EngineOptions(num_blocks=24, tiers=tiers(4 * slot), chunk_tokens=64, policy=PolicyOptions(
+        profile=prof, watermarks=Watermarks(high=0.65, low=0.65), check_every_s=7200.0))
+    eng = Engine(model_dir, opts, clock=lambda: now[0])
+    try:
+        for (sid, msg), (_, t) in zip(turns, names, strict=True):
+            now[0] = t
+            eng.chat(sid, msg, GREEDY, system=SYSTEM)
+            if sid == "filler":
+                eng.offload("filler", "cpu")
+        cpu = eng.tiers.tiers[0]
+        assert cpu.capacity_bytes - cpu.used_bytes < 160 * 600 <= cpu.capacity_bytes
+        now[0] = 7200.0
+        bp = eng.runner.pool.block_pool
+        used = bp.num_blocks - bp.num_empty
+        written = cpu.stats.bytes_written
+        eng.step()
+        eng._settle_offloads(block=True)
+        assert eng.policy.decisions["stage_ahead_cpu"] == 1
+        assert "prestage_cpu" not in eng.policy.decisions  # no empty room for it
+        assert {s: x.stored_tokens > 0 for s, x in eng.sessions.items() if s != "filler"} == {
+            "old": True, "mid": False, "new": False}
+        assert bp.num_blocks - bp.num_empty == used  # stored, not freed
+        assert cpu.stats.bytes_written > written and cpu.stats.evictions > 0  # the filler's tail went
+        staged = cpu.stats.bytes_written
+        late_reply = eng.chat(*late, GREEDY, system=SYSTEM)
+
+        assert eng.sessions["old"].offloaded and not eng.sessions["mid"].offloaded
+        assert cpu.stats.bytes_written == staged  # it left without a write
         second = {s: eng.chat(s, "More?", GREEDY) for s, _ in names}
     finally:
         eng.close()

@@ -91,6 +91,25 @@ def test_a_gpu_too_small_sends_kvtier_to_the_cpu_tier_and_loads_back():
     assert vllm.ttft_s[2] == pytest.approx(1.536)
 
 
+def test_kvtier_stores_the_next_victim_ahead_so_a_turn_never_waits_for_a_write():
+    """GPU of 8 chunks, CPU tier of 4, writes at 0.128 s a chunk (still worth storing). At
+    b's arrival z is pre-staged into the empty CPU tier and leaves for free. At c's the
+    tier is full: kvtier still stores a (next to leave) ahead of need, displacing z, so c
+    drops it without waiting; a write-back system pays the 4 writes on c's admission."""
+    def four(name):
+        return tuple((name, i) for i in range(4))
+
+    wl = Workload("stage", [Turn(n, at, four(n), CHUNK, 1024, 0)
+                            for n, at in (("z", 0.0), ("a", 1.0), ("b", 10.0), ("c", 20.0))], CHUNK)
+    cost = _cost(tier_bw=2e6)  # 256 KB chunk: 0.128 s to write or load, recompute 0.256 s
+    gpu, tiers = 8 * CHUNK * 1000, {"cpu": 4 * CHUNK * 1000}
+    k = Simulator(wl, SYSTEMS["kvtier"], cost, gpu, tiers).run()
+    assert k.decisions.get("stage_ahead_cpu") == 4
+    assert k.breakdown["write_back_s"] == 0 and k.ttft_s[3] == pytest.approx(1.024)
+    wb = Simulator(wl, SYSTEMS["cachedattention-like"], cost, gpu, tiers).run()
+    assert wb.ttft_s[3] == pytest.approx(1.024 + 4 * 0.128)
+
+
 def test_slow_tiers_are_never_read_by_kvtier_but_are_by_load_any_hit():
     wl = Workload("two", [
         *_two_turns().turns[:1],

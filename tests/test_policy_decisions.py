@@ -167,6 +167,24 @@ def test_offload_waits_for_the_high_watermark_then_frees_longest_away_first():
     assert [d.tier for d in out] == ["cpu", "disk"]
 
 
+def test_stage_ahead_stores_the_next_victims_as_far_as_making_room_reaches():
+    """Used 950 of 1000 (low watermark 0.5): making room would free 450 tokens, so the
+    first sessions in eviction order up to 450 tokens are stored now; those stored already
+    are passed over but count, those past the reach are left alone."""
+    pol = PredictiveOffload(Watermarks(high=0.9, low=0.5))
+    cost = _cost(cpu=(0.0, 1e9))
+    order = [(IdleSession("a", 200, 200, 7200.0), False), (IdleSession("b", 200, 200, 3600.0), True),
+             (IdleSession("c", 100, 100, 600.0), False), (IdleSession("d", 100, 100, 60.0), False)]
+    room = {"cpu": 1e12, "disk": 1e12}  # callers pass capacities: a full tier demotes its own victims
+    out = pol.stage_ahead(order, 950, 1000, cost, ["cpu"], room)
+    assert [(d.session, d.tier) for d in out] == [("a", "cpu"), ("c", "cpu")]
+    assert pol.stage_ahead(order, 850, 1000, cost, ["cpu"], room) == []  # below the high watermark
+    unmeasured = pol.stage_ahead(order, 950, 1000, None, ["disk", "cpu"], room)
+    assert [(d.session, d.tier) for d in unmeasured] == [("a", "disk"), ("c", "disk")]  # the first tier
+    slow = _cost(cpu=(5.0, 1e3))  # a tier slower than recompute is never written ahead
+    assert pol.stage_ahead(order, 950, 1000, slow, ["cpu"], room) == []
+
+
 def test_offload_never_targets_a_tier_slower_than_recompute():
     pol = PredictiveOffload()
     slow = _cost(cpu=(5.0, 1e3))  # 5 s latency, 1 KB/s: recompute (1 ms/token) always wins

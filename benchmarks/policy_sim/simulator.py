@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Hashable
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 
 from kvtier.benchmarks.policy_sim.systems import SystemSpec
@@ -182,6 +183,10 @@ class Simulator:
         """Chunk -> the session that used it last."""
         self._by_session: dict[Hashable, set[Hashable]] = {}
         """Session -> the chunks it owns that are in the GPU."""
+        self._recent: OrderedDict[Hashable, None] = OrderedDict()
+        """Sessions holding GPU chunks, least recently run first: the order in which
+        kvtier's GPU lets idle sessions go (its eviction ranks by idle time when tiers
+        pay), and so the order in which it stores them ahead of need."""
         self._unstaged: set[Hashable] = set()
         """Idle sessions with GPU chunks that have no copy below yet (what a watermark
         offload may pre-stage)."""
@@ -190,6 +195,7 @@ class Simulator:
         self._infos: dict[Hashable, ChunkInfo] = {}
         """What the eviction policies know of each chunk held anywhere (its session and
         position travel with it down the tiers)."""
+        self._tiers_worth = self._tiers_pay()
         self.gpu.on_remove = self._left_gpu
         for st in self.tiers:
             st.on_remove = self._forget_if_gone
@@ -206,6 +212,7 @@ class Simulator:
             held.discard(key)
             if not held:
                 del self._by_session[owner]
+                self._recent.pop(owner, None)
 
     # ------------------------------------------------------------------ helpers
     def _policy(self, name: str, gpu: bool = False) -> EvictionPolicy:
@@ -436,6 +443,8 @@ class Simulator:
                 self.res.overcommits += 1
                 continue
             self._by_session.setdefault(t.session, set()).add(key)
+            self._recent[t.session] = None
+            self._recent.move_to_end(t.session)
             self._infos[key] = info
             if self.gpu.used > self.gpu.capacity:
                 self.res.overcommits += 1
@@ -472,6 +481,8 @@ class Simulator:
                    if t.tokens_of(i) == t.chunk_tokens and not self.gpu.has(k)) * self.bpt
         done = now
         pinned = self._pinned | set(keys)
+        if self.spec.predictive and self._tiers_worth and self.gpu.used + need > self.gpu.capacity:
+            self._drop_stored_first(need, pinned, now)
         while self.gpu.used + need > self.gpu.capacity:
             v = self.gpu.policy.victim(now, pinned)
             if v is None:
@@ -481,6 +492,36 @@ class Simulator:
             self.gpu.evictions += 1
             done = max(done, self._evict_from_gpu([(v, nbytes)], now))
         return done
+
+    def _next_to_leave(self, now: float, pinned: set | frozenset) -> Iterator[tuple[Hashable, int, list]]:
+        """Idle sessions in the order the GPU lets them go (id, tokens held, unpinned
+        chunks), as far as making room down to the low watermark reaches."""
+        ahead = self.gpu.used // self.bpt - self.offload.watermarks.low * (self.gpu.capacity // self.bpt)
+        for sid in self._recent:
+            if ahead <= 0:
+                return
+            if self.sessions[sid].busy_until > now:
+                continue
+            keys = [k for k in self._by_session.get(sid, ()) if k not in pinned]
+            if not keys:
+                continue
+            tokens = len(keys) * self.w.chunk_tokens  # the GPU holds full chunks only
+            ahead -= tokens
+            yield sid, tokens, keys
+
+    def _drop_stored_first(self, need: int, pinned: set, now: float) -> None:
+        """Making room takes the next victims that are stored below already: their
+        blocks go without a write on the admission path."""
+        stored = [keys for _, _, keys in self._next_to_leave(now, pinned)
+                  if all(self._where(k) is not None for k in keys)]
+        for keys in stored:
+            for key in sorted(keys, key=lambda k: -self._infos[k].index if k in self._infos else 0):
+                if self.gpu.used + need <= self.gpu.capacity:
+                    return
+                nbytes = self.gpu.items[key]
+                self.gpu.remove(key)
+                self.gpu.evictions += 1
+                self._evict_from_gpu([(key, nbytes)], now)  # stored: a drop
 
     def _unpin_finished(self, now: float) -> None:
         while self._ends and self._ends[0][0] <= now:
@@ -500,10 +541,19 @@ class Simulator:
         return plan_restore(self.cost, chunks, t.prompt_tokens, gpu_tokens).load_chunks
 
     def _watermark_offload(self, now: float) -> None:
-        """Above the high watermark, idle sessions predicted to stay away longest leave."""
+        """Above the high watermark idle sessions are stored below ahead of need, keeping
+        their GPU blocks (the live engine's pre-stage and stage-ahead)."""
         cap_tokens = int(self.gpu.capacity // self.bpt)
         used_tokens = self.gpu.used // self.bpt
-        if used_tokens <= self.offload.watermarks.high * cap_tokens or now < self._links_busy_until:
+        if used_tokens <= self.offload.watermarks.high * cap_tokens:
+            return
+        self._prestage_into_empty_space(now, used_tokens, cap_tokens)
+        self._stage_ahead(now, used_tokens, cap_tokens)
+
+    def _prestage_into_empty_space(self, now: float, used_tokens: int, cap_tokens: int) -> None:
+        """Idle sessions predicted to stay away longest are stored into the tiers' empty
+        space (never displacing a copy), keeping their GPU blocks."""
+        if now < self._links_busy_until:
             return
         cands = []
         for sid in list(self._unstaged):
@@ -543,3 +593,24 @@ class Simulator:
         if busy_until < math.inf:
             # Every pick waits for a busy link: nothing to do until the first one frees.
             self._links_busy_until = busy_until
+
+    def _stage_ahead(self, now: float, used_tokens: int, cap_tokens: int) -> None:
+        """Store the GPU's next victims before a turn needs their room (the live engine's
+        stage-ahead): a full tier makes room by demoting its own victims, as the write on
+        the admission path would have; a busy link is left to its reads."""
+        if not self._tiers_worth:
+            return
+        names = [t.name for t in self.tiers]
+        order = ((IdleSession(sid, tokens, tokens, self._next_s(sid, now)),
+                  all(self._where(k) is not None for k in keys))
+                 for sid, tokens, keys in self._next_to_leave(now, self._pinned))
+        room = {t.name: t.capacity for t in self.tiers}
+        for d in self.offload.stage_ahead(order, used_tokens, cap_tokens, self.cost, names, room):
+            if self.links[d.tier].free_at > now:
+                return
+            ti = names.index(d.tier)
+            for key in [k for k in self._by_session.get(d.session, ()) if k not in self._pinned]:
+                if self._where(key) is None:
+                    nbytes = self.gpu.items[key]
+                    self._write(ti, key, nbytes // self.bpt, self._infos.get(key) or ChunkInfo(nbytes), now)
+                    self._count(self.res.decisions, f"stage_ahead_{d.tier}")
