@@ -578,7 +578,8 @@ class Engine:
         # Sessions stored already go first: they leave without a write.
         stored = [(sid, g, p) for sid, g, p, done in idle if done]
         chosen = self.policy.offloads(stored, used, bp.num_blocks * bs, room, force)
-        used -= sum(g for sid, g, _, _ in idle if sid in {d.session for d in chosen})
+        leaving = {d.session for d in chosen if d.tier is not None}
+        used -= sum(g for sid, g, _, _ in idle if sid in leaving)
         rest = [(sid, g, p) for sid, g, p, done in idle if not done]
         chosen += self.policy.offloads(rest, used, bp.num_blocks * bs, room, force)
         for d in chosen:
