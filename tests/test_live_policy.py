@@ -96,6 +96,15 @@ def test_engine_finds_the_model_directory_profile(model_dir, tmp_path):
         bare.close()
 
 
+def _assert_old_restored_and_replies_match(late_reply, second, expected):
+    """The late session's reply and every second turn equal an engine that never offloads;
+    "old" came back from a tier."""
+    assert late_reply.token_ids == expected["late"][0]
+    assert second["old"].stats.restored_tokens > 0
+    assert {s: r.token_ids for s, r in second.items()} == {s: v[1] for s, v in expected.items()
+                                                           if s != "late"}
+
+
 def test_watermark_prestages_the_session_away_longest_first(model_dir, tmp_path):
     """A pool past its high watermark pre-stages idle sessions: the one idle for two hours
     is stored and keeps its blocks, the ones that finished recently are not stored. When a
@@ -137,10 +146,7 @@ def test_watermark_prestages_the_session_away_longest_first(model_dir, tmp_path)
         second = {s: eng.chat(s, "More?", GREEDY) for s, _ in names}
     finally:
         eng.close()
-    assert late_reply.token_ids == expected["late"][0]
-    assert second["old"].stats.restored_tokens > 0
-    assert {s: r.token_ids for s, r in second.items()} == {s: v[1] for s, v in expected.items()
-                                                           if s != "late"}
+    _assert_old_restored_and_replies_match(late_reply, second, expected)
 
 
 def test_a_full_tier_still_takes_the_next_victim_ahead_of_need(model_dir, tmp_path):
@@ -189,16 +195,12 @@ def test_a_full_tier_still_takes_the_next_victim_ahead_of_need(model_dir, tmp_pa
         assert cpu.stats.bytes_written > written and cpu.stats.evictions > 0  # the filler's tail went
         staged = cpu.stats.bytes_written
         late_reply = eng.chat(*late, GREEDY, system=SYSTEM)
-
         assert eng.sessions["old"].offloaded and not eng.sessions["mid"].offloaded
         assert cpu.stats.bytes_written == staged  # it left without a write
         second = {s: eng.chat(s, "More?", GREEDY) for s, _ in names}
     finally:
         eng.close()
-    assert late_reply.token_ids == expected["late"][0]
-    assert second["old"].stats.restored_tokens > 0
-    assert {s: r.token_ids for s, r in second.items()} == {s: v[1] for s, v in expected.items()
-                                                           if s != "late"}
+    _assert_old_restored_and_replies_match(late_reply, second, expected)
 
 
 def test_think_times_are_learned_from_the_engine_clock(model_dir, tmp_path):
