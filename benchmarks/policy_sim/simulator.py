@@ -195,14 +195,23 @@ class Simulator:
         self._infos: dict[Hashable, ChunkInfo] = {}
         """What the eviction policies know of each chunk held anywhere (its session and
         position travel with it down the tiers)."""
+        self._unstored: dict[Hashable, set[Hashable]] = {}
+        """Session -> its GPU chunks that no tier holds a copy of (kept as chunks move,
+        so stage-ahead need not look every chunk up at every turn)."""
         self._tiers_worth = self._tiers_pay()
         self.gpu.on_remove = self._left_gpu
         for st in self.tiers:
             st.on_remove = self._forget_if_gone
 
     def _forget_if_gone(self, key: Hashable) -> None:
-        if not self.gpu.has(key) and self._where(key) is None:
+        if self._where(key) is not None:
+            return
+        if not self.gpu.has(key):
             self._infos.pop(key, None)
+            return
+        owner = self._owner.get(key)  # a tier let go of the last copy of a GPU chunk
+        if key in self._by_session.get(owner, ()):
+            self._unstored.setdefault(owner, set()).add(key)
 
     def _left_gpu(self, key: Hashable) -> None:
         self._forget_if_gone(key)
@@ -210,6 +219,7 @@ class Simulator:
         held = self._by_session.get(owner)
         if held is not None:
             held.discard(key)
+            self._unstored.get(owner, set()).discard(key)
             if not held:
                 del self._by_session[owner]
                 self._recent.pop(owner, None)
@@ -288,6 +298,7 @@ class Simulator:
         victims = st.add(key, tokens * self.bpt, info, now, _NO_PINS)
         if victims is None:
             return now
+        self._unstored.get(self._owner.get(key), set()).discard(key)
         cost = self.cost.store_time(st.name, tokens)
         done = self.links[st.name].transfer(now, cost)
         self._count(self.res.write_bytes, st.name, tokens * self.bpt)
@@ -443,6 +454,8 @@ class Simulator:
                 self.res.overcommits += 1
                 continue
             self._by_session.setdefault(t.session, set()).add(key)
+            if self._where(key) is None:
+                self._unstored.setdefault(t.session, set()).add(key)
             self._recent[t.session] = None
             self._recent.move_to_end(t.session)
             self._infos[key] = info
@@ -509,11 +522,14 @@ class Simulator:
             ahead -= tokens
             yield sid, tokens, keys
 
+    def _all_stored(self, session: Hashable, pinned: set | frozenset) -> bool:
+        """Every unpinned GPU chunk of ``session`` has a copy in some tier."""
+        return all(k in pinned for k in self._unstored.get(session, ()))
+
     def _drop_stored_first(self, need: int, pinned: set, now: float) -> None:
         """Making room takes the next victims that are stored below already: their
         blocks go without a write on the admission path."""
-        stored = [keys for _, _, keys in self._next_to_leave(now, pinned)
-                  if all(self._where(k) is not None for k in keys)]
+        stored = [keys for sid, _, keys in self._next_to_leave(now, pinned) if self._all_stored(sid, pinned)]
         for keys in stored:
             for key in sorted(keys, key=lambda k: -self._infos[k].index if k in self._infos else 0):
                 if self.gpu.used + need <= self.gpu.capacity:
@@ -598,14 +614,17 @@ class Simulator:
         """Store the GPU's next victims before a turn needs their room (the live engine's
         stage-ahead): a full tier makes room by demoting its own victims, as the write on
         the admission path would have; a busy link is left to its reads."""
-        if not self._tiers_worth:
+        if not self._tiers_worth or all(link.free_at > now for link in self.links.values()):
             return
         names = [t.name for t in self.tiers]
-        order = ((IdleSession(sid, tokens, tokens, self._next_s(sid, now)),
-                  all(self._where(k) is not None for k in keys))
-                 for sid, tokens, keys in self._next_to_leave(now, self._pinned))
+
+        def order():
+            for sid, tokens, _ in self._next_to_leave(now, self._pinned):
+                stored = self._all_stored(sid, self._pinned)  # then skipped: no prediction needed
+                yield IdleSession(sid, tokens, tokens, 0.0 if stored else self._next_s(sid, now)), stored
+
         room = {t.name: t.capacity for t in self.tiers}
-        for d in self.offload.stage_ahead(order, used_tokens, cap_tokens, self.cost, names, room):
+        for d in self.offload.stage_ahead(order(), used_tokens, cap_tokens, self.cost, names, room):
             if self.links[d.tier].free_at > now:
                 return
             ti = names.index(d.tier)
