@@ -628,8 +628,7 @@ class Simulator:
             if self.links[d.tier].free_at > now:
                 return
             ti = names.index(d.tier)
-            for key in [k for k in self._by_session.get(d.session, ()) if k not in self._pinned]:
-                if self._where(key) is None:
-                    nbytes = self.gpu.items[key]
-                    self._write(ti, key, nbytes // self.bpt, self._infos.get(key) or ChunkInfo(nbytes), now)
-                    self._count(self.res.decisions, f"stage_ahead_{d.tier}")
+            for key in [k for k in self._unstored.get(d.session, ()) if k not in self._pinned]:
+                nbytes = self.gpu.items[key]
+                self._write(ti, key, nbytes // self.bpt, self._infos.get(key) or ChunkInfo(nbytes), now)
+                self._count(self.res.decisions, f"stage_ahead_{d.tier}")
