@@ -22,12 +22,16 @@ back to the slower tier (``docs/policies.md``).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
+from typing import TypeVar
 
 from kvtier.errors import InvalidArgumentError
 from kvtier.policies.cost_model import CostModel
 from kvtier.policies.registry import register
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,10 @@ class Watermarks:
             raise InvalidArgumentError(
                 f"watermarks need 0 < low <= high <= 1, got low={self.low} high={self.high}"
             )
+
+
+def _held(pair: tuple[IdleSession, bool]) -> int:
+    return pair[0].gpu_tokens
 
 
 def worth_storing(cost: CostModel, tier: str, tokens: int, chunk_tokens: int = 256) -> bool:
@@ -121,6 +129,27 @@ class PredictiveOffload:
             used -= s.gpu_tokens
         return out
 
+    def leaving_next(
+        self,
+        in_eviction_order: Iterable[T],
+        gpu_used_tokens: int,
+        gpu_capacity_tokens: int,
+        tokens: Callable[[T], int] = attrgetter("gpu_tokens"),
+    ) -> Iterator[T]:
+        """The idle sessions (in the pool's victim order; ``tokens`` gives what each holds)
+        that making room down to the low watermark would let go; none at or below the
+        high watermark. These are what stage-ahead stores, and what a tier keeps copies of
+        even when full: they are the copies that let the pool free blocks with no write."""
+        cap = max(gpu_capacity_tokens, 1)
+        if gpu_used_tokens <= self.watermarks.high * cap:
+            return
+        ahead = gpu_used_tokens - self.watermarks.low * cap
+        for s in in_eviction_order:
+            if ahead <= 0:
+                return
+            ahead -= tokens(s)
+            yield s
+
     def stage_ahead(
         self,
         in_eviction_order: Iterable[tuple[IdleSession, bool]],
@@ -136,15 +165,9 @@ class PredictiveOffload:
         high watermark only; sessions no tier pays for are left out (they are dropped when
         their turn comes). Without a cost model (nothing measured) each goes to the first
         tier."""
-        cap = max(gpu_capacity_tokens, 1)
-        if gpu_used_tokens <= self.watermarks.high * cap:
-            return []
-        ahead = gpu_used_tokens - self.watermarks.low * cap
         out: list[OffloadDecision] = []
-        for s, stored in in_eviction_order:
-            if ahead <= 0:
-                break
-            ahead -= s.gpu_tokens
+        reach = self.leaving_next(in_eviction_order, gpu_used_tokens, gpu_capacity_tokens, _held)
+        for s, stored in reach:
             if stored:
                 continue
             if cost is None:

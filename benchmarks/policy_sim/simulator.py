@@ -17,6 +17,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 from kvtier.benchmarks.policy_sim.systems import SystemSpec
 from kvtier.benchmarks.policy_sim.workloads import Turn, Workload
@@ -167,6 +168,12 @@ class Simulator:
         self.think = ThinkTimeModel()
         self.sessions: dict[Hashable, _Session] = {}
         self._tier_bytes = tier_bytes
+        self._leaving: set[Hashable] = set()
+        """Idle sessions the GPU lets go next (stage-ahead's reach): the tiers keep their
+        copies, which are what lets their blocks go with no write."""
+        self._landing: dict[Hashable, float] = {}
+        """GPU chunk -> when its copy written ahead of need is down (its blocks may go
+        only then)."""
         self.gpu = Store("gpu", gpu_bytes, self._policy(system.gpu_eviction, gpu=True))
         names = [t for t in cost.tiers if system.use_tiers and tier_bytes.get(t, 0) > 0]
         self.tiers = [Store(t, tier_bytes[t], self._policy(system.tier_eviction)) for t in names]
@@ -230,7 +237,7 @@ class Simulator:
             return CostAware(half_life_s=1.0)  # value ~ recompute cost / idle time
         pol = make_eviction(name)
         if isinstance(pol, SessionAware) and self.spec.predictive and (not gpu or not self._tiers_pay()):
-            pol.predictor = self._predict
+            pol.predictor = self._predict if gpu else self._tier_rank
         return pol
 
     def _tiers_pay(self) -> bool:
@@ -264,6 +271,13 @@ class Simulator:
         """Eviction rank of a session (higher: evict sooner); running sessions stay."""
         p = self._predicted(session, now)
         return -1.0 if p is None else p[0]
+
+    def _tier_rank(self, session: Hashable, now: float) -> float:
+        """A tier's eviction rank: a session the GPU lets go next keeps its copy (as a
+        running one does); the rest by prediction."""
+        if session in self._leaving and session in self._by_session:
+            return -1.0
+        return self._predict(session, now)
 
     def _next_s(self, session: Hashable, now: float) -> float:
         p = self._predicted(session, now)
@@ -301,6 +315,8 @@ class Simulator:
         self._unstored.get(self._owner.get(key), set()).discard(key)
         cost = self.cost.store_time(st.name, tokens)
         done = self.links[st.name].transfer(now, cost)
+        if self.gpu.has(key):
+            self._landing[key] = done
         self._count(self.res.write_bytes, st.name, tokens * self.bpt)
         if self.spec.cascade and tier_index + 1 < len(self.tiers):
             for vkey, vbytes in victims:
@@ -316,8 +332,11 @@ class Simulator:
         done = now
         for key, nbytes in victims:
             tokens = nbytes // self.bpt
+            landing = self._landing.pop(key, now)
             if not self.spec.offload_on_evict or not self.tiers or self._where(key) is not None:
                 self._count(self.res.decisions, "gpu_drop")
+                if self.spec.offload_on_evict:  # written ahead: its blocks go once it is down
+                    done = max(done, landing)
                 continue
             target = 0
             if self.spec.predictive:
@@ -506,21 +525,21 @@ class Simulator:
             done = max(done, self._evict_from_gpu([(v, nbytes)], now))
         return done
 
-    def _next_to_leave(self, now: float, pinned: set | frozenset) -> Iterator[tuple[Hashable, int, list]]:
+    def _next_to_leave(self, now: float, pinned: set | frozenset, used_bytes: float) -> Iterator[tuple[Hashable, int, list]]:
         """Idle sessions in the order the GPU lets them go (id, tokens held, unpinned
-        chunks), as far as making room down to the low watermark reaches."""
-        ahead = self.gpu.used // self.bpt - self.offload.watermarks.low * (self.gpu.capacity // self.bpt)
+        chunks), as far as making room from ``used_bytes`` down to the low watermark
+        reaches (:meth:`PredictiveOffload.leaving_next`)."""
+        cap_tokens = int(self.gpu.capacity // self.bpt)
+        return self.offload.leaving_next(
+            self._idle_in_victim_order(now, pinned), int(used_bytes // self.bpt), cap_tokens, itemgetter(1))
+
+    def _idle_in_victim_order(self, now: float, pinned: set | frozenset) -> Iterator[tuple[Hashable, int, list]]:
         for sid in self._recent:
-            if ahead <= 0:
-                return
             if self.sessions[sid].busy_until > now:
                 continue
             keys = [k for k in self._by_session.get(sid, ()) if k not in pinned]
-            if not keys:
-                continue
-            tokens = len(keys) * self.w.chunk_tokens  # the GPU holds full chunks only
-            ahead -= tokens
-            yield sid, tokens, keys
+            if keys:
+                yield sid, len(keys) * self.w.chunk_tokens, keys  # the GPU holds full chunks only
 
     def _all_stored(self, session: Hashable, pinned: set | frozenset) -> bool:
         """Every unpinned GPU chunk of ``session`` has a copy in some tier."""
@@ -529,7 +548,8 @@ class Simulator:
     def _drop_stored_first(self, need: int, pinned: set, now: float) -> None:
         """Making room takes the next victims that are stored below already: their
         blocks go without a write on the admission path."""
-        stored = [keys for sid, _, keys in self._next_to_leave(now, pinned) if self._all_stored(sid, pinned)]
+        reach = self._next_to_leave(now, pinned, self.gpu.used + need)
+        stored = [keys for sid, _, keys in reach if self._all_stored(sid, pinned)]
         for keys in stored:
             for key in sorted(keys, key=lambda k: -self._infos[k].index if k in self._infos else 0):
                 if self.gpu.used + need <= self.gpu.capacity:
@@ -562,9 +582,12 @@ class Simulator:
         cap_tokens = int(self.gpu.capacity // self.bpt)
         used_tokens = self.gpu.used // self.bpt
         if used_tokens <= self.offload.watermarks.high * cap_tokens:
+            self._leaving = set()
             return
+        reach = list(self._next_to_leave(now, self._pinned, self.gpu.used))
+        self._leaving = {sid for sid, _, _ in reach}
         self._prestage_into_empty_space(now, used_tokens, cap_tokens)
-        self._stage_ahead(now, used_tokens, cap_tokens)
+        self._stage_ahead(now, used_tokens, cap_tokens, reach)
 
     def _prestage_into_empty_space(self, now: float, used_tokens: int, cap_tokens: int) -> None:
         """Idle sessions predicted to stay away longest are stored into the tiers' empty
@@ -610,16 +633,18 @@ class Simulator:
             # Every pick waits for a busy link: nothing to do until the first one frees.
             self._links_busy_until = busy_until
 
-    def _stage_ahead(self, now: float, used_tokens: int, cap_tokens: int) -> None:
-        """Store the GPU's next victims before a turn needs their room (the live engine's
-        stage-ahead): a full tier makes room by demoting its own victims, as the write on
-        the admission path would have; a busy link is left to its reads."""
+    def _stage_ahead(self, now: float, used_tokens: int, cap_tokens: int, reach: list) -> None:
+        """Store the GPU's next victims (``reach``, from :meth:`_next_to_leave`) before a
+        turn needs their room (the live engine's stage-ahead): a full tier makes room by
+        demoting its own victims, as the write on the admission path would have, and keeps
+        these copies while their sessions are next to leave; a busy link is left to its
+        reads."""
         if not self._tiers_worth or all(link.free_at > now for link in self.links.values()):
             return
         names = [t.name for t in self.tiers]
 
         def order():
-            for sid, tokens, _ in self._next_to_leave(now, self._pinned):
+            for sid, tokens, _ in reach:
                 stored = self._all_stored(sid, self._pinned)  # then skipped: no prediction needed
                 yield IdleSession(sid, tokens, tokens, 0.0 if stored else self._next_s(sid, now)), stored
 
