@@ -315,6 +315,8 @@ class Engine:
     def _set_resident(self, session: ChatSession, resident: bool) -> None:
         """Track which blocks resident sessions hold, so an offload costs O(its own blocks)."""
         old = self._resident_hashes.pop(session.session_id, None)
+        if not resident and self.policy is not None:
+            self.policy.left_pool(session.session_id)
         count = self._resident_count
         for h in old or ():
             count[h] -= 1
@@ -518,7 +520,10 @@ class Engine:
         bs = self.runner.pool.block_size
         used = (bp.num_blocks - bp.num_empty) * bs
         assert self.policy is not None and self.kv is not None
-        if self._pending or used <= self.policy.options.watermarks.high * bp.num_blocks * bs:
+        if used <= self.policy.options.watermarks.high * bp.num_blocks * bs:
+            self.policy.leaving.clear()  # no pressure: no copy needs keeping for the pool
+            return
+        if self._pending:
             return  # one batch of pre-stages at a time: they never queue ahead of reads
         idle = self._idle_sessions()
         tiers = self.kv.manager.tiers

@@ -60,12 +60,16 @@ class LivePolicy:
         self.offload = PredictiveOffload(self.options.watermarks, chunk_tokens)
         self.idle_since: dict[Hashable, float] = {}
         self.decisions: Counter[str] = Counter()
+        self.leaving: set[Hashable] = set()
+        """Idle sessions the pool lets go next (stage-ahead's reach): the tiers keep their
+        copies, which let their blocks go with no write on the admission path."""
         self._next_check = -float("inf")
 
     # ---------------------------------------------------------------- sessions
     def turn_started(self, session: Hashable) -> None:
         """A turn arrived: the gap since the last one ended teaches the think-time model."""
         since = self.idle_since.pop(session, None)
+        self.leaving.discard(session)
         if since is not None:
             self.think.observe(session, max(self.clock() - since, 0.0))
 
@@ -73,14 +77,20 @@ class LivePolicy:
         self.idle_since[session] = self.clock()
         self.think.turn_ended(session)
 
+    def left_pool(self, session: Hashable) -> None:
+        """Its blocks are gone: what the tiers hold of it is ranked like any other copy."""
+        self.leaving.discard(session)
+
     def forget(self, session: Hashable) -> None:
+        self.leaving.discard(session)
         self.idle_since.pop(session, None)
         self.think.forget(session)
 
     def eviction_rank(self, session: Hashable, _now: float | None = None) -> float:
-        """For a tier's session-aware eviction: higher = give up sooner (running: -1)."""
+        """For a tier's session-aware eviction: higher = give up sooner (running, or next
+        to leave the pool: -1)."""
         since = self.idle_since.get(session)
-        if since is None:
+        if since is None or session in self.leaving:
             return -1.0
         return self.think.eviction_rank(session, max(self.clock() - since, 0.0))
 
@@ -174,8 +184,10 @@ class LivePolicy:
         Without measured costs every such session goes to the fastest tier."""
         sessions = [(IdleSession(s, g, p, self.predicted_next_s(s)), done) for s, g, p, done in idle]
         order = sorted(sessions, key=lambda x: -x[0].predicted_next_s)  # decide()'s order
+        reach = list(self.offload.leaving_next(order, used_tokens, capacity_tokens, lambda x: x[0].gpu_tokens))
+        self.leaving = {s.session for s, _ in reach}
         names = list(self.tier_names) if self.cost is None else [t for t in self.tier_names if t in self.cost.tiers]
-        out = self.offload.stage_ahead(order, used_tokens, capacity_tokens, self.cost, names, room_bytes)
+        out = self.offload.stage_ahead(reach, used_tokens, capacity_tokens, self.cost, names, room_bytes)
         for d in out:
             self.decisions[f"stage_ahead_{d.tier}"] += 1
         return out

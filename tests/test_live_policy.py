@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvtier.chunk_keys import chunk_keys
 from kvtier.config import TiersConfig
 from kvtier.engine import Engine, EngineOptions
 from kvtier.live_policy import PROFILE_NAME, PolicyOptions
@@ -149,6 +150,19 @@ def test_watermark_prestages_the_session_away_longest_first(model_dir, tmp_path)
     _assert_old_restored_and_replies_match(late_reply, second, expected)
 
 
+def _cpu_only(tmp_path, cpu_bytes: int) -> TiersConfig:
+    return TiersConfig(cpu_bytes=cpu_bytes, disk_bytes=0, disk_dir=str(tmp_path / "chunks"), disk_fsync=False)
+
+
+def _chunk_slot(model_dir, tmp_path) -> tuple[int, str]:
+    """Bytes of one 64-token chunk slot in the CPU tier, and the model's fingerprint."""
+    probe = Engine(model_dir, EngineOptions(num_blocks=16, tiers=_cpu_only(tmp_path, 1 << 20), chunk_tokens=64))
+    try:
+        return probe.tiers.tiers[0].slot_bytes, probe.runner.fingerprint.hex()
+    finally:
+        probe.close()
+
+
 def test_a_full_tier_still_takes_the_next_victim_ahead_of_need(model_dir, tmp_path):
     """The CPU tier is nearly full (another session was offloaded there), so pre-staging
     into empty space finds no room for the idle session away longest; staging ahead stores
@@ -159,18 +173,12 @@ def test_a_full_tier_still_takes_the_next_victim_ahead_of_need(model_dir, tmp_pa
     turns = [(s, f"{s} asks: {FIRST}") for s, _ in names]
     late = ("late", "Hi")  # does not fit the 8 empty blocks: "old" alone makes the room
     expected = _expected(model_dir, tmp_path, turns + [late] + [(s, "More?") for s, _ in names])
-    def tiers(cpu_bytes):
-        return TiersConfig(cpu_bytes=cpu_bytes, disk_bytes=0, disk_dir=str(tmp_path / "chunks"),
-                           disk_fsync=False)
-
-    probe = Engine(model_dir, EngineOptions(num_blocks=16, tiers=tiers(1 << 20), chunk_tokens=64))
-    slot = probe.tiers.tiers[0].slot_bytes  # one chunk
-    probe.close()
+    slot, fingerprint = _chunk_slot(model_dir, tmp_path)
     # Four chunk slots: the filler takes three, "old" needs two (its first is the shared
     # system prompt's, stored already). By the cost model's count (600 bytes a token, 160
     # tokens) it needs 96 KB: more than the empty space, less than the tier.
-    prof = _profile(tmp_path / "p.json", probe.runner.fingerprint.hex(), 1e12, kv_bytes_per_token=600)
-    opts = EngineOptions(num_blocks=24, tiers=tiers(4 * slot), chunk_tokens=64, policy=PolicyOptions(
+    prof = _profile(tmp_path / "p.json", fingerprint, 1e12, kv_bytes_per_token=600)
+    opts = EngineOptions(num_blocks=24, tiers=_cpu_only(tmp_path, 4 * slot), chunk_tokens=64, policy=PolicyOptions(
         profile=prof, watermarks=Watermarks(high=0.65, low=0.65), check_every_s=7200.0))
     eng = Engine(model_dir, opts, clock=lambda: now[0])
     try:
@@ -197,6 +205,61 @@ def test_a_full_tier_still_takes_the_next_victim_ahead_of_need(model_dir, tmp_pa
         late_reply = eng.chat(*late, GREEDY, system=SYSTEM)
         assert eng.sessions["old"].offloaded and not eng.sessions["mid"].offloaded
         assert cpu.stats.bytes_written == staged  # it left without a write
+        second = {s: eng.chat(s, "More?", GREEDY) for s, _ in names}
+    finally:
+        eng.close()
+    _assert_old_restored_and_replies_match(late_reply, second, expected)
+
+
+def test_a_tier_keeps_the_copy_of_a_session_the_pool_lets_go_next(model_dir, tmp_path):
+    """"old" is stored ahead of need and still holds its blocks. Another write then fills
+    the CPU tier, and by its think-time ranking "old" (idle longest) would be the victim;
+    but the pool lets "old" go next and that copy is what lets it go without a write, so
+    the tier gives up the filler's chunks instead. The turn that needs the room frees
+    "old" with nothing written; replies match."""
+    now = [0.0]
+    names = (("old", 0.0), ("filler", 10.0), ("mid", 3600.0), ("new", 7190.0))
+    turns = [(s, f"{s} asks: {FIRST}") for s, _ in names]
+    late = ("late", "Hi")  # does not fit the empty blocks: "old" alone makes the room
+    expected = _expected(model_dir, tmp_path, turns + [late] + [(s, "More?") for s, _ in names])
+    slot, fingerprint = _chunk_slot(model_dir, tmp_path)
+    prof = _profile(tmp_path / "p.json", fingerprint, 1e12, kv_bytes_per_token=600)
+    # Five chunk slots: the filler's three (the first one the shared system prompt's) and
+    # "old"'s own two fill it.
+    opts = EngineOptions(num_blocks=24, tiers=_cpu_only(tmp_path, 5 * slot), chunk_tokens=64,
+                         policy=PolicyOptions(profile=prof, watermarks=Watermarks(high=0.65, low=0.65),
+                                              check_every_s=7200.0))
+    eng = Engine(model_dir, opts, clock=lambda: now[0])
+    try:
+        for (sid, msg), (_, t) in zip(turns, names, strict=True):
+            now[0] = t
+            eng.chat(sid, msg, GREEDY, system=SYSTEM)
+            if sid == "filler":
+                eng.offload("filler", "cpu")
+        now[0] = 7200.0
+        eng.step()
+        eng._settle_offloads(block=True)
+        assert eng.policy.leaving == {"old"}
+        old = eng.sessions["old"]
+        assert not old.offloaded and old.stored_tokens > 0
+
+        def old_copy() -> int:  # leading chunks of "old" the tiers hold
+            keys = chunk_keys(old.token_ids[: old.stored_tokens], 64, eng.runner.fingerprint)
+            return eng.kv.manager.lookup([k.key for k in keys]).length
+
+        held = old_copy()
+        assert held > 0
+        cpu = eng.tiers.tiers[0]
+        evicted = cpu.stats.evictions
+        assert eng.policy.eviction_rank("old") == -1.0 < eng.policy.eviction_rank("filler")
+        eng.stage("new", "cpu")  # a write into the full tier; "new" keeps its blocks
+        eng._settle_offloads(block=True)
+        assert cpu.stats.evictions > evicted  # something went...
+        assert old_copy() == held  # ...but not the copy the pool is counting on
+        written = cpu.stats.bytes_written
+        late_reply = eng.chat(*late, GREEDY, system=SYSTEM)
+        assert old.offloaded and cpu.stats.bytes_written == written  # it left without a write
+        assert "old" not in eng.policy.leaving  # out of the pool: ranked like any copy again
         second = {s: eng.chat(s, "More?", GREEDY) for s, _ in names}
     finally:
         eng.close()
