@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier.errors import InvalidArgumentError
+from kvtier.live_policy import LivePolicy, PolicyOptions
 from kvtier.policies.cost_model import CostModel, LinearCost, PrefillCost, TierCost
 from kvtier.policies.eviction import (
     ARC,
@@ -183,6 +184,34 @@ def test_stage_ahead_stores_the_next_victims_as_far_as_making_room_reaches():
     assert [(d.session, d.tier) for d in unmeasured] == [("a", "disk"), ("c", "disk")]  # the first tier
     slow = _cost(cpu=(5.0, 1e3))  # a tier slower than recompute is never written ahead
     assert pol.stage_ahead(order, 950, 1000, slow, ["cpu"], room) == []
+
+
+def test_leaving_next_is_the_reach_of_making_room_and_the_live_tiers_keep_those_copies():
+    """Used 950 of 1000, low watermark 0.5: the first sessions in eviction order up to
+    450 tokens. The live policy's tiers rank those as running (-1) until they leave or
+    run again; others by their think-time rank."""
+    pol = PredictiveOffload(Watermarks(high=0.9, low=0.5))
+    order = [IdleSession("a", 200, 200, 0.0), IdleSession("b", 200, 200, 0.0),
+             IdleSession("c", 100, 100, 0.0), IdleSession("d", 100, 100, 0.0)]
+    assert [s.session for s in pol.leaving_next(order, 950, 1000)] == ["a", "b", "c"]
+    assert list(pol.leaving_next(order, 900, 1000)) == []  # at the high watermark: no pressure
+    now = [0.0]
+    live = LivePolicy(_cost(cpu=(0.0, 1e9)), ["cpu"], 256,
+                      PolicyOptions(watermarks=Watermarks(high=0.9, low=0.5)), clock=lambda: now[0])
+    for sid in "abcd":
+        live.turn_started(sid)
+        live.turn_ended(sid)
+        now[0] += 60.0
+    idle = [("a", 200, 200, True), ("b", 200, 200, False), ("c", 100, 100, False), ("d", 100, 100, False)]
+    staged = live.stage_ahead(idle, 950, 1000, {"cpu": 1e12})
+    assert [d.session for d in staged] == ["b", "c"]  # "a" is stored already
+    assert live.leaving == {"a", "b", "c"}
+    assert [live.eviction_rank(s) for s in "abc"] == [-1.0] * 3
+    assert live.eviction_rank("d") > 0
+    live.left_pool("a")  # offloaded: its copy is now the only one, ranked by prediction
+    live.turn_started("b")  # running again: out of the reach
+    assert live.leaving == {"c"}
+    assert live.eviction_rank("a") > live.eviction_rank("d") > 0
 
 
 def test_offload_never_targets_a_tier_slower_than_recompute():
