@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +82,10 @@ class Tier(ABC):
         """Store every chunk, or report per key why not. Existing keys are not rewritten.
         ``info`` (a :class:`~kvtier.policies.eviction.ChunkInfo` per key: its session and
         position) feeds the tier's eviction policy where the tier evicts by itself."""
+
+    def share(self, keys: Sequence[str], session: Hashable) -> None:  # noqa: B027 - optional hook
+        """``session``'s chain uses these stored chunks too (they were not written again);
+        a tier that evicts by session keeps them for both. Default: nothing to do."""
 
     @abstractmethod
     def get(self, keys: Sequence[str], layers: tuple[int, int] | None = None) -> list[bytes | None]:

@@ -10,7 +10,7 @@ each tier guards it with its lock.
 from __future__ import annotations
 
 import time
-from collections.abc import Container, Iterable, Iterator
+from collections.abc import Container, Hashable, Iterable, Iterator
 from typing import Generic, TypeVar
 
 from kvtier.policies.eviction import LRU, ChunkInfo, EvictionPolicy
@@ -56,6 +56,11 @@ class ChunkIndex(Generic[V]):
         self._entries[key] = (value, size)
         self.used_bytes += size
         self.policy.insert(key, info if info is not None else ChunkInfo(size), time.monotonic())
+
+    def share(self, key: str, session: Hashable) -> None:
+        """``session`` uses this chunk too (see :meth:`EvictionPolicy.share`)."""
+        if key in self._entries and session is not None:
+            self.policy.share(key, session)
 
     def pop(self, key: str) -> tuple[V, int] | None:
         entry = self._entries.pop(key, None)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -132,6 +132,8 @@ class CPUTier(Tier):
             for key, blob in chunks.items():
                 if key in self._index:
                     self._index.get(key)
+                    if info and key in info:
+                        self._index.share(key, info[key].session)
                     result.present.append(key)
                     continue
                 if len(blob) > self.slot_bytes:
@@ -166,6 +168,11 @@ class CPUTier(Tier):
         start = slot * self.slot_bytes
         evicted.append((victim, bytes(self._arena_view()[start : start + length])))
         return slot
+
+    def share(self, keys: Sequence[str], session: Hashable) -> None:
+        with self._lock:
+            for key in keys:
+                self._index.share(key, session)
 
     def get(
         self,

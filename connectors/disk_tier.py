@@ -26,7 +26,7 @@ import os
 import struct
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
@@ -181,6 +181,8 @@ class DiskTier(Tier):
             for key, blob in chunks.items():
                 if key in self._index:
                     self._index.get(key)
+                    if info and key in info:
+                        self._index.share(key, info[key].session)
                     result.present.append(key)
                     continue
                 if not KEY_RE.match(key):
@@ -305,6 +307,11 @@ class DiskTier(Tier):
             log.warning("disk tier %s: writing chunk %s failed: %s", self.directory, key, exc)
             return temp, _reason(exc)
         return temp, None
+
+    def share(self, keys: Sequence[str], session: Hashable) -> None:
+        with self._lock:
+            for key in keys:
+                self._index.share(key, session)
 
     # --- get ---------------------------------------------------------------------------
     def get(

@@ -205,6 +205,8 @@ class KVTransfer:
         """Encode a snapshot's chunks and put them in ``tier`` (any thread); ``owner`` (a
         session id) lets the tiers' eviction policy treat them as that session's chain."""
         report = SaveReport(tokens=0, keys=[k.key for k in snap.keys], already=snap.already)
+        if owner is not None and snap.already:  # a shared prefix, not written again
+            self.manager.share([k.key for k in snap.keys[: snap.already]], owner)
         if snap.ready is not None:
             snap.ready.synchronize()
         fp = self.runner.fingerprint

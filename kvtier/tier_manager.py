@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -258,6 +258,12 @@ class TierManager:
                     self.stats.demotion_failures += 1
 
         return on_evict
+
+    def share(self, keys: Sequence[str], session: Hashable) -> None:
+        """``session``'s chain uses these stored chunks too: every tier holding them keeps
+        them for both (see :meth:`Tier.share`)."""
+        for tier in self.tiers:
+            tier.share(keys, session)
 
     def delete(self, keys: Sequence[str]) -> int:
         n = 0

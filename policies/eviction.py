@@ -54,6 +54,10 @@ class EvictionPolicy(ABC):
         """New knowledge of a chunk (e.g. its session's predicted return); default: ignored."""
         return None
 
+    def share(self, key: Key, session: Hashable) -> None:
+        """``session``'s chain uses this chunk too (a shared prefix); default: ignored."""
+        return None
+
     @abstractmethod
     def __contains__(self, key: Key) -> bool: ...
 
@@ -385,6 +389,15 @@ class SessionAware(EvictionPolicy):
         if key in self:
             self.remove(key)
             self.insert(key, info, self._last.get(info.session, 0.0))
+
+    def share(self, key, session):
+        """A chunk two sessions' chains use is no longer one session's to lose: it joins
+        the shared chunks, which go last (evicting it with its first owner would cut the
+        other's stored prefix at its start)."""
+        owner = self._session_of.get(key)
+        if owner is not None and owner != session:
+            self.remove(key)
+            self._shared[key] = None
 
     def access(self, key, now):
         if key in self._shared:

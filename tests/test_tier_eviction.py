@@ -69,3 +69,35 @@ def test_unknown_tier_eviction_policy_is_a_config_error():
     with pytest.raises(ValueError, match="unknown eviction policy 'mru'.*session-aware"):
         TiersConfig(cpu_eviction="mru")
     assert TiersConfig().cpu_eviction == "session-aware"
+
+
+@pytest.mark.parametrize("kind", ["cpu", "disk"])
+def test_a_prefix_two_sessions_share_is_not_lost_with_its_first_owner(kind, tmp_path):
+    """Session "a" stores [sys, a1]; "b" stores [sys, b1], sys being there already. When
+    the tier then gives up "a" (away longest), sys stays: losing it would cut "b"'s stored
+    prefix at its start."""
+    away = {"a": 10.0, "b": 0.1}
+    tier = _tier(kind, tmp_path, 3, SessionAware(predictor=lambda s, now: away[s]))
+    try:
+        sys_key, sys_blob = _blob(1)
+        (a1, a1_blob), (b1, b1_blob) = _blob(2), _blob(3)
+        tier.put({sys_key: sys_blob, a1: a1_blob}, {sys_key: ChunkInfo(len(sys_blob), "a", 0),
+                                                     a1: ChunkInfo(len(a1_blob), "a", 1)})
+        res = tier.put({sys_key: sys_blob, b1: b1_blob}, {sys_key: ChunkInfo(len(sys_blob), "b", 0),
+                                                          b1: ChunkInfo(len(b1_blob), "b", 1)})
+        assert res.present == [sys_key]
+        tier.put(dict([_blob(98)]))  # "a"'s own chunk goes...
+        tier.put(dict([_blob(97)]))  # ...and then "b"'s, not the shared one
+        assert tier.contains_prefix([sys_key]) == 1 and tier.contains_prefix([a1]) == 0
+    finally:
+        tier.close()
+
+
+def test_sharing_a_chunk_already_stored_moves_it_out_of_its_first_owners_session():
+    policy = SessionAware(predictor=lambda s, now: {"a": 10.0, "b": 0.1}[s])
+    policy.insert("sys", ChunkInfo(1, "a", 0), 0.0)
+    policy.insert("b1", ChunkInfo(1, "b", 1), 0.0)
+    policy.share("sys", "a")  # its own owner: nothing changes
+    assert policy.victim(0.0) == "sys"
+    policy.share("sys", "b")
+    assert policy.victim(0.0) == "b1"  # the shared chunk goes last
