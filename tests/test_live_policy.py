@@ -150,6 +150,35 @@ def test_watermark_prestages_the_session_away_longest_first(model_dir, tmp_path)
     _assert_old_restored_and_replies_match(late_reply, second, expected)
 
 
+LATE = ("late", "Hi")
+"""A turn that does not fit in the empty blocks after the first turns of
+:func:`_after_first_turns`: one idle session alone makes its room."""
+
+
+def _after_first_turns(model_dir, tmp_path, names, cpu_slots: int, now: list[float]):
+    """An engine after each session in ``names`` ran one turn at its time, the filler then
+    offloaded to a CPU tier of ``cpu_slots`` chunk slots (high = low watermark 0.65, checked
+    at t=0 and t=7200 only); and the replies of an engine that never offloads."""
+    turns = [(s, f"{s} asks: {FIRST}") for s, _ in names]
+    expected = _expected(model_dir, tmp_path, turns + [LATE] + [(s, "More?") for s, _ in names])
+    slot, fingerprint = _chunk_slot(model_dir, tmp_path)
+    prof = _profile(tmp_path / "p.json", fingerprint, 1e12, kv_bytes_per_token=600)
+    opts = EngineOptions(num_blocks=24, tiers=_cpu_only(tmp_path, cpu_slots * slot), chunk_tokens=64,
+                         policy=PolicyOptions(profile=prof, watermarks=Watermarks(high=0.65, low=0.65),
+                                              check_every_s=7200.0))
+    eng = Engine(model_dir, opts, clock=lambda: now[0])
+    try:
+        for (sid, msg), (_, t) in zip(turns, names, strict=True):
+            now[0] = t
+            eng.chat(sid, msg, GREEDY, system=SYSTEM)
+            if sid == "filler":
+                eng.offload("filler", "cpu")
+    except BaseException:
+        eng.close()
+        raise
+    return eng, expected
+
+
 def _cpu_only(tmp_path, cpu_bytes: int) -> TiersConfig:
     return TiersConfig(cpu_bytes=cpu_bytes, disk_bytes=0, disk_dir=str(tmp_path / "chunks"), disk_fsync=False)
 
@@ -170,23 +199,11 @@ def test_a_full_tier_still_takes_the_next_victim_ahead_of_need(model_dir, tmp_pa
     have. The turn that then needs the room frees it without writing it; replies match."""
     now = [0.0]
     names = (("filler", 0.0), ("old", 10.0), ("mid", 3600.0), ("new", 7190.0))
-    turns = [(s, f"{s} asks: {FIRST}") for s, _ in names]
-    late = ("late", "Hi")  # does not fit the 8 empty blocks: "old" alone makes the room
-    expected = _expected(model_dir, tmp_path, turns + [late] + [(s, "More?") for s, _ in names])
-    slot, fingerprint = _chunk_slot(model_dir, tmp_path)
     # Four chunk slots: the filler takes three, "old" needs two (its first is the shared
     # system prompt's, stored already). By the cost model's count (600 bytes a token, 160
     # tokens) it needs 96 KB: more than the empty space, less than the tier.
-    prof = _profile(tmp_path / "p.json", fingerprint, 1e12, kv_bytes_per_token=600)
-    opts = EngineOptions(num_blocks=24, tiers=_cpu_only(tmp_path, 4 * slot), chunk_tokens=64, policy=PolicyOptions(
-        profile=prof, watermarks=Watermarks(high=0.65, low=0.65), check_every_s=7200.0))
-    eng = Engine(model_dir, opts, clock=lambda: now[0])
+    eng, expected = _after_first_turns(model_dir, tmp_path, names, 4, now)
     try:
-        for (sid, msg), (_, t) in zip(turns, names, strict=True):
-            now[0] = t
-            eng.chat(sid, msg, GREEDY, system=SYSTEM)
-            if sid == "filler":
-                eng.offload("filler", "cpu")
         cpu = eng.tiers.tiers[0]
         assert cpu.capacity_bytes - cpu.used_bytes < 160 * 600 <= cpu.capacity_bytes
         now[0] = 7200.0
@@ -202,7 +219,7 @@ def test_a_full_tier_still_takes_the_next_victim_ahead_of_need(model_dir, tmp_pa
         assert bp.num_blocks - bp.num_empty == used  # stored, not freed
         assert cpu.stats.bytes_written > written and cpu.stats.evictions > 0  # the filler's tail went
         staged = cpu.stats.bytes_written
-        late_reply = eng.chat(*late, GREEDY, system=SYSTEM)
+        late_reply = eng.chat(*LATE, GREEDY, system=SYSTEM)
         assert eng.sessions["old"].offloaded and not eng.sessions["mid"].offloaded
         assert cpu.stats.bytes_written == staged  # it left without a write
         second = {s: eng.chat(s, "More?", GREEDY) for s, _ in names}
@@ -219,23 +236,10 @@ def test_a_tier_keeps_the_copy_of_a_session_the_pool_lets_go_next(model_dir, tmp
     "old" with nothing written; replies match."""
     now = [0.0]
     names = (("old", 0.0), ("filler", 10.0), ("mid", 3600.0), ("new", 7190.0))
-    turns = [(s, f"{s} asks: {FIRST}") for s, _ in names]
-    late = ("late", "Hi")  # does not fit the empty blocks: "old" alone makes the room
-    expected = _expected(model_dir, tmp_path, turns + [late] + [(s, "More?") for s, _ in names])
-    slot, fingerprint = _chunk_slot(model_dir, tmp_path)
-    prof = _profile(tmp_path / "p.json", fingerprint, 1e12, kv_bytes_per_token=600)
     # Five chunk slots: the filler's three (the first one the shared system prompt's) and
     # "old"'s own two fill it.
-    opts = EngineOptions(num_blocks=24, tiers=_cpu_only(tmp_path, 5 * slot), chunk_tokens=64,
-                         policy=PolicyOptions(profile=prof, watermarks=Watermarks(high=0.65, low=0.65),
-                                              check_every_s=7200.0))
-    eng = Engine(model_dir, opts, clock=lambda: now[0])
+    eng, expected = _after_first_turns(model_dir, tmp_path, names, 5, now)
     try:
-        for (sid, msg), (_, t) in zip(turns, names, strict=True):
-            now[0] = t
-            eng.chat(sid, msg, GREEDY, system=SYSTEM)
-            if sid == "filler":
-                eng.offload("filler", "cpu")
         now[0] = 7200.0
         eng.step()
         eng._settle_offloads(block=True)
@@ -257,7 +261,7 @@ def test_a_tier_keeps_the_copy_of_a_session_the_pool_lets_go_next(model_dir, tmp
         assert cpu.stats.evictions > evicted  # something went...
         assert old_copy() == held  # ...but not the copy the pool is counting on
         written = cpu.stats.bytes_written
-        late_reply = eng.chat(*late, GREEDY, system=SYSTEM)
+        late_reply = eng.chat(*LATE, GREEDY, system=SYSTEM)
         assert old.offloaded and cpu.stats.bytes_written == written  # it left without a write
         assert "old" not in eng.policy.leaving  # out of the pool: ranked like any copy again
         second = {s: eng.chat(s, "More?", GREEDY) for s, _ in names}
