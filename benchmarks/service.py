@@ -74,7 +74,7 @@ def start_server(tier: str, total: int, slot: int, workdir: Path) -> tuple[subpr
         KVTIER_SERVER__CHUNK_SLOT_BYTES=str(slot),
         KVTIER_SERVER__MAX_BODY_BYTES=str(max(64 << 20, 4 * slot)),
     )
-    cmd = [sys.executable, "-m", "kvtier.cli", "serve", "--port", str(port),
+    cmd = [sys.executable, "-m", "kvtier.cli.main", "serve", "--port", str(port),
            "--log-level", "warning"]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env)
     return proc, f"http://127.0.0.1:{port}"
@@ -173,11 +173,11 @@ def raw_tier(tier: str, blobs: dict[str, bytes], slot: int, workdir: Path) -> di
     keys = list(blobs)
     total = sum(len(b) for b in blobs.values())
     if tier == "cpu":
-        from kvtier.connectors.cpu_tier import CPUTier
+        from kvtier.connectors.tiers.cpu_tier import CPUTier
 
         t = CPUTier(slot * (len(blobs) + 8), slot)
     else:
-        from kvtier.connectors.disk_tier import DiskTier
+        from kvtier.connectors.tiers.disk_tier import DiskTier
 
         t = DiskTier(workdir / "raw", None, fsync=True)
     puts, gets = [], []

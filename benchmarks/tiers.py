@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
                      "ratio": ref_s / ours_s, "reference": ref})
 
     if "cpu" not in skip:
-        from kvtier.connectors.cpu_tier import CPUTier
+        from kvtier.connectors.tiers.cpu_tier import CPUTier
 
         tier = CPUTier(slot * (args.chunks + 1), slot)
         arena = torch.empty(total, dtype=torch.uint8)
@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
         tier.close()
 
     if "disk" not in skip:
-        from kvtier.connectors.disk_tier import DiskTier
+        from kvtier.connectors.tiers.disk_tier import DiskTier
 
         base = Path(args.disk_dir or tempfile.mkdtemp(prefix="kvtier-bench-disk-"))
         tdir, rdir = base / "tier", base / "raw"
@@ -194,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             import redis
 
-            from kvtier.connectors.redis_tier import RedisTier
+            from kvtier.connectors.tiers.redis_tier import RedisTier
 
             tier = RedisTier(url, timeout_s=30.0)
             client = redis.Redis.from_url(url)

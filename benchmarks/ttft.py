@@ -62,16 +62,16 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from kvtier.benchmarks.engine import _ints, _sync
+    from kvtier.benchmarks.engine_throughput import _ints, _sync
     from kvtier.benchmarks.results import write_result
-    from kvtier.connectors.cpu_tier import CPUTier
-    from kvtier.connectors.disk_tier import DiskTier
+    from kvtier.connectors.tiers.cpu_tier import CPUTier
+    from kvtier.connectors.tiers.disk_tier import DiskTier
+    from kvtier.connectors.tiers.factory import chunk_blob_bytes
+    from kvtier.connectors.tiers.manager import TierManager
+    from kvtier.engine.model_runner import ModelRunner
     from kvtier.gpu_pool.kv_storage import resolve_device
-    from kvtier.kv_transfer import KVTransfer
-    from kvtier.make_model import make_model
-    from kvtier.model_runner import ModelRunner
-    from kvtier.tier_factory import chunk_blob_bytes
-    from kvtier.tier_manager import TierManager
+    from kvtier.make_model.writer import make_model
+    from kvtier.transfer.kv_transfer import KVTransfer
 
     histories = _ints(args.histories, "histories")
     if args.threads:
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         "disk": DiskTier(disk_dir, capacity_bytes=None, fsync=True),
     }
     if args.redis_url:
-        from kvtier.connectors.redis_tier import RedisTier
+        from kvtier.connectors.tiers.redis_tier import RedisTier
 
         tiers["redis"] = RedisTier(args.redis_url, timeout_s=5.0)
     xfers = {name: KVTransfer(runner, TierManager([t], fingerprint=runner.fingerprint,

@@ -85,7 +85,7 @@ def open_store(options: Mapping[str, Any], slot_bytes: int) -> ChunkStore:
     if options.get("url"):
         return RemoteChunkStore(str(options["url"]), options.get("token"))
     from kvtier.config import load_config
-    from kvtier.tier_factory import build_tiers
+    from kvtier.connectors.tiers.factory import build_tiers
 
     overrides = {"tiers": dict(options.get("tiers") or {})}
     cache_key = json.dumps([options.get("config"), overrides, slot_bytes], sort_keys=True)

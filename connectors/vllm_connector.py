@@ -41,8 +41,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvtier.chunk_format import decode_chunk, encode_chunk
 from kvtier.chunk_keys import chunk_keys
 from kvtier.connectors.chunk_store import ChunkStore, open_store
+from kvtier.connectors.tiers.factory import HEADER_ALLOWANCE
 from kvtier.errors import ChunkError
-from kvtier.tier_factory import HEADER_ALLOWANCE
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

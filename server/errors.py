@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvtier.engine import EngineStepError, RequestError, UnknownSessionError
+from kvtier.engine.engine import EngineStepError, RequestError, UnknownSessionError
 from kvtier.errors import ChunkError, InvalidArgumentError, KVTierError, PoolError
 
 log = logging.getLogger(__name__)

@@ -19,13 +19,13 @@ from typing import Any
 from fastapi import APIRouter, Header, Request, Response
 from fastapi.responses import StreamingResponse
 
-from kvtier.engine import Engine
+from kvtier.engine.engine import Engine
+from kvtier.engine.sampling import SamplingParams
+from kvtier.engine.session import TurnResult
 from kvtier.errors import InvalidArgumentError
-from kvtier.sampling import SamplingParams
 from kvtier.server.errors import ServiceError, error_body, error_responses, status_of
 from kvtier.server.schemas import ChatCompletion, ChatCompletionRequest
 from kvtier.server.state import ServiceState
-from kvtier.session import TurnResult
 
 router = APIRouter(tags=["chat"])
 _ERRORS = error_responses(400, 401, 404, 409, 503)

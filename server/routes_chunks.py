@@ -19,6 +19,7 @@ from fastapi.concurrency import run_in_threadpool
 
 from kvtier.chunk_format import validate_chunk
 from kvtier.chunk_keys import KEY_PATTERN, KEY_RE
+from kvtier.connectors.tiers.manager import PutReport, TierManager
 from kvtier.errors import ChunkError
 from kvtier.server.errors import ServiceError, error_responses
 from kvtier.server.schemas import (
@@ -29,7 +30,6 @@ from kvtier.server.schemas import (
     PutResponse,
 )
 from kvtier.server.state import ServiceState
-from kvtier.tier_manager import PutReport, TierManager
 
 router = APIRouter(prefix="/v1/chunks", tags=["chunks"])
 

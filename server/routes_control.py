@@ -12,7 +12,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
-from kvtier.engine import Engine, UnknownSessionError
+from kvtier.engine.engine import Engine, UnknownSessionError
 from kvtier.server.errors import ErrorBody, error_responses
 from kvtier.server.metrics import CONTENT_TYPE
 from kvtier.server.schemas import (

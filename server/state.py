@@ -14,13 +14,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvtier.async_engine import AsyncEngine
 from kvtier.config import KVTierConfig
-from kvtier.engine import Engine, EngineOptions
+from kvtier.connectors.tiers.factory import build_tiers
+from kvtier.connectors.tiers.manager import TierManager
+from kvtier.engine.async_engine import AsyncEngine
+from kvtier.engine.engine import Engine, EngineOptions
+from kvtier.engine.session import ChatSession
 from kvtier.server.metrics import ServiceMetrics
-from kvtier.session import ChatSession
-from kvtier.tier_factory import build_tiers
-from kvtier.tier_manager import TierManager
 
 
 class ServiceState:

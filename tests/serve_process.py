@@ -25,7 +25,7 @@ def start_serve(disk_dir: Path, token: str) -> tuple[subprocess.Popen, str, int]
     port = free_port()
     env = dict(os.environ, KVTIER_TIERS__DISK_DIR=str(disk_dir), KVTIER_TIERS__DISK_FSYNC="false")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvtier.cli", "serve", "--port", str(port),
+        [sys.executable, "-m", "kvtier.cli.main", "serve", "--port", str(port),
          "--log-level", "warning", "--auth-token", token],
         env=env,
     )  # fmt: skip

@@ -7,10 +7,10 @@ import asyncio
 import pytest
 import torch
 
-from kvtier.async_engine import AsyncEngine
-from kvtier.engine import Engine, EngineOptions, RequestError
-from kvtier.make_model import make_model
-from kvtier.sampling import SamplingParams
+from kvtier.engine.async_engine import AsyncEngine
+from kvtier.engine.engine import Engine, EngineOptions, RequestError
+from kvtier.engine.sampling import SamplingParams
+from kvtier.make_model.writer import make_model
 
 GREEDY = SamplingParams(max_tokens=8)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from kvtier.cli import main
+from kvtier.cli.main import main
 
 
 def test_bench_service_small_run_writes_results(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from kvtier.cli import main
+from kvtier.cli.main import main
 
 
 def test_bench_tiers_writes_ratios_for_every_tier(tmp_path):

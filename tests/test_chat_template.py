@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.chat_template import FORMATS, detect_format, get_format, render_ids
 from kvtier.errors import InvalidArgumentError
-from kvtier.tokenizer import Tokenizer
-from kvtier.tokenizer_training import train_tokenizer
+from kvtier.make_model.tokenizer_training import train_tokenizer
+from kvtier.models.chat_template import FORMATS, detect_format, get_format, render_ids
+from kvtier.models.tokenizer import Tokenizer
 
 FAMILY_STYLE = {"llama3": "llama3", "chatml": "qwen2", "llama2": "gpt2"}
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvtier.checkpoint import expected_shapes, load_checkpoint
-from kvtier.model_config import CheckpointError
+from kvtier.models.checkpoint import expected_shapes, load_checkpoint
+from kvtier.models.config import CheckpointError
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from kvtier.cli import main
+from kvtier.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
 

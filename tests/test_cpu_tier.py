@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvtier.chunk_format import encode_chunk, validate_chunk
-from kvtier.connectors.cpu_tier import CPUTier, slot_bytes_for
+from kvtier.connectors.tiers.cpu_tier import CPUTier, slot_bytes_for
 from kvtier.errors import InvalidArgumentError, TierError
 
 FP = b"fp"

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from kvtier.chunk_format import encode_chunk, validate_chunk
-from kvtier.connectors.disk_tier import CHUNK_SUFFIX, TEMP_SUFFIX, DiskTier
+from kvtier.connectors.tiers.disk_tier import CHUNK_SUFFIX, TEMP_SUFFIX, DiskTier
 
 FP = b"fp"
 
@@ -131,7 +131,7 @@ def test_read_evicted_hands_bytes_to_listeners(tmp_path: Path) -> None:
 _CRASH_CHILD = """
 import sys, torch
 from kvtier.chunk_format import encode_chunk
-from kvtier.connectors.disk_tier import DiskTier
+from kvtier.connectors.tiers.disk_tier import DiskTier
 tier = DiskTier(sys.argv[1])
 kv = torch.randn(4, 2, 256, 8, 128).half()  # 4 MiB: writes dominate the loop
 n = 0
@@ -202,7 +202,7 @@ def test_disk_full_is_reported_and_nothing_torn(tmp_path: Path) -> None:
 _FSIZE_CHILD = """
 import json, resource, signal, sys, torch
 from kvtier.chunk_format import encode_chunk
-from kvtier.connectors.disk_tier import DiskTier
+from kvtier.connectors.tiers.disk_tier import DiskTier
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
 tier = DiskTier(sys.argv[1])

@@ -9,10 +9,10 @@ import io
 import pytest
 import torch
 
-from kvtier.chat_cli import register as register_chat
-from kvtier.engine import Engine, EngineOptions, RequestError
-from kvtier.make_model import make_model
-from kvtier.sampling import SamplingParams
+from kvtier.cli.chat import register as register_chat
+from kvtier.engine.engine import Engine, EngineOptions, RequestError
+from kvtier.engine.sampling import SamplingParams
+from kvtier.make_model.writer import make_model
 
 GREEDY = SamplingParams(max_tokens=12)
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from kvtier.config import TiersConfig
-from kvtier.engine import Engine, EngineOptions, UnknownSessionError
+from kvtier.engine.engine import Engine, EngineOptions, UnknownSessionError
+from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import InvalidArgumentError
 from kvtier.gpu_pool.kernels import gather_blocks
-from kvtier.make_model import make_model
-from kvtier.sampling import SamplingParams
+from kvtier.make_model.writer import make_model
 
 GREEDY = SamplingParams(max_tokens=10)
 SYSTEM = "You are a helpful assistant who answers about offloading KV caches. " * 3
@@ -264,8 +264,8 @@ def test_a_restore_lost_during_a_step_abandons_the_step_and_recomputes(model_dir
     import threading
     import time
 
-    from kvtier.layer_load import LayerLoad
-    from kvtier.scheduler import RequestState
+    from kvtier.engine.scheduler import RequestState
+    from kvtier.transfer.layer_load import LayerLoad
 
     first = "Tell me about the mountains and the weather there."
     plain = _engine(model_dir, tmp_path / "plain", None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from kvtier.benchmarks import kernels as bench
-from kvtier.cli import main
+from kvtier.cli.main import main
 
 
 def test_quick_cpu_run_writes_json(tmp_path, capsys):

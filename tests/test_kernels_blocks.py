@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvtier.gpu_pool.kernels import gather_blocks, scatter_blocks, write_kv
-from kvtier.gpu_pool.kernels.testing import triton_devices
+from tests.gpu_pool.kernel_cases import triton_devices
 
 DEVICES = triton_devices()
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvtier.gpu_pool.kernels import choose_num_splits, paged_decode_attention
-from kvtier.gpu_pool.kernels.testing import make_paged_kv, sdpa_reference, triton_devices
+from tests.gpu_pool.kernel_cases import make_paged_kv, sdpa_reference, triton_devices
 
 # Max abs / rel error against the fp32 oracle: the kernel rounds softmax weights to the KV
 # dtype before the PV matmul and rounds its output, so bf16 (8-bit mantissa) is loosest.

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvtier.gpu_pool.kernels import paged_prefill_attention, write_kv
-from kvtier.gpu_pool.kernels.testing import make_paged_kv, sdpa_reference, triton_devices
+from tests.gpu_pool.kernel_cases import make_paged_kv, sdpa_reference, triton_devices
 
 # Max abs / rel error against the fp32 oracle (softmax weights and output rounded to dtype).
 TOL = {

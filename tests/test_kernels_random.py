@@ -16,7 +16,7 @@ from kvtier.gpu_pool.kernels import (
     scatter_blocks,
     write_kv,
 )
-from kvtier.gpu_pool.kernels.testing import make_paged_kv, sdpa_reference, triton_devices
+from tests.gpu_pool.kernel_cases import make_paged_kv, sdpa_reference, triton_devices
 
 TOL = {
     torch.float32: {"atol": 1e-5, "rtol": 1e-5},

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from kvtier.chunk_format import encode_chunk
-from kvtier.connectors.cpu_tier import CPUTier
+from kvtier.connectors.tiers.cpu_tier import CPUTier
+from kvtier.connectors.tiers.manager import TierManager
+from kvtier.engine.model_runner import ModelRunner
 from kvtier.gpu_pool.kernels import gather_blocks
-from kvtier.kv_transfer import KVTransfer
-from kvtier.make_model import make_model
-from kvtier.model_runner import ModelRunner
-from kvtier.tier_manager import TierManager
+from kvtier.make_model.writer import make_model
+from kvtier.transfer.kv_transfer import KVTransfer
 
 CHUNK = 64
 
@@ -246,7 +246,7 @@ def test_a_chunk_corrupt_in_a_later_layer_ends_a_blocking_load_at_that_chunk(mod
 
 
 def test_a_streamed_chunk_lost_mid_forward_stops_the_forward_and_is_uncached(model_dir):
-    from kvtier.layer_load import LayerLoadError
+    from kvtier.transfer.layer_load import LayerLoadError
 
     runner, tokens, xfer, tier, saved = _saved(model_dir, 192, seed=15)
     _corrupt_layer(tier, saved.keys[2], 1)

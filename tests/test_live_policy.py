@@ -9,13 +9,13 @@ import torch
 
 from kvtier.chunk_keys import chunk_keys
 from kvtier.config import TiersConfig
-from kvtier.engine import Engine, EngineOptions
-from kvtier.live_policy import PROFILE_NAME, PolicyOptions
-from kvtier.make_model import make_model
+from kvtier.engine.engine import Engine, EngineOptions
+from kvtier.engine.sampling import SamplingParams
+from kvtier.make_model.writer import make_model
 from kvtier.policies.cost_model import CostModel, LinearCost, PrefillCost, TierCost
+from kvtier.policies.live import PROFILE_NAME, PolicyOptions
 from kvtier.policies.offload import Watermarks
-from kvtier.profile import save_profile, this_machine
-from kvtier.sampling import SamplingParams
+from kvtier.policies.profile import save_profile, this_machine
 
 GREEDY = SamplingParams(max_tokens=8)
 SYSTEM = "You are a helpful assistant who answers about offloading KV caches. " * 3

@@ -12,17 +12,17 @@ from safetensors import safe_open
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from kvtier import make_model as mm  # noqa: E402
-from kvtier.cli import main  # noqa: E402
+from kvtier.cli.main import main  # noqa: E402
 from kvtier.errors import InvalidArgumentError  # noqa: E402
-from kvtier.model_presets import (  # noqa: E402
+from kvtier.make_model import writer as mm  # noqa: E402
+from kvtier.make_model.presets import (  # noqa: E402
     PRESETS,
     build_config,
     kv_bytes_per_token,
     parameter_count,
     parameter_shapes,
 )
-from kvtier.tokenizer import Tokenizer  # noqa: E402
+from kvtier.models.tokenizer import Tokenizer  # noqa: E402
 
 TINY = ["tiny", "tiny-qwen2", "tiny-mistral"]
 TEXTS = ["Hello world, how are you?", "def f(x):\n    return x * 12345", "café 🙂 日本語 <|im_end|>"]

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.model_config import CheckpointError, ModelConfig, RopeScaling
+from kvtier.models.config import CheckpointError, ModelConfig, RopeScaling
 
 BASE = {
     "architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64,

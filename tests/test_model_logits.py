@@ -11,7 +11,7 @@ rounded to 8 / 11 mantissa bits).
 import pytest
 import torch
 
-from kvtier.model_runner import ModelRunner
+from kvtier.engine.model_runner import ModelRunner
 
 torch.set_num_threads(2)
 
@@ -105,7 +105,7 @@ def test_make_model_checkpoints_match_transformers(preset, tmp_path):
     """The checkpoints `kvtier make-model` writes: the engine and transformers agree on them."""
     from transformers import AutoModelForCausalLM
 
-    from kvtier.make_model import make_model
+    from kvtier.make_model.writer import make_model
 
     made = make_model(preset, tmp_path / preset, dtype="float32", seed=11)
     hf = AutoModelForCausalLM.from_pretrained(made.path, dtype=torch.float32).eval()

@@ -4,9 +4,9 @@ batches, pool sizing and argument errors."""
 import pytest
 import torch
 
-from kvtier.checkpoint import load_checkpoint
+from kvtier.engine.model_runner import ModelRunner
 from kvtier.errors import InvalidArgumentError, UnknownSequenceError
-from kvtier.model_runner import ModelRunner
+from kvtier.models.checkpoint import load_checkpoint
 
 torch.set_num_threads(2)
 ATOL = 1e-4

@@ -18,10 +18,10 @@ from kvtier.benchmarks.policy_sim.workloads import (
     mooncake,
     synthetic,
 )
-from kvtier.cli import main
+from kvtier.cli.main import main
 from kvtier.errors import ConfigError, InvalidArgumentError, TraceFormatError
 from kvtier.policies.cost_model import CostModel, LinearCost, PrefillCost, TierCost
-from kvtier.profile import load_profile, save_profile
+from kvtier.policies.profile import load_profile, save_profile
 
 CHUNK = 256
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from kvtier.errors import InvalidArgumentError
-from kvtier.live_policy import LivePolicy, PolicyOptions
 from kvtier.policies.cost_model import CostModel, LinearCost, PrefillCost, TierCost
 from kvtier.policies.eviction import (
     ARC,
@@ -17,6 +16,7 @@ from kvtier.policies.eviction import (
     SessionAware,
     make_eviction,
 )
+from kvtier.policies.live import LivePolicy, PolicyOptions
 from kvtier.policies.offload import IdleSession, PredictiveOffload, Watermarks
 from kvtier.policies.registry import names, resolve
 from kvtier.policies.think_time import ThinkTimeModel

@@ -10,10 +10,10 @@ from kvtier.benchmarks.policy_sim.real import replay_real
 from kvtier.benchmarks.policy_sim.simulator import Simulator
 from kvtier.benchmarks.policy_sim.systems import system
 from kvtier.benchmarks.policy_sim.workloads import SyntheticSpec, synthetic
-from kvtier.cli import main
+from kvtier.cli.main import main
 from kvtier.errors import InvalidArgumentError
-from kvtier.make_model import make_model
-from kvtier.profile import load_profile
+from kvtier.make_model.writer import make_model
+from kvtier.policies.profile import load_profile
 
 
 @pytest.fixture(scope="module")

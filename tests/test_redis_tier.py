@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvtier.chunk_format import decode_chunk, encode_chunk, validate_chunk
-from kvtier.connectors.redis_tier import RedisTier, parse_cluster_url
+from kvtier.connectors.tiers.redis_tier import RedisTier, parse_cluster_url
 from kvtier.errors import InvalidArgumentError
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/ is not a package (importlib mode)

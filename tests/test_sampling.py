@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvtier.engine.sampling import SamplingParams, StopChecker, sample, sample_one
 from kvtier.errors import InvalidArgumentError
-from kvtier.sampling import SamplingParams, StopChecker, sample, sample_one
 
 
 def test_greedy_is_argmax_per_row():

@@ -11,9 +11,9 @@ import torch
 
 from kvtier.client import AsyncClient, Client, ServiceError, chat_text
 from kvtier.config import load_config
-from kvtier.engine import Engine, EngineOptions
-from kvtier.make_model import make_model
-from kvtier.sampling import SamplingParams
+from kvtier.engine.engine import Engine, EngineOptions
+from kvtier.engine.sampling import SamplingParams
+from kvtier.make_model.writer import make_model
 from kvtier.server.state import ServiceState
 from tests.http_server import running
 

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
 from kvtier.config import load_config
-from kvtier.make_model import make_model
+from kvtier.make_model.writer import make_model
 from kvtier.server.state import ServiceState
 from tests.http_server import running
 

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from kvtier.chunk_format import decode_chunk, encode_chunk, parse_header, validate_chunk
-from kvtier.connectors.base import Tier
-from kvtier.connectors.cpu_tier import CPUTier, slot_bytes_for
-from kvtier.connectors.disk_tier import DiskTier
+from kvtier.connectors.tiers.base import Tier
+from kvtier.connectors.tiers.cpu_tier import CPUTier, slot_bytes_for
+from kvtier.connectors.tiers.disk_tier import DiskTier
 
 FP = b"model-fingerprint"
 LAYERS, TOKENS, HEADS, DIM = 4, 16, 2, 8

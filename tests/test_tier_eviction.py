@@ -7,8 +7,8 @@ import pytest
 
 from kvtier.chunk_format import encode_chunk
 from kvtier.config import TiersConfig
-from kvtier.connectors.cpu_tier import CPUTier
-from kvtier.connectors.disk_tier import DiskTier
+from kvtier.connectors.tiers.cpu_tier import CPUTier
+from kvtier.connectors.tiers.disk_tier import DiskTier
 from kvtier.policies.eviction import LFU, ChunkInfo, SessionAware
 
 FP = b"f" * 16

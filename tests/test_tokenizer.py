@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.errors import InvalidArgumentError, KVTierError
-from kvtier.tokenizer import Tokenizer, TokenizerError
-from kvtier.tokenizer_training import generate_corpus, train_tokenizer
+from kvtier.make_model.tokenizer_training import generate_corpus, train_tokenizer
+from kvtier.models.tokenizer import Tokenizer, TokenizerError
 
 STYLES = {"llama3": ("llama3", "llama3"), "chatml": ("chatml", "qwen2"), "llama2": ("llama2", "gpt2")}
 SAMPLES = [

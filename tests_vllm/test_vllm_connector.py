@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvtier.make_model import make_model
-from kvtier.model_presets import get_preset
+from kvtier.make_model.presets import get_preset
+from kvtier.make_model.writer import make_model
 from tests.serve_process import start_serve
 
 pytestmark = pytest.mark.vllm

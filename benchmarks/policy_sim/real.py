@@ -63,9 +63,9 @@ def replay_real(
     hits per tier, prefill tokens saved) and the workload as run."""
     from kvtier.chunk_keys import chunk_keys
     from kvtier.config import TiersConfig
-    from kvtier.engine import Engine, EngineOptions
-    from kvtier.live_policy import PolicyOptions
-    from kvtier.sampling import SamplingParams
+    from kvtier.engine.engine import Engine, EngineOptions
+    from kvtier.engine.sampling import SamplingParams
+    from kvtier.policies.live import PolicyOptions
 
     if spec.name not in REAL_SYSTEMS:
         raise InvalidArgumentError(

@@ -26,9 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtier.chat_template import get_format
 from kvtier.errors import InvalidArgumentError
-from kvtier.model_presets import (
+from kvtier.make_model.presets import (
     DTYPE_BYTES,
     PRESETS,
     Preset,
@@ -37,6 +36,7 @@ from kvtier.model_presets import (
     parameter_count,
     parameter_shapes,
 )
+from kvtier.models.chat_template import get_format
 
 DEFAULT_MAX_SHARD_BYTES = 2_000_000_000
 INIT_STD = 0.02
@@ -151,8 +151,8 @@ def tokenizer_files(
     preset: Preset, vocab_size: int, max_len: int
 ) -> tuple[str, dict[str, Any], dict[str, int | list[int] | None]]:
     """(tokenizer.json text, tokenizer_config.json dict, token ids for the configs)."""
-    from kvtier.tokenizer import Tokenizer
-    from kvtier.tokenizer_training import train_tokenizer
+    from kvtier.make_model.tokenizer_training import train_tokenizer
+    from kvtier.models.tokenizer import Tokenizer
 
     fmt = get_format(preset.family)
     text = train_tokenizer(

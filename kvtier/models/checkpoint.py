@@ -14,7 +14,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from kvtier.gpu_pool.kv_storage import resolve_dtype
-from kvtier.model_config import CheckpointError, ModelConfig
+from kvtier.models.config import CheckpointError, ModelConfig
 
 __all__ = ["CheckpointError", "expected_shapes", "load_checkpoint", "load_state_dict"]
 

@@ -96,9 +96,9 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from kvtier.benchmarks.results import write_result
+    from kvtier.engine.model_runner import ModelRunner
     from kvtier.gpu_pool.kv_storage import resolve_device
-    from kvtier.make_model import make_model
-    from kvtier.model_runner import ModelRunner
+    from kvtier.make_model.writer import make_model
 
     contexts = _ints(args.contexts, "contexts")
     batches = _ints(args.batches, "batches")

@@ -35,7 +35,7 @@ from redis.retry import Retry as SyncRetry
 from redis.utils import HIREDIS_AVAILABLE
 
 from kvtier.chunk_format import layer_span, parse_header, slice_chunk, validate_chunk
-from kvtier.connectors.base import Blob, PutResult, Tier
+from kvtier.connectors.tiers.base import Blob, PutResult, Tier
 from kvtier.errors import ChunkError, InvalidArgumentError
 
 log = logging.getLogger(__name__)

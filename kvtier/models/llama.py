@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvtier.gpu_pool.kernels import paged_decode_attention, paged_prefill_attention, write_kv
-from kvtier.model_config import ModelConfig, RopeScaling
+from kvtier.models.config import ModelConfig, RopeScaling
 
 
 @dataclass

@@ -21,12 +21,12 @@ from enum import Enum
 
 import torch
 
+from kvtier.engine.model_runner import ModelRunner
+from kvtier.engine.sampling import SamplingParams, StopChecker, sample_one
 from kvtier.errors import InvalidArgumentError, OutOfBlocksError
-from kvtier.kv_transfer import KVTransfer
-from kvtier.layer_load import LayerLoadError
-from kvtier.model_runner import ModelRunner
-from kvtier.sampling import SamplingParams, StopChecker, sample_one
-from kvtier.tokenizer import StreamDecoder, Tokenizer
+from kvtier.models.tokenizer import StreamDecoder, Tokenizer
+from kvtier.transfer.kv_transfer import KVTransfer
+from kvtier.transfer.layer_load import LayerLoadError
 
 log = logging.getLogger(__name__)
 
@@ -309,7 +309,7 @@ class Scheduler:
 
     def _drop_lost_restores(self) -> None:
         """Recompute the requests over chunks a streamed restore lost, then release the
-        finished restores (see :mod:`kvtier.layer_load`)."""
+        finished restores (see :mod:`kvtier.transfer.layer_load`)."""
         lost = self.runner.take_poisoned_blocks()
         if lost:
             for req in list(self.running):

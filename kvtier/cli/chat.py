@@ -43,8 +43,8 @@ def timing_line(stats) -> str:
 
 
 def run(args: argparse.Namespace, stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:
-    from kvtier.engine import Engine, EngineOptions, RequestError
-    from kvtier.sampling import SamplingParams
+    from kvtier.engine.engine import Engine, EngineOptions, RequestError
+    from kvtier.engine.sampling import SamplingParams
 
     stdin = stdin or sys.stdin
     stdout = stdout or sys.stdout

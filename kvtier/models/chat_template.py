@@ -210,7 +210,7 @@ def detect_format(vocab: Mapping[str, int] | set[str]) -> ChatFormat | None:
 
 
 class _Encoder:
-    """What :func:`render_ids` needs from a tokenizer (kvtier.tokenizer.Tokenizer has it)."""
+    """What :func:`render_ids` needs from a tokenizer (kvtier.models.tokenizer.Tokenizer has it)."""
 
     def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = True) -> list[int]: ...  # noqa: E501
 

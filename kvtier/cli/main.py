@@ -19,16 +19,16 @@ from kvtier.errors import KVTierError
 
 # (module, where) pairs: "top" commands hang off ``kvtier``, "bench" ones off ``kvtier bench``.
 COMMANDS: list[tuple[str, str]] = [
-    ("kvtier.config_command", "top"),
-    ("kvtier.make_model", "top"),
-    ("kvtier.chat_cli", "top"),
-    ("kvtier.calibrate", "top"),
+    ("kvtier.cli.config", "top"),
+    ("kvtier.make_model.writer", "top"),
+    ("kvtier.cli.chat", "top"),
+    ("kvtier.cli.calibrate", "top"),
     ("kvtier.server.serve", "top"),
-    ("kvtier.server.demo", "top"),
+    ("kvtier.cli.chat_demo", "top"),
     ("kvtier.benchmarks.fragmentation.cli", "bench"),
     ("kvtier.benchmarks.allocator", "bench"),
     ("kvtier.benchmarks.kernels", "bench"),
-    ("kvtier.benchmarks.engine", "bench"),
+    ("kvtier.benchmarks.engine_throughput", "bench"),
     ("kvtier.benchmarks.tiers", "bench"),
     ("kvtier.benchmarks.ttft", "bench"),
     ("kvtier.benchmarks.policy_sim.cli", "bench"),

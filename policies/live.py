@@ -199,7 +199,7 @@ def load_cost_model(
     """The engine's cost model: the given profile (an error if missing), else the model
     directory's default one if present; profiles of another model or machine are used with
     a logged warning (recalibrate to silence it)."""
-    from kvtier.profile import load_profile
+    from kvtier.policies.profile import load_profile
 
     path = Path(profile) if profile is not None else model_dir / PROFILE_NAME
     if profile is None and not path.is_file():

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from kvtier.chat_template import Message, render_ids
+from kvtier.engine.scheduler import Request
 from kvtier.errors import InvalidArgumentError
-from kvtier.scheduler import Request
-from kvtier.tokenizer import Tokenizer
+from kvtier.models.chat_template import Message, render_ids
+from kvtier.models.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

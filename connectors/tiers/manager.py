@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from kvtier.chunk_format import validate_chunk
-from kvtier.connectors.base import Blob, PutResult, Tier
+from kvtier.connectors.tiers.base import Blob, PutResult, Tier
 from kvtier.errors import ChunkError, InvalidArgumentError
 from kvtier.policies.eviction import ChunkInfo
 

@@ -14,10 +14,10 @@ from collections.abc import Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvtier.errors import InvalidArgumentError
-from kvtier.kv_transfer import KVTransfer, SaveReport
+from kvtier.transfer.kv_transfer import KVTransfer, SaveReport
 
 
-class TransferEngine:
+class StoreQueue:
     def __init__(self, kv: KVTransfer, max_inflight_bytes: int = 256 << 20, workers: int = 2):
         if max_inflight_bytes < 1 or workers < 1:
             raise InvalidArgumentError(

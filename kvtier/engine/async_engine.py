@@ -14,9 +14,9 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
-from kvtier.engine import Engine, turn_error
-from kvtier.sampling import SamplingParams
-from kvtier.session import TurnResult
+from kvtier.engine.engine import Engine, turn_error
+from kvtier.engine.sampling import SamplingParams
+from kvtier.engine.session import TurnResult
 
 _STOP = object()
 T = TypeVar("T")

@@ -19,9 +19,9 @@ import numpy as np
 import torch
 
 from kvtier.chunk_format import layer_span, parse_header, slice_chunk
-from kvtier.connectors.base import Blob, PutResult, Tier
-from kvtier.connectors.chunk_checks import admission_error, is_valid
-from kvtier.connectors.chunk_index import ChunkIndex
+from kvtier.connectors.tiers.base import Blob, PutResult, Tier
+from kvtier.connectors.tiers.chunk_checks import admission_error, is_valid
+from kvtier.connectors.tiers.chunk_index import ChunkIndex
 from kvtier.errors import ChunkFormatError, InvalidArgumentError, TierError
 from kvtier.policies.eviction import ChunkInfo, EvictionPolicy, eviction_policy
 

@@ -69,8 +69,8 @@ def calibrate_transfer(runner, tier, chunk_tokens: int, repeats: int,
     encoding chunks on the way out, reading, verifying and scattering on the way back (a
     restore that does not stream). The tier's raw put and get alone under-state what a
     restore costs several times on a CPU, and the policies decide with these numbers."""
-    from kvtier.kv_transfer import KVTransfer
-    from kvtier.tier_manager import TierManager
+    from kvtier.connectors.tiers.manager import TierManager
+    from kvtier.transfer.kv_transfer import KVTransfer
 
     kv = KVTransfer(runner, TierManager([tier], fingerprint=runner.fingerprint), chunk_tokens,
                     stream=False)
@@ -108,14 +108,14 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
 
-    from kvtier.connectors.cpu_tier import CPUTier
-    from kvtier.connectors.disk_tier import DiskTier
+    from kvtier.connectors.tiers.cpu_tier import CPUTier
+    from kvtier.connectors.tiers.disk_tier import DiskTier
+    from kvtier.connectors.tiers.factory import chunk_blob_bytes
+    from kvtier.engine.model_runner import ModelRunner
     from kvtier.gpu_pool.kv_storage import resolve_device
-    from kvtier.kv_transfer import CPU_STREAM_MIN_TOKENS
-    from kvtier.model_runner import ModelRunner
     from kvtier.policies.cost_model import CostModel, LinearCost, PrefillCost, TierCost
-    from kvtier.profile import save_profile, this_machine
-    from kvtier.tier_factory import chunk_blob_bytes
+    from kvtier.policies.profile import save_profile, this_machine
+    from kvtier.transfer.kv_transfer import CPU_STREAM_MIN_TOKENS
 
     console = Console()
     if args.threads:
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     tiers = {"cpu": CPUTier(slot * (n_chunks + 1), slot),
              "disk": DiskTier(disk_dir, capacity_bytes=None, fsync=True)}
     if args.redis_url:
-        from kvtier.connectors.redis_tier import RedisTier
+        from kvtier.connectors.tiers.redis_tier import RedisTier
 
         tiers["redis"] = RedisTier(args.redis_url, timeout_s=5.0)
     tier_costs = {}

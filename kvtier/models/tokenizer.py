@@ -15,8 +15,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvtier.chat_template import ChatFormat, detect_format, render_ids
 from kvtier.errors import KVTierError
+from kvtier.models.chat_template import ChatFormat, detect_format, render_ids
 
 
 class TokenizerError(KVTierError, ValueError):

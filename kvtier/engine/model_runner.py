@@ -16,13 +16,13 @@ from pathlib import Path
 
 import torch
 
-from kvtier.checkpoint import load_state_dict
 from kvtier.errors import InvalidArgumentError
 from kvtier.gpu_pool import AddResult, KVStorage, PagedKVPool
 from kvtier.gpu_pool.kv_storage import resolve_device, resolve_dtype
-from kvtier.layer_load import LayerLoad
-from kvtier.model import AttentionMetadata, CausalLM
-from kvtier.model_config import ModelConfig
+from kvtier.models.checkpoint import load_state_dict
+from kvtier.models.config import ModelConfig
+from kvtier.models.llama import AttentionMetadata, CausalLM
+from kvtier.transfer.layer_load import LayerLoad
 
 SeqId = Hashable
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}

@@ -19,20 +19,20 @@ from pathlib import Path
 
 import torch
 
-from kvtier.chat_template import Message
 from kvtier.config import TiersConfig
+from kvtier.connectors.tiers.factory import build_tiers, chunk_blob_bytes
+from kvtier.engine.model_runner import ModelRunner
+from kvtier.engine.sampling import SamplingParams
+from kvtier.engine.scheduler import Request, Scheduler
+from kvtier.engine.session import ChatSession, TurnResult
 from kvtier.errors import InvalidArgumentError, KVTierError
 from kvtier.hashing import chain_hashes
-from kvtier.kv_transfer import KVTransfer, LoadReport, SaveReport
-from kvtier.live_policy import LivePolicy, PolicyOptions, load_cost_model
-from kvtier.model_runner import ModelRunner
+from kvtier.models.chat_template import Message
+from kvtier.models.tokenizer import Tokenizer
 from kvtier.policies.eviction import SessionAware
-from kvtier.sampling import SamplingParams
-from kvtier.scheduler import Request, Scheduler
-from kvtier.session import ChatSession, TurnResult
-from kvtier.tier_factory import build_tiers, chunk_blob_bytes
-from kvtier.tokenizer import Tokenizer
-from kvtier.transfer_engine import TransferEngine
+from kvtier.policies.live import LivePolicy, PolicyOptions, load_cost_model
+from kvtier.transfer.kv_transfer import KVTransfer, LoadReport, SaveReport
+from kvtier.transfer.store_queue import StoreQueue
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class EngineOptions:
     """Restores stream layer by layer (layer l computes while layer l+1 is still loading);
     None: on CUDA always, on CPU for restores of 2048 tokens or more."""
     policy: PolicyOptions = field(default_factory=PolicyOptions)
-    """Restore-vs-recompute, offload and think-time policies (see :mod:`kvtier.live_policy`)."""
+    """Restore-vs-recompute, offload and think-time policies (see :mod:`kvtier.policies.live`)."""
 
 
 def turn_error(session_id: str, result: TurnResult) -> RequestError:
@@ -141,7 +141,7 @@ class Engine:
         )
         self.tiers = None
         self.kv: KVTransfer | None = None
-        self.transfers: TransferEngine | None = None
+        self.transfers: StoreQueue | None = None
         self._pending: dict[
             str, tuple[Future[SaveReport], int | str, Future[OffloadResult], bool]
         ] = {}
@@ -160,7 +160,7 @@ class Engine:
                 self.kv = KVTransfer(
                     self.runner, self.tiers, opts.chunk_tokens, stream=opts.stream_restore
                 )
-                self.transfers = TransferEngine(self.kv, opts.max_inflight_bytes)
+                self.transfers = StoreQueue(self.kv, opts.max_inflight_bytes)
         self.scheduler = Scheduler(
             self.runner,
             self.tokenizer,
@@ -170,7 +170,7 @@ class Engine:
         )
         self.policy: LivePolicy | None = None
         if self.kv is not None:
-            from kvtier.profile import this_machine
+            from kvtier.policies.profile import this_machine
 
             cost = load_cost_model(
                 opts.policy.profile, self.model_dir, self.runner.fingerprint.hex(), this_machine()

@@ -6,9 +6,9 @@ import os
 from pathlib import Path
 
 from kvtier.config import TiersConfig
-from kvtier.connectors.base import Tier
+from kvtier.connectors.tiers.base import Tier
+from kvtier.connectors.tiers.manager import TierManager
 from kvtier.errors import ConfigError
-from kvtier.tier_manager import TierManager
 
 HEADER_ALLOWANCE = 8192
 """Room for a chunk's msgpack header (key, fingerprint, shape, one checksum per layer)."""
@@ -30,7 +30,7 @@ def build_tiers(cfg: TiersConfig, slot_bytes: int, fingerprint: bytes) -> TierMa
     """CPU, disk and Redis tiers as configured, fastest first; None when all are off."""
     tiers: list[Tier] = []
     if cfg.cpu_bytes:
-        from kvtier.connectors.cpu_tier import CPUTier
+        from kvtier.connectors.tiers.cpu_tier import CPUTier
 
         if cfg.cpu_bytes < slot_bytes:
             raise ConfigError(
@@ -39,7 +39,7 @@ def build_tiers(cfg: TiersConfig, slot_bytes: int, fingerprint: bytes) -> TierMa
             )
         tiers.append(CPUTier(cfg.cpu_bytes, slot_bytes, eviction=cfg.cpu_eviction))
     if cfg.disk_bytes != 0:
-        from kvtier.connectors.disk_tier import DiskTier
+        from kvtier.connectors.tiers.disk_tier import DiskTier
 
         directory = Path(cfg.disk_dir).expanduser() if cfg.disk_dir else default_disk_dir()
         # Hand evicted bytes over only when a tier below can take them (demotion to Redis).
@@ -54,7 +54,7 @@ def build_tiers(cfg: TiersConfig, slot_bytes: int, fingerprint: bytes) -> TierMa
             )
         )
     if cfg.redis_url:
-        from kvtier.connectors.redis_tier import RedisTier
+        from kvtier.connectors.tiers.redis_tier import RedisTier
 
         tiers.append(RedisTier(cfg.redis_url, ttl_s=cfg.redis_ttl_s, timeout_s=cfg.redis_timeout_s))
     if not tiers:

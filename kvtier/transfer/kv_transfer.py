@@ -21,13 +21,13 @@ import torch
 
 from kvtier.chunk_format import decode_chunk, encode_chunk
 from kvtier.chunk_keys import ChunkKey, chunk_keys
+from kvtier.connectors.tiers.manager import Location, TierManager
+from kvtier.engine.model_runner import ModelRunner
 from kvtier.errors import ChunkError, InvalidArgumentError, OutOfBlocksError
 from kvtier.gpu_pool.kernels import gather_blocks, scatter_blocks
 from kvtier.hashing import chain_hashes
-from kvtier.layer_load import LayerLoad
-from kvtier.model_runner import ModelRunner
 from kvtier.policies.eviction import ChunkInfo
-from kvtier.tier_manager import Location, TierManager
+from kvtier.transfer.layer_load import LayerLoad
 
 log = logging.getLogger(__name__)
 
@@ -301,7 +301,7 @@ class KVTransfer:
         Layer 0 of every chunk is read first: a chunk missing or broken as a whole ends the
         restore there. The other layers follow, one at a time; with ``stream`` (default: the
         ``stream`` given at construction; None decides by device and size) on a loader thread while the caller goes on — the
-        model waits per layer (see :mod:`kvtier.layer_load`) — otherwise before returning,
+        model waits per layer (see :mod:`kvtier.transfer.layer_load`) — otherwise before returning,
         and then a chunk that fails in a later layer ends the restore at that chunk.
 
         ``found``: what :meth:`stored_prefix` returned for the same tokens just before
