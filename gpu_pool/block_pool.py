@@ -20,9 +20,12 @@ from collections.abc import Iterable, Sequence
 from itertools import islice
 from time import perf_counter_ns as _now
 
-from kvtier.config import is_power_of_two
 from kvtier.errors import InvalidArgumentError, OutOfBlocksError, PoolError
 from kvtier.hashing import BlockHash
+
+
+def is_power_of_two(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
 
 _TIME_MASK = 15
 """One ``allocate`` call in 16 (the 1st, 17th ...) is timed for ``alloc_ns``: two clock

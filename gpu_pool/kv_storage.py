@@ -9,11 +9,27 @@ launch. Works on any device torch supports.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
-from kvtier.config import PoolConfig, is_power_of_two
 from kvtier.errors import ConfigError, InvalidArgumentError
+from kvtier.gpu_pool.block_pool import is_power_of_two
+
+
+class PoolSpec(Protocol):
+    """The pool's size and layout as ``kvtier.config.PoolConfig`` gives it (a protocol, so
+    the pool stays free of the config layer and its pydantic/YAML imports)."""
+
+    block_size: int
+    num_blocks: int | None
+    memory_bytes: int | None
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    device: str
+    enable_prefix_caching: bool
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -93,7 +109,7 @@ class KVStorage:
         return num_layers * 2 * block_size * num_kv_heads * head_dim * elem
 
     @classmethod
-    def from_config(cls, cfg: PoolConfig) -> KVStorage:
+    def from_config(cls, cfg: PoolSpec) -> KVStorage:
         """Size the pool from ``num_blocks`` or from the ``memory_bytes`` budget."""
         per_block = cls.bytes_per_block(
             cfg.num_layers, cfg.block_size, cfg.num_kv_heads, cfg.head_dim, cfg.dtype

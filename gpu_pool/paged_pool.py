@@ -11,10 +11,9 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from kvtier.config import PoolConfig
 from kvtier.gpu_pool.block_manager import AddResult, AppendResult, KVBlockManager, SeqId, Sequence
 from kvtier.gpu_pool.block_pool import BlockPool
-from kvtier.gpu_pool.kv_storage import KVStorage
+from kvtier.gpu_pool.kv_storage import KVStorage, PoolSpec
 from kvtier.gpu_pool.stats import PoolStats
 
 
@@ -28,7 +27,7 @@ class PagedKVPool:
         self.manager = KVBlockManager(self.block_pool)
 
     @classmethod
-    def from_config(cls, cfg: PoolConfig) -> PagedKVPool:
+    def from_config(cls, cfg: PoolSpec) -> PagedKVPool:
         return cls(KVStorage.from_config(cfg), cfg.enable_prefix_caching)
 
     @property

@@ -93,19 +93,6 @@ class TiersConfig(_Section):
     longest first; chunks with no session are evicted LRU) or a dotted path."""
     disk_eviction: str = "session-aware"
 
-    @field_validator("cpu_eviction", "disk_eviction")
-    @classmethod
-    def _known_policy(cls, v: str) -> str:
-        import kvtier.policies.eviction  # noqa: F401 - registers the built-in policies
-        from kvtier.errors import InvalidArgumentError
-        from kvtier.policies.registry import resolve
-
-        try:
-            resolve("eviction", v)  # an unknown name fails with the list of known ones
-        except InvalidArgumentError as exc:
-            raise ValueError(str(exc)) from None
-        return v
-
     @field_validator("cpu_bytes")
     @classmethod
     def _non_negative(cls, v: int) -> int:

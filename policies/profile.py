@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 from pathlib import Path
 from typing import Any
 
@@ -17,28 +16,6 @@ from kvtier.errors import ConfigError, InvalidArgumentError
 from kvtier.policies.cost_model import CostModel
 
 PROFILE_VERSION = 1
-
-
-def this_machine() -> str:
-    """What makes two machines the same for costs: CPU model, cores, GPU."""
-    cpu = platform.processor() or "unknown-cpu"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    gpu = "no-gpu"
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            gpu = torch.cuda.get_device_name(0)
-    except ImportError:
-        pass
-    return f"{cpu} x{os.cpu_count()} / {gpu}"
 
 
 def save_profile(path: str | os.PathLike[str], cost: CostModel, extra: dict[str, Any]) -> Path:

@@ -11,11 +11,12 @@ from kvtier.chunk_keys import chunk_keys
 from kvtier.config import TiersConfig
 from kvtier.engine.engine import Engine, EngineOptions
 from kvtier.engine.sampling import SamplingParams
+from kvtier.machine import this_machine
 from kvtier.make_model.writer import make_model
 from kvtier.policies.cost_model import CostModel, LinearCost, PrefillCost, TierCost
 from kvtier.policies.live import PROFILE_NAME, PolicyOptions
 from kvtier.policies.offload import Watermarks
-from kvtier.policies.profile import save_profile, this_machine
+from kvtier.policies.profile import save_profile
 
 GREEDY = SamplingParams(max_tokens=8)
 SYSTEM = "You are a helpful assistant who answers about offloading KV caches. " * 3

@@ -9,6 +9,8 @@ from kvtier.chunk_format import encode_chunk
 from kvtier.config import TiersConfig
 from kvtier.connectors.tiers.cpu_tier import CPUTier
 from kvtier.connectors.tiers.disk_tier import DiskTier
+from kvtier.connectors.tiers.factory import build_tiers
+from kvtier.errors import ConfigError
 from kvtier.policies.eviction import LFU, ChunkInfo, SessionAware
 
 FP = b"f" * 16
@@ -65,9 +67,11 @@ def test_tiers_default_to_lru_and_take_any_policy_by_name_or_instance(tmp_path):
         lfu.close()
 
 
-def test_unknown_tier_eviction_policy_is_a_config_error():
-    with pytest.raises(ValueError, match="unknown eviction policy 'mru'.*session-aware"):
-        TiersConfig(cpu_eviction="mru")
+def test_unknown_tier_eviction_policy_is_a_config_error(tmp_path):
+    cfg = TiersConfig(cpu_eviction="mru", disk_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="tiers.cpu_eviction: unknown eviction policy 'mru'.*session-aware"):
+        build_tiers(cfg, slot_bytes=1 << 16, fingerprint=b"fp")
+    assert not any(tmp_path.iterdir()), "nothing is built before the names are checked"
     assert TiersConfig().cpu_eviction == "session-aware"
 
 

@@ -140,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.benchmarks.policy_sim.systems import DEFAULT_SYSTEMS, system
     from kvtier.benchmarks.policy_sim.workloads import from_csv, mooncake, scale_time
     from kvtier.benchmarks.results import write_result
-    from kvtier.policies.profile import load_profile, this_machine
+    from kvtier.machine import this_machine
+    from kvtier.policies.profile import load_profile
 
     console = Console()
     if not console.is_terminal:  # a log file: do not squeeze the tables into 80 columns

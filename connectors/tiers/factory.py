@@ -8,7 +8,8 @@ from pathlib import Path
 from kvtier.config import TiersConfig
 from kvtier.connectors.tiers.base import Tier
 from kvtier.connectors.tiers.manager import TierManager
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, InvalidArgumentError
+from kvtier.policies.eviction import EvictionPolicy, eviction_policy
 
 HEADER_ALLOWANCE = 8192
 """Room for a chunk's msgpack header (key, fingerprint, shape, one checksum per layer)."""
@@ -26,9 +27,20 @@ def chunk_blob_bytes(
     return 2 * num_layers * chunk_tokens * kv_heads * head_dim * elem_bytes + HEADER_ALLOWANCE
 
 
+def configured_eviction(cfg: TiersConfig, field: str) -> EvictionPolicy:
+    """The eviction policy ``tiers.<field>`` names; an unknown name is a config error that
+    lists the known ones (checked here, where the name is used: config stays a leaf)."""
+    try:
+        return eviction_policy(getattr(cfg, field))
+    except InvalidArgumentError as exc:
+        raise ConfigError(f"tiers.{field}: {exc}") from None
+
+
 def build_tiers(cfg: TiersConfig, slot_bytes: int, fingerprint: bytes) -> TierManager | None:
     """CPU, disk and Redis tiers as configured, fastest first; None when all are off."""
     tiers: list[Tier] = []
+    cpu_eviction = configured_eviction(cfg, "cpu_eviction")
+    disk_eviction = configured_eviction(cfg, "disk_eviction")
     if cfg.cpu_bytes:
         from kvtier.connectors.tiers.cpu_tier import CPUTier
 
@@ -37,7 +49,7 @@ def build_tiers(cfg: TiersConfig, slot_bytes: int, fingerprint: bytes) -> TierMa
                 f"tiers.cpu_bytes={cfg.cpu_bytes} holds no chunk of this model "
                 f"({slot_bytes} bytes); raise it or set 0 to disable the CPU tier"
             )
-        tiers.append(CPUTier(cfg.cpu_bytes, slot_bytes, eviction=cfg.cpu_eviction))
+        tiers.append(CPUTier(cfg.cpu_bytes, slot_bytes, eviction=cpu_eviction))
     if cfg.disk_bytes != 0:
         from kvtier.connectors.tiers.disk_tier import DiskTier
 
@@ -50,7 +62,7 @@ def build_tiers(cfg: TiersConfig, slot_bytes: int, fingerprint: bytes) -> TierMa
                 cfg.disk_fsync,
                 cfg.disk_o_direct,
                 read_evicted=bool(cfg.redis_url),
-                eviction=cfg.disk_eviction,
+                eviction=disk_eviction,
             )
         )
     if cfg.redis_url:

@@ -113,8 +113,9 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.connectors.tiers.factory import chunk_blob_bytes
     from kvtier.engine.model_runner import ModelRunner
     from kvtier.gpu_pool.kv_storage import resolve_device
+    from kvtier.machine import this_machine
     from kvtier.policies.cost_model import CostModel, LinearCost, PrefillCost, TierCost
-    from kvtier.policies.profile import save_profile, this_machine
+    from kvtier.policies.profile import save_profile
     from kvtier.transfer.kv_transfer import CPU_STREAM_MIN_TOKENS
 
     console = Console()

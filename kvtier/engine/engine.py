@@ -170,7 +170,7 @@ class Engine:
         )
         self.policy: LivePolicy | None = None
         if self.kv is not None:
-            from kvtier.policies.profile import this_machine
+            from kvtier.machine import this_machine
 
             cost = load_cost_model(
                 opts.policy.profile, self.model_dir, self.runner.fingerprint.hex(), this_machine()

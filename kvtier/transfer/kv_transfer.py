@@ -16,14 +16,15 @@ import logging
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from kvtier.chunk_format import decode_chunk, encode_chunk
 from kvtier.chunk_keys import ChunkKey, chunk_keys
 from kvtier.connectors.tiers.manager import Location, TierManager
-from kvtier.engine.model_runner import ModelRunner
 from kvtier.errors import ChunkError, InvalidArgumentError, OutOfBlocksError
+from kvtier.gpu_pool import PagedKVPool
 from kvtier.gpu_pool.kernels import gather_blocks, scatter_blocks
 from kvtier.hashing import chain_hashes
 from kvtier.policies.eviction import ChunkInfo
@@ -85,6 +86,20 @@ class LoadReport:
     then ``bytes`` counts only what was read before returning (``pending.bytes`` grows)."""
 
 
+class PoolOwner(Protocol):
+    """What the data path needs of the engine's model runner: its pool, the model
+    fingerprint its chains are keyed with, and the layer-wise loads the forward waits on.
+    (A protocol, so that transfer/ sits below engine/ and imports nothing of it.)"""
+
+    pool: PagedKVPool
+    fingerprint: bytes
+    layer_loads: list[LayerLoad]
+
+    def add_layer_load(self, load: LayerLoad) -> None: ...
+
+    def reap_layer_loads(self, wait: bool = False) -> None: ...
+
+
 CPU_STREAM_MIN_TOKENS = 2048
 """On a CPU, restores stream layer by layer only from this many tokens (docs/tiers.md)."""
 
@@ -92,7 +107,7 @@ CPU_STREAM_MIN_TOKENS = 2048
 class KVTransfer:
     def __init__(
         self,
-        runner: ModelRunner,
+        runner: PoolOwner,
         manager: TierManager,
         chunk_tokens: int = 256,
         stream: bool | None = False,
