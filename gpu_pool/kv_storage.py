@@ -51,7 +51,12 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+def resolve_dtype(name: str | torch.dtype, device: torch.device | None = None) -> torch.dtype:
+    """A KV/model dtype by name; ``auto`` is bfloat16 on CUDA and float32 elsewhere (CPU
+    kernels for half types are slow and less exact)."""
+    if name == "auto":
+        on_cuda = (device or resolve_device("auto")).type == "cuda"
+        return torch.bfloat16 if on_cuda else torch.float32
     if isinstance(name, torch.dtype):
         if name not in DTYPES.values():
             raise ConfigError(f"unsupported KV dtype {name}; use one of {sorted(DTYPES)}")
@@ -111,8 +116,10 @@ class KVStorage:
     @classmethod
     def from_config(cls, cfg: PoolSpec) -> KVStorage:
         """Size the pool from ``num_blocks`` or from the ``memory_bytes`` budget."""
+        device = resolve_device(cfg.device)
+        dtype = resolve_dtype(cfg.dtype, device)
         per_block = cls.bytes_per_block(
-            cfg.num_layers, cfg.block_size, cfg.num_kv_heads, cfg.head_dim, cfg.dtype
+            cfg.num_layers, cfg.block_size, cfg.num_kv_heads, cfg.head_dim, dtype
         )
         if cfg.num_blocks is not None:
             num_blocks = cfg.num_blocks
@@ -122,7 +129,7 @@ class KVStorage:
                 raise ConfigError(
                     f"pool.memory_bytes={cfg.memory_bytes} is smaller than one block "
                     f"({per_block} bytes for {cfg.num_layers} layers x {cfg.block_size} tokens "
-                    f"x {cfg.num_kv_heads} KV heads x {cfg.head_dim} head_dim in {cfg.dtype}); "
+                    f"x {cfg.num_kv_heads} KV heads x {cfg.head_dim} head_dim in {dtype}); "
                     f"raise it to at least {per_block}"
                 )
         else:
@@ -133,8 +140,8 @@ class KVStorage:
             cfg.block_size,
             cfg.num_kv_heads,
             cfg.head_dim,
-            cfg.dtype,
-            resolve_device(cfg.device),
+            dtype,
+            device,
         )
 
     @property

@@ -1,9 +1,17 @@
 """The typed configuration of kvtier, loaded from a YAML file and ``KVTIER_*`` variables.
 
-One object, validated once at start-up, so a typo or an impossible size fails before any
-memory is allocated. Precedence (lowest first): defaults, the YAML file, environment
-variables, explicit overrides. Nested fields use ``__`` in variable names:
-``KVTIER_POOL__BLOCK_SIZE=32`` sets ``pool.block_size``.
+One object for every part (pool, tiers, engine, policy, server), validated once at
+start-up, so a typo or an impossible size fails before any memory is allocated.
+Precedence (lowest first): defaults, the YAML file, environment variables, explicit
+overrides (command-line flags). Nested fields use ``__`` in variable names:
+``KVTIER_POOL__BLOCK_SIZE=32`` sets ``pool.block_size``; sizes take units
+(``KVTIER_TIERS__CPU_BYTES=4GiB``). Environment variables are read by pydantic-settings and
+only for fields that exist: ``KVTIER_PORT`` or ``KVTIER_DEBUG_KERNELS`` are not config and
+are ignored, while a misspelt field inside a section (``KVTIER_POOL__BLOK_SIZE``) is an
+error, as a misspelt YAML key is.
+
+This module is a leaf: it imports nothing of kvtier but its errors, so every room may read
+it; names that need a registry (eviction policies) are checked where they are used.
 """
 
 from __future__ import annotations
@@ -14,14 +22,25 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict, SettingsError
 
 from kvtier.errors import ConfigError
 
 ENV_PREFIX = "KVTIER_"
 ENV_NESTED = "__"
+NONE_WORDS = ("", "none", "null")
+"""Environment values that mean "unset" (``KVTIER_POOL__NUM_BLOCKS=none`` clears a YAML value)."""
 
 DTypeName = Literal["float32", "float16", "bfloat16"]
+ModelDTypeName = Literal["auto", "float32", "float16", "bfloat16"]
 
 
 def is_power_of_two(n: int) -> bool:
@@ -29,7 +48,10 @@ def is_power_of_two(n: int) -> bool:
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # Attribute docstrings become field descriptions: `kvtier config --help` lists them.
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, use_attribute_docstrings=True
+    )
 
 
 class PoolConfig(_Section):
@@ -39,12 +61,17 @@ class PoolConfig(_Section):
     """Tokens per block; a power of two."""
     num_blocks: int | None = None
     """Blocks in the pool. Exactly one of num_blocks / memory_bytes sizes the pool."""
-    memory_bytes: int | None = None
-    """Byte budget for the KV tensors; the pool takes as many whole blocks as fit."""
+    memory_bytes: ByteSize | None = None
+    """Byte budget for the KV tensors (``256MiB``); the pool takes as many whole blocks as
+    fit. Engine mode with neither set: 256 MiB."""
     num_layers: int = 2
+    """Standalone pool only (``PagedKVPool.from_config``); an engine takes these three from
+    its model."""
     num_kv_heads: int = 2
     head_dim: int = 64
-    dtype: DTypeName = "float16"
+    dtype: ModelDTypeName = "auto"
+    """KV dtype, which is also the engine's model dtype; ``auto``: bfloat16 on CUDA, float32
+    on CPU."""
     device: str = "auto"
     """``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (CUDA when present)."""
     enable_prefix_caching: bool = True
@@ -74,11 +101,11 @@ class TiersConfig(_Section):
     """The lower tiers. With nothing set, an engine runs with a CPU arena and a local disk
     directory; Redis joins when ``redis_url`` is set."""
 
-    cpu_bytes: int = 1 << 30
+    cpu_bytes: ByteSize = ByteSize(1 << 30)
     """Size of the CPU arena (pinned when CUDA is present); 0 disables the CPU tier."""
     disk_dir: str | None = None
     """Chunk directory; default ``$XDG_CACHE_HOME/kvtier/chunks`` (``~/.cache/...``)."""
-    disk_bytes: int | None = 16 << 30
+    disk_bytes: ByteSize | None = ByteSize(16 << 30)
     """Disk tier capacity; 0 disables the disk tier, None leaves it unbounded."""
     disk_fsync: bool = True
     disk_o_direct: bool = False
@@ -93,11 +120,77 @@ class TiersConfig(_Section):
     longest first; chunks with no session are evicted LRU) or a dotted path."""
     disk_eviction: str = "session-aware"
 
+    @classmethod
+    def pool_only(cls) -> TiersConfig:
+        """No lower tier at all: an engine keeps KV in its pool only."""
+        return cls(cpu_bytes=0, disk_bytes=0)
+
     @field_validator("cpu_bytes")
     @classmethod
     def _non_negative(cls, v: int) -> int:
         if v < 0:
             raise ValueError(f"must be >= 0 (0 disables the tier), got {v}")
+        return v
+
+
+class EngineConfig(_Section):
+    """The reference engine (``kvtier serve --model``, ``kvtier chat``): batching limits,
+    threads, background stores, layer-wise restore. The pool section sizes its KV pool."""
+
+    max_model_len: int | None = None
+    """Longest sequence (prompt + output); default: the model's own limit."""
+    max_num_seqs: int = 64
+    """Sequences decoded together in one step."""
+    max_num_batched_tokens: int = 512
+    """Tokens one step computes (prefill chunks + decodes)."""
+    num_threads: int | None = None
+    """torch CPU threads (small ops are far faster with few threads on a busy machine)."""
+    max_inflight_bytes: ByteSize = ByteSize(256 << 20)
+    """Cap on KV bytes copied out of the pool and not yet stored (background offloads)."""
+    stream_restore: bool | None = None
+    """Restores stream layer by layer (layer l computes while layer l+1 loads); unset: on
+    CUDA always, on CPU for restores of 2048 tokens or more."""
+
+    @field_validator("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_threads")
+    @classmethod
+    def _positive(cls, v: int | None) -> int | None:
+        if v is not None and v <= 0:
+            raise ValueError(f"must be a positive integer, got {v}")
+        return v
+
+
+class WatermarksConfig(_Section):
+    """Pool occupancy (fraction of blocks) that starts offloading idle sessions (high) and
+    where it stops (low)."""
+
+    high: float = 0.9
+    low: float = 0.75
+
+    @model_validator(mode="after")
+    def _ordered(self) -> WatermarksConfig:
+        if not 0 < self.low <= self.high <= 1:
+            raise ValueError(f"need 0 < low <= high <= 1, got low={self.low} high={self.high}")
+        return self
+
+
+class PolicyConfig(_Section):
+    """The engine's offload policy (docs/policies.md)."""
+
+    profile: str | None = None
+    """Calibration profile (``kvtier calibrate``); unset: ``<model>/kvtier-profile.json``
+    when it exists. Without one every stored prefix is loaded (no restore-vs-recompute
+    decision) and offloads go to the fastest tier."""
+    auto_offload: bool = True
+    """Offload idle sessions when the pool fills past the high watermark."""
+    watermarks: WatermarksConfig = WatermarksConfig()
+    check_every_s: float = 0.05
+    """Least time between two watermark checks (each walks the idle sessions)."""
+
+    @field_validator("check_every_s")
+    @classmethod
+    def _non_negative(cls, v: float) -> float:
+        if v < 0:
+            raise ValueError(f"must be >= 0, got {v}")
         return v
 
 
@@ -108,9 +201,9 @@ class ServerConfig(_Section):
     port: int = 8100
     auth_token: str | None = None
     """Bearer token every route but ``/healthz`` asks for; unset: no auth (loopback use)."""
-    max_body_bytes: int = 256 << 20
+    max_body_bytes: ByteSize = ByteSize(256 << 20)
     """Largest request body accepted; larger ones get 413 before anything is read into a tier."""
-    chunk_slot_bytes: int = 4 << 20
+    chunk_slot_bytes: ByteSize = ByteSize(4 << 20)
     """Sidecar mode (no ``--model``): the CPU arena's slot size, the largest chunk it holds
     (bigger chunks go to the disk tier). Engine mode sizes slots from the model."""
     max_tokens_default: int = 256
@@ -132,14 +225,20 @@ class ServerConfig(_Section):
 
 
 class KVTierConfig(_Section):
-    """Root configuration object."""
+    """Root configuration object; :func:`load_config` builds it from defaults, a YAML file,
+    ``KVTIER_*`` variables and overrides. (A plain model, not a ``BaseSettings``: those
+    read the process environment on every validation, which would override a YAML file's
+    values or an explicit ``environ`` after the fact.)"""
 
     pool: PoolConfig = PoolConfig()
     tiers: TiersConfig = TiersConfig()
+    engine: EngineConfig = EngineConfig()
+    policy: PolicyConfig = PolicyConfig()
     server: ServerConfig = ServerConfig()
     chunk_tokens: int = 256
     """Tokens per chunk in the lower tiers; a multiple of pool.block_size."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """kvtier's and uvicorn's log level."""
 
     @model_validator(mode="after")
     def _chunk_multiple_of_block(self) -> KVTierConfig:
@@ -161,28 +260,46 @@ def _deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]
     return out
 
 
+class _EnvSettings(BaseSettings, KVTierConfig):
+    """The root config's fields as pydantic-settings sees them, for reading variables."""
+
+    model_config = SettingsConfigDict(extra="forbid")
+
+
+class _EnvSource(EnvSettingsSource):
+    """pydantic-settings' reading of ``KVTIER_*`` variables, over a given mapping rather
+    than always ``os.environ`` (tests and embedders pass their own)."""
+
+    def __init__(self, environ: Mapping[str, str]) -> None:
+        self._environ = environ
+        super().__init__(
+            _EnvSettings,
+            case_sensitive=False,
+            env_prefix=ENV_PREFIX,
+            env_nested_delimiter=ENV_NESTED,
+        )
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        return {
+            name.lower(): None if value.strip().lower() in NONE_WORDS else value
+            for name, value in self._environ.items()
+        }
+
+
 def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
-    """Turn ``KVTIER_A__B=v`` variables into ``{"a": {"b": "v"}}``."""
-    tree: dict[str, Any] = {}
-    for name, value in environ.items():
-        if not name.startswith(ENV_PREFIX):
-            continue
-        path = [p.lower() for p in name[len(ENV_PREFIX) :].split(ENV_NESTED)]
-        if not all(path):
+    """The config fields ``KVTIER_*`` variables set, as a nested mapping (unknown top-level
+    names ignored; within a section every name is kept, so a misspelt one is an error)."""
+    for name in environ:
+        rest = name.upper()[len(ENV_PREFIX) :] if name.upper().startswith(ENV_PREFIX) else ""
+        if ENV_NESTED in rest and not all(rest.split(ENV_NESTED)):
             raise ConfigError(f"environment variable {name}: empty name segment")
-        node = tree
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(
-                    f"environment variable {name} conflicts with another KVTIER_ variable"
-                )
-        if isinstance(node.get(path[-1]), dict):  # the same conflict, met in the other order
-            raise ConfigError(
-                f"environment variable {name} conflicts with another KVTIER_ variable"
-            )
-        node[path[-1]] = None if value.strip().lower() in ("", "none", "null") else value
-    return tree
+    try:
+        return dict(_EnvSource(environ)())
+    except SettingsError as exc:
+        raise ConfigError(
+            f"environment variables: {exc} (a section such as KVTIER_POOL cannot be set "
+            "as a whole; set its fields, e.g. KVTIER_POOL__BLOCK_SIZE)"
+        ) from None
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -222,3 +339,19 @@ def load_config(
         )
         source = f" (file {path} and KVTIER_* variables)" if path else " (KVTIER_* variables)"
         raise ConfigError(f"invalid configuration{source}: {problems}") from None
+
+
+def describe_fields(model: type[BaseModel] = KVTierConfig, prefix: str = "") -> list[str]:
+    """One line per config field: its dotted name, default, ``KVTIER_*`` variable and
+    description (what ``kvtier config --help`` shows)."""
+    lines: list[str] = []
+    for name, field in model.model_fields.items():
+        dotted = f"{prefix}{name}"
+        kind = field.annotation
+        if isinstance(kind, type) and issubclass(kind, BaseModel):
+            lines.extend(describe_fields(kind, f"{dotted}."))
+            continue
+        env = ENV_PREFIX + dotted.upper().replace(".", ENV_NESTED)
+        doc = " ".join((field.description or "").split())
+        lines.append(f"{dotted} = {field.default!r}  [{env}]" + (f"\n    {doc}" if doc else ""))
+    return lines

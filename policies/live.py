@@ -15,7 +15,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 from kvtier.policies.cost_model import CostModel
@@ -29,35 +29,30 @@ PROFILE_NAME = "kvtier-profile.json"
 """Where ``kvtier calibrate --model DIR`` writes by default, and where an engine looks."""
 
 
-@dataclass(frozen=True)
-class PolicyOptions:
-    profile: str | Path | None = None
-    """Calibration profile; None: ``<model>/kvtier-profile.json`` if it exists. Without one
-    every stored prefix is loaded (no restore-vs-recompute decision) and offloads target the
-    fastest tier."""
-    auto_offload: bool = True
-    """Offload idle sessions when the pool fills past the high watermark."""
-    watermarks: Watermarks = Watermarks()
-    check_every_s: float = 0.05
-    """Least time between two watermark checks (each walks the idle sessions)."""
-
-
 class LivePolicy:
     def __init__(
         self,
         cost: CostModel | None,
         tier_names: Sequence[str],
         chunk_tokens: int,
-        options: PolicyOptions | None = None,
+        watermarks: Watermarks | None = None,
+        check_every_s: float = 0.05,
+        auto_offload: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.options = options or PolicyOptions()
+        """``watermarks``: pool occupancy that starts offloading (high) and where it stops
+        (low); ``check_every_s``: least time between two watermark checks (each walks the
+        idle sessions); ``auto_offload``: offload at all under pressure; ``clock``: the
+        time source (a replay passes its virtual clock)."""
+        self.watermarks = watermarks or Watermarks()
+        self.check_every_s = check_every_s
+        self.auto_offload = auto_offload
         self.cost = cost
         self.tier_names = list(tier_names)
         self.chunk_tokens = chunk_tokens
         self.clock = clock
         self.think = ThinkTimeModel()
-        self.offload = PredictiveOffload(self.options.watermarks, chunk_tokens)
+        self.offload = PredictiveOffload(self.watermarks, chunk_tokens)
         self.idle_since: dict[Hashable, float] = {}
         self.decisions: Counter[str] = Counter()
         self.leaving: set[Hashable] = set()
@@ -131,8 +126,8 @@ class LivePolicy:
         now = self.clock()
         if now < self._next_check:
             return False
-        self._next_check = now + self.options.check_every_s
-        return self.options.auto_offload
+        self._next_check = now + self.check_every_s
+        return self.auto_offload
 
     def offloads(
         self,

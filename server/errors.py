@@ -54,8 +54,9 @@ def error_responses(*codes: int) -> dict[int | str, dict]:
     return {code: {"model": ErrorBody} for code in codes}
 
 
-class ServiceError(Exception):
-    """Raised by a route to answer with a given status and error type."""
+class RouteError(Exception):
+    """Raised by a route to answer with a given status and error type (the client side of
+    such an answer is :class:`kvtier.client.ServiceError`)."""
 
     def __init__(self, status: int, message: str, type_: str | None = None) -> None:
         super().__init__(message)
@@ -81,7 +82,7 @@ def error_response(
 
 def status_of(exc: BaseException) -> tuple[int, str]:
     """The HTTP status and error type a kvtier exception stands for."""
-    if isinstance(exc, ServiceError):
+    if isinstance(exc, RouteError):
         return exc.status, exc.type
     if isinstance(exc, EngineStepError):
         return 500, "engine_error"
@@ -122,7 +123,7 @@ def install_error_handlers(app: FastAPI, count_error: Callable[[str], None]) -> 
         return error_response(status, str(exc), type_, headers)
 
     app.add_exception_handler(KVTierError, _known)
-    app.add_exception_handler(ServiceError, _known)
+    app.add_exception_handler(RouteError, _known)
 
     @app.exception_handler(Exception)
     async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:

@@ -23,7 +23,7 @@ from kvtier.engine.engine import Engine
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.session import TurnResult
 from kvtier.errors import InvalidArgumentError
-from kvtier.server.errors import ServiceError, error_body, error_responses, status_of
+from kvtier.server.errors import RouteError, error_body, error_responses, status_of
 from kvtier.server.schemas import ChatCompletion, ChatCompletionRequest
 from kvtier.server.state import ServiceState
 
@@ -98,7 +98,7 @@ async def chat_completions(
     """One chat turn; ``stream: true`` answers with server-sent events."""
     state: ServiceState = request.app.state.kvtier
     if state.engine is None:
-        raise ServiceError(
+        raise RouteError(
             404, "this server runs without a model: start kvtier serve with --model DIR to chat"
         )
     messages = [m.model_dump() for m in body.messages]

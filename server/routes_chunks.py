@@ -21,7 +21,7 @@ from kvtier.chunk_format import validate_chunk
 from kvtier.chunk_keys import KEY_PATTERN, KEY_RE
 from kvtier.connectors.tiers.manager import PutReport, TierManager
 from kvtier.errors import ChunkError
-from kvtier.server.errors import ServiceError, error_responses
+from kvtier.server.errors import RouteError, error_responses
 from kvtier.server.schemas import (
     BatchGetRequest,
     BatchPutResponse,
@@ -63,7 +63,7 @@ _MSGPACK_BODY = {
 def _manager(request: Request) -> tuple[ServiceState, TierManager]:
     state: ServiceState = request.app.state.kvtier
     if state.manager is None:
-        raise ServiceError(404, "this server has no tiers configured (all of them are disabled)")
+        raise RouteError(404, "this server has no tiers configured (all of them are disabled)")
     return state, state.manager
 
 
@@ -76,7 +76,7 @@ def _parse_layers(layers: str | None) -> tuple[int, int] | None:
         return None
     start, end = (int(x) for x in layers.split(":"))
     if start >= end:
-        raise ServiceError(400, f"layers {layers}: START must be below END")
+        raise RouteError(400, f"layers {layers}: START must be below END")
     return start, end
 
 
@@ -84,12 +84,12 @@ def _verify(manager: TierManager, key: str, blob: bytes) -> None:
     try:
         validate_chunk(blob, key, manager.fingerprint)
     except ChunkError as exc:
-        raise ServiceError(400, f"chunk {key}: {exc}", "invalid_chunk") from None
+        raise RouteError(400, f"chunk {key}: {exc}", "invalid_chunk") from None
 
 
-def _put_failed(report: PutReport) -> ServiceError:
+def _put_failed(report: PutReport) -> RouteError:
     reasons = "; ".join(f"{k}: {why}" for k, why in report.failed.items())
-    return ServiceError(507, f"no tier could store the chunk ({reasons})")
+    return RouteError(507, f"no tier could store the chunk ({reasons})")
 
 
 @router.put(
@@ -135,7 +135,7 @@ async def get_chunk(key: Key, request: Request, layers: Layers = None) -> Respon
     ((blob, tier),) = await run_in_threadpool(manager.get_each, [key], span)
     if blob is None:
         where = "" if span is None else f" (or layers {layers} lie outside it)"
-        raise ServiceError(404, f"chunk {key} is not stored{where}")
+        raise RouteError(404, f"chunk {key} is not stored{where}")
     state.metrics.transfer.labels("get").observe(time.perf_counter() - t0)
     state.metrics.transfer_bytes.labels("get").inc(len(blob))
     return Response(blob, media_type=OCTETS, headers={"X-KVTier-Tier": tier or ""})
@@ -156,14 +156,14 @@ async def delete_chunk(key: Key, request: Request) -> Response:
     """Remove the chunk from every tier (204), or 404 if no tier held it."""
     _, manager = _manager(request)
     if not await run_in_threadpool(manager.delete, [key]):
-        raise ServiceError(404, f"chunk {key} is not stored")
+        raise RouteError(404, f"chunk {key} is not stored")
     return Response(status_code=204)
 
 
 def _check_keys(keys: list[str]) -> None:
     bad = [k for k in keys if not KEY_RE.match(k)]
     if bad:
-        raise ServiceError(400, f"not chunk keys: {bad[:5]} (pattern {KEY_PATTERN})")
+        raise RouteError(400, f"not chunk keys: {bad[:5]} (pattern {KEY_PATTERN})")
 
 
 @router.post("/lookup", response_model=LookupResponse, responses=_ERRORS)
@@ -189,7 +189,7 @@ async def batch_get(body: BatchGetRequest, request: Request) -> Response:
     _check_keys(body.keys)
     span = _parse_layers(f"{body.layers[0]}:{body.layers[1]}") if body.layers else None
     if span is not None and span[0] < 0:
-        raise ServiceError(400, "layers must be non-negative")
+        raise RouteError(400, "layers must be non-negative")
     t0 = time.perf_counter()
     found = await run_in_threadpool(manager.get_each, body.keys, span)
     blobs = [blob for blob, _ in found]
@@ -210,11 +210,11 @@ async def batch_put(request: Request, tier: str | None = None) -> dict[str, Any]
     try:
         chunks = msgpack.unpackb(raw, raw=False, strict_map_key=True)
     except Exception as exc:  # noqa: BLE001 - any decoding failure is the caller's
-        raise ServiceError(400, f"body is not a msgpack map: {exc}") from None
+        raise RouteError(400, f"body is not a msgpack map: {exc}") from None
     if not isinstance(chunks, dict) or not all(
         isinstance(k, str) and isinstance(v, bytes) for k, v in chunks.items()
     ):
-        raise ServiceError(400, "body must be a msgpack map of chunk key (str) -> chunk (bin)")
+        raise RouteError(400, "body must be a msgpack map of chunk key (str) -> chunk (bin)")
     _check_keys(list(chunks))
     for key, blob in chunks.items():
         _verify(manager, key, blob)

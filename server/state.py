@@ -18,7 +18,7 @@ from kvtier.config import KVTierConfig
 from kvtier.connectors.tiers.factory import build_tiers
 from kvtier.connectors.tiers.manager import TierManager
 from kvtier.engine.async_engine import AsyncEngine
-from kvtier.engine.engine import Engine, EngineOptions
+from kvtier.engine.engine import Engine
 from kvtier.engine.session import ChatSession
 from kvtier.server.metrics import ServiceMetrics
 
@@ -50,27 +50,10 @@ class ServiceState:
         return cls(config, manager)
 
     @classmethod
-    def with_engine(
-        cls,
-        config: KVTierConfig,
-        model_dir: str | Path,
-        dtype: str = "float32",
-        kv_memory_bytes: int | None = None,
-        num_threads: int | None = None,
-    ) -> ServiceState:
-        pool = config.pool
-        options = EngineOptions(
-            dtype=dtype,
-            device=pool.device,
-            block_size=pool.block_size,
-            num_blocks=pool.num_blocks,
-            kv_memory_bytes=pool.memory_bytes or (None if pool.num_blocks else kv_memory_bytes),
-            enable_prefix_caching=pool.enable_prefix_caching,
-            num_threads=num_threads,
-            tiers=config.tiers,
-            chunk_tokens=config.chunk_tokens,
-        )
-        engine = Engine(model_dir, options)
+    def with_engine(cls, config: KVTierConfig, model_dir: str | Path) -> ServiceState:
+        """The reference engine on ``model_dir``, configured by the same config (pool,
+        engine, tiers, policy) the service reads."""
+        engine = Engine(model_dir, config)
         return cls(config, engine.tiers, AsyncEngine(engine), Path(model_dir).name)
 
     def close(self) -> None:

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from kvtier.engine.async_engine import AsyncEngine
-from kvtier.engine.engine import Engine, EngineOptions, RequestError
+from kvtier.engine.engine import Engine, RequestError
 from kvtier.engine.sampling import SamplingParams
 from kvtier.make_model.writer import make_model
+from tests.engine_config import engine_config
 
 GREEDY = SamplingParams(max_tokens=8)
 
@@ -22,7 +23,7 @@ def model_dir(tmp_path_factory):
 
 
 def _engine(model_dir, **kw):
-    return Engine(model_dir, EngineOptions(num_blocks=128, tiers=None, **kw))
+    return Engine(model_dir, engine_config(num_blocks=128, tiers=None, **kw))
 
 
 def test_concurrent_sessions_match_the_sync_engine(model_dir):

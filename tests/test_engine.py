@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from kvtier.cli.chat import register as register_chat
-from kvtier.engine.engine import Engine, EngineOptions, RequestError
+from kvtier.engine.engine import Engine, RequestError
 from kvtier.engine.sampling import SamplingParams
 from kvtier.make_model.writer import make_model
+from tests.engine_config import engine_config
 
 GREEDY = SamplingParams(max_tokens=12)
 
@@ -26,7 +27,7 @@ def model_dir(tmp_path_factory):
 def _engine(model_dir, **kw) -> Engine:
     opts = dict(num_blocks=256, max_num_batched_tokens=512, max_num_seqs=64, tiers=None)
     opts.update(kw)
-    return Engine(model_dir, EngineOptions(**opts))
+    return Engine(model_dir, engine_config(**opts))
 
 
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:

@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from kvtier.config import TiersConfig
-from kvtier.engine.engine import Engine, EngineOptions, UnknownSessionError
+from kvtier.engine.engine import Engine, UnknownSessionError
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import InvalidArgumentError
 from kvtier.gpu_pool.kernels import gather_blocks
 from kvtier.make_model.writer import make_model
+from tests.engine_config import engine_config
 
 GREEDY = SamplingParams(max_tokens=10)
 SYSTEM = "You are a helpful assistant who answers about offloading KV caches. " * 3
@@ -39,7 +40,7 @@ def _engine(model_dir, tmp_path, tiers: dict | None, **kw) -> Engine:
         cfg = TiersConfig(disk_dir=str(tmp_path / "chunks"), disk_fsync=False, **tiers)
     opts = dict(num_blocks=128, tiers=cfg, chunk_tokens=64, stream_restore=True)
     opts.update(kw)
-    return Engine(model_dir, EngineOptions(**opts))
+    return Engine(model_dir, engine_config(**opts))
 
 
 def _session_kv(engine: Engine, sid: str) -> torch.Tensor:

@@ -9,14 +9,15 @@ import torch
 
 from kvtier.chunk_keys import chunk_keys
 from kvtier.config import TiersConfig
-from kvtier.engine.engine import Engine, EngineOptions
+from kvtier.engine.engine import Engine
 from kvtier.engine.sampling import SamplingParams
 from kvtier.machine import this_machine
 from kvtier.make_model.writer import make_model
 from kvtier.policies.cost_model import CostModel, LinearCost, PrefillCost, TierCost
-from kvtier.policies.live import PROFILE_NAME, PolicyOptions
+from kvtier.policies.live import PROFILE_NAME
 from kvtier.policies.offload import Watermarks
 from kvtier.policies.profile import save_profile
+from tests.engine_config import engine_config
 
 GREEDY = SamplingParams(max_tokens=8)
 SYSTEM = "You are a helpful assistant who answers about offloading KV caches. " * 3
@@ -43,13 +44,13 @@ def _profile(path, engine_fp: str, read_bps: float, kv_bytes_per_token: int = 40
 def _engine(model_dir, tmp_path, clock=None, **policy) -> Engine:
     tiers = TiersConfig(cpu_bytes=64 << 20, disk_bytes=256 << 20,
                         disk_dir=str(tmp_path / "chunks"), disk_fsync=False)
-    opts = EngineOptions(num_blocks=policy.pop("num_blocks", 128), tiers=tiers, chunk_tokens=64,
-                         policy=PolicyOptions(**policy))
+    opts = engine_config(num_blocks=policy.pop("num_blocks", 128), tiers=tiers, chunk_tokens=64,
+                         policy=dict(**policy))
     return Engine(model_dir, opts, **({"clock": clock} if clock else {}))
 
 
 def _expected(model_dir, tmp_path, turns):
-    plain = Engine(model_dir, EngineOptions(num_blocks=256, tiers=None))
+    plain = Engine(model_dir, engine_config(num_blocks=256, tiers=None))
     out = {}
     for sid, msg in turns:
         out.setdefault(sid, []).append(plain.chat(sid, msg, GREEDY, system=SYSTEM).token_ids)
@@ -59,7 +60,7 @@ def _expected(model_dir, tmp_path, turns):
 @pytest.mark.parametrize("read_bps,loads", [(1e12, True), (1.0, False)])
 def test_restore_plan_loads_only_what_beats_recompute(model_dir, tmp_path, read_bps, loads):
     expected = _expected(model_dir, tmp_path, [("s", FIRST), ("s", "And in winter?")])
-    probe = Engine(model_dir, EngineOptions(num_blocks=16, tiers=None))
+    probe = Engine(model_dir, engine_config(num_blocks=16, tiers=None))
     fp = probe.runner.fingerprint.hex()
     path = _profile(tmp_path / "p.json", fp, read_bps)
     eng = _engine(model_dir, tmp_path, profile=path, auto_offload=False)
@@ -80,7 +81,7 @@ def test_restore_plan_loads_only_what_beats_recompute(model_dir, tmp_path, read_
 
 
 def test_engine_finds_the_model_directory_profile(model_dir, tmp_path):
-    probe = Engine(model_dir, EngineOptions(num_blocks=16, tiers=None))
+    probe = Engine(model_dir, engine_config(num_blocks=16, tiers=None))
     own = tmp_path / "model"
     own.mkdir()
     for f in model_dir.iterdir():
@@ -164,8 +165,8 @@ def _after_first_turns(model_dir, tmp_path, names, cpu_slots: int, now: list[flo
     expected = _expected(model_dir, tmp_path, turns + [LATE] + [(s, "More?") for s, _ in names])
     slot, fingerprint = _chunk_slot(model_dir, tmp_path)
     prof = _profile(tmp_path / "p.json", fingerprint, 1e12, kv_bytes_per_token=600)
-    opts = EngineOptions(num_blocks=24, tiers=_cpu_only(tmp_path, cpu_slots * slot), chunk_tokens=64,
-                         policy=PolicyOptions(profile=prof, watermarks=Watermarks(high=0.65, low=0.65),
+    opts = engine_config(num_blocks=24, tiers=_cpu_only(tmp_path, cpu_slots * slot), chunk_tokens=64,
+                         policy=dict(profile=prof, watermarks=Watermarks(high=0.65, low=0.65),
                                               check_every_s=7200.0))
     eng = Engine(model_dir, opts, clock=lambda: now[0])
     try:
@@ -186,7 +187,7 @@ def _cpu_only(tmp_path, cpu_bytes: int) -> TiersConfig:
 
 def _chunk_slot(model_dir, tmp_path) -> tuple[int, str]:
     """Bytes of one 64-token chunk slot in the CPU tier, and the model's fingerprint."""
-    probe = Engine(model_dir, EngineOptions(num_blocks=16, tiers=_cpu_only(tmp_path, 1 << 20), chunk_tokens=64))
+    probe = Engine(model_dir, engine_config(num_blocks=16, tiers=_cpu_only(tmp_path, 1 << 20), chunk_tokens=64))
     try:
         return probe.tiers.tiers[0].slot_bytes, probe.runner.fingerprint.hex()
     finally:

@@ -16,7 +16,7 @@ from kvtier.policies.eviction import (
     SessionAware,
     make_eviction,
 )
-from kvtier.policies.live import LivePolicy, PolicyOptions
+from kvtier.policies.live import LivePolicy
 from kvtier.policies.offload import IdleSession, PredictiveOffload, Watermarks
 from kvtier.policies.registry import names, resolve
 from kvtier.policies.think_time import ThinkTimeModel
@@ -197,7 +197,7 @@ def test_leaving_next_is_the_reach_of_making_room_and_the_live_tiers_keep_those_
     assert list(pol.leaving_next(order, 900, 1000)) == []  # at the high watermark: no pressure
     now = [0.0]
     live = LivePolicy(_cost(cpu=(0.0, 1e9)), ["cpu"], 256,
-                      PolicyOptions(watermarks=Watermarks(high=0.9, low=0.5)), clock=lambda: now[0])
+                      Watermarks(high=0.9, low=0.5), clock=lambda: now[0])
     for sid in "abcd":
         live.turn_started(sid)
         live.turn_ended(sid)

@@ -297,13 +297,17 @@ def test_kv_storage_bad_dtype_and_device() -> None:
 def test_memory_budget_smaller_than_one_block() -> None:
     per_block = KVStorage.bytes_per_block(2, 16, 2, 64, "float16")
     assert per_block == 2 * 2 * 16 * 2 * 64 * 2
-    cfg = PoolConfig(memory_bytes=per_block - 1, device="cpu")
+    cfg = PoolConfig(memory_bytes=per_block - 1, device="cpu", dtype="float16")
     with pytest.raises(
         ConfigError, match=rf"smaller than one block .*raise it to at least {per_block}"
     ):
         KVStorage.from_config(cfg)
-    storage = KVStorage.from_config(PoolConfig(memory_bytes=3 * per_block + 1, device="cpu"))
+    storage = KVStorage.from_config(
+        PoolConfig(memory_bytes=3 * per_block + 1, device="cpu", dtype="float16")
+    )
     assert storage.num_blocks == 3 and storage.nbytes == 3 * per_block
+    auto = KVStorage.from_config(PoolConfig(memory_bytes=3 * per_block, device="cpu"))
+    assert auto.kv.dtype == torch.float32 and auto.num_blocks == 1  # auto: float32 on CPU
     with pytest.raises(ConfigError, match=r"set pool.num_blocks or pool.memory_bytes"):
         KVStorage.from_config(PoolConfig(device="cpu"))
 

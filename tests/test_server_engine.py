@@ -11,10 +11,11 @@ import torch
 
 from kvtier.client import AsyncClient, Client, ServiceError, chat_text
 from kvtier.config import load_config
-from kvtier.engine.engine import Engine, EngineOptions
+from kvtier.engine.engine import Engine
 from kvtier.engine.sampling import SamplingParams
 from kvtier.make_model.writer import make_model
 from kvtier.server.state import ServiceState
+from tests.engine_config import engine_config
 from tests.http_server import running
 
 SYSTEM = "You are a helpful assistant who answers about offloading KV caches. " * 3
@@ -55,7 +56,7 @@ def server(model_dir, tmp_path):
 @pytest.fixture(scope="module")
 def expected(model_dir):
     """Two greedy turns on an engine that never offloads (the reference replies)."""
-    eng = Engine(model_dir, EngineOptions(num_blocks=128, tiers=None))
+    eng = Engine(model_dir, engine_config(num_blocks=128, tiers=None))
     params = SamplingParams(max_tokens=8)
     t1 = eng.chat("s", Q1, params, system=SYSTEM)
     t2 = eng.chat("s", Q2, params)
@@ -181,7 +182,7 @@ def test_history_the_engine_has_not_seen_reseeds_the_session(server, model_dir):
         {"role": "assistant", "content": "Cold and windy, mostly."},
         {"role": "user", "content": Q2},
     ]
-    ref = Engine(model_dir, EngineOptions(num_blocks=128, tiers=None))
+    ref = Engine(model_dir, engine_config(num_blocks=128, tiers=None))
     ref.open_session("x", history[:-1])
     want = ref.chat("x", Q2, SamplingParams(max_tokens=8)).text
     with Client(url) as kv:

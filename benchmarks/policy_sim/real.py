@@ -62,10 +62,9 @@ def replay_real(
     """Run ``workload`` through an engine configured as ``spec``; returns its result (TTFTs,
     hits per tier, prefill tokens saved) and the workload as run."""
     from kvtier.chunk_keys import chunk_keys
-    from kvtier.config import TiersConfig
-    from kvtier.engine.engine import Engine, EngineOptions
+    from kvtier.config import KVTierConfig, TiersConfig
+    from kvtier.engine.engine import Engine
     from kvtier.engine.sampling import SamplingParams
-    from kvtier.policies.live import PolicyOptions
 
     if spec.name not in REAL_SYSTEMS:
         raise InvalidArgumentError(
@@ -77,19 +76,22 @@ def replay_real(
         raise InvalidArgumentError(f"chunk_tokens {chunk} is not a multiple of block {block_size}")
     tmp = tempfile.TemporaryDirectory(prefix="kvtier-real-") if work_dir is None else None
     root = Path(work_dir or tmp.name)
-    tiers = None
+    tiers = TiersConfig.pool_only()
     if spec.name == "kvtier":
         tiers = TiersConfig(
             cpu_bytes=int(tier_bytes.get("cpu", 0)), disk_bytes=int(tier_bytes.get("disk", 0)),
             disk_dir=str(root / "chunks"), disk_fsync=False,
         )
     now = [0.0]
-    engine = Engine(model_dir, EngineOptions(
-        num_blocks=max(gpu_tokens // block_size, 4), block_size=block_size, tiers=tiers,
-        chunk_tokens=chunk, enable_prefix_caching=spec.restore != "none",
-        max_num_batched_tokens=max(2048, chunk),
-        policy=PolicyOptions(profile=profile, check_every_s=0.0),
-    ), clock=lambda: now[0])
+    config = KVTierConfig(
+        pool={"num_blocks": max(gpu_tokens // block_size, 4), "block_size": block_size,
+              "enable_prefix_caching": spec.restore != "none", "dtype": "float32"},
+        tiers=tiers,
+        chunk_tokens=chunk,
+        engine={"max_num_batched_tokens": max(2048, chunk)},
+        policy={"profile": None if profile is None else str(profile), "check_every_s": 0.0},
+    )
+    engine = Engine(model_dir, config, clock=lambda: now[0])
     rng = random.Random(seed)
     res = SimResult(spec.name)
     as_run: list[Turn] = []

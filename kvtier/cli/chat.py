@@ -10,6 +10,8 @@ import argparse
 import sys
 from typing import TextIO
 
+from kvtier.cli.options import add_engine_flags, apply_log_level, config_from_args
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -25,10 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--system", default=None, help="system prompt opening each session")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--device", default="auto")
-    p.add_argument("--kv-memory-mib", type=int, default=256, help="KV pool size")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_engine_flags(p)
     p.set_defaults(func=run)
 
 
@@ -43,7 +42,7 @@ def timing_line(stats) -> str:
 
 
 def run(args: argparse.Namespace, stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:
-    from kvtier.engine.engine import Engine, EngineOptions, RequestError
+    from kvtier.engine.engine import Engine, RequestError
     from kvtier.engine.sampling import SamplingParams
 
     stdin = stdin or sys.stdin
@@ -55,15 +54,9 @@ def run(args: argparse.Namespace, stdin: TextIO | None = None, stdout: TextIO | 
         top_k=args.top_k,
         seed=args.seed,
     )
-    engine = Engine(
-        args.model,
-        EngineOptions(
-            dtype=args.dtype,
-            device=args.device,
-            kv_memory_bytes=args.kv_memory_mib << 20,
-            num_threads=args.threads,
-        ),
-    )
+    config = config_from_args(args)
+    apply_log_level(config)
+    engine = Engine(args.model, config)
     interactive = stdin.isatty()
     session, n = "chat-1", 1
 

@@ -23,7 +23,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("kvtier.make_model.writer", "top"),
     ("kvtier.cli.chat", "top"),
     ("kvtier.cli.calibrate", "top"),
-    ("kvtier.server.serve", "top"),
+    ("kvtier.cli.serve", "top"),
     ("kvtier.cli.chat_demo", "top"),
     ("kvtier.benchmarks.fragmentation.cli", "bench"),
     ("kvtier.benchmarks.allocator", "bench"),

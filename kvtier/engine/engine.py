@@ -14,12 +14,12 @@ import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from kvtier.config import TiersConfig
+from kvtier.config import KVTierConfig
 from kvtier.connectors.tiers.factory import build_tiers, chunk_blob_bytes
 from kvtier.engine.model_runner import ModelRunner
 from kvtier.engine.sampling import SamplingParams
@@ -30,7 +30,8 @@ from kvtier.hashing import chain_hashes
 from kvtier.models.chat_template import Message
 from kvtier.models.tokenizer import Tokenizer
 from kvtier.policies.eviction import SessionAware
-from kvtier.policies.live import LivePolicy, PolicyOptions, load_cost_model
+from kvtier.policies.live import LivePolicy, load_cost_model
+from kvtier.policies.offload import Watermarks
 from kvtier.transfer.kv_transfer import KVTransfer, LoadReport, SaveReport
 from kvtier.transfer.store_queue import StoreQueue
 
@@ -46,30 +47,8 @@ class EngineStepError(RequestError):
     request's fault); the engine itself goes on serving."""
 
 
-@dataclass(frozen=True)
-class EngineOptions:
-    dtype: str = "float32"
-    device: str = "auto"
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_memory_bytes: int | None = None
-    """KV pool budget; default: 256 MiB on CPU, unless num_blocks is given."""
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    enable_prefix_caching: bool = True
-    num_threads: int | None = None
-    """torch CPU threads (small ops are far faster with few threads on a busy machine)."""
-    tiers: TiersConfig | None = field(default_factory=TiersConfig)
-    """Lower tiers; the default is the embedded CPU arena + local disk. None: pool only."""
-    chunk_tokens: int = 256
-    max_inflight_bytes: int = 256 << 20
-    """Cap on KV bytes copied out of the pool and not yet stored (background offloads)."""
-    stream_restore: bool | None = None
-    """Restores stream layer by layer (layer l computes while layer l+1 is still loading);
-    None: on CUDA always, on CPU for restores of 2048 tokens or more."""
-    policy: PolicyOptions = field(default_factory=PolicyOptions)
-    """Restore-vs-recompute, offload and think-time policies (see :mod:`kvtier.policies.live`)."""
+DEFAULT_KV_BYTES = 256 << 20
+"""The KV pool when the config sizes it neither by pool.num_blocks nor pool.memory_bytes."""
 
 
 def turn_error(session_id: str, result: TurnResult) -> RequestError:
@@ -116,28 +95,31 @@ class Engine:
     def __init__(
         self,
         model_dir: str | Path,
-        options: EngineOptions | None = None,
+        config: KVTierConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
-        """``clock`` times users' think gaps (a replay passes its virtual clock)."""
-        opts = options or EngineOptions()
+        """``config``: the one kvtier config (its pool, engine, tiers, policy sections and
+        chunk_tokens); ``clock`` times users' think gaps (a replay passes its virtual
+        clock)."""
+        cfg = config or KVTierConfig()
+        self.config = cfg
+        pool, opts = cfg.pool, cfg.engine
         if opts.num_threads:
             torch.set_num_threads(opts.num_threads)
-        kv_bytes = opts.kv_memory_bytes
-        if opts.num_blocks is None and kv_bytes is None:
-            kv_bytes = 256 << 20
-        self.options = opts
+        kv_bytes = pool.memory_bytes
+        if pool.num_blocks is None and kv_bytes is None:
+            kv_bytes = DEFAULT_KV_BYTES
         self.model_dir = Path(model_dir)
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.runner = ModelRunner(
             model_dir,
-            dtype=opts.dtype,
-            device=opts.device,
-            num_blocks=opts.num_blocks,
+            dtype=pool.dtype,
+            device=pool.device,
+            num_blocks=pool.num_blocks,
             memory_bytes=kv_bytes,
-            block_size=opts.block_size,
+            block_size=pool.block_size,
             max_model_len=opts.max_model_len,
-            enable_prefix_caching=opts.enable_prefix_caching,
+            enable_prefix_caching=pool.enable_prefix_caching,
         )
         self.tiers = None
         self.kv: KVTransfer | None = None
@@ -146,21 +128,20 @@ class Engine:
             str, tuple[Future[SaveReport], int | str, Future[OffloadResult], bool]
         ] = {}
         """Background stores by session: (store, tier, result, whether the blocks go after)."""
-        if opts.tiers is not None:
-            cfg = self.runner.config
-            slot = chunk_blob_bytes(
-                cfg.num_hidden_layers,
-                opts.chunk_tokens,
-                cfg.num_key_value_heads,
-                cfg.head_dim,
-                self.runner.pool.storage.kv.element_size(),
+        model = self.runner.config
+        slot = chunk_blob_bytes(
+            model.num_hidden_layers,
+            cfg.chunk_tokens,
+            model.num_key_value_heads,
+            model.head_dim,
+            self.runner.pool.storage.kv.element_size(),
+        )
+        self.tiers = build_tiers(cfg.tiers, slot, self.runner.fingerprint)
+        if self.tiers is not None:
+            self.kv = KVTransfer(
+                self.runner, self.tiers, cfg.chunk_tokens, stream=opts.stream_restore
             )
-            self.tiers = build_tiers(opts.tiers, slot, self.runner.fingerprint)
-            if self.tiers is not None:
-                self.kv = KVTransfer(
-                    self.runner, self.tiers, opts.chunk_tokens, stream=opts.stream_restore
-                )
-                self.transfers = StoreQueue(self.kv, opts.max_inflight_bytes)
+            self.transfers = StoreQueue(self.kv, opts.max_inflight_bytes)
         self.scheduler = Scheduler(
             self.runner,
             self.tokenizer,
@@ -172,11 +153,15 @@ class Engine:
         if self.kv is not None:
             from kvtier.machine import this_machine
 
+            pol = cfg.policy
             cost = load_cost_model(
-                opts.policy.profile, self.model_dir, self.runner.fingerprint.hex(), this_machine()
+                pol.profile, self.model_dir, self.runner.fingerprint.hex(), this_machine()
             )
             names = [t.name for t in self.kv.manager.tiers]
-            self.policy = LivePolicy(cost, names, opts.chunk_tokens, opts.policy, clock)
+            marks = Watermarks(high=pol.watermarks.high, low=pol.watermarks.low)
+            self.policy = LivePolicy(
+                cost, names, cfg.chunk_tokens, marks, pol.check_every_s, pol.auto_offload, clock
+            )
             for tier in self.kv.manager.tiers:
                 if isinstance(tier.eviction, SessionAware):
                     tier.eviction.predictor = self.policy.eviction_rank
@@ -290,7 +275,7 @@ class Engine:
         if self.policy is not None:
             self.policy.turn_started(session_id)
         restored = self._restore_if_needed(session, len(prompt)).from_tiers
-        if self.policy is not None and self.policy.options.auto_offload:
+        if self.policy is not None and self.policy.auto_offload:
             self._make_room(len(prompt) - len(session.token_ids), exclude=session_id)
         cb = (lambda _r, _t, delta: on_text(delta) if delta else None) if on_text else None
         req = self.scheduler.add(prompt, params, f"{session_id}#{len(session.turns) + 1}", cb)
@@ -344,7 +329,7 @@ class Engine:
     def _need_tiers(self) -> KVTransfer:
         if self.kv is None:
             raise InvalidArgumentError(
-                "this engine has no lower tiers (EngineOptions.tiers is None or all disabled)"
+                "this engine has no lower tiers (every tier disabled in the config's tiers section)"
             )
         return self.kv
 
@@ -500,7 +485,7 @@ class Engine:
         assert self.policy is not None
         bp = self.runner.pool.block_pool
         need = -(-session.stored_tokens // self.runner.pool.block_size)
-        room = bp.num_empty - need - (1 - self.policy.options.watermarks.low) * bp.num_blocks
+        room = bp.num_empty - need - (1 - self.policy.watermarks.low) * bp.num_blocks
         if room >= 0 and session_id not in self._busy:
             self.restore(session_id, wait=False)
             if not session.offloaded:
@@ -520,7 +505,7 @@ class Engine:
         bs = self.runner.pool.block_size
         used = (bp.num_blocks - bp.num_empty) * bs
         assert self.policy is not None and self.kv is not None
-        if used <= self.policy.options.watermarks.high * bp.num_blocks * bs:
+        if used <= self.policy.watermarks.high * bp.num_blocks * bs:
             self.policy.leaving.clear()  # no pressure: no copy needs keeping for the pool
             return
         if self._pending:

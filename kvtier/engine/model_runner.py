@@ -50,8 +50,8 @@ class ModelRunner:
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
     ):
-        self.dtype = resolve_dtype(dtype)
         self.device = resolve_device(device) if isinstance(device, str) else torch.device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
         if (model_dir is None) == (config is None):
             raise InvalidArgumentError("give ModelRunner either model_dir or config + state_dict")
         if model_dir is not None:

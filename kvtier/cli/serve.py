@@ -2,14 +2,17 @@
 
 With ``--model DIR`` it is the multi-turn chat backend (engine mode); without, a sidecar that
 serves the chunk data plane over its own tiers. Configuration comes from ``--config FILE``
-and ``KVTIER_*`` variables (see docs/config.md); ``--host`` / ``--port`` / ``--auth-token``
-override ``server.*``.
+and ``KVTIER_*`` variables (see docs/config.md); flags override them: ``--host`` /
+``--port`` / ``--auth-token`` the ``server`` section, ``--dtype`` / ``--device`` /
+``--kv-memory-mib`` the pool, ``--threads`` the engine, ``--log-level`` ``log_level``.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+
+from kvtier.cli.options import add_engine_flags, apply_log_level, config_from_args
 
 log = logging.getLogger(__name__)
 
@@ -20,43 +23,39 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="run the kvtier service (HTTP API, metrics; chat with --model)",
         description="Serve the control plane, the chunk data plane and /metrics; with "
         "--model, also OpenAI-compatible /v1/chat/completions on the reference engine.",
+        epilog="Every other option comes from --config FILE and KVTIER_* variables: "
+        "`kvtier config --help` lists them with their defaults, `kvtier config` shows the "
+        "values in effect.",
     )
     p.add_argument("--host", default=None, help="listen address (default server.host)")
     p.add_argument("--port", type=int, default=None, help="listen port (default server.port)")
     p.add_argument("--model", default=None, metavar="DIR", help="model directory: engine mode")
-    p.add_argument("--config", default=None, metavar="FILE", help="YAML configuration file")
     p.add_argument("--auth-token", default=None, help="bearer token (default server.auth_token)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--kv-memory-mib", type=int, default=256, help="KV pool size (engine mode)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_engine_flags(p)
+    p.add_argument(
+        "--log-level", default=None, choices=["debug", "info", "warning", "error"],
+        help="kvtier's and uvicorn's log level (default log_level)",
+    )
     p.set_defaults(func=run)
 
 
 def build_state(args: argparse.Namespace):
-    from kvtier.config import load_config
     from kvtier.server.state import ServiceState
 
-    overrides: dict = {}
-    server: dict = {}
-    if args.host is not None:
-        server["host"] = args.host
-    if args.port is not None:
-        server["port"] = args.port
-    if args.auth_token is not None:
-        server["auth_token"] = args.auth_token
-    if server:
-        overrides["server"] = server
-    config = load_config(args.config, overrides=overrides)
+    level = getattr(args, "log_level", None)
+    config = config_from_args(
+        args,
+        **{
+            "server.host": args.host,
+            "server.port": args.port,
+            "server.auth_token": args.auth_token,
+            "log_level": level.upper() if level else None,
+        },
+    )
+    apply_log_level(config)
     if args.model is None:
         return ServiceState.sidecar(config)
-    return ServiceState.with_engine(
-        config,
-        args.model,
-        dtype=args.dtype,
-        kv_memory_bytes=args.kv_memory_mib << 20,
-        num_threads=args.threads,
-    )
+    return ServiceState.with_engine(config, args.model)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
             cfg.port,
             ", ".join(t.name for t in state.manager.tiers) if state.manager else "none",
         )
-        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=args.log_level)
+        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=state.config.log_level.lower())
     finally:
         state.close()
     return 0
