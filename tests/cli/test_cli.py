@@ -15,7 +15,7 @@ import tomllib
 
 from kvtier.cli.main import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _kvtier(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

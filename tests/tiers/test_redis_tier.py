@@ -7,10 +7,8 @@ restarted on the same port while one tier instance keeps running.
 from __future__ import annotations
 
 import asyncio
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,10 +16,8 @@ import torch
 from kvtier.chunk_format import decode_chunk, encode_chunk, validate_chunk
 from kvtier.connectors.tiers.redis_tier import RedisTier, parse_cluster_url
 from kvtier.errors import InvalidArgumentError
-
-sys.path.insert(0, str(Path(__file__).parent))  # tests/ is not a package (importlib mode)
-import redis_servers  # noqa: E402
-from redis_servers import RedisClusterProcs, RedisServer  # noqa: E402
+from tests import redis_servers  # noqa: E402
+from tests.redis_servers import RedisClusterProcs, RedisServer  # noqa: E402
 
 redis_server = redis_servers.redis_server  # shared fixtures, used by name
 redis_cluster = redis_servers.redis_cluster

@@ -27,7 +27,7 @@ from kvtier.benchmarks.fragmentation.workloads import (
 from kvtier.errors import InvalidArgumentError, TraceFormatError
 
 SCALE = 0.25
-TRACE = Path(__file__).parent / "data" / "mooncake_excerpt.jsonl"
+TRACE = Path(__file__).resolve().parents[1] / "data" / "mooncake_excerpt.jsonl"
 
 
 @pytest.fixture(scope="module")

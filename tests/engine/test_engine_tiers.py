@@ -3,9 +3,6 @@ as never offloading, swap-out on preemption, and clear errors."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -158,8 +155,7 @@ def test_offload_to_redis_then_resume_equals_never_offloading(model_dir, tmp_pat
         eng.close()
 
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests/ is not a package (importlib mode)
-import redis_servers  # noqa: E402
+from tests import redis_servers  # noqa: E402
 
 redis_server = redis_servers.redis_server  # the real-server fixtures, used by name
 redis_cluster = redis_servers.redis_cluster

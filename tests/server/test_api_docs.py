@@ -6,7 +6,7 @@ from pathlib import Path
 
 from kvtier.server.openapi_doc import current_schema, render
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "api.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 
 
 def test_api_reference_is_current():
