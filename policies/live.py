@@ -1,6 +1,9 @@
-"""The policies of :mod:`kvtier.policies` applied to a running engine.
+"""The live policy state: what the engine and the simulator know of sessions, and how
+they rank them.
 
-The simulator (``kvtier bench policies``) and the engine decide with the same functions:
+The simulator (``kvtier bench policies``) and the engine both hold a :class:`LivePolicy`
+(the simulator with its virtual clock, passing event times in) and decide with the same
+functions:
 ``plan_restore`` picks how much of a resuming session's stored prefix to load, the
 think-time model learns when users come back, and ``PredictiveOffload`` picks which idle
 sessions leave the pool under memory pressure and how far down they go. This module keeps
@@ -19,7 +22,13 @@ from dataclasses import replace
 from pathlib import Path
 
 from kvtier.policies.cost_model import CostModel
-from kvtier.policies.offload import IdleSession, OffloadDecision, PredictiveOffload, Watermarks
+from kvtier.policies.offload import (
+    IdleSession,
+    OffloadDecision,
+    PredictiveOffload,
+    Watermarks,
+    worth_storing,
+)
 from kvtier.policies.restore import StoredChunk, plan_restore
 from kvtier.policies.think_time import ThinkTimeModel
 
@@ -54,6 +63,9 @@ class LivePolicy:
         self.think = ThinkTimeModel()
         self.offload = PredictiveOffload(self.watermarks, chunk_tokens)
         self.idle_since: dict[Hashable, float] = {}
+        """When each idle session's last turn ended (a replay may record a time ahead of
+        its clock: the session runs until then)."""
+        self._memo: dict[Hashable, tuple[float, float, int, tuple[float, float]]] = {}
         self.decisions: Counter[str] = Counter()
         self.leaving: set[Hashable] = set()
         """Idle sessions the pool lets go next (stage-ahead's reach): the tiers keep their
@@ -61,15 +73,17 @@ class LivePolicy:
         self._next_check = -float("inf")
 
     # ---------------------------------------------------------------- sessions
-    def turn_started(self, session: Hashable) -> None:
+    def turn_started(self, session: Hashable, now: float | None = None) -> None:
         """A turn arrived: the gap since the last one ended teaches the think-time model."""
         since = self.idle_since.pop(session, None)
         self.leaving.discard(session)
         if since is not None:
-            self.think.observe(session, max(self.clock() - since, 0.0))
+            now = self.clock() if now is None else now
+            self.think.observe(session, max(now - since, 0.0))
 
-    def turn_ended(self, session: Hashable) -> None:
-        self.idle_since[session] = self.clock()
+    def turn_ended(self, session: Hashable, at: float | None = None) -> None:
+        """The session's turn is over (``at``: when, if not now)."""
+        self.idle_since[session] = self.clock() if at is None else at
         self.think.turn_ended(session)
 
     def left_pool(self, session: Hashable) -> None:
@@ -79,21 +93,64 @@ class LivePolicy:
     def forget(self, session: Hashable) -> None:
         self.leaving.discard(session)
         self.idle_since.pop(session, None)
+        self._memo.pop(session, None)
         self.think.forget(session)
 
-    def eviction_rank(self, session: Hashable, _now: float | None = None) -> float:
-        """For a tier's session-aware eviction: higher = give up sooner (running, or next
-        to leave the pool: -1)."""
-        since = self.idle_since.get(session)
-        if since is None or session in self.leaving:
-            return -1.0
-        return self.think.eviction_rank(session, max(self.clock() - since, 0.0))
+    def set_leaving(self, sessions: set[Hashable]) -> None:
+        """The idle sessions the pool lets go next (stage-ahead's reach; empty below the
+        high watermark): the tiers keep their copies until they leave or run."""
+        self.leaving = sessions
 
-    def predicted_next_s(self, session: Hashable) -> float:
+    def prediction(self, session: Hashable, now: float | None = None) -> tuple[float, float] | None:
+        """(eviction rank, expected seconds to the next turn) of an idle session, None
+        while it runs. Memoised until its idle time grows 5 % or the population's
+        think-time estimate has taken 1 % more gaps: predictions move slowly, and a
+        session-aware eviction asks for them per resident session at every victim."""
         since = self.idle_since.get(session)
-        if since is None:
-            return 0.0  # running
-        return self.think.expected_next_s(session, max(self.clock() - since, 0.0))
+        now = self.clock() if now is None else now
+        if since is None or since > now:
+            return None
+        idle = now - since
+        seen = self.think.population.n
+        m = self._memo.get(session)
+        if m is not None and m[0] == since and idle <= m[1] * 1.05 + 1e-3 and seen <= m[2] * 1.01 + 1:
+            return m[3]
+        out = (self.think.eviction_rank(session, idle), self.think.expected_next_s(session, idle))
+        self._memo[session] = (since, idle, seen, out)
+        return out
+
+    def session_rank(self, session: Hashable, now: float | None = None) -> float:
+        """Higher = let the session's KV go sooner; running sessions rank -1 (kept)."""
+        p = self.prediction(session, now)
+        return -1.0 if p is None else p[0]
+
+    def eviction_rank(self, session: Hashable, now: float | None = None) -> float:
+        """For a tier's session-aware eviction: :meth:`session_rank`, except that the
+        copies of the sessions the pool lets go next are kept as a running one's (they
+        are what lets those blocks go with no write on the admission path)."""
+        if session in self.leaving:
+            return -1.0
+        return self.session_rank(session, now)
+
+    def predicted_next_s(self, session: Hashable, now: float | None = None) -> float:
+        """Expected seconds until the session's next turn (0 while it runs)."""
+        p = self.prediction(session, now)
+        return 0.0 if p is None else p[1]
+
+    # ---------------------------------------------------------------- demotion
+    def demotion_target(self, index: int, nbytes: int) -> int | None:
+        """Where a chunk that tier ``index`` (of ``tier_names``) lets go goes: the next
+        tier down, when there is one and, with measured costs, loading it back from there
+        beats recomputing it (:func:`worth_storing`); None: it is dropped. The engine's
+        tier manager and the simulator's cascade both ask this."""
+        below = index + 1
+        if below >= len(self.tier_names):
+            return None
+        name = self.tier_names[below]
+        if self.cost is None or name not in self.cost.tiers:
+            return below  # nothing measured: demote
+        tokens = max(1, nbytes // max(self.cost.kv_bytes_per_token, 1))
+        return below if worth_storing(self.cost, name, tokens, self.chunk_tokens) else None
 
     # ----------------------------------------------------------------- restore
     def plan_load(
@@ -180,7 +237,7 @@ class LivePolicy:
         sessions = [(IdleSession(s, g, p, self.predicted_next_s(s)), done) for s, g, p, done in idle]
         order = sorted(sessions, key=lambda x: -x[0].predicted_next_s)  # decide()'s order
         reach = list(self.offload.leaving_next(order, used_tokens, capacity_tokens, lambda x: x[0].gpu_tokens))
-        self.leaving = {s.session for s, _ in reach}
+        self.set_leaving({s.session for s, _ in reach})
         names = list(self.tier_names) if self.cost is None else [t for t in self.tier_names if t in self.cost.tiers]
         out = self.offload.stage_ahead(reach, used_tokens, capacity_tokens, self.cost, names, room_bytes)
         for d in out:

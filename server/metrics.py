@@ -99,6 +99,7 @@ def _manager_metrics(m: dict[str, Any] | None) -> Iterator[Metric]:
         ("promotions", "Chunks promoted to the fastest tier on a hit"),
         ("demotions", "Chunks moved down when a tier evicted them"),
         ("demotion_failures", "Evicted chunks no lower tier could take"),
+        ("demotions_skipped", "Evicted chunks dropped: reloading from below would lose to recompute"),
     ):
         c = CounterMetricFamily(f"kvtier_{key}", doc)
         c.add_metric([], m[key])

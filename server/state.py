@@ -111,6 +111,7 @@ def manager_stats(manager: TierManager | None) -> dict[str, Any] | None:
         "promotions": s.promotions,
         "demotions": s.demotions,
         "demotion_failures": s.demotion_failures,
+        "demotions_skipped": s.demotions_skipped,
         "rejected": dict(s.rejected),
     }
 

@@ -8,6 +8,13 @@ loading with compute layer by layer, so a turn's first token comes at
 holds a budget of KV bytes, every lower tier its capacity, and each evicts by the system's
 policy. What is simulated is exactly what the policies decide; everything else (decode
 batching, kernels) is folded into the measured costs.
+
+The decisions and the bookkeeping are the live engine's own code, not a model of it: each
+tier's contents are a :class:`~kvtier.connectors.tiers.chunk_index.ChunkIndex` (the CPU and
+disk tiers' index, eviction included), sessions are ranked and predicted by a
+:class:`~kvtier.policies.live.LivePolicy` on the simulation's clock, and a tier's victims
+go down (or are dropped) by :meth:`LivePolicy.demotion_target`, as the engine's tier
+manager does.
 """
 
 from __future__ import annotations
@@ -15,12 +22,13 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Container, Hashable, Iterator
 from dataclasses import dataclass, field
 from operator import itemgetter
 
 from kvtier.benchmarks.policy_sim.systems import SystemSpec
 from kvtier.benchmarks.policy_sim.workloads import Turn, Workload
+from kvtier.connectors.tiers.chunk_index import ChunkIndex
 from kvtier.policies.cost_model import CostModel
 from kvtier.policies.eviction import (
     ChunkInfo,
@@ -29,58 +37,66 @@ from kvtier.policies.eviction import (
     SessionAware,
     make_eviction,
 )
-from kvtier.policies.offload import IdleSession, PredictiveOffload, worth_storing
+from kvtier.policies.live import LivePolicy
+from kvtier.policies.offload import IdleSession, worth_storing
 from kvtier.policies.restore import StoredChunk, plan_restore
-from kvtier.policies.think_time import ThinkTimeModel
 
 _NO_PINS: frozenset = frozenset()
 
 
-@dataclass
 class Store:
-    """One tier's contents in the simulation: chunk sizes and an eviction policy."""
+    """One tier in the simulation: the live tiers' :class:`ChunkIndex` (sizes, bytes held,
+    the eviction policy choosing victims) under a capacity in bytes; no data."""
 
-    name: str
-    capacity: float
-    policy: EvictionPolicy
-    items: dict[Hashable, int] = field(default_factory=dict)
-    used: int = 0
-    peak: int = 0
-    evictions: int = 0
-    on_remove: Callable[[Hashable], None] | None = None
+    def __init__(self, name: str, capacity: float, policy: EvictionPolicy) -> None:
+        self.name = name
+        self.capacity = capacity
+        self.index: ChunkIndex[None] = ChunkIndex(policy)
+        self.peak = 0
+        self.evictions = 0
+        self.on_remove: Callable[[Hashable], None] | None = None
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        return self.index.policy
+
+    @property
+    def used(self) -> int:
+        return self.index.used_bytes
 
     def has(self, key: Hashable) -> bool:
-        return key in self.items
+        return key in self.index
+
+    def size(self, key: Hashable) -> int:
+        return self.index.size(key)
 
     def remove(self, key: Hashable) -> None:
-        n = self.items.pop(key, None)
-        if n is not None:
-            self.used -= n
-            self.policy.remove(key)
+        if self.index.pop(key) is not None and self.on_remove is not None:
+            self.on_remove(key)
+
+    def evict_while(
+        self, short_of_room: Callable[[], bool], pinned: Container[Hashable], now: float
+    ) -> Iterator[tuple[Hashable, int]]:
+        """The index's victims while ``short_of_room()``, each (key, bytes) once it is gone."""
+        for key, _, nbytes in self.index.evict_while(short_of_room, pinned, now):
+            self.evictions += 1
             if self.on_remove is not None:
                 self.on_remove(key)
+            yield key, nbytes
 
     def add(
-        self, key: Hashable, nbytes: int, info: ChunkInfo, now: float, pinned: set
+        self, key: Hashable, nbytes: int, info: ChunkInfo, now: float, pinned: Container[Hashable]
     ) -> list[tuple[Hashable, int]] | None:
-        """Insert, evicting as needed; the victims, or None if it cannot fit."""
-        if key in self.items:
-            self.policy.access(key, now)
+        """Insert, evicting as needed; the victims, or None if it cannot fit. When every
+        other chunk is pinned it over-commits (counted by the caller)."""
+        if key in self.index:
+            self.index.get(key, now=now)
             return []
         if nbytes > self.capacity:
             return None
-        out: list[tuple[Hashable, int]] = []
-        while self.used + nbytes > self.capacity:
-            v = self.policy.victim(now, pinned)
-            if v is None:
-                break  # everything left is pinned: over-commit (counted by the caller)
-            out.append((v, self.items[v]))
-            self.remove(v)
-            self.evictions += 1
-        self.items[key] = nbytes
-        self.used += nbytes
+        out = list(self.evict_while(lambda: self.used + nbytes > self.capacity, pinned, now))
+        self.index.add(key, None, nbytes, info, now)
         self.peak = max(self.peak, self.used)
-        self.policy.insert(key, info, now)
         return out
 
 
@@ -165,20 +181,19 @@ class Simulator:
         self.spec = system
         self.cost = cost
         self.bpt = cost.kv_bytes_per_token
-        self.think = ThinkTimeModel()
         self.sessions: dict[Hashable, _Session] = {}
         self._tier_bytes = tier_bytes
-        self._leaving: set[Hashable] = set()
-        """Idle sessions the GPU lets go next (stage-ahead's reach): the tiers keep their
-        copies, which are what lets their blocks go with no write."""
+        names = [t for t in cost.tiers if system.use_tiers and tier_bytes.get(t, 0) > 0]
+        self.live = LivePolicy(cost, names, workload.chunk_tokens, clock=lambda: 0.0)
+        """The live engine's policy state, on the simulation's clock (every call passes
+        the event's time): think times, predictions, ranks, the pool's next to leave."""
+        self.offload = self.live.offload
         self._landing: dict[Hashable, float] = {}
         """GPU chunk -> when its copy written ahead of need is down (its blocks may go
         only then)."""
         self.gpu = Store("gpu", gpu_bytes, self._policy(system.gpu_eviction, gpu=True))
-        names = [t for t in cost.tiers if system.use_tiers and tier_bytes.get(t, 0) > 0]
         self.tiers = [Store(t, tier_bytes[t], self._policy(system.tier_eviction)) for t in names]
         self.links = {t: Link() for t in names}
-        self.offload = PredictiveOffload(chunk_tokens=workload.chunk_tokens)
         self.res = SimResult(system.name)
         span = (workload.turns[-1].arrival_s - workload.turns[0].arrival_s) if workload.turns else 0
         self._sample_every = max(span / max(timeline_points, 1), 1e-9)
@@ -197,7 +212,6 @@ class Simulator:
         self._unstaged: set[Hashable] = set()
         """Idle sessions with GPU chunks that have no copy below yet (what a watermark
         offload may pre-stage)."""
-        self._memo: dict[Hashable, tuple] = {}
         self._links_busy_until = -math.inf
         self._infos: dict[Hashable, ChunkInfo] = {}
         """What the eviction policies know of each chunk held anywhere (its session and
@@ -230,6 +244,7 @@ class Simulator:
             if not held:
                 del self._by_session[owner]
                 self._recent.pop(owner, None)
+                self.live.left_pool(owner)
 
     # ------------------------------------------------------------------ helpers
     def _policy(self, name: str, gpu: bool = False) -> EvictionPolicy:
@@ -237,7 +252,7 @@ class Simulator:
             return CostAware(half_life_s=1.0)  # value ~ recompute cost / idle time
         pol = make_eviction(name)
         if isinstance(pol, SessionAware) and self.spec.predictive and (not gpu or not self._tiers_pay()):
-            pol.predictor = self._predict if gpu else self._tier_rank
+            pol.predictor = self.live.session_rank if gpu else self.live.eviction_rank
         return pol
 
     def _tiers_pay(self) -> bool:
@@ -249,39 +264,8 @@ class Simulator:
         names = [t for t in self.cost.tiers if self.spec.use_tiers and self._tier_bytes.get(t, 0) > 0]
         return bool(names) and worth_storing(self.cost, names[0], self.w.chunk_tokens, self.w.chunk_tokens)
 
-    def _predicted(self, session: Hashable, now: float) -> tuple[float, float] | None:
-        """(eviction rank, expected seconds to the next turn) of an idle session, None
-        while it runs. Memoised until its idle time grows 5 % or the population's
-        think-time estimate has taken 1 % more gaps: predictions move slowly, and
-        eviction asks for them per resident session at every instant."""
-        s = self.sessions.get(session)
-        if s is None or s.busy_until > now:
-            return None
-        last = s.last_end if s.last_end is not None else now
-        idle = now - last
-        seen = self.think.population.n
-        m = self._memo.get(session)
-        if m is not None and m[0] == last and idle <= m[1] * 1.05 + 1e-3 and seen <= m[2] * 1.01 + 1:
-            return m[3]
-        out = (self.think.eviction_rank(session, idle), self.think.expected_next_s(session, idle))
-        self._memo[session] = (last, idle, seen, out)
-        return out
-
-    def _predict(self, session: Hashable, now: float) -> float:
-        """Eviction rank of a session (higher: evict sooner); running sessions stay."""
-        p = self._predicted(session, now)
-        return -1.0 if p is None else p[0]
-
-    def _tier_rank(self, session: Hashable, now: float) -> float:
-        """A tier's eviction rank: a session the GPU lets go next keeps its copy (as a
-        running one does); the rest by prediction."""
-        if session in self._leaving and session in self._by_session:
-            return -1.0
-        return self._predict(session, now)
-
     def _next_s(self, session: Hashable, now: float) -> float:
-        p = self._predicted(session, now)
-        return 0.0 if p is None else p[1]
+        return self.live.predicted_next_s(session, now)
 
     def _info(self, session: Hashable, index: int, tokens: int, key: Hashable = None) -> ChunkInfo:
         return ChunkInfo(
@@ -318,12 +302,13 @@ class Simulator:
         if self.gpu.has(key):
             self._landing[key] = done
         self._count(self.res.write_bytes, st.name, tokens * self.bpt)
-        if self.spec.cascade and tier_index + 1 < len(self.tiers):
+        if self.spec.cascade:
             for vkey, vbytes in victims:
-                vt = vbytes // self.bpt
-                if self.spec.predictive and not worth_storing(self.cost, self.tiers[tier_index + 1].name, vt):
-                    continue
-                self._write(tier_index + 1, vkey, vt, self._infos.get(vkey) or ChunkInfo(vbytes), now)
+                # kvtier asks the live policy (worth it below?); the others always demote.
+                below = (self.live.demotion_target(tier_index, vbytes) if self.spec.predictive
+                         else tier_index + 1 if tier_index + 1 < len(self.tiers) else None)
+                if below is not None:
+                    self._write(below, vkey, vbytes // self.bpt, self._infos.get(vkey) or ChunkInfo(vbytes), now)
         return done
 
     def _evict_from_gpu(self, victims: list[tuple[Hashable, int]], now: float) -> float:
@@ -369,8 +354,8 @@ class Simulator:
         spec, cost = self.spec, self.cost
         now = t.arrival_s
         sess = self.sessions.setdefault(t.session, _Session())
-        if sess.last_end is not None and spec.predictive:
-            self.think.observe(t.session, max(now - sess.last_end, 0.0))
+        if spec.predictive:
+            self.live.turn_started(t.session, now)
         self._unpin_finished(now)
         sess.busy_until = math.inf  # running from now on: pinned
         self._unstaged.discard(t.session)
@@ -494,7 +479,8 @@ class Simulator:
         end = finish + decode
         sess.busy_until = end
         sess.last_end = end
-        self.think.turn_ended(t.session)
+        if spec.predictive:
+            self.live.turn_ended(t.session, at=end)
         heapq.heappush(self._ends, (end, t.session))
         sess.context_tokens = ctx_tokens
         # Once the turn is over its chunks are evictable again (lazily: at the start of
@@ -515,14 +501,8 @@ class Simulator:
         pinned = self._pinned | set(keys)
         if self.spec.predictive and self._tiers_worth and self.gpu.used + need > self.gpu.capacity:
             self._drop_stored_first(need, pinned, now)
-        while self.gpu.used + need > self.gpu.capacity:
-            v = self.gpu.policy.victim(now, pinned)
-            if v is None:
-                break
-            nbytes = self.gpu.items[v]
-            self.gpu.remove(v)
-            self.gpu.evictions += 1
-            done = max(done, self._evict_from_gpu([(v, nbytes)], now))
+        for victim in self.gpu.evict_while(lambda: self.gpu.used + need > self.gpu.capacity, pinned, now):
+            done = max(done, self._evict_from_gpu([victim], now))
         return done
 
     def _next_to_leave(self, now: float, pinned: set | frozenset, used_bytes: float) -> Iterator[tuple[Hashable, int, list]]:
@@ -554,7 +534,7 @@ class Simulator:
             for key in sorted(keys, key=lambda k: -self._infos[k].index if k in self._infos else 0):
                 if self.gpu.used + need <= self.gpu.capacity:
                     return
-                nbytes = self.gpu.items[key]
+                nbytes = self.gpu.size(key)
                 self.gpu.remove(key)
                 self.gpu.evictions += 1
                 self._evict_from_gpu([(key, nbytes)], now)  # stored: a drop
@@ -582,10 +562,10 @@ class Simulator:
         cap_tokens = int(self.gpu.capacity // self.bpt)
         used_tokens = self.gpu.used // self.bpt
         if used_tokens <= self.offload.watermarks.high * cap_tokens:
-            self._leaving = set()
+            self.live.set_leaving(set())
             return
         reach = list(self._next_to_leave(now, self._pinned, self.gpu.used))
-        self._leaving = {sid for sid, _, _ in reach}
+        self.live.set_leaving({sid for sid, _, _ in reach})
         self._prestage_into_empty_space(now, used_tokens, cap_tokens)
         self._stage_ahead(now, used_tokens, cap_tokens, reach)
 
@@ -624,7 +604,7 @@ class Simulator:
             # Pre-stage: write the session down now, keep it in the GPU; when its blocks
             # are needed they leave at once instead of after a write on the admission path.
             for key in [k for k in self._by_session.get(d.session, ()) if self._where(k) is None]:
-                nbytes = self.gpu.items[key]
+                nbytes = self.gpu.size(key)
                 info = self._infos.get(key) or ChunkInfo(nbytes)
                 self._write(names.index(d.tier), key, nbytes // self.bpt, info, now)
                 self._count(self.res.decisions, f"prestage_{d.tier}")
@@ -654,6 +634,6 @@ class Simulator:
                 return
             ti = names.index(d.tier)
             for key in [k for k in self._unstored.get(d.session, ()) if k not in self._pinned]:
-                nbytes = self.gpu.items[key]
+                nbytes = self.gpu.size(key)
                 self._write(ti, key, nbytes // self.bpt, self._infos.get(key) or ChunkInfo(nbytes), now)
                 self._count(self.res.decisions, f"stage_ahead_{d.tier}")

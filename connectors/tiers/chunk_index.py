@@ -5,12 +5,17 @@ Both tiers must know how many bytes they hold without walking their storage, and
 victims by a configurable policy (LRU by default; kvtier's session-aware policy when the
 engine tells them which session and position each chunk has). Not thread-safe on its own:
 each tier guards it with its lock.
+
+The policy simulator (``kvtier bench policies``) keeps its tiers in this same index, with
+its virtual clock, so capacity and eviction behave in the benchmark as they do in
+production: ``clock`` is injected, and every call that consults the policy takes an
+optional ``now`` for a caller whose events carry their own times.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Container, Hashable, Iterable, Iterator
+from collections.abc import Callable, Container, Hashable, Iterable, Iterator
 from typing import Generic, TypeVar
 
 from kvtier.policies.eviction import LRU, ChunkInfo, EvictionPolicy
@@ -21,9 +26,14 @@ V = TypeVar("V")
 class ChunkIndex(Generic[V]):
     """key -> (value, size), with an eviction policy over the keys."""
 
-    def __init__(self, policy: EvictionPolicy | None = None) -> None:
-        self._entries: dict[str, tuple[V, int]] = {}
+    def __init__(
+        self,
+        policy: EvictionPolicy | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._entries: dict[Hashable, tuple[V, int]] = {}
         self.policy = policy or LRU()
+        self.clock = clock
         self.used_bytes = 0
 
     def __len__(self) -> int:
@@ -32,7 +42,7 @@ class ChunkIndex(Generic[V]):
     def __contains__(self, key: object) -> bool:
         return key in self._entries
 
-    def leading_present(self, keys: Iterable[str]) -> int:
+    def leading_present(self, keys: Iterable[Hashable]) -> int:
         """How many leading ``keys`` are indexed (a tier's ``contains_prefix``)."""
         n = 0
         for key in keys:
@@ -41,37 +51,68 @@ class ChunkIndex(Generic[V]):
             n += 1
         return n
 
-    def get(self, key: str, touch: bool = True) -> tuple[V, int] | None:
+    def get(self, key: Hashable, touch: bool = True, now: float | None = None) -> tuple[V, int] | None:
         """The entry, counted as an access by the policy unless ``touch`` is False."""
         entry = self._entries.get(key)
         if entry is not None and touch:
-            self.policy.access(key, time.monotonic())
+            self.policy.access(key, self.clock() if now is None else now)
         return entry
 
-    def add(self, key: str, value: V, size: int, info: ChunkInfo | None = None) -> None:
+    def size(self, key: Hashable) -> int:
+        """Bytes of an indexed chunk (KeyError if absent); not an access."""
+        return self._entries[key][1]
+
+    def add(
+        self,
+        key: Hashable,
+        value: V,
+        size: int,
+        info: ChunkInfo | None = None,
+        now: float | None = None,
+    ) -> None:
         old = self._entries.pop(key, None)
         if old is not None:
             self.used_bytes -= old[1]
             self.policy.remove(key)
         self._entries[key] = (value, size)
         self.used_bytes += size
-        self.policy.insert(key, info if info is not None else ChunkInfo(size), time.monotonic())
+        info = info if info is not None else ChunkInfo(size)
+        self.policy.insert(key, info, self.clock() if now is None else now)
 
-    def share(self, key: str, session: Hashable) -> None:
+    def share(self, key: Hashable, session: Hashable) -> None:
         """``session`` uses this chunk too (see :meth:`EvictionPolicy.share`)."""
         if key in self._entries and session is not None:
             self.policy.share(key, session)
 
-    def pop(self, key: str) -> tuple[V, int] | None:
+    def pop(self, key: Hashable) -> tuple[V, int] | None:
         entry = self._entries.pop(key, None)
         if entry is not None:
             self.used_bytes -= entry[1]
             self.policy.remove(key)
         return entry
 
-    def victim(self, exclude: Container[str] = frozenset()) -> str | None:
+    def victim(self, exclude: Container[Hashable] = frozenset(), now: float | None = None) -> Hashable | None:
         """The key the policy gives up next, never one in ``exclude`` (None if none)."""
-        return self.policy.victim(time.monotonic(), exclude)
+        return self.policy.victim(self.clock() if now is None else now, exclude)
 
-    def keys(self) -> Iterator[str]:
+    def evict_while(
+        self,
+        short_of_room: Callable[[], bool],
+        exclude: Container[Hashable] = frozenset(),
+        now: float | None = None,
+    ) -> Iterator[tuple[Hashable, V, int]]:
+        """Give up the policy's victims, one at a time, while ``short_of_room()``: each is
+        removed from the index and yielded as (key, value, size) for the caller to free
+        its storage (a slot, a file, or nothing in the simulator). Stops early when every
+        remaining key is excluded; the caller then checks ``short_of_room()`` itself."""
+        while short_of_room():
+            key = self.victim(exclude, now)
+            if key is None:
+                return
+            value, size = self._entries.pop(key)
+            self.used_bytes -= size
+            self.policy.remove(key)
+            yield key, value, size
+
+    def keys(self) -> Iterator[Hashable]:
         return iter(list(self._entries))

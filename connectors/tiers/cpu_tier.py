@@ -159,15 +159,11 @@ class CPUTier(Tier):
     def _take_slot(self, batch: set[str], evicted: list[tuple[str, bytes]]) -> int | None:
         """A free slot, evicting the LRU chunk not written by this batch if none is free.
         Evicted bytes are copied out here and handed to listeners after the lock."""
-        if self._free:
-            return self._free.pop()
-        victim = self._index.victim(exclude=batch)
-        if victim is None:
-            return None
-        slot, length = self._index.pop(victim)  # type: ignore[misc]
-        start = slot * self.slot_bytes
-        evicted.append((victim, bytes(self._arena_view()[start : start + length])))
-        return slot
+        for victim, slot, length in self._index.evict_while(lambda: not self._free, batch):
+            start = slot * self.slot_bytes
+            evicted.append((victim, bytes(self._arena_view()[start : start + length])))
+            self._free.append(slot)
+        return self._free.pop() if self._free else None
 
     def share(self, keys: Sequence[str], session: Hashable) -> None:
         with self._lock:

@@ -219,19 +219,20 @@ class DiskTier(Tier):
         puts in flight are reserved, not indexed, so they are never victims. An evicted file
         is renamed to a temp name here (so a concurrent re-put of its key is unaffected) and
         read/removed after the lock."""
-        assert self._capacity is not None
-        while self._index.used_bytes + self._reserved + size > self._capacity:
-            victim = self._index.victim()
-            if victim is None:
-                return False
-            self._index.pop(victim)
+        capacity = self._capacity
+        assert capacity is not None
+
+        def short_of_room() -> bool:
+            return self._index.used_bytes + self._reserved + size > capacity
+
+        for victim, _, _ in self._index.evict_while(short_of_room):
             doomed = self._temp_path(victim)
             try:
                 os.rename(self._path(victim), doomed)
             except FileNotFoundError:
                 continue
             evicted.append((victim, doomed))
-        return True
+        return not short_of_room()
 
     def _discard_evicted(self, evicted: list[tuple[str, str]]) -> list[tuple[str, bytes | None]]:
         out: list[tuple[str, bytes | None]] = []

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -54,6 +54,8 @@ class ManagerStats:
     promotions: int = 0
     demotions: int = 0
     demotion_failures: int = 0
+    demotions_skipped: int = 0
+    """Evicted chunks the demotion policy dropped (not worth keeping in a lower tier)."""
     rejected: dict[str, int] = field(default_factory=dict)
     """Blobs refused on read, by reason (corrupt, mismatch)."""
 
@@ -77,6 +79,11 @@ class TierManager:
         self.promote_on_hit = promote_on_hit
         self.fingerprint = fingerprint
         self.stats = ManagerStats()
+        self.demotion: Callable[[int, int], int | None] | None = None
+        """Where a chunk that tier ``i`` evicts goes, given (i, its bytes): a lower tier's
+        index or None to drop it; unset: always the next tier. The engine sets its live
+        policy's :meth:`~kvtier.policies.live.LivePolicy.demotion_target`, which the
+        policy simulator's cascade asks too."""
         self._lock = threading.Lock()
         for i, tier in enumerate(self.tiers[:-1]):
             tier.add_eviction_listener(self._demoter(i))
@@ -249,7 +256,12 @@ class TierManager:
         def on_evict(key: str, blob: bytes | None) -> None:
             if blob is None:
                 return  # nothing to move (the tier could not hand the bytes over cheaply)
-            lower = self.tiers[index + 1]
+            target = index + 1 if self.demotion is None else self.demotion(index, len(blob))
+            if target is None:
+                with self._lock:
+                    self.stats.demotions_skipped += 1
+                return
+            lower = self.tiers[target]
             res = self._safe_put(lower, {key: blob})
             with self._lock:
                 if res.stored or res.present:
