@@ -6,31 +6,47 @@ stored chunks back, verified, scatters them into fresh pool blocks and publishes
 prefix cache, so the next request over that prefix finds them as ordinary prefix hits and
 computes only the rest. ``evict`` drops a prefix's unreferenced blocks from the pool (the
 offload's second half: only once its chunks are safely stored).
+
+This module holds :class:`KVTransfer` with its save and evict side; the restore side
+(``load``, ``stored_prefix``, the loader thread) is :mod:`kvtier.transfer.restore`, mixed in,
+and its names are re-exported here.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import logging
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-from kvtier.chunk_format import decode_chunk, encode_chunk
+from kvtier.chunk_format import encode_chunk
 from kvtier.chunk_keys import ChunkKey, chunk_keys
-from kvtier.connectors.tiers.manager import Location, TierManager
-from kvtier.errors import ChunkError, InvalidArgumentError, OutOfBlocksError
+from kvtier.connectors.tiers.manager import TierManager
+from kvtier.errors import InvalidArgumentError
 from kvtier.gpu_pool import PagedKVPool
-from kvtier.gpu_pool.kernels import gather_blocks, scatter_blocks
+from kvtier.gpu_pool.kernels import gather_blocks
 from kvtier.hashing import chain_hashes
 from kvtier.policies.eviction import ChunkInfo
 from kvtier.transfer.layer_load import LayerLoad
+from kvtier.transfer.restore import (
+    CPU_STREAM_MIN_TOKENS,
+    LoadReport,
+    RestoreMixin,
+    StoredPrefix,
+)
 
-log = logging.getLogger(__name__)
+__all__ = [
+    "CPU_STREAM_MIN_TOKENS",
+    "KVTransfer",
+    "LoadReport",
+    "PoolOwner",
+    "SaveReport",
+    "Snapshot",
+    "StoredPrefix",
+]
 
 
 @dataclass
@@ -58,34 +74,6 @@ class Snapshot:
     ready: torch.cuda.Event | None = None
 
 
-@dataclass
-class StoredPrefix:
-    """What a restore would find (:meth:`KVTransfer.stored_prefix`). Hand it to
-    :meth:`KVTransfer.load` right after, and the restore reads what it saw without asking
-    every tier (a Redis round trip among them) where each chunk lies a second time."""
-
-    cached: int
-    """Leading tokens still cached in the pool."""
-    chunks: list[tuple[int, str]]
-    """The stored chunks after them, in order: new tokens each brings, fastest tier."""
-    prefix: list[int] = field(default_factory=list, repr=False)
-    keys: list[ChunkKey] = field(default_factory=list, repr=False)
-    loc: Location | None = field(default=None, repr=False)
-
-
-@dataclass
-class LoadReport:
-    tokens: int
-    """Leading tokens whose KV is now in the pool (cached blocks or restored from tiers)."""
-    from_pool: int = 0
-    from_tiers: int = 0
-    tier_hits: dict[str, int] = field(default_factory=dict)
-    bytes: int = 0
-    pending: LayerLoad | None = None
-    """A streamed restore still loading (the pool's forward passes wait on it per layer);
-    then ``bytes`` counts only what was read before returning (``pending.bytes`` grows)."""
-
-
 class PoolOwner(Protocol):
     """What the data path needs of the engine's model runner: its pool, the model
     fingerprint its chains are keyed with, and the layer-wise loads the forward waits on.
@@ -100,11 +88,7 @@ class PoolOwner(Protocol):
     def reap_layer_loads(self, wait: bool = False) -> None: ...
 
 
-CPU_STREAM_MIN_TOKENS = 2048
-"""On a CPU, restores stream layer by layer only from this many tokens (docs/tiers.md)."""
-
-
-class KVTransfer:
+class KVTransfer(RestoreMixin):
     def __init__(
         self,
         runner: PoolOwner,
@@ -250,283 +234,6 @@ class KVTransfer:
         not written again; a chunk that is neither stored nor fully in the pool ends the
         stored prefix."""
         return self.store(self.snapshot(token_ids), tier, owner)
-
-    # -------------------------------------------------------------------- load
-    def _restorable(
-        self, token_ids: Sequence[int], stored_tokens: int | None
-    ) -> tuple[list[int], int, list[ChunkKey]]:
-        """The whole-block prefix a restore may bring back, the tokens of it still cached
-        in the pool, and its chunk keys."""
-        pool = self._pool
-        limit = len(token_ids) if stored_tokens is None else min(stored_tokens, len(token_ids))
-        limit -= limit % pool.block_size
-        prefix = list(token_ids[:limit])
-        cached = len(pool.manager.match_prefix(prefix, self.runner.fingerprint)) * pool.block_size
-        return prefix, cached, self._keys(prefix)
-
-    def stored_prefix(
-        self, token_ids: Sequence[int], stored_tokens: int | None = None
-    ) -> StoredPrefix:
-        """What a restore of ``token_ids[:stored_tokens]`` would find: the tokens still
-        cached in the pool, and the stored chunks after them (new tokens each brings, name
-        of the fastest tier holding it), in order, up to the first gap."""
-        prefix, cached, keys = self._restorable(token_ids, stored_tokens)
-        found = StoredPrefix(cached, [], prefix, keys)
-        first = next((i for i, k in enumerate(keys) if k.end > cached), len(keys))
-        if first == len(keys):
-            return found
-        found.loc = loc = self.manager.lookup([k.key for k in keys])
-        end = cached
-        for i in range(first, loc.length):
-            if keys[i].start > end:
-                break
-            found.chunks.append((keys[i].end - end, self.manager.tiers[loc.tiers[i]].name))
-            end = keys[i].end
-        return found
-
-    def _seen(self, found: StoredPrefix, stored_tokens: int | None) -> tuple | None:
-        """``found`` cut to ``stored_tokens`` (prefix, cached, keys, location) when the cut
-        falls on a chunk boundary it knows; else None (look again)."""
-        if found.loc is None:
-            return None
-        limit = len(found.prefix) if stored_tokens is None else min(stored_tokens, len(found.prefix))
-        keys = [k for k in found.keys if k.end <= limit]
-        if limit != (keys[-1].end if keys else 0):
-            return None
-        n = min(found.loc.length, len(keys))
-        return found.prefix[:limit], min(found.cached, limit), keys, Location(n, found.loc.tiers[:n])
-
-    def keys_below_fastest(self, token_ids: Sequence[int]) -> list[str]:
-        """Keys of the stored prefix of ``token_ids`` that only slower tiers hold."""
-        keys = [k.key for k in self._keys(list(token_ids))]
-        loc = self.manager.lookup(keys)
-        return [keys[i] for i in range(loc.length) if loc.tiers[i] > 0]
-
-    def load(
-        self,
-        token_ids: Sequence[int],
-        stored_tokens: int | None = None,
-        stream: bool | None = None,
-        found: StoredPrefix | None = None,
-    ) -> LoadReport:
-        """Bring the longest stored prefix of ``token_ids[:stored_tokens]`` into the pool.
-
-        Blocks still cached in the pool are kept; the rest are read from the tiers (verified)
-        and scattered into newly allocated blocks, which are published in the prefix cache.
-        Layer 0 of every chunk is read first: a chunk missing or broken as a whole ends the
-        restore there. The other layers follow, one at a time; with ``stream`` (default: the
-        ``stream`` given at construction; None decides by device and size) on a loader thread while the caller goes on — the
-        model waits per layer (see :mod:`kvtier.transfer.layer_load`) — otherwise before returning,
-        and then a chunk that fails in a later layer ends the restore at that chunk.
-
-        ``found``: what :meth:`stored_prefix` returned for the same tokens just before
-        (nothing ran in between), so the tiers are not asked again."""
-        if stream is None:
-            stream = self.stream
-        self._reap_if_idle()
-        pool, fp = self._pool, self.runner.fingerprint
-        seen = self._seen(found, stored_tokens) if found is not None else None
-        if seen is not None:
-            prefix, cached, keys, loc = seen
-        else:
-            prefix, cached, keys = self._restorable(token_ids, stored_tokens)
-        report = LoadReport(tokens=cached, from_pool=cached)
-        if not any(k.end > cached for k in keys):
-            return report
-        if seen is None:
-            loc = self.manager.lookup([k.key for k in keys])
-        first = next((i for i, k in enumerate(keys) if k.end > cached), len(keys))
-        usable = keys[first : loc.length]
-        if not usable or usable[0].start > cached:
-            return report  # the chunk right after the cached blocks is not stored anywhere
-        where = Location(len(usable), loc.tiers[first : loc.length])
-        layer0 = self._read_layer(usable, where, 0)
-        chunks: list[ChunkKey] = []
-        end = usable[0].start  # <= cached: the first chunk may overlap blocks still pooled
-        for ck, part in zip(usable, layer0, strict=True):
-            if part is None or ck.start != end:
-                break
-            chunks.append(ck)
-            end = ck.end
-        if end <= cached:
-            return report
-        # The restored prefix is held by one temporary sequence while it loads: cached blocks
-        # are shared, new blocks receive the chunks; it is freed once the load is over.
-        sid = f"__restore_{next(self._tmp_ids)}"
-        try:
-            added = pool.add_sequence(sid, prefix[:end], fp)
-        except OutOfBlocksError:
-            log.info("restore of %d tokens does not fit in the pool now", end)
-            return report
-        blocks = pool.sequence(sid).block_ids
-        bs = pool.block_size
-        spans: list[tuple[int, list[int]]] = []
-        for ck in chunks:
-            lo = max(ck.start, added.num_cached_tokens)
-            spans.append((lo - ck.start, blocks[lo // bs : ck.end // bs] if lo < ck.end else []))
-        load = LayerLoad(pool.storage.num_layers, [ids for _, ids in spans])
-        load.release = lambda ld: pool.free_sequence(sid)
-        try:
-            self._scatter_layer(0, [p for p in layer0[: len(chunks)] if p is not None], spans)
-        except BaseException:
-            pool.free_sequence(sid)
-            raise
-        load.layer_loaded(0)
-        load.bytes = sum(p.numel() * p.element_size() for p in layer0[: len(chunks)] if p is not None)
-        pool.mark_computed(sid, end)
-        where = Location(len(chunks), where.tiers[: len(chunks)])
-        if stream is None:
-            stream = pool.storage.kv.is_cuda or end - cached >= self.stream_min_tokens
-        if stream and load.num_layers > 1:
-            start = None
-            if pool.storage.kv.is_cuda:
-                start = torch.cuda.Event()
-                start.record()  # blocks just freed may still be read by queued kernels
-            self.runner.add_layer_load(load)
-            self._loader().submit(self._load_layers, load, chunks, spans, where, start)
-            report.pending = load
-            loaded = chunks
-        else:
-            self._load_rest(load, chunks, spans, where)
-            for b in load.take_poisoned_blocks():
-                pool.block_pool.uncache_block(b)
-            pool.free_sequence(sid)
-            loaded = chunks[: load.loaded_chunks]
-            end = loaded[-1].end if loaded else cached
-        report.tokens = max(end, cached)
-        report.from_tiers = report.tokens - cached
-        report.bytes = load.bytes
-        for ti in where.tiers[: len(loaded)]:
-            name = self.manager.tiers[ti].name
-            report.tier_hits[name] = report.tier_hits.get(name, 0) + 1
-        return report
-
-    def _read_layer(
-        self, chunks: Sequence[ChunkKey], where: Location, layer: int, last: int | None = None
-    ) -> list[torch.Tensor | None]:
-        """Layers ``layer`` to ``last`` (default: ``layer`` alone) of each chunk, verified
-        (None where they could not be read)."""
-        stop = layer + 1 if last is None else last + 1
-        blobs = self.manager.get([ck.key for ck in chunks], (layer, stop), where)
-        out: list[torch.Tensor | None] = []
-        fp = self.runner.fingerprint
-        for ck, blob in zip(chunks, blobs, strict=True):
-            part = None
-            if blob is not None:
-                try:
-                    header, part = decode_chunk(blob, ck.key, fp)
-                except ChunkError as exc:  # the manager verified it; a race with a rewrite
-                    log.warning("chunk %s layers %d-%d: %s", ck.key, layer, stop - 1, exc)
-                else:
-                    if header.first_layer != layer or header.num_layers != stop - layer:
-                        part = None
-            out.append(part)
-        return out
-
-    def _load_rest(
-        self,
-        load: LayerLoad,
-        chunks: Sequence[ChunkKey],
-        spans: Sequence[tuple[int, list[int]]],
-        where: Location,
-    ) -> None:
-        """Layers 1.. of the chunks in one read per chunk and one scatter (a restore that
-        does not stream: per-layer reads would pay the tier's and the decoder's per-call
-        costs once per layer, several times the copy itself on a CPU). A chunk that cannot
-        be read ends the restore there."""
-        last = load.num_layers - 1
-        with self._finishing(load, "restore"):
-            if last >= 1:
-                parts = self._read_layer(chunks, where, 1, last)
-                n = next((i for i, p in enumerate(parts) if p is None), len(parts))
-                if n < len(parts):
-                    load.poison(n, f"chunk {chunks[n].key}: layers 1-{last} could not be read")
-                good = [p for p in parts[:n] if p is not None]
-                load.bytes += sum(p.numel() * p.element_size() for p in good)
-                self._scatter_layer(1, good, spans[:n], last)
-            for layer in range(1, load.num_layers):
-                load.layer_loaded(layer)
-
-    @contextlib.contextmanager
-    def _finishing(self, load: LayerLoad, what: str) -> Iterator[None]:
-        """Run a restore's loading: an error poisons it (a lost restore is recomputed,
-        never fatal), and the load is finished whatever happens."""
-        try:
-            yield
-        except Exception as exc:  # noqa: BLE001
-            log.warning("%s failed: %s", what, exc)
-            load.poison(0, f"{type(exc).__name__}: {exc}")
-        finally:
-            if load.error is not None:
-                self.lost_restores += 1
-            load.finish()
-
-    def _scatter_layer(
-        self,
-        layer: int,
-        parts: Sequence[torch.Tensor],
-        spans: Sequence[tuple[int, list[int]]],
-        last: int | None = None,
-    ) -> None:
-        kv = self._pool.storage.kv
-        dst = kv[layer : (layer if last is None else last) + 1]
-        for part, (off, ids) in zip(parts, spans, strict=False):
-            if ids:
-                src = part[:, :, off:].to(device=kv.device, dtype=kv.dtype, non_blocking=True)
-                scatter_blocks(src.contiguous(), dst, ids)
-
-    def _load_layers(
-        self,
-        load: LayerLoad,
-        chunks: Sequence[ChunkKey],
-        spans: Sequence[tuple[int, list[int]]],
-        where: Location,
-        start: torch.cuda.Event | None,
-    ) -> None:
-        """Read and scatter layers 1.. of the chunks (the loader thread, or inline). A chunk
-        that fails poisons itself and every later chunk; the earlier ones go on loading."""
-        cuda = start is not None
-        with self._finishing(load, "streamed restore"):
-            side = self._side_stream() if cuda else None
-            if side is not None and start is not None:
-                side.wait_event(start)
-            for layer in range(1, load.num_layers):
-                n = load.active_chunks()
-                if n == 0:
-                    break
-                parts = self._read_layer(chunks[:n], Location(n, where.tiers[:n]), layer)
-                for i, part in enumerate(parts):
-                    if part is None:
-                        load.poison(i, f"chunk {chunks[i].key}: layer {layer} could not be read")
-                        break
-                n = load.active_chunks()
-                good = [p for p in parts[:n] if p is not None]
-                load.bytes += sum(p.numel() * p.element_size() for p in good)
-                event = None
-                if side is not None:
-                    with torch.cuda.stream(side):
-                        self._scatter_layer(layer, good, spans[:n])
-                        event = torch.cuda.Event()
-                        event.record(side)
-                else:
-                    self._scatter_layer(layer, good, spans[:n])
-                load.layer_loaded(layer, event)
-
-    def _loader(self) -> ThreadPoolExecutor:
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvtier-restore")
-        return self._executor
-
-    def _reap_if_idle(self) -> None:
-        """Free finished, healthy restores' temporary holders (engine thread)."""
-        if self.runner.layer_loads:
-            self.runner.reap_layer_loads()
-
-    def close(self) -> None:
-        """Wait for restores in flight and stop the loader thread."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
 
     # ------------------------------------------------------------------- evict
     def pool_blocks(self, token_ids: Sequence[int]) -> set[int]:

@@ -320,3 +320,34 @@ def test_hint_on_a_full_pool_only_prefetches(model_dir, tmp_path):
         assert eng.sessions["s"].offloaded
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("disk_bps,demoted", [(1e12, True), (1.0, False)])
+def test_a_full_cpu_tier_demotes_only_where_reloading_beats_recompute(model_dir, tmp_path, disk_bps, demoted):
+    """The engine's tier manager asks the live policy where a victim goes (the simulator's
+    cascade asks the same): down to a disk that reloads faster than recompute, nowhere
+    from one slower than recompute."""
+    slot, fp = _chunk_slot(model_dir, tmp_path)
+    fast = LinearCost(1e-4, 1e12)
+    slow = LinearCost(1e-4, disk_bps)
+    cost = CostModel(model=fp, machine=this_machine(), kv_bytes_per_token=4096, num_layers=2,
+                     prefill=PrefillCost(1e-3, 1e-3, 0.0),
+                     tiers={"cpu": TierCost("cpu", fast, fast), "disk": TierCost("disk", slow, slow)})
+    prof = str(save_profile(tmp_path / "p.json", cost, {}))
+    tiers = TiersConfig(cpu_bytes=3 * slot, disk_bytes=64 << 20, disk_dir=str(tmp_path / "chunks"),
+                        disk_fsync=False)
+    eng = Engine(model_dir, engine_config(num_blocks=64, tiers=tiers, chunk_tokens=64,
+                                          policy=dict(profile=prof, auto_offload=False)))
+    try:
+        for sid in ("a", "b"):  # b's chunks push a's out of the three-slot CPU tier
+            eng.chat(sid, f"{sid}: {FIRST}", GREEDY, system=SYSTEM)
+            assert eng.offload(sid, "cpu").stored_tokens > 2 * 64  # three chunks, the tail too
+        stats, disk = eng.tiers.stats, eng.tiers.tiers[1]
+        if demoted:
+            assert stats.demotions > 0 and stats.demotions_skipped == 0
+            assert len(disk) == stats.demotions
+        else:
+            assert stats.demotions == 0 and stats.demotions_skipped > 0
+            assert len(disk) == 0
+    finally:
+        eng.close()
