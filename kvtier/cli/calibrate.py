@@ -104,21 +104,13 @@ def calibrate_transfer(runner, tier, chunk_tokens: int, repeats: int,
     return writes, reads
 
 
-def run(args: argparse.Namespace) -> int:
+def _load_runner(args: argparse.Namespace):
+    """The model runner to calibrate with, its device and dtype name."""
     import torch
-    from rich.console import Console
 
-    from kvtier.connectors.tiers.cpu_tier import CPUTier
-    from kvtier.connectors.tiers.disk_tier import DiskTier
-    from kvtier.connectors.tiers.factory import chunk_blob_bytes
     from kvtier.engine.model_runner import ModelRunner
     from kvtier.gpu_pool.kv_storage import resolve_device
-    from kvtier.machine import this_machine
-    from kvtier.policies.cost_model import CostModel, LinearCost, PrefillCost, TierCost
-    from kvtier.policies.profile import save_profile
-    from kvtier.transfer.kv_transfer import CPU_STREAM_MIN_TOKENS
 
-    console = Console()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
@@ -127,13 +119,21 @@ def run(args: argparse.Namespace) -> int:
                          memory_bytes=None,
                          num_blocks=(2 * args.max_tokens + 8 * args.chunk_tokens) // 16 + 64,
                          max_model_len=None)
+    return runner, device, dtype
+
+
+def calibrate_tiers(runner, args: argparse.Namespace, console, n_chunks: int = 8) -> dict:
+    """A fitted ``TierCost`` per tier: CPU, disk (``--disk-dir`` or a temp dir) and Redis
+    when ``--redis-url`` is given; every tier is closed (and the temp dir removed) after."""
+    from kvtier.connectors.tiers.cpu_tier import CPUTier
+    from kvtier.connectors.tiers.disk_tier import DiskTier
+    from kvtier.connectors.tiers.factory import chunk_blob_bytes
+    from kvtier.policies.cost_model import LinearCost, TierCost
+
     cfg = runner.config
-    top = min(args.max_tokens, runner.max_model_len - 1)
-    kv = runner.pool.storage
-    elem = kv.kv.element_size()
+    elem = runner.pool.storage.kv.element_size()
     slot = chunk_blob_bytes(cfg.num_hidden_layers, args.chunk_tokens, cfg.num_key_value_heads,
                             cfg.head_dim, elem)
-    n_chunks = 8
     tmp = None
     disk_dir = args.disk_dir
     if disk_dir is None:
@@ -158,7 +158,15 @@ def run(args: argparse.Namespace) -> int:
             tier.close()
         if tmp is not None:
             tmp.cleanup()
+    return tier_costs
 
+
+def calibrate_prefill(runner, device, top: int, repeats: int, console) -> list:
+    """(cached, new, seconds) samples of prefilling ``new`` tokens after ``cached`` ones in
+    the pool, for ``cached`` 0 and ``top // 2`` and ``new`` from :func:`prefill_sizes`."""
+    import torch
+
+    vocab = min(runner.config.vocab_size, 1000)
     samples = []
     gen = torch.Generator().manual_seed(0)
     news = prefill_sizes(top, random.Random(0))
@@ -168,8 +176,7 @@ def run(args: argparse.Namespace) -> int:
             for new in news:
                 if cached + new > top:
                     continue
-                ids = torch.randint(10, min(cfg.vocab_size, 1000), (cached + new,),
-                                    generator=gen).tolist()
+                ids = torch.randint(10, vocab, (cached + new,), generator=gen).tolist()
 
                 def prepare(ids=ids, cached=cached):
                     """Only the first ``cached`` tokens are in the pool."""
@@ -191,13 +198,30 @@ def run(args: argparse.Namespace) -> int:
                 prepare()
                 step()  # warm-up
                 hit = cached - cached % runner.pool.block_size
-                samples.append((hit, len(ids) - hit, _median_time(step, args.repeats, prepare)))
+                samples.append((hit, len(ids) - hit, _median_time(step, repeats, prepare)))
+    return samples
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from kvtier.machine import this_machine
+    from kvtier.policies.cost_model import CostModel, PrefillCost
+    from kvtier.policies.profile import save_profile
+    from kvtier.transfer.kv_transfer import CPU_STREAM_MIN_TOKENS
+
+    console = Console()
+    runner, device, dtype = _load_runner(args)
+    cfg = runner.config
+    top = min(args.max_tokens, runner.max_model_len - 1)
+    tier_costs = calibrate_tiers(runner, args, console)
+    samples = calibrate_prefill(runner, device, top, args.repeats, console)
     prefill = PrefillCost.fit(samples)
     console.print(f"prefill: {prefill}")
     cost = CostModel(
         model=runner.fingerprint.hex(),
         machine=this_machine(),
-        kv_bytes_per_token=kv.bytes_per_token,
+        kv_bytes_per_token=runner.pool.storage.bytes_per_token,
         num_layers=cfg.num_hidden_layers,
         prefill=prefill,
         tiers=tier_costs,

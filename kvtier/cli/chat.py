@@ -55,7 +55,7 @@ def run(args: argparse.Namespace, stdin: TextIO | None = None, stdout: TextIO | 
         seed=args.seed,
     )
     config = config_from_args(args)
-    apply_log_level(config)
+    apply_log_level(config, args)
     engine = Engine(args.model, config)
     interactive = stdin.isatty()
     session, n = "chat-1", 1

@@ -52,6 +52,11 @@ def config_from_args(args: argparse.Namespace, **extra: Any) -> KVTierConfig:
     return load_config(getattr(args, "config", None), overrides=overrides)
 
 
-def apply_log_level(config: KVTierConfig) -> None:
-    """``log_level`` governs kvtier's loggers (uvicorn's is passed to uvicorn)."""
-    logging.getLogger("kvtier").setLevel(config.log_level)
+def log_level(config: KVTierConfig, args: argparse.Namespace | None = None) -> str:
+    """The level in effect: ``kvtier -v`` (debug) wins over ``log_level``."""
+    return "DEBUG" if args is not None and getattr(args, "verbose", False) else config.log_level
+
+
+def apply_log_level(config: KVTierConfig, args: argparse.Namespace | None = None) -> None:
+    """``log_level`` (or ``-v``) governs kvtier's loggers; ``serve`` passes it to uvicorn."""
+    logging.getLogger("kvtier").setLevel(log_level(config, args))

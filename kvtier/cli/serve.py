@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from kvtier.cli.options import add_engine_flags, apply_log_level, config_from_args
+from kvtier.cli.options import add_engine_flags, apply_log_level, config_from_args, log_level
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def build_state(args: argparse.Namespace):
             "log_level": level.upper() if level else None,
         },
     )
-    apply_log_level(config)
+    apply_log_level(config, args)
     if args.model is None:
         return ServiceState.sidecar(config)
     return ServiceState.with_engine(config, args.model)
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
             cfg.port,
             ", ".join(t.name for t in state.manager.tiers) if state.manager else "none",
         )
-        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=state.config.log_level.lower())
+        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=log_level(state.config, args).lower())
     finally:
         state.close()
     return 0

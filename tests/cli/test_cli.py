@@ -73,3 +73,39 @@ def test_every_package_folder_is_installed_under_kvtier():
             assert rel in mapping.values(), f"{rel} is a package folder missing from pyproject"
     for name in ("server", "connectors", "gpu_pool", "policies", "benchmarks"):
         assert name not in {p.split(".")[0] for p in mapping}, f"top-level {name} would leak"
+
+
+def test_log_level_governs_kvtier_logs_and_verbose_wins():
+    import argparse
+    import logging
+
+    from kvtier.cli.options import apply_log_level, config_from_args
+
+    logger = logging.getLogger("kvtier")
+    before = logger.level
+    try:
+        args = argparse.Namespace(config=None, log_level=None, verbose=False)
+        config = config_from_args(args, log_level="WARNING")
+        apply_log_level(config, args)
+        assert logger.getEffectiveLevel() == logging.WARNING
+        apply_log_level(config, argparse.Namespace(verbose=True))
+        assert logger.getEffectiveLevel() == logging.DEBUG
+    finally:
+        logger.setLevel(before)
+
+
+def test_engine_flags_override_the_config_and_unset_flags_leave_it(tmp_path, monkeypatch):
+    import argparse
+
+    from kvtier.cli.options import config_from_args
+
+    cfg = tmp_path / "kvtier.yaml"
+    cfg.write_text("pool:\n  num_blocks: 64\n  dtype: float16\nengine:\n  num_threads: 3\n")
+    monkeypatch.setenv("KVTIER_POOL__DEVICE", "cpu")
+    flags = argparse.Namespace(config=str(cfg), dtype=None, device=None, kv_memory_mib=None, threads=None)
+    c = config_from_args(flags)
+    assert (c.pool.num_blocks, c.pool.dtype, c.pool.device, c.engine.num_threads) == (64, "float16", "cpu", 3)
+    flags = argparse.Namespace(config=str(cfg), dtype="bfloat16", device=None, kv_memory_mib=8, threads=1)
+    c = config_from_args(flags)
+    assert (c.pool.num_blocks, c.pool.memory_bytes) == (None, 8 << 20)  # the size flag replaces num_blocks
+    assert (c.pool.dtype, c.pool.device, c.engine.num_threads) == ("bfloat16", "cpu", 1)
