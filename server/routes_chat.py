@@ -13,12 +13,14 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Header, Request, Response
 from fastapi.responses import StreamingResponse
 
+from kvtier.engine.async_engine import AsyncEngine
 from kvtier.engine.engine import Engine
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.session import TurnResult
@@ -85,18 +87,43 @@ def _usage(result: TurnResult) -> dict[str, Any]:
     }
 
 
-@router.post(
-    "/v1/chat/completions",
-    response_model=ChatCompletion,
-    responses={200: {"content": {"text/event-stream": {}}}, **_ERRORS},
-)
-async def chat_completions(
-    body: ChatCompletionRequest,
-    request: Request,
-    x_session_id: str | None = Header(default=None, max_length=256),
-) -> Any:
-    """One chat turn; ``stream: true`` answers with server-sent events."""
-    state: ServiceState = request.app.state.kvtier
+@dataclass
+class _Turn:
+    """One request's turn: what the engine is asked, and what every response carries."""
+
+    state: ServiceState
+    eng: AsyncEngine
+    session_id: str
+    ephemeral: bool
+    message: str
+    system: str | None
+    params: SamplingParams
+    prepare: Callable[[Engine], None]
+    model: str
+    completion_id: str
+    created: int
+    headers: dict[str, str]
+
+    async def forget(self) -> None:
+        """End a throwaway session (no session id was given)."""
+        if self.ephemeral:
+            await _forget(self.eng, self.session_id)
+
+    def chunk(self, delta: dict[str, Any], finish_reason: str | None = None, **extra: Any) -> str:
+        """One ``chat.completion.chunk`` server-sent event."""
+        payload = {
+            "id": self.completion_id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
+            **extra,
+        }
+        return f"data: {json.dumps(payload)}\n\n"
+
+
+def _turn(body: ChatCompletionRequest, state: ServiceState, x_session_id: str | None) -> _Turn:
+    """Check the request and gather what the turn needs."""
     if state.engine is None:
         raise RouteError(
             404, "this server runs without a model: start kvtier serve with --model DIR to chat"
@@ -115,92 +142,108 @@ async def chat_completions(
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     headers = {} if ephemeral else {"X-Session-Id": session_id}
-    eng = state.engine
+    return _Turn(
+        state=state, eng=state.engine, session_id=session_id, ephemeral=ephemeral,
+        message=message, system=system, params=params, prepare=prepare, model=model,
+        completion_id=completion_id, created=created, headers=headers,
+    )
 
-    async def finish(result: TurnResult) -> None:
-        state.metrics.observe_turn(result.stats.as_dict())
-        if ephemeral:
-            await _forget(eng, session_id)
 
+@router.post(
+    "/v1/chat/completions",
+    response_model=ChatCompletion,
+    responses={200: {"content": {"text/event-stream": {}}}, **_ERRORS},
+)
+async def chat_completions(
+    body: ChatCompletionRequest,
+    request: Request,
+    x_session_id: str | None = Header(default=None, max_length=256),
+) -> Any:
+    """One chat turn; ``stream: true`` answers with server-sent events."""
+    turn = _turn(body, request.app.state.kvtier, x_session_id)
     if not body.stream:
-        try:
-            result = await eng.chat(session_id, message, params, system, prepare=prepare)
-        finally:
-            if ephemeral:
-                await _forget(eng, session_id)
-        state.metrics.observe_turn(result.stats.as_dict())
-        out = {
-            "id": completion_id,
-            "object": "chat.completion",
-            "created": created,
-            "model": model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": result.text},
-                    "finish_reason": result.stats.finish_reason,
-                }
-            ],
-            "usage": _usage(result),
-            "kvtier": _timings(result),
-        }
-        return Response(json.dumps(out), media_type="application/json", headers=headers)
+        return await _complete(turn)
+    return await _stream(turn, bool(body.stream_options and body.stream_options.include_usage))
 
-    events = eng.stream(session_id, message, params, system, prepare=prepare)
+
+async def _complete(turn: _Turn) -> Response:
+    """The whole turn as one ``chat.completion``."""
+    try:
+        result = await turn.eng.chat(
+            turn.session_id, turn.message, turn.params, turn.system, prepare=turn.prepare
+        )
+    finally:
+        await turn.forget()
+    turn.state.metrics.observe_turn(result.stats.as_dict())
+    out = {
+        "id": turn.completion_id,
+        "object": "chat.completion",
+        "created": turn.created,
+        "model": turn.model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": result.text},
+                "finish_reason": result.stats.finish_reason,
+            }
+        ],
+        "usage": _usage(result),
+        "kvtier": _timings(result),
+    }
+    return Response(json.dumps(out), media_type="application/json", headers=turn.headers)
+
+
+async def _stream(turn: _Turn, include_usage: bool) -> StreamingResponse:
+    """The turn as server-sent events; a turn refused at admission is an HTTP error."""
+    events = turn.eng.stream(
+        turn.session_id, turn.message, turn.params, turn.system, prepare=turn.prepare
+    )
     try:
         first = await anext(events)  # a turn refused at admission is an HTTP error
     except Exception:
-        if ephemeral:
-            await _forget(eng, session_id)
+        await turn.forget()
         raise
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-    def chunk(delta: dict[str, Any], finish_reason: str | None = None, **extra: Any) -> str:
-        payload = {
-            "id": completion_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
-            **extra,
-        }
-        return f"data: {json.dumps(payload)}\n\n"
-
-    async def sse() -> AsyncIterator[str]:
-        yield chunk({"role": "assistant", "content": ""})
-        item = first
-        try:
-            while not isinstance(item, TurnResult):
-                if item:
-                    yield chunk({"content": item})
-                item = await anext(events)
-        except Exception as exc:  # noqa: BLE001 - reported in the stream, not raised
-            status, type_ = status_of(exc)
-            state.metrics.count_error(type_)
-            yield f"data: {json.dumps(error_body(status, str(exc), type_))}\n\n"
-            yield "data: [DONE]\n\n"
-            if ephemeral:
-                await _forget(eng, session_id)
-            return
-        await finish(item)
-        yield chunk({}, item.stats.finish_reason, kvtier=_timings(item))
-        if include_usage:
-            usage = {
-                "id": completion_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": [],
-                "usage": _usage(item),
-            }
-            yield f"data: {json.dumps(usage)}\n\n"
-        yield "data: [DONE]\n\n"
-
     return StreamingResponse(
-        sse(),
+        _sse(turn, first, events, include_usage),
         media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", **headers},
+        headers={"Cache-Control": "no-cache", **turn.headers},
     )
+
+
+async def _sse(
+    turn: _Turn, first: Any, events: AsyncIterator[Any], include_usage: bool
+) -> AsyncIterator[str]:
+    """The event stream: role, content deltas, the finish (with timings), usage, ``[DONE]``;
+    an error after admission is reported in the stream, not raised."""
+    state = turn.state
+    yield turn.chunk({"role": "assistant", "content": ""})
+    item = first
+    try:
+        while not isinstance(item, TurnResult):
+            if item:
+                yield turn.chunk({"content": item})
+            item = await anext(events)
+    except Exception as exc:  # noqa: BLE001 - reported in the stream, not raised
+        status, type_ = status_of(exc)
+        state.metrics.count_error(type_)
+        yield f"data: {json.dumps(error_body(status, str(exc), type_))}\n\n"
+        yield "data: [DONE]\n\n"
+        await turn.forget()
+        return
+    state.metrics.observe_turn(item.stats.as_dict())
+    await turn.forget()
+    yield turn.chunk({}, item.stats.finish_reason, kvtier=_timings(item))
+    if include_usage:
+        usage = {
+            "id": turn.completion_id,
+            "object": "chat.completion.chunk",
+            "created": turn.created,
+            "model": turn.model,
+            "choices": [],
+            "usage": _usage(item),
+        }
+        yield f"data: {json.dumps(usage)}\n\n"
+    yield "data: [DONE]\n\n"
 
 
 async def _forget(eng, session_id: str) -> None:

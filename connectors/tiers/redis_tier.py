@@ -11,75 +11,40 @@ methods submit to it and wait at most the configured deadline, and the ``a*`` co
 let an asyncio server await the same client from its own loop. A server that is down,
 unreachable or stalled never raises out of a call: gets miss, puts report ``unavailable``
 per key, and ``stats.errors`` counts ``unavailable`` / ``timeout``. The pool reconnects by
-itself when the server is back.
+itself when the server is back. The connection itself (URLs, clients, the loop, which
+exceptions are faults) lives in ``redis_client``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import contextlib
 import logging
 import threading
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-import redis
-import redis.asyncio as aioredis
-from redis import exceptions as rexc
-from redis.asyncio.cluster import ClusterNode, RedisCluster
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.retry import Retry as SyncRetry
 from redis.utils import HIREDIS_AVAILABLE
 
 from kvtier.chunk_format import layer_span, parse_header, slice_chunk, validate_chunk
 from kvtier.connectors.tiers.base import Blob, PutResult, Tier
+from kvtier.connectors.tiers.redis_client import (
+    CLUSTER_SCHEME,
+    FAULTS,
+    RedisConnection,
+    error_kind,
+    is_fault,
+    parse_cluster_url,
+)
 from kvtier.errors import ChunkError, InvalidArgumentError
+
+__all__ = ["CLUSTER_SCHEME", "FAULTS", "HEADER_PROBE_BYTES", "RedisTier", "parse_cluster_url"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-CLUSTER_SCHEME = "redis+cluster"
 HEADER_PROBE_BYTES = 4096
 """First bytes read by a layer-range get; covers the header of any chunk up to ~400 layers."""
-
-
-def parse_cluster_url(url: str) -> list[tuple[str, int]]:
-    """``redis+cluster://h1:p1,h2:p2`` -> startup nodes."""
-    rest = url.split("://", 1)[1].split("/", 1)[0].rsplit("@", 1)[-1]
-    nodes = []
-    for part in filter(None, rest.split(",")):
-        host, _, port = part.rpartition(":")
-        if not host or not port.isdigit():
-            raise InvalidArgumentError(f"cluster node {part!r} in {url!r} is not host:port")
-        nodes.append((host.strip("[]"), int(port)))
-    if not nodes:
-        raise InvalidArgumentError(f"{url!r} names no cluster node; use redis+cluster://host:port,...")
-    return nodes
-
-
-FAULTS = (
-    rexc.RedisError,
-    rexc.RedisClusterException,
-    OSError,
-    TimeoutError,
-    asyncio.TimeoutError,
-    concurrent.futures.CancelledError,
-)
-"""What a down, unreachable, hung or closing server raises; each becomes a miss or a failure."""
-
-
-def _error_kind(exc: BaseException) -> str:
-    if isinstance(exc, (rexc.TimeoutError, TimeoutError, asyncio.TimeoutError)):
-        return "timeout"
-    return "unavailable"
-
-
-def _is_fault(reply: object) -> bool:
-    """A per-command reply that is a connection fault (cluster pipelines return them)."""
-    return isinstance(reply, (rexc.ConnectionError, rexc.TimeoutError, OSError))
 
 
 class RedisTier(Tier):
@@ -125,63 +90,19 @@ class RedisTier(Tier):
         self.round_trips = 0
         """Pipelines (network round trips; one per node on a cluster) sent so far."""
         self._closed = False
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kvtier-redis", daemon=True)
-        self._thread.start()
-        self._client = self._run_on_loop(self._make_client(url, max_connections, scheme), 5.0)
-        # Whole-blob batches on a single server move through redis-py's blocking client (same
-        # pool settings, hiredis parser) in worker threads the loop awaits: asyncio's socket
-        # transport joins a pipeline into one buffer and copies what the kernel does not take
-        # at once, and its stream reader copies replies twice more, which halves throughput
-        # for multi-MiB values. The loop still owns the deadline of every call.
-        self._sync: redis.Redis | None = None
-        self._io: concurrent.futures.ThreadPoolExecutor | None = None
-        if not self.cluster:
-            self._sync = redis.Redis.from_url(
-                url,
-                socket_timeout=self.timeout_s,
-                socket_connect_timeout=self.timeout_s,
-                retry=SyncRetry(NoBackoff(), 1, supported_errors=(rexc.ConnectionError,)),
-                max_connections=max_connections,
-            )
-            self._io = concurrent.futures.ThreadPoolExecutor(
-                max_connections, thread_name_prefix="kvtier-redis-io"
-            )
-
-    # --- client and loop --------------------------------------------------------------
-    async def _make_client(self, url: str, max_connections: int, scheme: str) -> Any:
-        # A stalled server must cost one timeout, not retries with backoff; a dropped
-        # connection (server restarted) is retried once so the first call after a
-        # restart already succeeds.
-        common: dict[str, Any] = dict(
-            socket_timeout=self.timeout_s,
-            socket_connect_timeout=self.timeout_s,
-            retry=Retry(NoBackoff(), 1, supported_errors=(rexc.ConnectionError,)),
-            max_connections=max_connections,
+        self._conn = RedisConnection(
+            url, cluster=self.cluster, timeout_s=timeout_s, max_connections=max_connections
         )
-        if not self.cluster:
-            return aioredis.Redis.from_url(url, **common)
-        if scheme == CLUSTER_SCHEME:
-            nodes = [ClusterNode(h, p) for h, p in parse_cluster_url(url)]
-            parts = urlsplit(url.replace(CLUSTER_SCHEME + "://", "redis://", 1).split(",", 1)[0])
-            return RedisCluster(
-                startup_nodes=nodes, username=parts.username, password=parts.password,
-                **common,
-            )
-        return RedisCluster.from_url(url, **common)
+        self._client = self._conn.client
+        self._sync = self._conn.sync
 
-    def _run_on_loop(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
-
-    async def _deadline(self, coro: Awaitable[T]) -> T:
-        return await asyncio.wait_for(coro, self.op_timeout_s)
-
+    # --- running on the connection's loop ---------------------------------------------
     def _guarded(self, what: str, coro: Coroutine[Any, Any, T], fallback: Callable[[str], T]) -> T:
         """Run ``coro`` on the tier's loop from any thread; a Redis fault becomes ``fallback``."""
         if self._closed:
             coro.close()
             return fallback("unavailable: tier closed")
-        fut = asyncio.run_coroutine_threadsafe(self._deadline(coro), self._loop)
+        fut = self._conn.submit(coro, self.op_timeout_s)
         try:
             return fut.result(self.op_timeout_s + 1.0)
         except FAULTS as exc:
@@ -193,14 +114,14 @@ class RedisTier(Tier):
         if self._closed:
             coro.close()
             return fallback("unavailable: tier closed")
-        fut = asyncio.run_coroutine_threadsafe(self._deadline(coro), self._loop)
+        fut = self._conn.submit(coro, self.op_timeout_s)
         try:
             return await asyncio.wrap_future(fut)
         except FAULTS as exc:
             return self._fault(what, exc, fallback)
 
     def _fault(self, what: str, exc: BaseException, fallback: Callable[[str], T]) -> T:
-        kind = _error_kind(exc)
+        kind = error_kind(exc)
         self.stats.count_error(kind)
         log.warning("redis tier %s failed (%s): %r", what, kind, exc)
         return fallback(f"{kind}: {exc!r}")
@@ -211,11 +132,6 @@ class RedisTier(Tier):
     def _pipeline(self) -> Any:
         self.round_trips += 1
         return self._client.pipeline(transaction=False)
-
-    async def _blocking(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn`` (a blocking-client call) in the I/O threads; awaited by the loop."""
-        assert self._io is not None
-        return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
 
     def _set_batch(self, keys: Sequence[str], chunks: Mapping[str, Blob]) -> list[Any]:
         assert self._sync is not None
@@ -234,7 +150,7 @@ class RedisTier(Tier):
         keys = list(chunks)
         if self._sync is not None:
             self.round_trips += 1
-            replies = await self._blocking(self._set_batch, keys, chunks)
+            replies = await self._conn.blocking(self._set_batch, keys, chunks)
         else:
             pipe = self._pipeline()
             for k in keys:
@@ -249,7 +165,7 @@ class RedisTier(Tier):
             if isinstance(reply, Exception):
                 msg = str(reply)
                 kind = "full" if msg.startswith("OOM") else "error"
-                result.failed[k] = f"{_error_kind(reply) if _is_fault(reply) else kind}: {msg}"
+                result.failed[k] = f"{error_kind(reply) if is_fault(reply) else kind}: {msg}"
             elif reply:
                 result.stored.append(k)
                 written += len(chunks[k])
@@ -288,7 +204,7 @@ class RedisTier(Tier):
     async def _get_whole(self, keys: Sequence[str]) -> list[bytes | None]:
         if self._sync is not None:
             self.round_trips += 1
-            return await self._blocking(self._sync.mget, [self._rk(k) for k in keys])
+            return await self._conn.blocking(self._sync.mget, [self._rk(k) for k in keys])
         pipe = self._pipeline()
         for k in keys:
             pipe.get(self._rk(k))
@@ -298,8 +214,8 @@ class RedisTier(Tier):
 
     def _count_reply_faults(self, replies: Sequence[object]) -> None:
         for r in replies:
-            if _is_fault(r):
-                self.stats.count_error(_error_kind(r))
+            if is_fault(r):
+                self.stats.count_error(error_kind(r))
 
     async def _get_layers(
         self, keys: Sequence[str], layers: tuple[int, int]
@@ -492,24 +408,4 @@ class RedisTier(Tier):
         if self._closed:
             return
         self._closed = True
-        with contextlib.suppress(Exception):
-            self._run_on_loop(asyncio.wait_for(self._client.aclose(), self.timeout_s), self.timeout_s + 0.5)
-        with contextlib.suppress(Exception):
-            self._run_on_loop(self._cancel_pending(), 1.0)
-        if self._io is not None:
-            self._io.shutdown(wait=False, cancel_futures=True)
-        if self._sync is not None:
-            with contextlib.suppress(Exception):
-                self._sync.close()
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=2.0)
-        if not self._thread.is_alive():
-            self._loop.close()
-
-    async def _cancel_pending(self) -> None:
-        current = asyncio.current_task()
-        tasks = [t for t in asyncio.all_tasks() if t is not current]
-        for t in tasks:
-            t.cancel()
-        if tasks:
-            await asyncio.wait(tasks, timeout=0.5)
+        self._conn.close()
