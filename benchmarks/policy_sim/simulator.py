@@ -22,13 +22,12 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Container, Hashable, Iterator
-from dataclasses import dataclass, field
-from operator import itemgetter
+from collections.abc import Hashable
 
+from kvtier.benchmarks.policy_sim.node import Link, SessionState, SimResult, Store
+from kvtier.benchmarks.policy_sim.staging import StagingMixin
 from kvtier.benchmarks.policy_sim.systems import SystemSpec
 from kvtier.benchmarks.policy_sim.workloads import Turn, Workload
-from kvtier.connectors.tiers.chunk_index import ChunkIndex
 from kvtier.policies.cost_model import CostModel
 from kvtier.policies.eviction import (
     ChunkInfo,
@@ -41,133 +40,12 @@ from kvtier.policies.live import LivePolicy
 from kvtier.policies.offload import IdleSession, worth_storing
 from kvtier.policies.restore import StoredChunk, plan_restore
 
+__all__ = ["Link", "SessionState", "SimResult", "Simulator", "Store"]
+
 _NO_PINS: frozenset = frozenset()
 
 
-class Store:
-    """One tier in the simulation: the live tiers' :class:`ChunkIndex` (sizes, bytes held,
-    the eviction policy choosing victims) under a capacity in bytes; no data."""
-
-    def __init__(self, name: str, capacity: float, policy: EvictionPolicy) -> None:
-        self.name = name
-        self.capacity = capacity
-        self.index: ChunkIndex[None] = ChunkIndex(policy)
-        self.peak = 0
-        self.evictions = 0
-        self.on_remove: Callable[[Hashable], None] | None = None
-
-    @property
-    def policy(self) -> EvictionPolicy:
-        return self.index.policy
-
-    @property
-    def used(self) -> int:
-        return self.index.used_bytes
-
-    def has(self, key: Hashable) -> bool:
-        return key in self.index
-
-    def size(self, key: Hashable) -> int:
-        return self.index.size(key)
-
-    def remove(self, key: Hashable) -> None:
-        if self.index.pop(key) is not None and self.on_remove is not None:
-            self.on_remove(key)
-
-    def evict_while(
-        self, short_of_room: Callable[[], bool], pinned: Container[Hashable], now: float
-    ) -> Iterator[tuple[Hashable, int]]:
-        """The index's victims while ``short_of_room()``, each (key, bytes) once it is gone."""
-        for key, _, nbytes in self.index.evict_while(short_of_room, pinned, now):
-            self.evictions += 1
-            if self.on_remove is not None:
-                self.on_remove(key)
-            yield key, nbytes
-
-    def add(
-        self, key: Hashable, nbytes: int, info: ChunkInfo, now: float, pinned: Container[Hashable]
-    ) -> list[tuple[Hashable, int]] | None:
-        """Insert, evicting as needed; the victims, or None if it cannot fit. When every
-        other chunk is pinned it over-commits (counted by the caller)."""
-        if key in self.index:
-            self.index.get(key, now=now)
-            return []
-        if nbytes > self.capacity:
-            return None
-        out = list(self.evict_while(lambda: self.used + nbytes > self.capacity, pinned, now))
-        self.index.add(key, None, nbytes, info, now)
-        self.peak = max(self.peak, self.used)
-        return out
-
-
-@dataclass
-class Link:
-    """A tier's I/O path: transfers queue behind each other."""
-
-    free_at: float = 0.0
-    read_bytes: int = 0
-    write_bytes: int = 0
-
-    def transfer(self, start: float, seconds: float) -> float:
-        begin = max(start, self.free_at)
-        self.free_at = begin + seconds
-        return self.free_at
-
-
-@dataclass
-class SimResult:
-    system: str
-    ttft_s: list[float] = field(default_factory=list)
-    hits: dict[str, int] = field(default_factory=dict)
-    """Prompt chunks served from each tier (``gpu`` included) and ``miss``."""
-    read_bytes: dict[str, int] = field(default_factory=dict)
-    write_bytes: dict[str, int] = field(default_factory=dict)
-    prompt_tokens: int = 0
-    saved_tokens: int = 0
-    """Prefill tokens not computed thanks to reuse."""
-    peak_gpu_bytes: int = 0
-    overcommits: int = 0
-    timeline: list[tuple[float, dict[str, int]]] = field(default_factory=list)
-    decisions: dict[str, int] = field(default_factory=dict)
-    breakdown: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
-        ("queue_s", "write_back_s", "compute_s", "load_wait_s"), 0.0))
-    """Where the TTFTs went, summed over turns: waiting for the server, for GPU victims'
-    write-back, computing, and for loads the compute did not hide."""
-
-    def summary(self) -> dict:
-        xs = sorted(self.ttft_s)
-
-        def pct(p: float) -> float:
-            return xs[min(len(xs) - 1, int(p * len(xs)))] if xs else math.nan
-
-        total = sum(self.hits.values()) or 1
-        return {
-            "system": self.system,
-            "turns": len(xs),
-            "ttft_mean_s": sum(xs) / len(xs) if xs else math.nan,
-            "ttft_p50_s": pct(0.5),
-            "ttft_p99_s": pct(0.99),
-            "hit_rate": {k: v / total for k, v in sorted(self.hits.items())},
-            "read_bytes": dict(self.read_bytes),
-            "write_bytes": dict(self.write_bytes),
-            "prefill_tokens_saved": self.saved_tokens,
-            "prefill_tokens_saved_frac": self.saved_tokens / max(self.prompt_tokens, 1),
-            "peak_gpu_kv_bytes": self.peak_gpu_bytes,
-            "overcommits": self.overcommits,
-            "decisions": dict(self.decisions),
-            "ttft_breakdown_mean_s": {k: v / max(len(xs), 1) for k, v in self.breakdown.items()},
-        }
-
-
-@dataclass
-class _Session:
-    busy_until: float = -math.inf
-    last_end: float | None = None
-    gpu_keys: list[Hashable] = field(default_factory=list)
-    context_tokens: int = 0
-
-
-class Simulator:
+class Simulator(StagingMixin):
     def __init__(
         self,
         workload: Workload,
@@ -181,7 +59,7 @@ class Simulator:
         self.spec = system
         self.cost = cost
         self.bpt = cost.kv_bytes_per_token
-        self.sessions: dict[Hashable, _Session] = {}
+        self.sessions: dict[Hashable, SessionState] = {}
         self._tier_bytes = tier_bytes
         names = [t for t in cost.tiers if system.use_tiers and tier_bytes.get(t, 0) > 0]
         self.live = LivePolicy(cost, names, workload.chunk_tokens, clock=lambda: 0.0)
@@ -351,72 +229,18 @@ class Simulator:
         return self.res
 
     def _turn(self, t: Turn, server_free: float) -> float:
-        spec, cost = self.spec, self.cost
+        """One turn: where its prefix lies, what to load, when its first token comes, and
+        its context placed in the GPU; returns when the server is free again."""
         now = t.arrival_s
-        sess = self.sessions.setdefault(t.session, _Session())
-        if spec.predictive:
-            self.live.turn_started(t.session, now)
-        self._unpin_finished(now)
-        sess.busy_until = math.inf  # running from now on: pinned
-        self._unstaged.discard(t.session)
-        for st in (self.gpu, *self.tiers):
-            if isinstance(st.policy, SessionAware):
-                st.policy.invalidate()  # this session's rank changed at this instant
-        if spec.predictive:
-            self._watermark_offload(now)
-        start = max(now, server_free)
-
-        # Where each leading chunk of the prompt lies.
-        keys = t.chunk_keys
-        gpu_n = 0
-        if spec.restore != "none":
-            while gpu_n < len(keys) and self.gpu.has(keys[gpu_n]):
-                gpu_n += 1
-        lower: list[tuple[int, Store]] = []
-        if spec.restore in ("any", "cost") and self.tiers:
-            i = gpu_n
-            while i < len(keys):
-                st = self._where(keys[i])
-                if st is None:
-                    break
-                lower.append((i, st))
-                i += 1
+        sess = self._begin(t, now)
+        gpu_n, lower, k = self._locate(t)
         gpu_tokens = sum(t.tokens_of(i) for i in range(gpu_n))
-        k = len(lower)
-        if spec.restore == "cost" and lower:
-            k = self._plan(t, gpu_tokens, lower)
-            self._count(self.res.decisions, "restore_recompute" if k == 0 else "restore_load")
         load_tokens = sum(t.tokens_of(i) for i, _ in lower[:k])
-        cached = gpu_tokens + load_tokens
-        if cached >= t.prompt_tokens:  # a full hit still computes the last token
-            cached = t.prompt_tokens - 1
-        compute = cost.prefill.time(cached, t.prompt_tokens - cached)
-        queued = start
-        start = max(start, self._make_room(t, keys, now))
-
-        # Loads: from arrival (look-ahead), from the hint, or from the start of the turn.
-        load_from = start
-        if spec.prefetch_on_arrival:
-            load_from = now
-        if spec.prefetch_on_hint and t.hint_lead_s > 0:
-            load_from = now - t.hint_lead_s
-        load_end = load_from
-        per_tier: dict[str, int] = {}
-        for i, st in lower[:k]:
-            per_tier[st.name] = per_tier.get(st.name, 0) + t.tokens_of(i)
-        for name, tokens in per_tier.items():
-            chunks = sum(1 for _, st in lower[:k] if st.name == name)
-            secs = cost.load_time(name, tokens)  # each tier's share in one request
-            load_end = max(load_end, self.links[name].transfer(load_from, secs))
-            self._count(self.res.read_bytes, name, tokens * self.bpt)
-            self._count(self.res.hits, name, chunks)
-        self._count(self.res.hits, "gpu", gpu_n)
-        self._count(self.res.hits, "miss", len(keys) - gpu_n - k)
-        finish = start + compute
-        if k and cost.overlaps(load_tokens):  # streamed: layer l computes as l + 1 loads
-            finish = max(finish, load_end + compute / max(cost.num_layers, 1))
-        elif k:  # loaded whole, then computed
-            finish = max(start, load_end) + compute
+        cached = min(gpu_tokens + load_tokens, t.prompt_tokens - 1)  # a full hit computes one
+        compute = self.cost.prefill.time(cached, t.prompt_tokens - cached)
+        queued = max(now, server_free)
+        start = max(queued, self._make_room(t, t.chunk_keys, now))
+        finish = self._first_token(t, now, start, compute, gpu_n, lower[:k], load_tokens)
         self.res.ttft_s.append(finish - now)
         b = self.res.breakdown
         b["queue_s"] += queued - now
@@ -425,13 +249,91 @@ class Simulator:
         b["load_wait_s"] += finish - start - compute
         self.res.prompt_tokens += t.prompt_tokens
         self.res.saved_tokens += cached
+        ctx_keys = self._place_context(t, sess, finish)
+        for i, _ in lower[:k]:  # promoted chunks were read
+            if i < len(ctx_keys):
+                st = self._where(t.chunk_keys[i])
+                if st is not None:
+                    st.policy.access(t.chunk_keys[i], now)
+        self._end(t, sess, now, finish)
+        return finish
 
-        # The turn's context now lives in the GPU (pinned while it runs): the prompt's full
-        # chunks, and the full chunks the reply completes when the system keeps generated
-        # tokens' KV (a partial tail is recomputed next turn, by every system).
-        ctx_tokens = t.prompt_tokens + t.output_tokens
+    def _begin(self, t: Turn, now: float) -> SessionState:
+        """The session runs from now on (pinned); the policy learns its think time and,
+        above the high watermark, stores idle sessions ahead of need."""
+        sess = self.sessions.setdefault(t.session, SessionState())
+        if self.spec.predictive:
+            self.live.turn_started(t.session, now)
+        self._unpin_finished(now)
+        sess.busy_until = math.inf  # running from now on: pinned
+        self._unstaged.discard(t.session)
+        for st in (self.gpu, *self.tiers):
+            if isinstance(st.policy, SessionAware):
+                st.policy.invalidate()  # this session's rank changed at this instant
+        if self.spec.predictive:
+            self._watermark_offload(now)
+        return sess
+
+    def _locate(self, t: Turn) -> tuple[int, list[tuple[int, Store]], int]:
+        """Leading prompt chunks in the GPU, the stored ones after them (index, tier), and
+        how many of those the system loads (kvtier: its restore plan)."""
+        spec, keys = self.spec, t.chunk_keys
+        gpu_n = 0
+        if spec.restore != "none":
+            while gpu_n < len(keys) and self.gpu.has(keys[gpu_n]):
+                gpu_n += 1
+        lower: list[tuple[int, Store]] = []
+        if spec.restore in ("any", "cost") and self.tiers:
+            for i in range(gpu_n, len(keys)):
+                st = self._where(keys[i])
+                if st is None:
+                    break
+                lower.append((i, st))
+        k = len(lower)
+        if spec.restore == "cost" and lower:
+            k = self._plan(t, sum(t.tokens_of(i) for i in range(gpu_n)), lower)
+            self._count(self.res.decisions, "restore_recompute" if k == 0 else "restore_load")
+        return gpu_n, lower, k
+
+    def _first_token(
+        self, t: Turn, now: float, start: float, compute: float, gpu_n: int,
+        loads: list[tuple[int, Store]], load_tokens: int,
+    ) -> float:
+        """When the turn's first token comes: loads run on their tiers' links from
+        arrival (look-ahead), the hint, or the start of the turn, overlapping compute
+        layer by layer when the cost model says a restore streams."""
+        spec, cost = self.spec, self.cost
+        load_from = start
+        if spec.prefetch_on_arrival:
+            load_from = now
+        if spec.prefetch_on_hint and t.hint_lead_s > 0:
+            load_from = now - t.hint_lead_s
+        load_end = load_from
+        per_tier: dict[str, int] = {}
+        for i, st in loads:
+            per_tier[st.name] = per_tier.get(st.name, 0) + t.tokens_of(i)
+        for name, tokens in per_tier.items():
+            chunks = sum(1 for _, st in loads if st.name == name)
+            secs = cost.load_time(name, tokens)  # each tier's share in one request
+            load_end = max(load_end, self.links[name].transfer(load_from, secs))
+            self._count(self.res.read_bytes, name, tokens * self.bpt)
+            self._count(self.res.hits, name, chunks)
+        self._count(self.res.hits, "gpu", gpu_n)
+        self._count(self.res.hits, "miss", len(t.chunk_keys) - gpu_n - len(loads))
+        finish = start + compute
+        if loads and cost.overlaps(load_tokens):  # streamed: layer l computes as l + 1 loads
+            finish = max(finish, load_end + compute / max(cost.num_layers, 1))
+        elif loads:  # loaded whole, then computed
+            finish = max(start, load_end) + compute
+        return finish
+
+    def _place_context(self, t: Turn, sess: SessionState, finish: float) -> list[Hashable]:
+        """The turn's context now lives in the GPU (pinned while it runs): the prompt's full
+        chunks, and the full chunks the reply completes when the system keeps generated
+        tokens' KV (a partial tail is recomputed next turn, by every system)."""
+        spec = self.spec
         prompt_full = t.prompt_tokens // t.chunk_tokens
-        ctx_keys = list(keys[:prompt_full])
+        ctx_keys = list(t.chunk_keys[:prompt_full])
         if spec.keep_reply:
             ctx_keys.extend(t.reply_keys)
         for key in sess.gpu_keys:
@@ -447,48 +349,48 @@ class Simulator:
                 self._left_gpu(key)
                 self._shared.add(key)
             self._owner[key] = t.session
-            tokens = t.chunk_tokens
-            if spec.restore == "none":
-                continue
-            info = self._info(t.session, i, tokens, key)
-            if shared and self.gpu.has(key):
-                self.gpu.policy.update(key, info)  # seen by two sessions: a shared chunk
-            victims = self.gpu.add(key, tokens * self.bpt, info, finish, self._pinned)
-            if victims is None:
-                self.res.overcommits += 1
-                continue
-            self._by_session.setdefault(t.session, set()).add(key)
-            if self._where(key) is None:
-                self._unstored.setdefault(t.session, set()).add(key)
-            self._recent[t.session] = None
-            self._recent.move_to_end(t.session)
-            self._infos[key] = info
-            if self.gpu.used > self.gpu.capacity:
-                self.res.overcommits += 1
-            self._evict_from_gpu(victims, finish)
-            if spec.write_through and self.tiers and i < prompt_full:  # stored at prefill
-                for ti in range(len(self.tiers)):
-                    self._write(ti, key, tokens, info, finish)
-        for i, _ in lower[:k]:  # promoted chunks were read
-            if i < len(ctx_keys):
-                st = self._where(keys[i])
-                if st is not None:
-                    st.policy.access(keys[i], now)
+            if spec.restore != "none":
+                self._place_chunk(t, i, key, shared, finish, stored_at_prefill=i < prompt_full)
+        return ctx_keys
 
-        decode = t.output_tokens * cost.prefill.time(ctx_tokens, 1)
-        end = finish + decode
+    def _place_chunk(
+        self, t: Turn, i: int, key: Hashable, shared: bool, finish: float, stored_at_prefill: bool
+    ) -> None:
+        tokens = t.chunk_tokens
+        info = self._info(t.session, i, tokens, key)
+        if shared and self.gpu.has(key):
+            self.gpu.policy.update(key, info)  # seen by two sessions: a shared chunk
+        victims = self.gpu.add(key, tokens * self.bpt, info, finish, self._pinned)
+        if victims is None:
+            self.res.overcommits += 1
+            return
+        self._by_session.setdefault(t.session, set()).add(key)
+        if self._where(key) is None:
+            self._unstored.setdefault(t.session, set()).add(key)
+        self._recent[t.session] = None
+        self._recent.move_to_end(t.session)
+        self._infos[key] = info
+        if self.gpu.used > self.gpu.capacity:
+            self.res.overcommits += 1
+        self._evict_from_gpu(victims, finish)
+        if self.spec.write_through and self.tiers and stored_at_prefill:
+            for ti in range(len(self.tiers)):
+                self._write(ti, key, tokens, info, finish)
+
+    def _end(self, t: Turn, sess: SessionState, now: float, finish: float) -> None:
+        """The reply decodes; the session is idle from its end. (Its chunks are unpinned
+        lazily: at the start of anyone's next turn after that end.)"""
+        ctx_tokens = t.prompt_tokens + t.output_tokens
+        end = finish + t.output_tokens * self.cost.prefill.time(ctx_tokens, 1)
         sess.busy_until = end
         sess.last_end = end
-        if spec.predictive:
+        if self.spec.predictive:
             self.live.turn_ended(t.session, at=end)
         heapq.heappush(self._ends, (end, t.session))
         sess.context_tokens = ctx_tokens
-        # Once the turn is over its chunks are evictable again (lazily: at the start of
-        # the next turn of anyone, keys of sessions no longer running are unpinned).
         if now >= self._next_sample:
             self._next_sample = now + self._sample_every
             self.res.timeline.append((now, {"gpu": self.gpu.used, **{s.name: s.used for s in self.tiers}}))
-        return finish
 
     def _make_room(self, t: Turn, keys: tuple, now: float) -> float:
         """Free GPU space for the turn's new chunks before it computes; returns when the
@@ -504,40 +406,6 @@ class Simulator:
         for victim in self.gpu.evict_while(lambda: self.gpu.used + need > self.gpu.capacity, pinned, now):
             done = max(done, self._evict_from_gpu([victim], now))
         return done
-
-    def _next_to_leave(self, now: float, pinned: set | frozenset, used_bytes: float) -> Iterator[tuple[Hashable, int, list]]:
-        """Idle sessions in the order the GPU lets them go (id, tokens held, unpinned
-        chunks), as far as making room from ``used_bytes`` down to the low watermark
-        reaches (:meth:`PredictiveOffload.leaving_next`)."""
-        cap_tokens = int(self.gpu.capacity // self.bpt)
-        return self.offload.leaving_next(
-            self._idle_in_victim_order(now, pinned), int(used_bytes // self.bpt), cap_tokens, itemgetter(1))
-
-    def _idle_in_victim_order(self, now: float, pinned: set | frozenset) -> Iterator[tuple[Hashable, int, list]]:
-        for sid in self._recent:
-            if self.sessions[sid].busy_until > now:
-                continue
-            keys = [k for k in self._by_session.get(sid, ()) if k not in pinned]
-            if keys:
-                yield sid, len(keys) * self.w.chunk_tokens, keys  # the GPU holds full chunks only
-
-    def _all_stored(self, session: Hashable, pinned: set | frozenset) -> bool:
-        """Every unpinned GPU chunk of ``session`` has a copy in some tier."""
-        return all(k in pinned for k in self._unstored.get(session, ()))
-
-    def _drop_stored_first(self, need: int, pinned: set, now: float) -> None:
-        """Making room takes the next victims that are stored below already: their
-        blocks go without a write on the admission path."""
-        reach = self._next_to_leave(now, pinned, self.gpu.used + need)
-        stored = [keys for sid, _, keys in reach if self._all_stored(sid, pinned)]
-        for keys in stored:
-            for key in sorted(keys, key=lambda k: -self._infos[k].index if k in self._infos else 0):
-                if self.gpu.used + need <= self.gpu.capacity:
-                    return
-                nbytes = self.gpu.size(key)
-                self.gpu.remove(key)
-                self.gpu.evictions += 1
-                self._evict_from_gpu([(key, nbytes)], now)  # stored: a drop
 
     def _unpin_finished(self, now: float) -> None:
         while self._ends and self._ends[0][0] <= now:
@@ -555,85 +423,3 @@ class Simulator:
         to load (0 = recompute)."""
         chunks = [StoredChunk(t.tokens_of(i), st.name) for i, st in lower]
         return plan_restore(self.cost, chunks, t.prompt_tokens, gpu_tokens).load_chunks
-
-    def _watermark_offload(self, now: float) -> None:
-        """Above the high watermark idle sessions are stored below ahead of need, keeping
-        their GPU blocks (the live engine's pre-stage and stage-ahead)."""
-        cap_tokens = int(self.gpu.capacity // self.bpt)
-        used_tokens = self.gpu.used // self.bpt
-        if used_tokens <= self.offload.watermarks.high * cap_tokens:
-            self.live.set_leaving(set())
-            return
-        reach = list(self._next_to_leave(now, self._pinned, self.gpu.used))
-        self.live.set_leaving({sid for sid, _, _ in reach})
-        self._prestage_into_empty_space(now, used_tokens, cap_tokens)
-        self._stage_ahead(now, used_tokens, cap_tokens, reach)
-
-    def _prestage_into_empty_space(self, now: float, used_tokens: int, cap_tokens: int) -> None:
-        """Idle sessions predicted to stay away longest are stored into the tiers' empty
-        space (never displacing a copy), keeping their GPU blocks."""
-        if now < self._links_busy_until:
-            return
-        cands = []
-        for sid in list(self._unstaged):
-            if sid not in self._by_session:
-                self._unstaged.discard(sid)  # it left the GPU
-                continue
-            cands.append((self.sessions[sid].last_end, sid))
-        if len(cands) > 512:  # the longest idle are the likely candidates
-            cands = heapq.nsmallest(512, cands)
-        idle = []
-        for _, sid in cands:
-            held = sum(1 for k in self._by_session[sid] if k not in self._pinned)
-            if not held:
-                continue
-            tokens = held * self.w.chunk_tokens  # the GPU holds full chunks only
-            idle.append(IdleSession(sid, tokens, tokens, self._next_s(sid, now)))
-        names = [t.name for t in self.tiers]
-        # A pre-stage is speculative: it takes empty space only, never displaces a copy.
-        free = {t.name: t.capacity - t.used for t in self.tiers}
-        busy_until = math.inf
-        for d in self.offload.decide(idle, used_tokens, cap_tokens, self.cost, names, free):
-            if d.tier is None:
-                self._unstaged.discard(d.session)  # no tier pays: it will be dropped
-                continue
-            if self.links[d.tier].free_at > now:
-                busy_until = min(busy_until, self.links[d.tier].free_at)
-                continue  # never queue a pre-stage ahead of reads
-            busy_until = -math.inf
-            # Pre-stage: write the session down now, keep it in the GPU; when its blocks
-            # are needed they leave at once instead of after a write on the admission path.
-            for key in [k for k in self._by_session.get(d.session, ()) if self._where(k) is None]:
-                nbytes = self.gpu.size(key)
-                info = self._infos.get(key) or ChunkInfo(nbytes)
-                self._write(names.index(d.tier), key, nbytes // self.bpt, info, now)
-                self._count(self.res.decisions, f"prestage_{d.tier}")
-            self._unstaged.discard(d.session)
-        if busy_until < math.inf:
-            # Every pick waits for a busy link: nothing to do until the first one frees.
-            self._links_busy_until = busy_until
-
-    def _stage_ahead(self, now: float, used_tokens: int, cap_tokens: int, reach: list) -> None:
-        """Store the GPU's next victims (``reach``, from :meth:`_next_to_leave`) before a
-        turn needs their room (the live engine's stage-ahead): a full tier makes room by
-        demoting its own victims, as the write on the admission path would have, and keeps
-        these copies while their sessions are next to leave; a busy link is left to its
-        reads."""
-        if not self._tiers_worth or all(link.free_at > now for link in self.links.values()):
-            return
-        names = [t.name for t in self.tiers]
-
-        def order():
-            for sid, tokens, _ in reach:
-                stored = self._all_stored(sid, self._pinned)  # then skipped: no prediction needed
-                yield IdleSession(sid, tokens, tokens, 0.0 if stored else self._next_s(sid, now)), stored
-
-        room = {t.name: t.capacity for t in self.tiers}
-        for d in self.offload.stage_ahead(order(), used_tokens, cap_tokens, self.cost, names, room):
-            if self.links[d.tier].free_at > now:
-                return
-            ti = names.index(d.tier)
-            for key in [k for k in self._unstored.get(d.session, ()) if k not in self._pinned]:
-                nbytes = self.gpu.size(key)
-                self._write(ti, key, nbytes // self.bpt, self._infos.get(key) or ChunkInfo(nbytes), now)
-                self._count(self.res.decisions, f"stage_ahead_{d.tier}")

@@ -1,0 +1,136 @@
+"""The simulated node's parts: a tier's contents (the live tiers' :class:`ChunkIndex` under a
+capacity), a tier's I/O link, a session's state, and what a run measured."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Container, Hashable, Iterator
+from dataclasses import dataclass, field
+
+from kvtier.connectors.tiers.chunk_index import ChunkIndex
+from kvtier.policies.eviction import ChunkInfo, EvictionPolicy
+
+_NO_PINS: frozenset = frozenset()
+
+
+class Store:
+    """One tier in the simulation: the live tiers' :class:`ChunkIndex` (sizes, bytes held,
+    the eviction policy choosing victims) under a capacity in bytes; no data."""
+
+    def __init__(self, name: str, capacity: float, policy: EvictionPolicy) -> None:
+        self.name = name
+        self.capacity = capacity
+        self.index: ChunkIndex[None] = ChunkIndex(policy)
+        self.peak = 0
+        self.evictions = 0
+        self.on_remove: Callable[[Hashable], None] | None = None
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        return self.index.policy
+
+    @property
+    def used(self) -> int:
+        return self.index.used_bytes
+
+    def has(self, key: Hashable) -> bool:
+        return key in self.index
+
+    def size(self, key: Hashable) -> int:
+        return self.index.size(key)
+
+    def remove(self, key: Hashable) -> None:
+        if self.index.pop(key) is not None and self.on_remove is not None:
+            self.on_remove(key)
+
+    def evict_while(
+        self, short_of_room: Callable[[], bool], pinned: Container[Hashable], now: float
+    ) -> Iterator[tuple[Hashable, int]]:
+        """The index's victims while ``short_of_room()``, each (key, bytes) once it is gone."""
+        for key, _, nbytes in self.index.evict_while(short_of_room, pinned, now):
+            self.evictions += 1
+            if self.on_remove is not None:
+                self.on_remove(key)
+            yield key, nbytes
+
+    def add(
+        self, key: Hashable, nbytes: int, info: ChunkInfo, now: float, pinned: Container[Hashable]
+    ) -> list[tuple[Hashable, int]] | None:
+        """Insert, evicting as needed; the victims, or None if it cannot fit. When every
+        other chunk is pinned it over-commits (counted by the caller)."""
+        if key in self.index:
+            self.index.get(key, now=now)
+            return []
+        if nbytes > self.capacity:
+            return None
+        out = list(self.evict_while(lambda: self.used + nbytes > self.capacity, pinned, now))
+        self.index.add(key, None, nbytes, info, now)
+        self.peak = max(self.peak, self.used)
+        return out
+
+
+@dataclass
+class Link:
+    """A tier's I/O path: transfers queue behind each other."""
+
+    free_at: float = 0.0
+    read_bytes: int = 0
+    write_bytes: int = 0
+
+    def transfer(self, start: float, seconds: float) -> float:
+        begin = max(start, self.free_at)
+        self.free_at = begin + seconds
+        return self.free_at
+
+
+@dataclass
+class SimResult:
+    system: str
+    ttft_s: list[float] = field(default_factory=list)
+    hits: dict[str, int] = field(default_factory=dict)
+    """Prompt chunks served from each tier (``gpu`` included) and ``miss``."""
+    read_bytes: dict[str, int] = field(default_factory=dict)
+    write_bytes: dict[str, int] = field(default_factory=dict)
+    prompt_tokens: int = 0
+    saved_tokens: int = 0
+    """Prefill tokens not computed thanks to reuse."""
+    peak_gpu_bytes: int = 0
+    overcommits: int = 0
+    timeline: list[tuple[float, dict[str, int]]] = field(default_factory=list)
+    decisions: dict[str, int] = field(default_factory=dict)
+    breakdown: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
+        ("queue_s", "write_back_s", "compute_s", "load_wait_s"), 0.0))
+    """Where the TTFTs went, summed over turns: waiting for the server, for GPU victims'
+    write-back, computing, and for loads the compute did not hide."""
+
+    def summary(self) -> dict:
+        xs = sorted(self.ttft_s)
+
+        def pct(p: float) -> float:
+            return xs[min(len(xs) - 1, int(p * len(xs)))] if xs else math.nan
+
+        total = sum(self.hits.values()) or 1
+        return {
+            "system": self.system,
+            "turns": len(xs),
+            "ttft_mean_s": sum(xs) / len(xs) if xs else math.nan,
+            "ttft_p50_s": pct(0.5),
+            "ttft_p99_s": pct(0.99),
+            "hit_rate": {k: v / total for k, v in sorted(self.hits.items())},
+            "read_bytes": dict(self.read_bytes),
+            "write_bytes": dict(self.write_bytes),
+            "prefill_tokens_saved": self.saved_tokens,
+            "prefill_tokens_saved_frac": self.saved_tokens / max(self.prompt_tokens, 1),
+            "peak_gpu_kv_bytes": self.peak_gpu_bytes,
+            "overcommits": self.overcommits,
+            "decisions": dict(self.decisions),
+            "ttft_breakdown_mean_s": {k: v / max(len(xs), 1) for k, v in self.breakdown.items()},
+        }
+
+
+@dataclass
+class SessionState:
+    busy_until: float = -math.inf
+    last_end: float | None = None
+    gpu_keys: list[Hashable] = field(default_factory=list)
+    context_tokens: int = 0
