@@ -8,11 +8,19 @@ chunk key, the model fingerprint, dtype, shape, token count, the first layer hel
 layer-range read is itself a valid chunk) and an xxh3 checksum per layer, so a partial read
 can still be verified. No pickle and no per-element encoding: the payload is the tensor's
 memory.
+
+A chunk can also be written *in place* (:func:`encode_into`) into memory that already
+exists (a tier's slot): the payload is copied (or gathered) straight to its final place,
+its checksums are computed there, and the header is packed last, padded by a ``pad``
+entry that readers ignore to a size fixed in advance, so the payload's offset is known
+before its checksums are. That offset is a multiple of :data:`PAYLOAD_ALIGN`, so the
+payload can be read back as a tensor view (:func:`chunk_view`) with no copy.
 """
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import msgpack
@@ -25,6 +33,9 @@ MAGIC = b"KVTC"
 FORMAT_VERSION = 1
 _PREFIX = struct.Struct("<4sI")
 MAX_HEADER_BYTES = 1 << 16
+PAYLOAD_ALIGN = 64
+"""In-place chunks start their payload at a multiple of this many bytes."""
+_U64_MAX = (1 << 64) - 1
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -62,20 +73,36 @@ class ChunkHeader:
     def payload_nbytes(self) -> int:
         return self.layer_nbytes * self.num_layers
 
+    def fields(self) -> dict:
+        return {
+            "v": self.version,
+            "key": self.key,
+            "fp": self.fingerprint,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "tokens": self.num_tokens,
+            "l0": self.first_layer,
+            "xxh": list(self.layer_checksums),
+        }
+
     def pack(self) -> bytes:
-        return msgpack.packb(
-            {
-                "v": self.version,
-                "key": self.key,
-                "fp": self.fingerprint,
-                "dtype": self.dtype,
-                "shape": list(self.shape),
-                "tokens": self.num_tokens,
-                "l0": self.first_layer,
-                "xxh": list(self.layer_checksums),
-            },
-            use_bin_type=True,
-        )
+        return msgpack.packb(self.fields(), use_bin_type=True)
+
+    def pack_to(self, size: int) -> bytes:
+        """The header packed to exactly ``size`` bytes, padded by a ``pad`` entry (every
+        reader ignores unknown entries, so padded chunks read as any other)."""
+        fields = self.fields()
+        for key in ("pad", "padd"):  # a one-byte-longer key fills the size bin8/bin16 skip
+            base = len(msgpack.packb({**fields, key: b""}, use_bin_type=True))
+            n = size - base
+            if n > 255:
+                n -= 1  # bin16's length field is one byte longer than bin8's
+            if n < 0:
+                break
+            out = msgpack.packb({**fields, key: bytes(n)}, use_bin_type=True)
+            if len(out) == size:
+                return out
+        raise ChunkFormatError(f"chunk {self.key}: header does not fit in {size} bytes")
 
 
 def _layer_checksums(payload: memoryview, num_layers: int) -> tuple[int, ...]:
@@ -103,6 +130,80 @@ def encode_chunk(key: str, fingerprint: bytes, kv: torch.Tensor) -> bytes:
     )
     packed = header.pack()
     return b"".join((_PREFIX.pack(MAGIC, len(packed)), packed, payload))
+
+
+def chunk_layout(
+    key: str, fingerprint: bytes, dtype: torch.dtype, shape: tuple[int, ...]
+) -> tuple[int, int]:
+    """(payload offset, total bytes) of a chunk :func:`encode_into` writes: what a slot
+    must hold, and where the payload goes, before the payload is known."""
+    if len(shape) != 5 or shape[1] != 2:
+        raise ChunkFormatError(f"a chunk is [layers, 2, tokens, kv_heads, head_dim], got {shape}")
+    if dtype not in _DTYPE_NAMES:
+        raise ChunkFormatError(f"unsupported chunk dtype {dtype}; use {sorted(DTYPES)}")
+    worst = ChunkHeader(key, bytes(fingerprint), _DTYPE_NAMES[dtype], tuple(shape), shape[2],
+                        (_U64_MAX,) * shape[0])
+    longest = len(msgpack.packb({**worst.fields(), "padd": bytes(256)}, use_bin_type=True))
+    offset = -(-(_PREFIX.size + longest - 256 + 3) // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
+    payload = dtype.itemsize * shape[0] * 2 * shape[2] * shape[3] * shape[4]
+    return offset, offset + payload
+
+
+def encode_into(
+    dest: torch.Tensor,
+    key: str,
+    fingerprint: bytes,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    fill: Callable[[torch.Tensor], None],
+) -> int:
+    """Write a chunk into ``dest`` (a contiguous CPU uint8 tensor at least
+    :func:`chunk_layout`'s total long, e.g. a tier's slot): ``fill(payload)`` writes the
+    KV into its final place (``payload`` is a ``shape``/``dtype`` view of ``dest``: a
+    gather from the pool, or a copy), then the checksums are computed there and the header
+    written in front. Nothing chunk-sized is allocated. Returns the chunk's length."""
+    offset, total = chunk_layout(key, fingerprint, dtype, shape)
+    if dest.dtype != torch.uint8 or dest.dim() != 1 or not dest.is_contiguous():
+        raise ChunkFormatError("encode_into needs a contiguous 1-D uint8 tensor")
+    if dest.numel() < total:
+        raise ChunkFormatError(f"chunk {key} needs {total} bytes, the buffer has {dest.numel()}")
+    if dest.device.type != "cpu":
+        raise ChunkFormatError("encode_into writes host memory; gather into a pinned slot")
+    region = dest[offset:total]
+    fill(region.view(dtype).view(shape))
+    payload = memoryview(region.numpy()).cast("B")
+    header = ChunkHeader(
+        key=key,
+        fingerprint=bytes(fingerprint),
+        dtype=_DTYPE_NAMES[dtype],
+        shape=tuple(shape),
+        num_tokens=int(shape[2]),
+        layer_checksums=_layer_checksums(payload, shape[0]),
+    )
+    packed = header.pack_to(offset - _PREFIX.size)
+    head = memoryview(dest[:offset].numpy()).cast("B")
+    _PREFIX.pack_into(head, 0, MAGIC, len(packed))
+    head[_PREFIX.size : offset] = packed
+    return total
+
+
+def chunk_view(
+    buf: torch.Tensor,
+    key: str | None = None,
+    fingerprint: bytes | None = None,
+) -> tuple[ChunkHeader, torch.Tensor]:
+    """Verify the chunk in ``buf`` (a 1-D uint8 CPU tensor holding exactly one chunk) and
+    return its KV as a *view* of ``buf`` (no copy) where the payload is aligned for its
+    dtype, as :func:`encode_into` writes it; a copy otherwise. The view is only as stable
+    as ``buf``: hold the tier's lease on it while reading."""
+    mem = memoryview(buf.numpy()).cast("B")
+    header = validate_chunk(mem, key, fingerprint)
+    offset = len(mem) - header.payload_nbytes
+    dtype = DTYPES[header.dtype]
+    payload = buf[offset:]
+    if (buf.storage_offset() + offset) % dtype.itemsize:
+        payload = payload.clone()  # an older chunk with an unaligned payload
+    return header, payload.view(dtype).view(header.shape)
 
 
 def parse_header(buf: bytes | bytearray | memoryview) -> tuple[ChunkHeader, int]:
