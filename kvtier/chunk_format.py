@@ -191,19 +191,42 @@ def chunk_view(
     buf: torch.Tensor,
     key: str | None = None,
     fingerprint: bytes | None = None,
+    layers: tuple[int, int] | None = None,
 ) -> tuple[ChunkHeader, torch.Tensor]:
     """Verify the chunk in ``buf`` (a 1-D uint8 CPU tensor holding exactly one chunk) and
-    return its KV as a *view* of ``buf`` (no copy) where the payload is aligned for its
-    dtype, as :func:`encode_into` writes it; a copy otherwise. The view is only as stable
-    as ``buf``: hold the tier's lease on it while reading."""
+    return its KV, or only layers ``[start, end)`` of it (only their checksums are read),
+    as a *view* of ``buf`` (no copy) where the payload is aligned for its dtype, as
+    :func:`encode_into` writes it; a copy otherwise. The view is only as stable as ``buf``:
+    hold the tier's lease on it while reading."""
     mem = memoryview(buf.numpy()).cast("B")
-    header = validate_chunk(mem, key, fingerprint)
-    offset = len(mem) - header.payload_nbytes
+    header, offset = parse_header(mem)
+    if len(mem) - offset != header.payload_nbytes:
+        raise ChunkFormatError(
+            f"chunk {header.key}: payload is {len(mem) - offset} bytes, header says "
+            f"{header.payload_nbytes} (truncated or padded)"
+        )
+    start, end = (0, header.num_layers) if layers is None else layers
+    span_start, span_len = layer_span(header, (start, end))
+    step = header.layer_nbytes
+    for i in range(start, end):
+        lo = offset + i * step
+        if xxhash.xxh3_64_intdigest(mem[lo : lo + step]) != header.layer_checksums[i]:
+            raise ChunkFormatError(f"chunk {header.key}: checksum mismatch (corrupted bytes)")
+    if key is not None and header.key != key:
+        raise ChunkMismatchError(f"chunk stored under {key} holds {header.key}")
+    if fingerprint is not None and header.fingerprint != fingerprint:
+        raise ChunkMismatchError(f"chunk {header.key} was computed by another model")
     dtype = DTYPES[header.dtype]
-    payload = buf[offset:]
-    if (buf.storage_offset() + offset) % dtype.itemsize:
+    payload = buf[offset + span_start : offset + span_start + span_len]
+    if (payload.storage_offset()) % dtype.itemsize:
         payload = payload.clone()  # an older chunk with an unaligned payload
-    return header, payload.view(dtype).view(header.shape)
+    shape = (end - start, *header.shape[1:])
+    if start or end != header.num_layers:
+        header = replace(
+            header, shape=shape, layer_checksums=header.layer_checksums[start:end],
+            first_layer=header.first_layer + start,
+        )
+    return header, payload.view(dtype).view(shape)
 
 
 def parse_header(buf: bytes | bytearray | memoryview) -> tuple[ChunkHeader, int]:

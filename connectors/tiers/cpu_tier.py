@@ -6,14 +6,22 @@ an index maps key -> (slot, length). The arena is pinned (page-locked, registere
 when CUDA is present so GPU copies from it are DMA transfers; ``close`` unregisters it, so
 no pin outlives the tier. When the arena is full the least recently used chunks are evicted
 and handed to the eviction listeners with their bytes, so a manager can demote them.
+
+The data path uses the arena in place: :meth:`CPUTier.store_in_place` lets the caller
+write a chunk straight into a free slot (the key is visible only once it is whole), and
+:meth:`CPUTier.lease` hands out views of stored chunks whose slots are neither evicted nor
+reused until the lease ends, so a restore reads and scatters from the arena with no copy
+in between.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import warnings
-from collections.abc import Hashable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -81,6 +89,11 @@ class CPUTier(Tier):
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
         self._index: ChunkIndex[int] = ChunkIndex(eviction_policy(eviction))
         self._lock = threading.Lock()
+        self._leased: Counter[int] = Counter()
+        """Slot -> leases on it: such a slot is never a victim and never reused."""
+        self._leased_keys: Counter[str] = Counter()
+        self._doomed: set[int] = set()
+        """Leased slots whose chunk was deleted: freed when their last lease ends."""
 
     # --- pinning ---------------------------------------------------------------------
     def _pin(self) -> None:
@@ -111,6 +124,7 @@ class CPUTier(Tier):
             self._arena = None
             self._index = ChunkIndex(self._index.policy)
             self._free = []
+            self._doomed.clear()  # views handed out keep the arena's memory alive
 
     def _arena_view(self) -> memoryview:
         if self._view is None:
@@ -159,7 +173,8 @@ class CPUTier(Tier):
     def _take_slot(self, batch: set[str], evicted: list[tuple[str, bytes]]) -> int | None:
         """A free slot, evicting the LRU chunk not written by this batch if none is free.
         Evicted bytes are copied out here and handed to listeners after the lock."""
-        for victim, slot, length in self._index.evict_while(lambda: not self._free, batch):
+        exclude = batch | self._leased_keys.keys() if self._leased_keys else batch
+        for victim, slot, length in self._index.evict_while(lambda: not self._free, exclude):
             start = slot * self.slot_bytes
             evicted.append((victim, bytes(self._arena_view()[start : start + length])))
             self._free.append(slot)
@@ -235,8 +250,104 @@ class CPUTier(Tier):
         entry = self._index.pop(key)
         if entry is None:
             return False
-        self._free.append(entry[0])
+        if self._leased[entry[0]]:
+            self._doomed.add(entry[0])  # a reader still holds it: freed when it lets go
+        else:
+            self._leased.pop(entry[0], None)
+            self._free.append(entry[0])
         return True
+
+    # --- in place --------------------------------------------------------------------
+    def store_in_place(
+        self,
+        key: str,
+        nbytes: int,
+        fill: Callable[[torch.Tensor], int],
+        info: ChunkInfo | None = None,
+    ) -> str:
+        """Write one chunk of at most ``nbytes`` straight into a free slot (evicting as
+        :meth:`put` does): ``fill(slot)`` gets a uint8 view of the slot, writes the chunk
+        (e.g. :func:`~kvtier.chunk_format.encode_into`) and returns its length. The key
+        becomes visible only then: never a half-written chunk. Returns ``stored``,
+        ``present``, ``too_large`` or ``full``; an error in ``fill`` frees the slot and
+        propagates."""
+        if nbytes > self.slot_bytes:
+            self.stats.count_error("too_large")
+            return "too_large"
+        evicted: list[tuple[str, bytes]] = []
+        with self._lock:
+            self._arena_view()
+            arena = self._arena
+            assert arena is not None
+            if key in self._index:
+                self._index.get(key)
+                if info is not None:
+                    self._index.share(key, info.session)
+                return "present"
+            slot = self._take_slot(set(), evicted)
+        if slot is None:
+            self._account_put(PutResult(failed={key: "full"}), 0, evicted)
+            return "full"
+        start = slot * self.slot_bytes
+        try:
+            length = fill(arena[start : start + self.slot_bytes])
+        except BaseException:
+            with self._lock:
+                self._free.append(slot)
+            raise
+        with self._lock:
+            if key in self._index or self._arena is not arena:  # a racing writer, or closed
+                self._free.append(slot)
+                self._account_put(PutResult(present=[key]), 0, evicted)
+                return "present"
+            self._index.add(key, slot, length, info)
+        self._account_put(PutResult(stored=[key]), length, evicted)
+        return "stored"
+
+    @contextlib.contextmanager
+    def lease(self, keys: Sequence[str]) -> Iterator[list[torch.Tensor | None]]:
+        """Views of the stored chunks in the arena (uint8, each exactly its chunk; None for
+        a miss), unverified: check them with :func:`~kvtier.chunk_format.chunk_view`.
+        Until the block ends their slots are neither evicted nor reused: a delete takes
+        the key out at once (new readers miss it) and frees the slot when the last lease
+        on it ends, so an old reader never sees another chunk's bytes."""
+        views: list[torch.Tensor | None] = []
+        held: list[tuple[int, str]] = []
+        with self._lock:
+            self._arena_view()
+            arena = self._arena
+            assert arena is not None
+            for key in keys:
+                entry = self._index.get(key)
+                if entry is None:
+                    views.append(None)
+                    continue
+                slot, length = entry
+                self._leased[slot] += 1
+                self._leased_keys[key] += 1
+                held.append((slot, key))
+                start = slot * self.slot_bytes
+                views.append(arena[start : start + length])
+        try:
+            yield views
+        finally:
+            with self._lock:
+                for slot, key in held:
+                    self._leased[slot] -= 1
+                    self._leased_keys[key] -= 1
+                    if not self._leased_keys[key]:
+                        del self._leased_keys[key]
+                    if not self._leased[slot]:
+                        del self._leased[slot]
+                        if slot in self._doomed:
+                            self._doomed.discard(slot)
+                            self._free.append(slot)
+            hits = [v for v in views if v is not None]
+            with self.stats.lock:
+                self.stats.gets += len(keys)
+                self.stats.hits += len(hits)
+                self.stats.misses += len(keys) - len(hits)
+                self.stats.bytes_read += sum(v.numel() for v in hits)
 
     def contains_prefix(self, keys: Sequence[str]) -> int:
         with self._lock:

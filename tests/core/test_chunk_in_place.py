@@ -95,3 +95,20 @@ def test_writing_and_reading_in_place_allocates_nothing_chunk_sized():
     assert torch.equal(out, kv)
     assert slot.data_ptr() <= view.data_ptr() < slot.data_ptr() + total
     assert peak < total // 16, f"{peak} bytes allocated for a {total}-byte chunk"
+
+
+def test_a_layer_range_view_reads_only_those_layers_checksums():
+    shape = (4, 2, 16, 2, 8)
+    kv = torch.randn(shape)
+    offset, total = chunk_layout(KEY, FP, kv.dtype, shape)
+    slot = torch.empty(total, dtype=torch.uint8)
+    encode_into(slot, KEY, FP, kv.dtype, shape, lambda p: p.copy_(kv))
+    header, part = chunk_view(slot, KEY, FP, layers=(1, 3))
+    assert torch.equal(part, kv[1:3]) and header.first_layer == 1 and header.num_layers == 2
+    layer_bytes = kv[0].numel() * kv.element_size()
+    slot[offset + 3 * layer_bytes] ^= 0xFF  # layer 3 corrupted: layers 1-2 still verify
+    assert torch.equal(chunk_view(slot, KEY, FP, layers=(1, 3))[1], kv[1:3])
+    with pytest.raises(ChunkFormatError, match="checksum"):
+        chunk_view(slot, KEY, FP, layers=(2, 4))
+    with pytest.raises(ChunkFormatError, match="outside"):
+        chunk_view(slot, KEY, FP, layers=(3, 5))

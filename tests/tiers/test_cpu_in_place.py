@@ -1,0 +1,112 @@
+"""The CPU tier's in-place data path: chunks written straight into slots, read as views
+under leases that keep their slots from being evicted or reused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.chunk_format import chunk_layout, chunk_view, encode_into
+from kvtier.connectors.tiers.cpu_tier import CPUTier
+
+FP = b"fp"
+SHAPE = (2, 2, 16, 2, 8)
+
+
+def _key(i: int) -> str:
+    return f"{i:064x}"
+
+
+def _kv(i: int) -> torch.Tensor:
+    return torch.full(SHAPE, float(i))
+
+
+def _store(tier: CPUTier, i: int) -> str:
+    key = _key(i)
+    _, total = chunk_layout(key, FP, torch.float32, SHAPE)
+    return tier.store_in_place(
+        key, total, lambda slot: encode_into(slot, key, FP, torch.float32, SHAPE, lambda p: p.copy_(_kv(i)))
+    )
+
+
+def _tier(slots: int) -> CPUTier:
+    _, total = chunk_layout(_key(0), FP, torch.float32, SHAPE)
+    return CPUTier(slots * total, total)
+
+
+def test_a_chunk_stored_in_place_reads_back_as_a_view_of_the_arena():
+    tier = _tier(2)
+    try:
+        assert _store(tier, 1) == "stored" and _store(tier, 1) == "present"
+        assert tier.get([_key(1)])[0] is not None  # every reader takes it
+        with tier.lease([_key(1), _key(9)]) as views:
+            assert views[1] is None
+            _, kv = chunk_view(views[0], _key(1), FP)
+            assert torch.equal(kv, _kv(1))
+            arena = tier._arena
+            assert arena.data_ptr() <= kv.data_ptr() < arena.data_ptr() + arena.numel()
+    finally:
+        tier.close()
+
+
+def test_a_failed_fill_leaves_nothing_visible_and_frees_its_slot():
+    tier = _tier(1)
+    try:
+        def broken(slot):
+            slot[:10] = 7
+            raise RuntimeError("gather failed")
+
+        with pytest.raises(RuntimeError, match="gather failed"):
+            tier.store_in_place(_key(1), 100, broken)
+        assert len(tier) == 0 and tier.free_slots == 1
+        assert tier.store_in_place(_key(2), 10**9, broken) == "too_large"
+    finally:
+        tier.close()
+
+
+def test_a_leased_slot_is_not_evicted_when_the_tier_wants_room():
+    tier = _tier(2)
+    try:
+        _store(tier, 1)
+        _store(tier, 2)
+        with tier.lease([_key(1)]) as views:  # 1 is the LRU victim, but it is leased
+            assert _store(tier, 3) == "stored"
+            assert tier.contains_prefix([_key(1)]) == 1 and tier.contains_prefix([_key(2)]) == 0
+            assert _store(tier, 4) == "stored"  # evicts 3: 1 is still leased
+            assert tier.contains_prefix([_key(1)]) == 1
+            assert torch.equal(chunk_view(views[0], _key(1), FP)[1], _kv(1))
+        assert _store(tier, 5) == "stored"  # the lease is over: 1 may go now
+        assert tier.contains_prefix([_key(1)]) == 0
+    finally:
+        tier.close()
+
+
+def test_a_deleted_leased_slot_is_never_reused_under_its_reader():
+    tier = _tier(2)
+    try:
+        _store(tier, 1)
+        with tier.lease([_key(1)]) as views:
+            assert tier.delete([_key(1)]) == 1
+            assert tier.contains_prefix([_key(1)]) == 0  # new readers miss it at once
+            assert _store(tier, 2) == "stored"
+            assert _store(tier, 3) == "stored"  # evicts 2, not the doomed slot
+            assert _store(tier, 4) == "stored"
+            _, kv = chunk_view(views[0], _key(1), FP)
+            assert torch.equal(kv, _kv(1)), "the old reader saw another chunk's bytes"
+            assert tier.free_slots == 0
+        assert tier.free_slots == 1  # freed when the lease ended
+        with tier.lease([_key(1)]) as views:
+            assert views == [None]
+    finally:
+        tier.close()
+
+
+def test_a_tier_whose_every_slot_is_leased_is_full():
+    tier = _tier(1)
+    try:
+        _store(tier, 1)
+        with tier.lease([_key(1)]):
+            assert _store(tier, 2) == "full"
+        assert _store(tier, 2) == "stored"
+    finally:
+        tier.close()
