@@ -10,15 +10,18 @@ the caller recomputes, it never crashes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kvtier.chunk_format import validate_chunk
+import torch
+
+from kvtier.chunk_format import chunk_view, decode_chunk, validate_chunk
 from kvtier.connectors.tiers.base import Blob, PutResult, Tier
-from kvtier.errors import ChunkError, InvalidArgumentError
+from kvtier.errors import ChunkError, ChunkMismatchError, InvalidArgumentError
 from kvtier.policies.eviction import ChunkInfo
 
 log = logging.getLogger(__name__)
@@ -58,6 +61,14 @@ class ManagerStats:
     """Evicted chunks the demotion policy dropped (not worth keeping in a lower tier)."""
     rejected: dict[str, int] = field(default_factory=dict)
     """Blobs refused on read, by reason (corrupt, mismatch)."""
+
+
+def _decoded(blob: bytes, key: str, layers: tuple[int, int] | None) -> torch.Tensor | None:
+    """A verified blob's KV; None if it is not the layer range asked for."""
+    header, kv = decode_chunk(blob, key)
+    if layers is not None and (header.first_layer, header.num_layers) != (layers[0], layers[1] - layers[0]):
+        return None
+    return kv
 
 
 class TierManager:
@@ -242,14 +253,83 @@ class TierManager:
             validate_chunk(blob, key, self.fingerprint)
             return True
         except ChunkError as exc:
-            reason = "mismatch" if "another model" in str(exc) or "holds" in str(exc) else "corrupt"
-            self.stats.rejected[reason] = self.stats.rejected.get(reason, 0) + 1
-            log.warning("dropping chunk %s from %s: %s", key, tier.name, exc)
-            try:
-                tier.delete([key])
-            except Exception as del_exc:  # noqa: BLE001
-                tier.stats.count_error(type(del_exc).__name__)
+            self._reject(tier, key, exc)
             return False
+
+    def _reject(self, tier: Tier, key: str, exc: ChunkError) -> None:
+        """A chunk failed its checks: counted, logged and dropped from its tier (a miss,
+        then a recompute; never wrong KV)."""
+        reason = "mismatch" if "another model" in str(exc) or "holds" in str(exc) else "corrupt"
+        self.stats.rejected[reason] = self.stats.rejected.get(reason, 0) + 1
+        log.warning("dropping chunk %s from %s: %s", key, tier.name, exc)
+        try:
+            tier.delete([key])
+        except Exception as del_exc:  # noqa: BLE001
+            tier.stats.count_error(type(del_exc).__name__)
+
+    # ---------------------------------------------------------------- in place
+    def store_in_place(
+        self, tier: int, key: str, nbytes: int, fill: Callable[[torch.Tensor], int],
+        info: ChunkInfo | None = None,
+    ) -> str | None:
+        """Write one chunk straight into ``tier``'s memory when it lends it (the CPU
+        arena, see :meth:`CPUTier.store_in_place`) and the write policy is write-back;
+        None when it does not (the caller puts a blob). A failing tier answers ``error``."""
+        target = self.tiers[tier]
+        write = getattr(target, "store_in_place", None)
+        if write is None or self.write_policy != "write_back":
+            return None
+        try:
+            return write(key, nbytes, fill, info)
+        except Exception as exc:  # noqa: BLE001 - reported, the caller falls back
+            target.stats.count_error(type(exc).__name__)
+            log.warning("in-place store of %s in %s failed: %s", key, target.name, exc)
+            return "error"
+
+    @contextlib.contextmanager
+    def lease(
+        self,
+        keys: Sequence[str],
+        layers: tuple[int, int] | None = None,
+        location: Location | None = None,
+    ) -> Iterator[list[torch.Tensor | None]]:
+        """Verified KV of ``keys`` (layers ``layers`` only), each from the tier holding
+        it: a view into the tier's memory where it lends it (the CPU arena: no copy; the
+        slot is neither evicted nor reused until the block ends), else decoded from its
+        ``get``. A chunk that fails its checks is a miss and is dropped from its tier."""
+        loc = location or self.lookup(keys)
+        out: list[torch.Tensor | None] = [None] * len(keys)
+        by_tier: dict[int, list[int]] = {}
+        for idx in range(loc.length):
+            by_tier.setdefault(loc.tiers[idx], []).append(idx)
+        rejected: list[tuple[Tier, str, ChunkError]] = []
+        with contextlib.ExitStack() as stack:
+            for ti, idxs in by_tier.items():
+                tier = self.tiers[ti]
+                if hasattr(tier, "lease"):
+                    views = stack.enter_context(tier.lease([keys[i] for i in idxs]))
+                    for i, view in zip(idxs, views, strict=True):
+                        if view is None:
+                            self.stats.misses += 1
+                            continue
+                        try:
+                            out[i] = chunk_view(view, keys[i], self.fingerprint, layers)[1]
+                        except ChunkError as exc:
+                            rejected.append((tier, keys[i], exc))
+                            self.stats.misses += 1
+                            if not isinstance(exc, ChunkMismatchError):
+                                with tier.stats.lock:  # the tier lent it unverified
+                                    tier.stats.corrupt += 1
+                            continue
+                        self.stats.hits_by_tier[tier.name] = self.stats.hits_by_tier.get(tier.name, 0) + 1
+                else:
+                    sub = [keys[i] for i in idxs]
+                    blobs = self.get(sub, layers, Location(len(sub), [ti] * len(sub)))
+                    for i, blob in zip(idxs, blobs, strict=True):
+                        out[i] = None if blob is None else _decoded(blob, keys[i], layers)
+            yield out  # (get() counted the other tiers' misses)
+        for tier, key, exc in rejected:  # after the lease: a leased slot is freed on release
+            self._reject(tier, key, exc)
 
     # ----------------------------------------------------------------- evictions
     def _demoter(self, index: int):

@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from kvtier.chunk_format import encode_chunk
+from kvtier.chunk_format import chunk_layout, encode_chunk, encode_into
 from kvtier.chunk_keys import ChunkKey, chunk_keys
 from kvtier.connectors.tiers.manager import TierManager
 from kvtier.errors import InvalidArgumentError
@@ -209,22 +209,56 @@ class KVTransfer(RestoreMixin):
         if snap.ready is not None:
             snap.ready.synchronize()
         fp = self.runner.fingerprint
-        blobs = {key: encode_chunk(key, fp, t) for key, t in snap.tensors.items()}
+        index = {ck.key: i for i, ck in enumerate(snap.keys)}
+        pending = self._store_in_place(snap, tier, owner, index, report)
+        blobs = {key: encode_chunk(key, fp, t) for key, t in pending.items()}
         if blobs:
             info = {
-                ck.key: ChunkInfo(len(blobs[ck.key]), session=owner, index=i)
-                for i, ck in enumerate(snap.keys) if ck.key in blobs
+                key: ChunkInfo(len(blob), session=owner, index=index[key])
+                for key, blob in blobs.items()
             }
             res = self.manager.put(blobs, tier, info)
             report.failed = dict(res.failed)
-            report.stored = len(blobs) - len(res.failed)
-            report.bytes = sum(len(b) for k, b in blobs.items() if k not in res.failed)
+            report.stored += len(blobs) - len(res.failed)
+            report.bytes += sum(len(b) for k, b in blobs.items() if k not in res.failed)
         # The stored prefix ends at the first chunk no tier took.
         for ck in snap.keys:
             if ck.key in report.failed or ck.end > snap.end:
                 break
             report.tokens = ck.end
         return report
+
+    def _store_in_place(
+        self,
+        snap: Snapshot,
+        tier: int | str,
+        owner: Hashable | None,
+        index: dict[str, int],
+        report: SaveReport,
+    ) -> dict[str, torch.Tensor]:
+        """Write the snapshot's chunks straight into the target tier's memory where it
+        lends it (the CPU arena: one copy from the snapshot into a slot, header and
+        checksums written in place); returns the chunks left for the blob path (a tier
+        that lends no memory, or a full one: put then hands them down)."""
+        fp = self.runner.fingerprint
+        target = self.manager.tier_index(tier) if isinstance(tier, str) else tier
+        pending = dict(snap.tensors)
+        for key, kv in snap.tensors.items():
+            shape, dtype = tuple(kv.shape), kv.dtype
+            _, total = chunk_layout(key, fp, dtype, shape)
+
+            def fill(slot: torch.Tensor, key=key, kv=kv, shape=shape, dtype=dtype) -> int:
+                return encode_into(slot, key, fp, dtype, shape, lambda payload: payload.copy_(kv))
+
+            info = ChunkInfo(total, session=owner, index=index[key])
+            done = self.manager.store_in_place(target, key, total, fill, info)
+            if done is None:
+                break  # the tier lends no memory: every chunk goes the blob way
+            if done in ("stored", "present"):
+                del pending[key]
+                report.stored += 1
+                report.bytes += total
+        return pending
 
     def save(
         self, token_ids: Sequence[int], tier: int | str = 0, owner: Hashable | None = None

@@ -23,10 +23,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvtier.chunk_format import decode_chunk
 from kvtier.chunk_keys import ChunkKey
 from kvtier.connectors.tiers.manager import Location, TierManager
-from kvtier.errors import ChunkError, OutOfBlocksError
+from kvtier.errors import OutOfBlocksError
 from kvtier.gpu_pool.kernels import scatter_blocks
 from kvtier.transfer.layer_load import LayerLoad
 
@@ -167,17 +166,17 @@ class RestoreMixin:
         report = LoadReport(tokens=cached, from_pool=cached)
         if not usable:
             return report
-        layer0 = self._read_layer(usable, where, 0)
-        chunks: list[ChunkKey] = []
-        end = usable[0].start  # <= cached: the first chunk may overlap blocks still pooled
-        for ck, part in zip(usable, layer0, strict=True):
-            if part is None or ck.start != end:
-                break
-            chunks.append(ck)
-            end = ck.end
-        if end <= cached:
-            return report
-        begun = self._begin_load(prefix, end, chunks, layer0)
+        with self._reading(usable, where, 0) as layer0:
+            chunks: list[ChunkKey] = []
+            end = usable[0].start  # <= cached: the first chunk may overlap blocks still pooled
+            for ck, part in zip(usable, layer0, strict=True):
+                if part is None or ck.start != end:
+                    break
+                chunks.append(ck)
+                end = ck.end
+            if end <= cached:
+                return report
+            begun = self._begin_load(prefix, end, chunks, layer0)
         if begun is None:
             return report
         sid, load, spans = begun
@@ -281,27 +280,19 @@ class RestoreMixin:
         self.runner.add_layer_load(load)
         self._loader().submit(self._load_layers, load, chunks, spans, where, start)
 
-    def _read_layer(
+    @contextlib.contextmanager
+    def _reading(
         self, chunks: Sequence[ChunkKey], where: Location, layer: int, last: int | None = None
-    ) -> list[torch.Tensor | None]:
+    ) -> Iterator[list[torch.Tensor | None]]:
         """Layers ``layer`` to ``last`` (default: ``layer`` alone) of each chunk, verified
-        (None where they could not be read)."""
+        (None where they could not be read): views into the CPU arena under its lease where
+        the chunk lies there, so they must be scattered before the block ends (on CUDA the
+        copies are waited for before the slots are let go)."""
         stop = layer + 1 if last is None else last + 1
-        blobs = self.manager.get([ck.key for ck in chunks], (layer, stop), where)
-        out: list[torch.Tensor | None] = []
-        fp = self.runner.fingerprint
-        for ck, blob in zip(chunks, blobs, strict=True):
-            part = None
-            if blob is not None:
-                try:
-                    header, part = decode_chunk(blob, ck.key, fp)
-                except ChunkError as exc:  # the manager verified it; a race with a rewrite
-                    log.warning("chunk %s layers %d-%d: %s", ck.key, layer, stop - 1, exc)
-                else:
-                    if header.first_layer != layer or header.num_layers != stop - layer:
-                        part = None
-            out.append(part)
-        return out
+        with self.manager.lease([ck.key for ck in chunks], (layer, stop), where) as parts:
+            yield parts
+            if self._pool.storage.kv.is_cuda:
+                torch.cuda.current_stream().synchronize()
 
     def _load_rest(
         self,
@@ -317,13 +308,13 @@ class RestoreMixin:
         last = load.num_layers - 1
         with self._finishing(load, "restore"):
             if last >= 1:
-                parts = self._read_layer(chunks, where, 1, last)
-                n = next((i for i, p in enumerate(parts) if p is None), len(parts))
-                if n < len(parts):
-                    load.poison(n, f"chunk {chunks[n].key}: layers 1-{last} could not be read")
-                good = [p for p in parts[:n] if p is not None]
-                load.bytes += sum(p.numel() * p.element_size() for p in good)
-                self._scatter_layer(1, good, spans[:n], last)
+                with self._reading(chunks, where, 1, last) as parts:
+                    n = next((i for i, p in enumerate(parts) if p is None), len(parts))
+                    if n < len(parts):
+                        load.poison(n, f"chunk {chunks[n].key}: layers 1-{last} could not be read")
+                    good = [p for p in parts[:n] if p is not None]
+                    load.bytes += sum(p.numel() * p.element_size() for p in good)
+                    self._scatter_layer(1, good, spans[:n], last)
             for layer in range(1, load.num_layers):
                 load.layer_loaded(layer)
 
@@ -374,22 +365,23 @@ class RestoreMixin:
                 n = load.active_chunks()
                 if n == 0:
                     break
-                parts = self._read_layer(chunks[:n], Location(n, where.tiers[:n]), layer)
-                for i, part in enumerate(parts):
-                    if part is None:
-                        load.poison(i, f"chunk {chunks[i].key}: layer {layer} could not be read")
-                        break
-                n = load.active_chunks()
-                good = [p for p in parts[:n] if p is not None]
-                load.bytes += sum(p.numel() * p.element_size() for p in good)
-                event = None
-                if side is not None:
-                    with torch.cuda.stream(side):
+                with self._reading(chunks[:n], Location(n, where.tiers[:n]), layer) as parts:
+                    for i, part in enumerate(parts):
+                        if part is None:
+                            load.poison(i, f"chunk {chunks[i].key}: layer {layer} could not be read")
+                            break
+                    n = load.active_chunks()
+                    good = [p for p in parts[:n] if p is not None]
+                    load.bytes += sum(p.numel() * p.element_size() for p in good)
+                    event = None
+                    if side is not None:
+                        with torch.cuda.stream(side):
+                            self._scatter_layer(layer, good, spans[:n])
+                            event = torch.cuda.Event()
+                            event.record(side)
+                        event.synchronize()  # the copy is done before the slots are let go
+                    else:
                         self._scatter_layer(layer, good, spans[:n])
-                        event = torch.cuda.Event()
-                        event.record(side)
-                else:
-                    self._scatter_layer(layer, good, spans[:n])
                 load.layer_loaded(layer, event)
 
     # ---------------------------------------------------------------- loader thread
