@@ -93,12 +93,8 @@ def _gemm_flops(device, dtype) -> float:
 def run(args: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
-    from rich.table import Table
 
-    from kvtier.benchmarks.results import write_result
-    from kvtier.engine.model_runner import ModelRunner
     from kvtier.gpu_pool.kv_storage import resolve_device
-    from kvtier.make_model.writer import make_model
 
     contexts = _ints(args.contexts, "contexts")
     batches = _ints(args.batches, "batches")
@@ -106,101 +102,166 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     dtype = args.dtype or ("float32" if device.type == "cpu" else "bfloat16")
+    model_dir = _model_dir(args, dtype)
+    console = Console() if Console().is_terminal else Console(width=140)
+
+    bench = _Bench.start(model_dir, dtype, device, contexts, batches, args)
+    hf = None if args.no_hf else _load_hf(model_dir, dtype, device)
+    prefill_rows = _measure_prefill(bench, hf, contexts, args, console)
+    decode_rows = _measure_decode(bench, hf, batches, args, console)
+
+    peak = _gemm_flops(device, getattr(torch, dtype))
+    weight_flops_per_token = 2 * (bench.n_params or 0)
+    for r in prefill_rows:
+        r["weight_flops_utilisation"] = r["tokens_per_s"] * weight_flops_per_token / peak
+
+    _print_tables(console, prefill_rows, decode_rows, hf is not None,
+                  f"prefill: {model_dir.name} {dtype} on {device}", args.decode_context)
+    console.print(f"GEMM {dtype} peak measured in this run: {peak / 1e9:.1f} GFLOP/s")
+    if args.out:
+        path = _write(args, model_dir, dtype, device, bench.n_params, peak, hf is not None,
+                      prefill_rows, decode_rows)
+        console.print(f"wrote {path}")
+    return 0
+
+
+def _model_dir(args: argparse.Namespace, dtype: str) -> Path:
+    """--model, or the --preset checkpoint under --models-dir (generated on first use)."""
+    from kvtier.make_model.writer import make_model
+
     model_dir = args.model
     if model_dir is None:
         model_dir = args.models_dir / args.preset
         if not (model_dir / "config.json").is_file():
             make_model(args.preset, model_dir, dtype=dtype)
-    console = Console() if Console().is_terminal else Console(width=140)
+    return model_dir
 
-    need_tokens = max(max(contexts), max(batches) * (args.decode_context + args.decode_steps + 2))
-    runner = ModelRunner(
-        model_dir,
-        dtype=dtype,
-        device=device,
-        num_blocks=need_tokens // 16 + 64,
-        enable_prefix_caching=False,
-        max_model_len=max(max(contexts), args.decode_context + args.decode_steps + 2),
-    )
-    cfg = runner.config
-    n_params = (
-        sum(p.numel() for p in runner.model.parameters())
-        if hasattr(runner.model, "parameters")
-        else None
-    )
-    vocab = cfg.vocab_size
-    gen = torch.Generator().manual_seed(0)
 
-    def tokens(n: int) -> list[int]:
-        return torch.randint(0, vocab, (n,), generator=gen).tolist()
+class _Bench:
+    """The model runner under test, with the random prompts and sequence ids it is fed."""
 
-    seq_counter = iter(range(10**9))
+    def __init__(self, runner, device) -> None:
+        import torch
 
-    def prefill_once(n: int) -> None:
-        sid = f"p{next(seq_counter)}"
-        runner.add_sequence(sid, tokens(n))
-        runner.run([(sid, n)])
-        runner.free_sequence(sid)
+        self.runner = runner
+        self.device = device
+        self.n_params = (
+            sum(p.numel() for p in runner.model.parameters())
+            if hasattr(runner.model, "parameters")
+            else None
+        )
+        self.vocab = runner.config.vocab_size
+        self.gen = torch.Generator().manual_seed(0)
+        self.seq_counter = iter(range(10**9))
 
-    hf = None
-    if not args.no_hf:
-        try:
-            from transformers import AutoModelForCausalLM
+    @classmethod
+    def start(cls, model_dir: Path, dtype: str, device, contexts: list[int],
+              batches: list[int], args: argparse.Namespace) -> _Bench:
+        """A runner with a pool large enough for the longest prefill and the largest batch."""
+        from kvtier.engine.model_runner import ModelRunner
 
-            hf = (
-                AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
-                .to(device)
-                .eval()
-            )
-        except ImportError:
-            hf = None
+        decode_len = args.decode_context + args.decode_steps + 2
+        need_tokens = max(max(contexts), max(batches) * decode_len)
+        runner = ModelRunner(
+            model_dir,
+            dtype=dtype,
+            device=device,
+            num_blocks=need_tokens // 16 + 64,
+            enable_prefix_caching=False,
+            max_model_len=max(max(contexts), decode_len),
+        )
+        return cls(runner, device)
 
-    prefill_rows: list[dict[str, Any]] = []
+    def tokens(self, n: int) -> list[int]:
+        import torch
+
+        return torch.randint(0, self.vocab, (n,), generator=self.gen).tolist()
+
+    def prefill_once(self, n: int) -> None:
+        sid = f"p{next(self.seq_counter)}"
+        self.runner.add_sequence(sid, self.tokens(n))
+        self.runner.run([(sid, n)])
+        self.runner.free_sequence(sid)
+
+    def decode_step_seconds(self, b: int, args: argparse.Namespace) -> float:
+        """Prefill ``b`` prompts, then the mean time of a decode step over --decode-steps."""
+        runner = self.runner
+        sids = [f"d{next(self.seq_counter)}" for _ in range(b)]
+        for sid in sids:
+            runner.add_sequence(sid, self.tokens(args.decode_context))
+        runner.run([(sid, args.decode_context) for sid in sids])
+
+        def step() -> None:
+            for sid in sids:
+                runner.append_tokens(sid, [1])
+            runner.run([(sid, 1) for sid in sids])
+
+        step()  # warm-up
+        _sync(self.device)
+        t0 = time.perf_counter()
+        for _ in range(args.decode_steps):
+            step()
+        _sync(self.device)
+        s = (time.perf_counter() - t0) / args.decode_steps
+        for sid in sids:
+            runner.free_sequence(sid)
+        return s
+
+
+def _load_hf(model_dir: Path, dtype: str, device):
+    """The same checkpoint in transformers, or None when transformers is not installed."""
+    import torch
+
+    try:
+        from transformers import AutoModelForCausalLM
+
+        return (
+            AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+            .to(device)
+            .eval()
+        )
+    except ImportError:
+        return None
+
+
+def _measure_prefill(bench: _Bench, hf, contexts: list[int], args: argparse.Namespace,
+                     console) -> list[dict[str, Any]]:
+    import torch
+
+    device = bench.device
+    rows: list[dict[str, Any]] = []
     for n in contexts:
         with console.status(f"prefill {n} tokens"):
-            s = _median_s(lambda n=n: prefill_once(n), args.repeats, device)
+            s = _median_s(lambda n=n: bench.prefill_once(n), args.repeats, device)
             row: dict[str, Any] = {"context": n, "seconds": s, "tokens_per_s": n / s}
             if hf is not None:
-                ids = torch.tensor([tokens(n)], device=device)
+                ids = torch.tensor([bench.tokens(n)], device=device)
                 with torch.inference_mode():
                     hs = _median_s(lambda ids=ids: hf(ids, logits_to_keep=1), args.repeats, device)
                 row.update(hf_seconds=hs, hf_tokens_per_s=n / hs, vs_hf=hs / s)
-        prefill_rows.append(row)
+        rows.append(row)
+    return rows
 
-    decode_rows: list[dict[str, Any]] = []
+
+def _measure_decode(bench: _Bench, hf, batches: list[int], args: argparse.Namespace,
+                    console) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
     for b in batches:
         with console.status(f"decode batch {b}"):
-            sids = [f"d{next(seq_counter)}" for _ in range(b)]
-            for sid in sids:
-                runner.add_sequence(sid, tokens(args.decode_context))
-            runner.run([(sid, args.decode_context) for sid in sids])
-
-            def step(sids=sids) -> None:
-                for sid in sids:
-                    runner.append_tokens(sid, [1])
-                runner.run([(sid, 1) for sid in sids])
-
-            step()  # warm-up
-            _sync(device)
-            t0 = time.perf_counter()
-            for _ in range(args.decode_steps):
-                step()
-            _sync(device)
-            s = (time.perf_counter() - t0) / args.decode_steps
-            for sid in sids:
-                runner.free_sequence(sid)
-            row = {"batch": b, "step_seconds": s, "tokens_per_s": b / s}
+            s = bench.decode_step_seconds(b, args)
+            row: dict[str, Any] = {"batch": b, "step_seconds": s, "tokens_per_s": b / s}
             if hf is not None:
-                row.update(_hf_decode(hf, b, args, tokens, device))
+                row.update(_hf_decode(hf, b, args, bench.tokens, bench.device))
                 row["vs_hf"] = row["tokens_per_s"] / row["hf_tokens_per_s"]
-        decode_rows.append(row)
+        rows.append(row)
+    return rows
 
-    peak = _gemm_flops(device, getattr(torch, dtype))
-    weight_flops_per_token = 2 * (n_params or 0)
-    for r in prefill_rows:
-        r["weight_flops_utilisation"] = r["tokens_per_s"] * weight_flops_per_token / peak
 
-    t = Table(title=f"prefill: {model_dir.name} {dtype} on {device}", title_justify="left")
+def _print_tables(console, prefill_rows: list[dict[str, Any]], decode_rows: list[dict[str, Any]],
+                  hf: bool, prefill_title: str, decode_context: int) -> None:
+    from rich.table import Table
+
+    t = Table(title=prefill_title, title_justify="left")
     for col in ("context", "ms", "tok/s", "HF tok/s", "ours / HF speed", "of GEMM peak"):
         t.add_column(col, justify="right")
     for r in prefill_rows:
@@ -213,7 +274,7 @@ def run(args: argparse.Namespace) -> int:
             f"{r['weight_flops_utilisation']:.0%}",
         )
     console.print(t)
-    t = Table(title=f"decode ({args.decode_context}-token prompts)", title_justify="left")
+    t = Table(title=f"decode ({decode_context}-token prompts)", title_justify="left")
     for col in ("batch", "ms/step", "tok/s", "HF tok/s", "ours / HF speed"):
         t.add_column(col, justify="right")
     for r in decode_rows:
@@ -225,30 +286,34 @@ def run(args: argparse.Namespace) -> int:
             f"{r['vs_hf']:.2f}" if hf else "-",
         )
     console.print(t)
-    console.print(f"GEMM {dtype} peak measured in this run: {peak / 1e9:.1f} GFLOP/s")
-    if args.out:
-        path = write_result(
-            args.out,
-            "engine",
-            {
-                "config": {
-                    "model": str(model_dir),
-                    "preset": args.preset if args.model is None else None,
-                    "dtype": dtype,
-                    "device": str(device),
-                    "threads": torch.get_num_threads(),
-                    "decode_context": args.decode_context,
-                    "decode_steps": args.decode_steps,
-                    "repeats": args.repeats,
-                    "num_parameters": n_params,
-                },
-                "reference": {"gemm_flops_per_s": peak, "transformers": hf is not None},
-                "prefill": prefill_rows,
-                "decode": decode_rows,
+
+
+def _write(args: argparse.Namespace, model_dir: Path, dtype: str, device, n_params, peak: float,
+           hf: bool, prefill_rows: list[dict[str, Any]], decode_rows: list[dict[str, Any]]):
+    import torch
+
+    from kvtier.benchmarks.results import write_result
+
+    return write_result(
+        args.out,
+        "engine",
+        {
+            "config": {
+                "model": str(model_dir),
+                "preset": args.preset if args.model is None else None,
+                "dtype": dtype,
+                "device": str(device),
+                "threads": torch.get_num_threads(),
+                "decode_context": args.decode_context,
+                "decode_steps": args.decode_steps,
+                "repeats": args.repeats,
+                "num_parameters": n_params,
             },
-        )
-        console.print(f"wrote {path}")
-    return 0
+            "reference": {"gemm_flops_per_s": peak, "transformers": hf},
+            "prefill": prefill_rows,
+            "decode": decode_rows,
+        },
+    )
 
 
 def _hf_decode(hf, b: int, args, tokens, device) -> dict[str, float]:

@@ -96,15 +96,41 @@ def _start_redis() -> tuple[subprocess.Popen, str, Path] | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
     from rich.console import Console
-    from rich.table import Table
 
-    from kvtier.benchmarks.results import write_result
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    blobs = _make_blobs(args)
+    total = sum(len(b) for b in blobs.values())
+    console = Console() if Console().is_terminal else Console(width=140)
+    rows: list[dict[str, Any]] = []
+    if "cpu" not in skip:
+        rows += _bench_cpu(blobs, args)
+    if "disk" not in skip:
+        rows += _bench_disk(blobs, args)
+    if "redis" not in skip:
+        rows += _bench_redis(blobs, args, console)
+    _print_table(console, rows, args, total)
+    if args.out:
+        from kvtier.benchmarks.results import write_result
+
+        path = write_result(args.out, "tiers", {
+            "config": {"model": args.model, "chunk_tokens": args.chunk_tokens,
+                       "chunks": args.chunks, "repeats": args.repeats,
+                       "chunk_bytes": total // args.chunks},
+            "target_ratio": 0.8,
+            "rows": rows,
+        })
+        console.print(f"wrote {path}")
+    return 0
+
+
+def _make_blobs(args: argparse.Namespace) -> dict[str, bytes]:
+    """``--chunks`` encoded chunks of random KV, keyed like the service keys them."""
+    import torch
+
     from kvtier.chunk_format import encode_chunk
 
     layers, heads, dim, elem = MODELS[args.model]
-    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     dtype = torch.bfloat16 if elem == 2 else torch.float32
     g = torch.Generator().manual_seed(0)
     blobs: dict[str, bytes] = {}
@@ -112,117 +138,149 @@ def run(args: argparse.Namespace) -> int:
         key = f"{i:064x}"
         kv = torch.randn(layers, 2, args.chunk_tokens, heads, dim, generator=g).to(dtype)
         blobs[key] = encode_chunk(key, b"bench", kv)
+    return blobs
+
+
+def _row(tier: str, op: str, total: int, ours_s: float, ref_s: float, ref: str
+         ) -> dict[str, Any]:
+    return {"tier": tier, "op": op, "bytes": total,
+            "gbps": total / ours_s / 1e9, "ref_gbps": total / ref_s / 1e9,
+            "ratio": ref_s / ours_s, "reference": ref}
+
+
+def _bench_cpu(blobs: dict[str, bytes], args: argparse.Namespace) -> list[dict[str, Any]]:
+    import torch
+
+    from kvtier.connectors.tiers.cpu_tier import CPUTier
+
     keys = list(blobs)
     total = sum(len(b) for b in blobs.values())
     slot = max(len(b) for b in blobs.values()) + 4096
-    console = Console() if Console().is_terminal else Console(width=140)
+    tier = CPUTier(slot * (args.chunks + 1), slot)
+    arena = torch.empty(total, dtype=torch.uint8)
+    srcs = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in blobs.values()]
+
+    def ref_put() -> None:
+        off = 0
+        for s in srcs:
+            arena[off : off + len(s)].copy_(s)
+            off += len(s)
+
+    def ref_get() -> list[bytes]:
+        # kept, like the tier's get returns them all: results in fresh Python memory
+        out, off = [], 0
+        for s in srcs:
+            out.append(bytes(arena[off : off + len(s)].numpy()))
+            off += len(s)
+        return out
+
+    put_s = _median(lambda: tier.put(blobs), args.repeats, before=lambda: tier.delete(keys))
+    get_s = _median(lambda: tier.get(keys), args.repeats)
+    rows = [_row("cpu", "put", total, put_s, _median(ref_put, args.repeats),
+                 "torch copy into one arena")]
+    rows.append(_row("cpu", "get", total, get_s, _median(ref_get, args.repeats),
+                     "copy out of the arena into bytes"))
+    tier.close()
+    return rows
+
+
+def _bench_disk(blobs: dict[str, bytes], args: argparse.Namespace) -> list[dict[str, Any]]:
+    from kvtier.connectors.tiers.disk_tier import DiskTier
+
+    keys = list(blobs)
+    total = sum(len(b) for b in blobs.values())
+    base = Path(args.disk_dir or tempfile.mkdtemp(prefix="kvtier-bench-disk-"))
+    tdir, rdir = base / "tier", base / "raw"
+    rdir.mkdir(parents=True, exist_ok=True)
+    tier = DiskTier(tdir, fsync=True)
+    raw = [rdir / f"{k}.bin" for k in keys]
+
+    def ref_write() -> None:
+        for p, b in zip(raw, blobs.values(), strict=True):
+            with open(p, "wb") as f:
+                f.write(b)
+                f.flush()
+                os.fsync(f.fileno())
+
+    def ref_read() -> list[bytes]:
+        return [p.read_bytes() for p in raw]  # kept, like the tier's get returns them
+
+    tier_files = lambda: [p for p in tdir.rglob("*.kvc")]  # noqa: E731
+    rows = []
+    put_s = _median(lambda: tier.put(blobs), args.repeats, before=lambda: tier.delete(keys))
+    rows.append(_row("disk", "put", total, put_s, _median(ref_write, args.repeats),
+                     "write + fsync per file"))
+    get_s = _median(lambda: tier.get(keys), args.repeats)
+    rows.append(_row("disk", "get (page cache)", total, get_s, _median(ref_read, args.repeats),
+                     "read files"))
+    cold_s = _median(lambda: tier.get(keys), args.repeats,
+                     before=lambda: _fadvise_dontneed(tier_files()))
+    ref_cold = _median(ref_read, args.repeats, before=lambda: _fadvise_dontneed(raw))
+    rows.append(_row("disk", "get (cold)", total, cold_s, ref_cold,
+                     "read files after POSIX_FADV_DONTNEED"))
+    tier.close()
+    if args.disk_dir is None:
+        shutil.rmtree(base, ignore_errors=True)
+    return rows
+
+
+def _bench_redis(blobs: dict[str, bytes], args: argparse.Namespace, console
+                 ) -> list[dict[str, Any]]:
+    """--redis-url, or a private redis-server started for the run (and stopped after)."""
     rows: list[dict[str, Any]] = []
+    started = None
+    url = args.redis_url
+    if url is None:
+        started = _start_redis()
+        url = started[1] if started else None
+    if url is None:
+        console.print("redis: no server (install redis-server or pass --redis-url); skipped")
+    else:
+        rows = _redis_rows(url, blobs, args)
+    if started:
+        started[0].kill()
+        started[0].wait()
+        shutil.rmtree(started[2], ignore_errors=True)
+    return rows
 
-    def row(tier: str, op: str, ours_s: float, ref_s: float, ref: str) -> None:
-        rows.append({"tier": tier, "op": op, "bytes": total,
-                     "gbps": total / ours_s / 1e9, "ref_gbps": total / ref_s / 1e9,
-                     "ratio": ref_s / ours_s, "reference": ref})
 
-    if "cpu" not in skip:
-        from kvtier.connectors.tiers.cpu_tier import CPUTier
+def _redis_rows(url: str, blobs: dict[str, bytes], args: argparse.Namespace
+                ) -> list[dict[str, Any]]:
+    import redis
 
-        tier = CPUTier(slot * (args.chunks + 1), slot)
-        arena = torch.empty(total, dtype=torch.uint8)
-        srcs = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in blobs.values()]
+    from kvtier.connectors.tiers.redis_tier import RedisTier
 
-        def ref_put() -> None:
-            off = 0
-            for s in srcs:
-                arena[off : off + len(s)].copy_(s)
-                off += len(s)
+    keys = list(blobs)
+    total = sum(len(b) for b in blobs.values())
+    tier = RedisTier(url, timeout_s=30.0)
+    client = redis.Redis.from_url(url)
 
-        def ref_get() -> list[bytes]:
-            # kept, like the tier's get returns them all: results in fresh Python memory
-            out, off = [], 0
-            for s in srcs:
-                out.append(bytes(arena[off : off + len(s)].numpy()))
-                off += len(s)
-            return out
+    def ref_set() -> None:
+        pipe = client.pipeline(transaction=False)
+        for k, b in blobs.items():
+            pipe.set(f"raw:{k}", b)
+        pipe.execute()
 
-        put_s = _median(lambda: tier.put(blobs), args.repeats, before=lambda: tier.delete(keys))
-        get_s = _median(lambda: tier.get(keys), args.repeats)
-        row("cpu", "put", put_s, _median(ref_put, args.repeats), "torch copy into one arena")
-        row("cpu", "get", get_s, _median(ref_get, args.repeats),
-            "copy out of the arena into bytes")
-        tier.close()
+    def ref_get() -> None:
+        client.mget([f"raw:{k}" for k in keys])
 
-    if "disk" not in skip:
-        from kvtier.connectors.tiers.disk_tier import DiskTier
+    def clear() -> None:
+        client.delete(*[f"raw:{k}" for k in keys])
 
-        base = Path(args.disk_dir or tempfile.mkdtemp(prefix="kvtier-bench-disk-"))
-        tdir, rdir = base / "tier", base / "raw"
-        rdir.mkdir(parents=True, exist_ok=True)
-        tier = DiskTier(tdir, fsync=True)
-        raw = [rdir / f"{k}.bin" for k in keys]
+    put_s = _median(lambda: tier.put(blobs), args.repeats, before=lambda: tier.delete(keys))
+    ref_put_s = _median(ref_set, args.repeats, before=clear)
+    rows = [_row("redis", "put", total, put_s, ref_put_s, "redis-py pipelined SET (hiredis)")]
+    get_s = _median(lambda: tier.get(keys), args.repeats)
+    rows.append(_row("redis", "get", total, get_s, _median(ref_get, args.repeats),
+                     "redis-py MGET (hiredis)"))
+    tier.close()
+    client.close()
+    return rows
 
-        def ref_write() -> None:
-            for p, b in zip(raw, blobs.values(), strict=True):
-                with open(p, "wb") as f:
-                    f.write(b)
-                    f.flush()
-                    os.fsync(f.fileno())
 
-        def ref_read() -> list[bytes]:
-            return [p.read_bytes() for p in raw]  # kept, like the tier's get returns them
-
-        tier_files = lambda: [p for p in tdir.rglob("*.kvc")]  # noqa: E731
-        put_s = _median(lambda: tier.put(blobs), args.repeats, before=lambda: tier.delete(keys))
-        row("disk", "put", put_s, _median(ref_write, args.repeats), "write + fsync per file")
-        get_s = _median(lambda: tier.get(keys), args.repeats)
-        row("disk", "get (page cache)", get_s, _median(ref_read, args.repeats), "read files")
-        cold_s = _median(lambda: tier.get(keys), args.repeats,
-                         before=lambda: _fadvise_dontneed(tier_files()))
-        ref_cold = _median(ref_read, args.repeats, before=lambda: _fadvise_dontneed(raw))
-        row("disk", "get (cold)", cold_s, ref_cold, "read files after POSIX_FADV_DONTNEED")
-        tier.close()
-        if args.disk_dir is None:
-            shutil.rmtree(base, ignore_errors=True)
-
-    if "redis" not in skip:
-        started = None
-        url = args.redis_url
-        if url is None:
-            started = _start_redis()
-            url = started[1] if started else None
-        if url is None:
-            console.print("redis: no server (install redis-server or pass --redis-url); skipped")
-        else:
-            import redis
-
-            from kvtier.connectors.tiers.redis_tier import RedisTier
-
-            tier = RedisTier(url, timeout_s=30.0)
-            client = redis.Redis.from_url(url)
-
-            def ref_set() -> None:
-                pipe = client.pipeline(transaction=False)
-                for k, b in blobs.items():
-                    pipe.set(f"raw:{k}", b)
-                pipe.execute()
-
-            def ref_get() -> None:
-                client.mget([f"raw:{k}" for k in keys])
-
-            def clear() -> None:
-                client.delete(*[f"raw:{k}" for k in keys])
-
-            put_s = _median(lambda: tier.put(blobs), args.repeats,
-                            before=lambda: tier.delete(keys))
-            ref_put_s = _median(ref_set, args.repeats, before=clear)
-            row("redis", "put", put_s, ref_put_s, "redis-py pipelined SET (hiredis)")
-            get_s = _median(lambda: tier.get(keys), args.repeats)
-            row("redis", "get", get_s, _median(ref_get, args.repeats), "redis-py MGET (hiredis)")
-            tier.close()
-            client.close()
-        if started:
-            started[0].kill()
-            started[0].wait()
-            shutil.rmtree(started[2], ignore_errors=True)
+def _print_table(console, rows: list[dict[str, Any]], args: argparse.Namespace, total: int
+                 ) -> None:
+    from rich.table import Table
 
     t = Table(title=f"tiers: {args.chunks} chunks of {args.chunk_tokens} tokens of "
               f"{args.model} ({total / args.chunks / 2**20:.1f} MiB each)", title_justify="left")
@@ -233,13 +291,3 @@ def run(args: argparse.Namespace) -> int:
                   f"{r['ratio']:.2f}", r["reference"])
     console.print(t)
     console.print("ratio = tier throughput / reference throughput; target >= 0.8")
-    if args.out:
-        path = write_result(args.out, "tiers", {
-            "config": {"model": args.model, "chunk_tokens": args.chunk_tokens,
-                       "chunks": args.chunks, "repeats": args.repeats,
-                       "chunk_bytes": total // args.chunks},
-            "target_ratio": 0.8,
-            "rows": rows,
-        })
-        console.print(f"wrote {path}")
-    return 0

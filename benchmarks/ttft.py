@@ -60,18 +60,10 @@ def _drop_page_cache(directory: Path) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
-    from rich.table import Table
 
-    from kvtier.benchmarks.engine_throughput import _ints, _sync
-    from kvtier.benchmarks.results import write_result
-    from kvtier.connectors.tiers.cpu_tier import CPUTier
-    from kvtier.connectors.tiers.disk_tier import DiskTier
-    from kvtier.connectors.tiers.factory import chunk_blob_bytes
-    from kvtier.connectors.tiers.manager import TierManager
-    from kvtier.engine.model_runner import ModelRunner
+    from kvtier.benchmarks.engine_throughput import _ints
     from kvtier.gpu_pool.kv_storage import resolve_device
     from kvtier.make_model.writer import make_model
-    from kvtier.transfer.kv_transfer import KVTransfer
 
     histories = _ints(args.histories, "histories")
     if args.threads:
@@ -81,101 +73,173 @@ def run(args: argparse.Namespace) -> int:
     model_dir = args.model or args.models_dir / args.preset
     if not (model_dir / "config.json").is_file():
         make_model(args.preset, model_dir, dtype=dtype)
-    longest = max(histories) + NEW_TOKENS + 16
-    runner = ModelRunner(model_dir, dtype=dtype, device=device,
-                         num_blocks=2 * (longest // 16) + 64, max_model_len=longest)
-    cfg = runner.config
-    slot = chunk_blob_bytes(cfg.num_hidden_layers, args.chunk_tokens, cfg.num_key_value_heads,
-                            cfg.head_dim, runner.pool.storage.kv.element_size())
-    arena = slot * (max(histories) // args.chunk_tokens + 2)
-    disk_dir = args.disk_dir or Path(tempfile.mkdtemp(prefix="kvtier-ttft-"))
-    tiers: dict[str, Any] = {
-        "cpu": CPUTier(arena, slot),
-        "disk": DiskTier(disk_dir, capacity_bytes=None, fsync=True),
-    }
-    if args.redis_url:
-        from kvtier.connectors.tiers.redis_tier import RedisTier
-
-        tiers["redis"] = RedisTier(args.redis_url, timeout_s=5.0)
-    xfers = {name: KVTransfer(runner, TierManager([t], fingerprint=runner.fingerprint,
-                                                  promote_on_hit=False), args.chunk_tokens)
-             for name, t in tiers.items()}
-    gen = torch.Generator().manual_seed(0)
-    vocab = min(cfg.vocab_size, 1000)
+    bench = _Resume.start(model_dir, dtype, device, histories, args)
     console = Console() if Console().is_terminal else Console(width=140)
-    counter = iter(range(10**9))
 
-    def ttft(prompt: list[int], prepare) -> float:
+    rows = [bench.measure(h, args.repeats, console) for h in histories]
+    _print_table(console, rows, f"{model_dir.name} {dtype} on {device}")
+    if args.out:
+        from kvtier.benchmarks.results import write_result
+
+        path = write_result(args.out, "ttft", {
+            "config": {"model": str(model_dir), "dtype": dtype, "device": str(device),
+                       "chunk_tokens": args.chunk_tokens, "repeats": args.repeats,
+                       "threads": torch.get_num_threads(), "redis": bool(args.redis_url)},
+            "rows": rows,
+        })
+        console.print(f"wrote {path}")
+    bench.close()
+    if args.disk_dir is None:
+        shutil.rmtree(bench.disk_dir, ignore_errors=True)
+    return 0
+
+
+class _Resume:
+    """A model runner, a KVTransfer per tier, and the TTFT of a resumed turn on them."""
+
+    def __init__(self, runner, device, tiers: dict[str, Any], xfers: dict[str, Any],
+                 disk_dir: Path) -> None:
+        import torch
+
+        self.runner = runner
+        self.device = device
+        self.tiers = tiers
+        self.xfers = xfers
+        self.disk_dir = disk_dir
+        self.gen = torch.Generator().manual_seed(0)
+        self.vocab = min(runner.config.vocab_size, 1000)
+        self.counter = iter(range(10**9))
+
+    @classmethod
+    def start(cls, model_dir: Path, dtype: str, device, histories: list[int],
+              args: argparse.Namespace) -> _Resume:
+        """A runner sized for the longest history, a CPU arena that holds it, a disk tier
+        (in --disk-dir or a temp dir) and a Redis tier when --redis-url is given."""
+        from kvtier.connectors.tiers.cpu_tier import CPUTier
+        from kvtier.connectors.tiers.disk_tier import DiskTier
+        from kvtier.connectors.tiers.factory import chunk_blob_bytes
+        from kvtier.connectors.tiers.manager import TierManager
+        from kvtier.engine.model_runner import ModelRunner
+        from kvtier.transfer.kv_transfer import KVTransfer
+
+        longest = max(histories) + NEW_TOKENS + 16
+        runner = ModelRunner(model_dir, dtype=dtype, device=device,
+                             num_blocks=2 * (longest // 16) + 64, max_model_len=longest)
+        cfg = runner.config
+        slot = chunk_blob_bytes(cfg.num_hidden_layers, args.chunk_tokens,
+                                cfg.num_key_value_heads, cfg.head_dim,
+                                runner.pool.storage.kv.element_size())
+        arena = slot * (max(histories) // args.chunk_tokens + 2)
+        disk_dir = args.disk_dir or Path(tempfile.mkdtemp(prefix="kvtier-ttft-"))
+        tiers: dict[str, Any] = {
+            "cpu": CPUTier(arena, slot),
+            "disk": DiskTier(disk_dir, capacity_bytes=None, fsync=True),
+        }
+        if args.redis_url:
+            from kvtier.connectors.tiers.redis_tier import RedisTier
+
+            tiers["redis"] = RedisTier(args.redis_url, timeout_s=5.0)
+        xfers = {name: KVTransfer(runner, TierManager([t], fingerprint=runner.fingerprint,
+                                                      promote_on_hit=False), args.chunk_tokens)
+                 for name, t in tiers.items()}
+        return cls(runner, device, tiers, xfers, disk_dir)
+
+    def close(self) -> None:
+        for x in self.xfers.values():
+            x.close()
+        for tier in self.tiers.values():
+            tier.close()
+
+    def ttft(self, prompt: list[int], prepare) -> float:
         """Seconds from the turn's arrival to its first token's logits."""
+        from kvtier.benchmarks.engine_throughput import _sync
+
+        runner = self.runner
         prepare()
-        _sync(device)
+        _sync(self.device)
         t0 = time.perf_counter()
         restore = getattr(prepare, "restore", None)
         if restore is not None:
             restore()
-        sid = f"t{next(counter)}"
+        sid = f"t{next(self.counter)}"
         added = runner.add_sequence(sid, prompt)
         runner.run([(sid, max(len(prompt) - added.num_cached_tokens, 1))])
-        _sync(device)
+        _sync(self.device)
         elapsed = time.perf_counter() - t0
         runner.free_sequence(sid)
         runner.reap_layer_loads(wait=True)  # a streamed restore is over once the run is
         return elapsed
 
-    rows: list[dict[str, Any]] = []
-    for h in histories:
-        history = torch.randint(10, vocab, (h,), generator=gen).tolist()
-        prompt = history + torch.randint(10, vocab, (NEW_TOKENS,), generator=gen).tolist()
+    def measure(self, h: int, repeats: int, console) -> dict[str, Any]:
+        """One row: the median TTFT of every case for a history of ``h`` tokens."""
+        import torch
+
+        history = torch.randint(10, self.vocab, (h,), generator=self.gen).tolist()
+        prompt = history + torch.randint(10, self.vocab, (NEW_TOKENS,),
+                                         generator=self.gen).tolist()
         with console.status(f"history {h}: computing it once and storing it in every tier"):
-            sid = f"h{next(counter)}"
-            runner.add_sequence(sid, history)
-            runner.run([(sid, h)])
-            runner.free_sequence(sid)
-            stored = {name: x.save(history).tokens for name, x in xfers.items()}
-        any_x = next(iter(xfers.values()))
-
-        def evict(any_x=any_x, history=history):
-            any_x.evict(history)
-
-        def keep(any_x=any_x, history=history, h=h):
-            if any_x.storable_tokens(history) < h - h % runner.pool.block_size:
-                raise RuntimeError("history fell out of the pool")
-
-        cases: dict[str, Any] = {"recompute": evict, "pool_hit": keep}
-        for name, x in xfers.items():
-            for stream in (False, True):
-                def prep(evict=evict):
-                    evict()
-
-                def restore(x=x, history=history, n=stored[name], stream=stream):
-                    x.load(history, n, stream=stream)
-
-                prep.restore = restore
-                suffix = "_stream" if stream else ""
-                cases[name + suffix] = prep
-                if name == "disk":
-                    def prep_cold(evict=evict):
-                        evict()
-                        _drop_page_cache(disk_dir)
-
-                    prep_cold.restore = restore
-                    cases["disk_cold" + suffix] = prep_cold
+            sid = f"h{next(self.counter)}"
+            self.runner.add_sequence(sid, history)
+            self.runner.run([(sid, h)])
+            self.runner.free_sequence(sid)
+            stored = {name: x.save(history).tokens for name, x in self.xfers.items()}
+        cases = self.cases(h, history, stored)
         row: dict[str, Any] = {"history_tokens": h, "new_tokens": NEW_TOKENS,
                                "stored_tokens": stored}
         with console.status(f"history {h}: timing"):
             # Warm the pool state once: the first pool_hit needs the history computed.
             for name, prep in cases.items():
                 if name == "pool_hit":
-                    xfers["cpu"].load(history)
-                ttft(prompt, prep)  # warm-up
-                samples = [ttft(prompt, prep) for _ in range(args.repeats)]
+                    self.xfers["cpu"].load(history)
+                self.ttft(prompt, prep)  # warm-up
+                samples = [self.ttft(prompt, prep) for _ in range(repeats)]
                 row[f"{name}_s"] = statistics.median(samples)
         for name in cases:
             row[f"{name}_vs_recompute"] = row[f"{name}_s"] / row["recompute_s"]
-        rows.append(row)
+        return row
 
-    t = Table(title=f"TTFT of a resumed turn ({NEW_TOKENS} new tokens): {model_dir.name} "
-              f"{dtype} on {device}", title_justify="left")
+    def cases(self, h: int, history: list[int], stored: dict[str, int]) -> dict[str, Any]:
+        """Each case's ``prepare()`` (run before the clock starts) with, for restores, a
+        ``prepare.restore()`` that runs on the clock: recompute, pool hit, and every tier
+        loaded whole and streamed (and disk again with a cold page cache)."""
+        any_x = next(iter(self.xfers.values()))
+        block_size = self.runner.pool.block_size
+        disk_dir = self.disk_dir
+
+        def evict():
+            any_x.evict(history)
+
+        def keep():
+            if any_x.storable_tokens(history) < h - h % block_size:
+                raise RuntimeError("history fell out of the pool")
+
+        cases: dict[str, Any] = {"recompute": evict, "pool_hit": keep}
+        for name, x in self.xfers.items():
+            for stream in (False, True):
+                def prep():
+                    evict()
+
+                def restore(x=x, n=stored[name], stream=stream):
+                    x.load(history, n, stream=stream)
+
+                prep.restore = restore
+                suffix = "_stream" if stream else ""
+                cases[name + suffix] = prep
+                if name == "disk":
+                    def prep_cold():
+                        evict()
+                        _drop_page_cache(disk_dir)
+
+                    prep_cold.restore = restore
+                    cases["disk_cold" + suffix] = prep_cold
+        return cases
+
+
+def _print_table(console, rows: list[dict[str, Any]], what: str) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"TTFT of a resumed turn ({NEW_TOKENS} new tokens): {what}",
+              title_justify="left")
     names = [k[:-2] for k in rows[0] if k.endswith("_s")]
     t.add_column("history", justify="right")
     for n in names:
@@ -185,18 +249,3 @@ def run(args: argparse.Namespace) -> int:
             f"{r[f'{n}_s'] * 1e3:.1f} ({r[f'{n}_vs_recompute']:.2f})" for n in names))
     console.print(t)
     console.print("(x) = TTFT / recompute TTFT, lower is better")
-    if args.out:
-        path = write_result(args.out, "ttft", {
-            "config": {"model": str(model_dir), "dtype": dtype, "device": str(device),
-                       "chunk_tokens": args.chunk_tokens, "repeats": args.repeats,
-                       "threads": torch.get_num_threads(), "redis": bool(args.redis_url)},
-            "rows": rows,
-        })
-        console.print(f"wrote {path}")
-    for x in xfers.values():
-        x.close()
-    for tier in tiers.values():
-        tier.close()
-    if args.disk_dir is None:
-        shutil.rmtree(disk_dir, ignore_errors=True)
-    return 0

@@ -49,109 +49,134 @@ class ReplayResult:
 
 
 def replay(workload: Workload, strategy: Strategy, max_wait_steps: int = 4096) -> ReplayResult:
-    reqs = workload.requests
-    n = len(reqs)
-    waiting: deque[int] = deque()
-    running: dict[int, int] = {}  # rid -> tokens held, in admission order
-    generated = [0] * n
-    start_step: list[int | None] = [None] * n
-    next_arrival = 0
-    completed = rejected = never_fit = preemptions = 0
-    peak = 0
-    sum_running = sum_held = sum_reserved = sum_ext = 0
-    tokens_generated = 0
-    wait_total = 0
-    step = 0
-    cap = strategy.capacity
+    state = _Replay(workload, strategy, max_wait_steps)
+    while state.completed + state.rejected < state.n:
+        state.arrive()
+        state.admit()
+        state.decode()
+        state.account()
+    return state.result()
 
-    def preempt_last() -> int:
-        nonlocal preemptions
-        victim = next(reversed(running))
-        del running[victim]
-        strategy.release(victim)
-        waiting.appendleft(victim)
-        preemptions += 1
-        return victim
 
-    while completed + rejected < n:
-        if not running and not waiting and next_arrival < n:
+class _Replay:
+    """The state of one replay between steps, and the phases of a step."""
+
+    def __init__(self, workload: Workload, strategy: Strategy, max_wait_steps: int) -> None:
+        self.workload = workload
+        self.strategy = strategy
+        self.max_wait_steps = max_wait_steps
+        self.reqs = workload.requests
+        self.n = n = len(self.reqs)
+        self.waiting: deque[int] = deque()
+        self.running: dict[int, int] = {}  # rid -> tokens held, in admission order
+        self.generated = [0] * n
+        self.start_step: list[int | None] = [None] * n
+        self.next_arrival = 0
+        self.completed = self.rejected = self.never_fit = self.preemptions = 0
+        self.peak = 0
+        self.sum_running = self.sum_held = self.sum_reserved = self.sum_ext = 0
+        self.tokens_generated = 0
+        self.wait_total = 0
+        self.step = 0
+        self.cap = strategy.capacity
+
+    def arrive(self) -> None:
+        """Queue the requests that have arrived by this step."""
+        reqs, n = self.reqs, self.n
+        if not self.running and not self.waiting and self.next_arrival < n:
             # Idle: jump to the next arrival (idle steps hold and reserve nothing).
-            idle_to = max(step, reqs[next_arrival].arrival_step)
-            step = idle_to
-        while next_arrival < n and reqs[next_arrival].arrival_step <= step:
-            waiting.append(next_arrival)
-            next_arrival += 1
+            self.step = max(self.step, reqs[self.next_arrival].arrival_step)
+        while self.next_arrival < n and reqs[self.next_arrival].arrival_step <= self.step:
+            self.waiting.append(self.next_arrival)
+            self.next_arrival += 1
 
-        # Admission: FCFS with head-of-line blocking.
+    def admit(self) -> None:
+        """Admission: FCFS with head-of-line blocking."""
+        waiting, strategy, step = self.waiting, self.strategy, self.step
+        start_step = self.start_step
         while waiting:
             rid = waiting[0]
-            r = reqs[rid]
+            r = self.reqs[rid]
             if not strategy.can_ever_fit(r.total_len, r.max_len):
                 waiting.popleft()
-                rejected += 1
-                never_fit += 1
+                self.rejected += 1
+                self.never_fit += 1
                 continue
-            if start_step[rid] is None and step - r.arrival_step > max_wait_steps:
+            if start_step[rid] is None and step - r.arrival_step > self.max_wait_steps:
                 waiting.popleft()
-                rejected += 1
+                self.rejected += 1
                 continue
-            length = r.prompt_len + generated[rid]
+            length = r.prompt_len + self.generated[rid]
             if not strategy.admit(rid, length, r.max_len):
                 break
             waiting.popleft()
-            running[rid] = length
+            self.running[rid] = length
             if start_step[rid] is None:
                 start_step[rid] = step
-                wait_total += step - r.arrival_step
+                self.wait_total += step - r.arrival_step
 
-        # Decode: every running sequence grows by one token.
+    def decode(self) -> None:
+        """Decode: every running sequence grows by one token."""
+        running, strategy, generated, reqs = self.running, self.strategy, self.generated, self.reqs
         for rid in list(running):
             if rid not in running:
                 continue  # preempted earlier in this step
             new_len = running[rid] + 1
             while not strategy.grow(rid, new_len):
-                if preempt_last() == rid:
+                if self.preempt_last() == rid:
                     break
             if rid not in running:
                 continue
             running[rid] = new_len
             generated[rid] += 1
-            tokens_generated += 1
+            self.tokens_generated += 1
             if generated[rid] >= reqs[rid].output_len:
                 del running[rid]
                 strategy.release(rid)
-                completed += 1
+                self.completed += 1
 
-        held = sum(running.values())
-        reserved = strategy.reserved
-        free = cap - reserved
-        sum_running += len(running)
-        sum_held += held
-        sum_reserved += reserved
-        sum_ext += free - min(free, strategy.largest_free())
-        peak = max(peak, len(running))
-        step += 1
+    def preempt_last(self) -> int:
+        """Free the most recently admitted sequence and re-queue it at the front."""
+        victim = next(reversed(self.running))
+        del self.running[victim]
+        self.strategy.release(victim)
+        self.waiting.appendleft(victim)
+        self.preemptions += 1
+        return victim
 
-    util = sum_held / sum_reserved if sum_reserved else 0.0
-    started = sum(1 for s in start_step if s is not None)
-    return ReplayResult(
-        strategy=strategy.name,
-        workload=workload.name,
-        memory_tokens=cap,
-        utilisation=util,
-        internal_fragmentation=1.0 - util if sum_reserved else 0.0,
-        external_fragmentation=sum_ext / (step * cap) if step else 0.0,
-        memory_reserved_fraction=sum_reserved / (step * cap) if step else 0.0,
-        memory_held_fraction=sum_held / (step * cap) if step else 0.0,
-        peak_concurrency=peak,
-        mean_concurrency=sum_running / step if step else 0.0,
-        completed=completed,
-        rejected=rejected,
-        rejected_never_fit=never_fit,
-        preemptions=preemptions,
-        copies=strategy.copies,
-        tokens_copied=strategy.tokens_copied,
-        steps=step,
-        tokens_generated=tokens_generated,
-        mean_wait_steps=wait_total / started if started else 0.0,
-    )
+    def account(self) -> None:
+        """Add this step's memory use to the time averages and move to the next step."""
+        reserved = self.strategy.reserved
+        free = self.cap - reserved
+        self.sum_running += len(self.running)
+        self.sum_held += sum(self.running.values())
+        self.sum_reserved += reserved
+        self.sum_ext += free - min(free, self.strategy.largest_free())
+        self.peak = max(self.peak, len(self.running))
+        self.step += 1
+
+    def result(self) -> ReplayResult:
+        step, cap, sum_reserved = self.step, self.cap, self.sum_reserved
+        util = self.sum_held / sum_reserved if sum_reserved else 0.0
+        started = sum(1 for s in self.start_step if s is not None)
+        return ReplayResult(
+            strategy=self.strategy.name,
+            workload=self.workload.name,
+            memory_tokens=cap,
+            utilisation=util,
+            internal_fragmentation=1.0 - util if sum_reserved else 0.0,
+            external_fragmentation=self.sum_ext / (step * cap) if step else 0.0,
+            memory_reserved_fraction=sum_reserved / (step * cap) if step else 0.0,
+            memory_held_fraction=self.sum_held / (step * cap) if step else 0.0,
+            peak_concurrency=self.peak,
+            mean_concurrency=self.sum_running / step if step else 0.0,
+            completed=self.completed,
+            rejected=self.rejected,
+            rejected_never_fit=self.never_fit,
+            preemptions=self.preemptions,
+            copies=self.strategy.copies,
+            tokens_copied=self.strategy.tokens_copied,
+            steps=step,
+            tokens_generated=self.tokens_generated,
+            mean_wait_steps=self.wait_total / started if started else 0.0,
+        )

@@ -133,12 +133,7 @@ def _floats(text: str, what: str) -> list[float]:
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.progress import Progress
 
-    from kvtier.benchmarks.policy_sim.report import plot_results, print_tables
-    from kvtier.benchmarks.policy_sim.simulator import Simulator
-    from kvtier.benchmarks.policy_sim.systems import DEFAULT_SYSTEMS, system
-    from kvtier.benchmarks.policy_sim.workloads import from_csv, mooncake, scale_time
     from kvtier.benchmarks.results import write_result
     from kvtier.machine import this_machine
     from kvtier.policies.profile import load_profile
@@ -147,6 +142,33 @@ def run(args: argparse.Namespace) -> int:
     if not console.is_terminal:  # a log file: do not squeeze the tables into 80 columns
         console = Console(width=160)
     budgets = _floats(args.budgets, "budgets")
+    systems = _systems(args)
+    if args.real and args.model is None:
+        raise InvalidArgumentError("--real needs --model DIR (a checkpoint from `kvtier make-model`)")
+    cost, warnings = load_profile(args.profile, machine=this_machine())
+    for w in warnings:
+        console.print(f"[yellow]warning:[/] {w}")
+    workloads = _workloads(args)
+
+    results = _replay_all(args, workloads, budgets, systems, cost, console)
+    _report(args, results, console)
+    if args.out:
+        path = write_result(args.out, "policies", {
+            "config": {"mode": "real" if args.real else "simulate", "profile": str(args.profile), "budgets": budgets,
+                       "systems": [s.name for s in systems], "cpu_frac": args.cpu_frac,
+                       "disk_frac": args.disk_frac, "seed": args.seed,
+                       "sessions": args.sessions, "target_load": args.target_load,
+                       "profile_warnings": warnings},
+            "workloads": results,
+        })
+        console.print(f"wrote {path}")
+    return 0
+
+
+def _systems(args: argparse.Namespace) -> list:
+    """The --systems specs; with --real, the default list becomes what the engine can be."""
+    from kvtier.benchmarks.policy_sim.systems import DEFAULT_SYSTEMS, system
+
     names = [n.strip() for n in args.systems.split(",") if n.strip()]
     if args.real:
         from kvtier.benchmarks.policy_sim.real import REAL_SYSTEMS
@@ -156,12 +178,13 @@ def run(args: argparse.Namespace) -> int:
         if "slow-tiers" in args.workloads.split(","):
             raise InvalidArgumentError("--real replays on this machine's tiers; slow-tiers is "
                                        "simulation only (use --workloads multiturn)")
-    systems = [system(n) for n in names]
-    if args.real and args.model is None:
-        raise InvalidArgumentError("--real needs --model DIR (a checkpoint from `kvtier make-model`)")
-    cost, warnings = load_profile(args.profile, machine=this_machine())
-    for w in warnings:
-        console.print(f"[yellow]warning:[/] {w}")
+    return [system(n) for n in names]
+
+
+def _workloads(args: argparse.Namespace) -> list:
+    """The built-in --workloads, then every --trace, then every --csv."""
+    from kvtier.benchmarks.policy_sim.workloads import from_csv, mooncake
+
     workloads = []
     if args.workloads != "none":
         for name in [n.strip() for n in args.workloads.split(",") if n.strip()]:
@@ -172,6 +195,16 @@ def run(args: argparse.Namespace) -> int:
         workloads.append(from_csv(path))
     if not workloads:
         raise InvalidArgumentError("nothing to replay: give --workloads, --trace or --csv")
+    return workloads
+
+
+def _replay_all(args: argparse.Namespace, workloads: list, budgets: list[float], systems: list,
+                cost, console) -> dict[str, Any]:
+    """Every workload x budget x system, simulated (or, with --real, run): results by
+    workload name, each with its rows by budget and system."""
+    from rich.progress import Progress
+
+    from kvtier.benchmarks.policy_sim.workloads import scale_time
 
     results: dict[str, Any] = {}
     with Progress(console=console, transient=True) as progress:
@@ -195,18 +228,31 @@ def run(args: argparse.Namespace) -> int:
                     progress.update(task, description=f"{wl.name} budget {b:g} {spec.name}")
                     if args.real:
                         rows[spec.name] = _real_row(args, wl, spec, wcost, b, working, tier_bytes)
-                        progress.advance(task)
-                        continue
-                    t0 = time.perf_counter()
-                    res = Simulator(wl, spec, wcost, b * working, tier_bytes).run()
-                    secs = time.perf_counter() - t0
-                    rows[spec.name] = {**res.summary(), "sim_seconds": secs,
-                                       "sim_turns_per_s": len(wl.turns) / max(secs, 1e-9),
-                                       "timeline": res.timeline,
-                                       "ttft_sorted_s": _thin(sorted(res.ttft_s))}
+                    else:
+                        rows[spec.name] = _sim_row(wl, spec, wcost, b * working, tier_bytes)
                     progress.advance(task)
                 entry["budgets"][f"{b:g}"] = rows
             results[wl.name] = entry
+    return results
+
+
+def _sim_row(wl, spec, cost, gpu_bytes: float, tier_bytes: dict[str, float]) -> dict:
+    """One system in the simulator, with how long the simulation itself took."""
+    from kvtier.benchmarks.policy_sim.simulator import Simulator
+
+    t0 = time.perf_counter()
+    res = Simulator(wl, spec, cost, gpu_bytes, tier_bytes).run()
+    secs = time.perf_counter() - t0
+    return {**res.summary(), "sim_seconds": secs,
+            "sim_turns_per_s": len(wl.turns) / max(secs, 1e-9),
+            "timeline": res.timeline,
+            "ttft_sorted_s": _thin(sorted(res.ttft_s))}
+
+
+def _report(args: argparse.Namespace, results: dict[str, Any], console) -> None:
+    """The tables, the simulator's error on each --real replay, and --plot's plots."""
+    from kvtier.benchmarks.policy_sim.report import plot_results, print_tables
+
     print_tables(console, results)
     if args.real:
         for wname, entry in results.items():
@@ -218,17 +264,6 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         for path in plot_results(results, args.plot):
             console.print(f"wrote {path}")
-    if args.out:
-        path = write_result(args.out, "policies", {
-            "config": {"mode": "real" if args.real else "simulate", "profile": str(args.profile), "budgets": budgets,
-                       "systems": [s.name for s in systems], "cpu_frac": args.cpu_frac,
-                       "disk_frac": args.disk_frac, "seed": args.seed,
-                       "sessions": args.sessions, "target_load": args.target_load,
-                       "profile_warnings": warnings},
-            "workloads": results,
-        })
-        console.print(f"wrote {path}")
-    return 0
 
 
 def _real_row(args, wl, spec, cost, budget, working, tier_bytes) -> dict:
