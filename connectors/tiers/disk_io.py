@@ -10,6 +10,7 @@ network mounts) raises EINVAL; the caller then falls back to buffered I/O.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -18,6 +19,27 @@ ALIGN = 4096
 HEAD_READ = 4096
 """Bytes read first for a layer-range read: enough for the header of a chunk of
 hundreds of layers; longer headers take a second read."""
+
+
+def failure_reason(exc: OSError) -> str:
+    """The ``PutResult.failed`` reason for a write error."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "disk_full"
+    return f"io_error: {exc.strerror or exc}"
+
+
+def unlink_if_present(path: str | os.PathLike[str]) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename in ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class DirectIOUnsupported(OSError):

@@ -19,7 +19,6 @@ files, which could otherwise belong to a live tier's write in flight.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import logging
 import os
@@ -37,6 +36,7 @@ from kvtier.connectors.tiers import disk_io
 from kvtier.connectors.tiers.base import Blob, PutResult, Tier
 from kvtier.connectors.tiers.chunk_checks import admission_error, is_valid
 from kvtier.connectors.tiers.chunk_index import ChunkIndex
+from kvtier.connectors.tiers.disk_io import failure_reason, fsync_dir, unlink_if_present
 from kvtier.errors import ChunkFormatError, InvalidArgumentError, TierError
 from kvtier.policies.eviction import ChunkInfo, EvictionPolicy, eviction_policy
 
@@ -49,18 +49,6 @@ _PREFIX = struct.Struct("<4sI")
 _CORRUPT = object()
 T = TypeVar("T")
 R = TypeVar("R")
-
-
-def _reason(exc: OSError) -> str:
-    """The ``PutResult.failed`` reason for a write error."""
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return "disk_full"
-    return f"io_error: {exc.strerror or exc}"
-
-
-def _unlink(path: str | Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
 
 
 class DiskTier(Tier):
@@ -130,7 +118,7 @@ class DiskTier(Tier):
             for entry in os.scandir(sub.path):
                 if entry.name.endswith(TEMP_SUFFIX):
                     if remove_temps:
-                        _unlink(entry.path)
+                        unlink_if_present(entry.path)
                         removed += 1
                 elif entry.name.endswith(CHUNK_SUFFIX):
                     st = entry.stat(follow_symlinks=False)
@@ -246,7 +234,7 @@ class DiskTier(Tier):
                     data = None
                 if data is not None and not is_valid(key, data):
                     data = None
-            _unlink(path)
+            unlink_if_present(path)
             out.append((key, data))
         return out
 
@@ -266,7 +254,7 @@ class DiskTier(Tier):
                 except OSError as exc:
                     for key, _ in todo:
                         if key[:2] == sub:
-                            outcomes[key] = _reason(exc)
+                            outcomes[key] = failure_reason(exc)
         pending = [(k, b) for k, b in todo if k not in outcomes]
         temps = self._map(self._write_temp, pending)
         renamed: dict[str, list[str]] = {}
@@ -275,8 +263,8 @@ class DiskTier(Tier):
                 try:
                     os.rename(temp, self._path(key))
                 except OSError as exc:
-                    _unlink(temp)
-                    reason = _reason(exc)
+                    unlink_if_present(temp)
+                    reason = failure_reason(exc)
                 else:
                     renamed.setdefault(key[:2], []).append(key)
             outcomes[key] = reason
@@ -286,11 +274,11 @@ class DiskTier(Tier):
                 dirs.append(str(self.directory))
             for d in dirs:
                 try:
-                    _fsync_dir(d)
+                    fsync_dir(d)
                 except OSError as exc:
                     for key in renamed.get(os.path.basename(d), []):
-                        _unlink(self._path(key))
-                        outcomes[key] = _reason(exc)
+                        unlink_if_present(self._path(key))
+                        outcomes[key] = failure_reason(exc)
         return outcomes
 
     def _write_temp(self, item: tuple[str, Blob]) -> tuple[str, str | None]:
@@ -300,13 +288,13 @@ class DiskTier(Tier):
             try:
                 disk_io.write_file(temp, blob, self.fsync, self._o_direct)
             except disk_io.DirectIOUnsupported as exc:
-                _unlink(temp)
+                unlink_if_present(temp)
                 self._direct_refused(exc)
                 disk_io.write_file(temp, blob, self.fsync, False)
         except OSError as exc:
-            _unlink(temp)
+            unlink_if_present(temp)
             log.warning("disk tier %s: writing chunk %s failed: %s", self.directory, key, exc)
-            return temp, _reason(exc)
+            return temp, failure_reason(exc)
         return temp, None
 
     def share(self, keys: Sequence[str], session: Hashable) -> None:
@@ -342,7 +330,7 @@ class DiskTier(Tier):
             with self._lock:
                 for key in corrupt:
                     if self._index.pop(key) is not None:
-                        _unlink(self._path(key))
+                        unlink_if_present(self._path(key))
                 for key in gone:
                     self._index.pop(key)
         for key in corrupt:
@@ -419,7 +407,7 @@ class DiskTier(Tier):
         with self._lock:
             for key in keys:
                 if self._index.pop(key) is not None:
-                    _unlink(self._path(key))
+                    unlink_if_present(self._path(key))
                     n += 1
         return n
 
@@ -456,11 +444,3 @@ class DiskTier(Tier):
         if fd is not None:
             with contextlib.suppress(OSError):
                 os.close(fd)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
