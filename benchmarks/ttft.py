@@ -196,7 +196,24 @@ class _Resume:
                 row[f"{name}_s"] = statistics.median(samples)
         for name in cases:
             row[f"{name}_vs_recompute"] = row[f"{name}_s"] / row["recompute_s"]
+        self.restore_costs(row, cases, stored, repeats)
         return row
+
+    def restore_costs(self, row: dict[str, Any], cases, stored: dict[str, int], repeats: int) -> None:
+        """What each restore costs over a pool hit (``<case>_restore_overhead_s``), the
+        KV bytes it brought back (``restored_bytes``), its effective GB/s, and the
+        reference: a torch copy of the same bytes into memory that already exists,
+        measured in this run (``copy_GBps``)."""
+        bpt = self.runner.pool.storage.bytes_per_token
+        row["restored_bytes"] = {name: n * bpt for name, n in stored.items()}
+        row["copy_GBps"] = _copy_gbps(max(stored.values()) * bpt, repeats)
+        for name in cases:
+            if name in ("recompute", "pool_hit"):
+                continue
+            over = row[f"{name}_s"] - row["pool_hit_s"]
+            nbytes = row["restored_bytes"][name.split("_")[0]]
+            row[f"{name}_restore_overhead_s"] = over
+            row[f"{name}_GBps"] = nbytes / over / 1e9 if over > 0 else None
 
     def cases(self, h: int, history: list[int], stored: dict[str, int]) -> dict[str, Any]:
         """Each case's ``prepare()`` (run before the clock starts) with, for restores, a
@@ -235,12 +252,28 @@ class _Resume:
         return cases
 
 
+def _copy_gbps(nbytes: int, repeats: int) -> float:
+    """GB/s of a torch copy of ``nbytes`` into a tensor that already exists (the medium's
+    speed for a restore from host memory), median of ``repeats`` after a warm-up."""
+    import torch
+
+    src = torch.ones(max(nbytes, 1), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    samples = []
+    for _ in range(max(repeats, 3)):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        samples.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(samples) / 1e9
+
+
 def _print_table(console, rows: list[dict[str, Any]], what: str) -> None:
     from rich.table import Table
 
     t = Table(title=f"TTFT of a resumed turn ({NEW_TOKENS} new tokens): {what}",
               title_justify="left")
-    names = [k[:-2] for k in rows[0] if k.endswith("_s")]
+    names = [k[:-2] for k in rows[0] if k.endswith("_s") and not k.endswith("_overhead_s")]
     t.add_column("history", justify="right")
     for n in names:
         t.add_column(f"{n} ms (x)", justify="right")
@@ -249,3 +282,20 @@ def _print_table(console, rows: list[dict[str, Any]], what: str) -> None:
             f"{r[f'{n}_s'] * 1e3:.1f} ({r[f'{n}_vs_recompute']:.2f})" for n in names))
     console.print(t)
     console.print("(x) = TTFT / recompute TTFT, lower is better")
+    cost = Table(title="Restore cost over a pool hit: ms, effective GB/s (x the torch copy "
+                 "of the same bytes into existing memory, this run)", title_justify="left")
+    restores = [n for n in names if f"{n}_restore_overhead_s" in rows[0]]
+    cost.add_column("history", justify="right")
+    cost.add_column("KV bytes", justify="right")
+    cost.add_column("copy GB/s", justify="right")
+    for n in restores:
+        cost.add_column(n, justify="right")
+    for r in rows:
+        cells = []
+        for n in restores:
+            gbps = r[f"{n}_GBps"]
+            over = r[f"{n}_restore_overhead_s"] * 1e3
+            cells.append(f"{over:.1f}, {gbps:.2f} ({gbps / r['copy_GBps']:.2f})" if gbps else f"{over:.1f}, -")
+        nbytes = max(r["restored_bytes"].values())
+        cost.add_row(str(r["history_tokens"]), f"{nbytes / 1e6:.1f} MB", f"{r['copy_GBps']:.2f}", *cells)
+    console.print(cost)
