@@ -34,3 +34,12 @@ def test_bench_ttft_compares_restores_with_recompute(tmp_path):
         for case in ("pool_hit", "cpu", "disk", "disk_cold"):
             assert r[f"{case}_s"] > 0
         assert r["stored_tokens"] == {"cpu": r["history_tokens"], "disk": r["history_tokens"]}
+        # each restore's cost over a pool hit, against the copy of the same bytes
+        assert r["copy_GBps"] > 0
+        assert r["restored_bytes"]["cpu"] == r["restored_bytes"]["disk"] > 0
+        for case in ("cpu", "cpu_stream", "disk", "disk_cold"):
+            over = r[f"{case}_restore_overhead_s"]
+            assert over == r[f"{case}_s"] - r["pool_hit_s"]
+            assert r[f"{case}_GBps"] is None or r[f"{case}_GBps"] > 0
+    per_token = [r["restored_bytes"]["cpu"] / r["history_tokens"] for r in doc["rows"]]
+    assert per_token[0] == per_token[1]  # the KV bytes of the history, whatever its length
