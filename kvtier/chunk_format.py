@@ -20,6 +20,7 @@ payload can be read back as a tensor view (:func:`chunk_view`) with no copy.
 from __future__ import annotations
 
 import struct
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -36,6 +37,16 @@ MAX_HEADER_BYTES = 1 << 16
 PAYLOAD_ALIGN = 64
 """In-place chunks start their payload at a multiple of this many bytes."""
 _U64_MAX = (1 << 64) - 1
+_packers = threading.local()
+
+
+def _packb(obj: object) -> bytes:
+    """msgpack with one Packer per thread: ``msgpack.packb`` makes a new Packer, and with
+    it a 256 KiB buffer, on every call; a header is a few hundred bytes."""
+    packer = getattr(_packers, "packer", None)
+    if packer is None:
+        packer = _packers.packer = msgpack.Packer(use_bin_type=True, autoreset=True)
+    return packer.pack(obj)
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -86,20 +97,20 @@ class ChunkHeader:
         }
 
     def pack(self) -> bytes:
-        return msgpack.packb(self.fields(), use_bin_type=True)
+        return _packb(self.fields())
 
     def pack_to(self, size: int) -> bytes:
         """The header packed to exactly ``size`` bytes, padded by a ``pad`` entry (every
         reader ignores unknown entries, so padded chunks read as any other)."""
         fields = self.fields()
         for key in ("pad", "padd"):  # a one-byte-longer key fills the size bin8/bin16 skip
-            base = len(msgpack.packb({**fields, key: b""}, use_bin_type=True))
+            base = len(_packb({**fields, key: b""}))
             n = size - base
             if n > 255:
                 n -= 1  # bin16's length field is one byte longer than bin8's
             if n < 0:
                 break
-            out = msgpack.packb({**fields, key: bytes(n)}, use_bin_type=True)
+            out = _packb({**fields, key: bytes(n)})
             if len(out) == size:
                 return out
         raise ChunkFormatError(f"chunk {self.key}: header does not fit in {size} bytes")
@@ -143,7 +154,7 @@ def chunk_layout(
         raise ChunkFormatError(f"unsupported chunk dtype {dtype}; use {sorted(DTYPES)}")
     worst = ChunkHeader(key, bytes(fingerprint), _DTYPE_NAMES[dtype], tuple(shape), shape[2],
                         (_U64_MAX,) * shape[0])
-    longest = len(msgpack.packb({**worst.fields(), "padd": bytes(256)}, use_bin_type=True))
+    longest = len(_packb({**worst.fields(), "padd": bytes(256)}))
     offset = -(-(_PREFIX.size + longest - 256 + 3) // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
     payload = dtype.itemsize * shape[0] * 2 * shape[2] * shape[3] * shape[4]
     return offset, offset + payload
