@@ -39,7 +39,6 @@ ENV_NESTED = "__"
 NONE_WORDS = ("", "none", "null")
 """Environment values that mean "unset" (``KVTIER_POOL__NUM_BLOCKS=none`` clears a YAML value)."""
 
-DTypeName = Literal["float32", "float16", "bfloat16"]
 ModelDTypeName = Literal["auto", "float32", "float16", "bfloat16"]
 
 
