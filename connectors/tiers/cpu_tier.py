@@ -210,14 +210,16 @@ class CPUTier(Tier):
                     corrupt += 1
                     blob = None
                 out.append(blob)
-        hits = [b for b in out if b is not None]
-        with self.stats.lock:
-            self.stats.gets += len(keys)
-            self.stats.hits += len(hits)
-            self.stats.misses += len(keys) - len(hits)
-            self.stats.bytes_read += sum(len(b) for b in hits)
-            self.stats.corrupt += corrupt
+        self._count_reads(len(keys), [len(b) for b in out if b is not None], corrupt)
         return out
+
+    def _count_reads(self, asked: int, hit_sizes: list[int], corrupt: int = 0) -> None:
+        with self.stats.lock:
+            self.stats.gets += asked
+            self.stats.hits += len(hit_sizes)
+            self.stats.misses += asked - len(hit_sizes)
+            self.stats.bytes_read += sum(hit_sizes)
+            self.stats.corrupt += corrupt
 
     @staticmethod
     def _read(
@@ -342,12 +344,7 @@ class CPUTier(Tier):
                         if slot in self._doomed:
                             self._doomed.discard(slot)
                             self._free.append(slot)
-            hits = [v for v in views if v is not None]
-            with self.stats.lock:
-                self.stats.gets += len(keys)
-                self.stats.hits += len(hits)
-                self.stats.misses += len(keys) - len(hits)
-                self.stats.bytes_read += sum(v.numel() for v in hits)
+            self._count_reads(len(keys), [v.numel() for v in views if v is not None])
 
     def contains_prefix(self, keys: Sequence[str]) -> int:
         with self._lock:
