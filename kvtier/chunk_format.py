@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import struct
 import threading
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import msgpack
+import numpy as np
 import torch
 import xxhash
 
@@ -143,6 +145,18 @@ def encode_chunk(key: str, fingerprint: bytes, kv: torch.Tensor) -> bytes:
     return b"".join((_PREFIX.pack(MAGIC, len(packed)), packed, payload))
 
 
+with warnings.catch_warnings():
+    # torch warns (once per process) that a tensor over a read-only buffer must not be
+    # written; kvtier only ever reads such tensors (the source of a copy).
+    warnings.simplefilter("ignore", UserWarning)
+    torch.from_numpy(np.frombuffer(b"\0", dtype=np.uint8))
+
+
+def byte_view(blob: bytes | bytearray | memoryview) -> torch.Tensor:
+    """A uint8 tensor over ``blob``'s memory (no copy); read-only buffers are only read."""
+    return torch.from_numpy(np.frombuffer(blob, dtype=np.uint8))
+
+
 def chunk_layout(
     key: str, fingerprint: bytes, dtype: torch.dtype, shape: tuple[int, ...]
 ) -> tuple[int, int]:
@@ -203,12 +217,14 @@ def chunk_view(
     key: str | None = None,
     fingerprint: bytes | None = None,
     layers: tuple[int, int] | None = None,
+    verify: bool = True,
 ) -> tuple[ChunkHeader, torch.Tensor]:
     """Verify the chunk in ``buf`` (a 1-D uint8 CPU tensor holding exactly one chunk) and
     return its KV, or only layers ``[start, end)`` of it (only their checksums are read),
     as a *view* of ``buf`` (no copy) where the payload is aligned for its dtype, as
     :func:`encode_into` writes it; a copy otherwise. The view is only as stable as ``buf``:
-    hold the tier's lease on it while reading."""
+    hold the tier's lease on it while reading. ``verify=False`` skips the checksums, for a
+    chunk its reader verified already (key, model and length are still checked)."""
     mem = memoryview(buf.numpy()).cast("B")
     header, offset = parse_header(mem)
     if len(mem) - offset != header.payload_nbytes:
@@ -219,7 +235,7 @@ def chunk_view(
     start, end = (0, header.num_layers) if layers is None else layers
     span_start, span_len = layer_span(header, (start, end))
     step = header.layer_nbytes
-    for i in range(start, end):
+    for i in range(start, end) if verify else ():
         lo = offset + i * step
         if xxhash.xxh3_64_intdigest(mem[lo : lo + step]) != header.layer_checksums[i]:
             raise ChunkFormatError(f"chunk {header.key}: checksum mismatch (corrupted bytes)")

@@ -19,14 +19,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import warnings
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 
-import numpy as np
 import torch
 
-from kvtier.chunk_format import layer_span, parse_header, slice_chunk
+from kvtier.chunk_format import byte_view, layer_span, parse_header, slice_chunk
 from kvtier.connectors.tiers.base import Blob, PutResult, Tier
 from kvtier.connectors.tiers.chunk_checks import admission_error, is_valid
 from kvtier.connectors.tiers.chunk_index import ChunkIndex
@@ -34,18 +32,6 @@ from kvtier.errors import ChunkFormatError, InvalidArgumentError, TierError
 from kvtier.policies.eviction import ChunkInfo, EvictionPolicy, eviction_policy
 
 log = logging.getLogger(__name__)
-
-with warnings.catch_warnings():
-    # torch warns (once per process) that a tensor over a read-only buffer must not be
-    # written; the CPU tier only ever reads such tensors (the source of a copy).
-    warnings.simplefilter("ignore", UserWarning)
-    torch.from_numpy(np.frombuffer(b"\0", dtype=np.uint8))
-
-
-def _as_tensor(blob: Blob) -> torch.Tensor:
-    """A uint8 tensor over ``blob``'s memory (no copy; read-only buffers are only read)."""
-    return torch.from_numpy(np.frombuffer(blob, dtype=np.uint8))
-
 
 def slot_bytes_for(num_layers: int, payload_nbytes: int, key_chars: int = 128) -> int:
     """A slot size that holds any chunk blob of this payload: the payload plus a bound on
@@ -163,7 +149,7 @@ class CPUTier(Tier):
                     continue
                 start = slot * self.slot_bytes
                 # torch's copy uses every core (a memoryview assignment is one memcpy)
-                arena[start : start + len(blob)].copy_(_as_tensor(blob))
+                arena[start : start + len(blob)].copy_(byte_view(blob))
                 self._index.add(key, slot, len(blob), info.get(key) if info else None)
                 batch.add(key)
                 result.stored.append(key)

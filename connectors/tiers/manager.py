@@ -19,7 +19,7 @@ from typing import Literal
 
 import torch
 
-from kvtier.chunk_format import chunk_view, decode_chunk, validate_chunk
+from kvtier.chunk_format import byte_view, chunk_view, validate_chunk
 from kvtier.connectors.tiers.base import Blob, PutResult, Tier
 from kvtier.errors import ChunkError, ChunkMismatchError, InvalidArgumentError
 from kvtier.policies.eviction import ChunkInfo
@@ -64,8 +64,10 @@ class ManagerStats:
 
 
 def _decoded(blob: bytes, key: str, layers: tuple[int, int] | None) -> torch.Tensor | None:
-    """A verified blob's KV; None if it is not the layer range asked for."""
-    header, kv = decode_chunk(blob, key)
+    """A blob's KV, verified by ``get`` already: a view of ``blob`` (no copy) where its
+    payload is aligned, as chunks written in place and demoted keep it. None if it is not
+    the layer range asked for."""
+    header, kv = chunk_view(byte_view(blob), key, verify=False)
     if layers is not None and (header.first_layer, header.num_layers) != (layers[0], layers[1] - layers[0]):
         return None
     return kv
