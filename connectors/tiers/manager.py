@@ -309,7 +309,12 @@ class TierManager:
             for ti, idxs in by_tier.items():
                 tier = self.tiers[ti]
                 if hasattr(tier, "lease"):
-                    views = stack.enter_context(tier.lease([keys[i] for i in idxs]))
+                    try:
+                        views = stack.enter_context(tier.lease([keys[i] for i in idxs]))
+                    except Exception as exc:  # noqa: BLE001 - a failing tier is a miss
+                        tier.stats.count_error(type(exc).__name__)
+                        self.stats.misses += len(idxs)
+                        continue
                     for i, view in zip(idxs, views, strict=True):
                         if view is None:
                             self.stats.misses += 1

@@ -110,3 +110,16 @@ def test_a_tier_whose_every_slot_is_leased_is_full():
         assert _store(tier, 2) == "stored"
     finally:
         tier.close()
+
+
+def test_a_closed_arena_is_a_miss_through_the_manager_not_an_error():
+    from kvtier.connectors.tiers.manager import Location, TierManager
+
+    tier = _tier(2)
+    manager = TierManager([tier], fingerprint=FP)
+    _store(tier, 1)
+    where = manager.lookup([_key(1)])
+    tier.close()
+    with manager.lease([_key(1)], None, Location(1, where.tiers)) as parts:
+        assert parts == [None]
+    assert tier.stats.errors == {"TierError": 1} and manager.stats.misses == 1
