@@ -284,7 +284,9 @@ class CPUTier(Tier):
                 self._free.append(slot)
             raise
         with self._lock:
-            if key in self._index or self._arena is not arena:  # a racing writer, or closed
+            if self._arena is not arena:
+                raise TierError("the CPU tier was closed during a store; create a new one")
+            if key in self._index:  # a racing writer stored it meanwhile
                 self._free.append(slot)
                 self._account_put(PutResult(present=[key]), 0, evicted)
                 return "present"
