@@ -286,11 +286,14 @@ class CPUTier(Tier):
         with self._lock:
             if self._arena is not arena:
                 raise TierError("the CPU tier was closed during a store; create a new one")
-            if key in self._index:  # a racing writer stored it meanwhile
+            raced = key in self._index  # a racing writer stored it meanwhile
+            if raced:
                 self._free.append(slot)
-                self._account_put(PutResult(present=[key]), 0, evicted)
-                return "present"
-            self._index.add(key, slot, length, info)
+            else:
+                self._index.add(key, slot, length, info)
+        if raced:
+            self._account_put(PutResult(present=[key]), 0, evicted)
+            return "present"
         self._account_put(PutResult(stored=[key]), length, evicted)
         return "stored"
 
