@@ -282,6 +282,7 @@ class CPUTier(Tier):
         except BaseException:
             with self._lock:
                 self._free.append(slot)
+            self._account_put(PutResult(), 0, evicted)  # what it displaced still goes down
             raise
         with self._lock:
             if self._arena is not arena:
