@@ -181,7 +181,53 @@ def _bench_cpu(blobs: dict[str, bytes], args: argparse.Namespace) -> list[dict[s
     rows.append(_row("cpu", "get", total, get_s, _median(ref_get, args.repeats),
                      "copy out of the arena into bytes"))
     tier.close()
-    return rows
+    return rows + _bench_cpu_in_place(blobs, args)
+
+
+def _bench_cpu_in_place(blobs: dict[str, bytes], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The data path's own use of the arena: KV tensors written into slots in place
+    (``store_in_place`` + ``encode_into``: copy, checksums, header) and read back verified
+    under a lease into KV tensors that already exist; the reference is a torch copy of the
+    same KV into memory that already exists, measured in the same run."""
+    import torch
+
+    from kvtier.chunk_format import byte_view, chunk_layout, chunk_view, encode_into
+    from kvtier.connectors.tiers.cpu_tier import CPUTier
+
+    kvs = {k: chunk_view(byte_view(b), k)[1].clone() for k, b in blobs.items()}
+    fp = chunk_view(byte_view(next(iter(blobs.values()))))[0].fingerprint
+    sizes = {k: chunk_layout(k, fp, kv.dtype, tuple(kv.shape))[1] for k, kv in kvs.items()}
+    total = sum(kv.numel() * kv.element_size() for kv in kvs.values())
+    slot = max(sizes.values()) + 4096
+    tier = CPUTier(slot * (args.chunks + 1), slot)
+    keys = list(kvs)
+    outs = {k: torch.empty_like(kv) for k, kv in kvs.items()}
+    arena = [torch.empty_like(kv) for kv in kvs.values()]
+
+    def put() -> None:
+        for k, kv in kvs.items():
+            tier.store_in_place(k, sizes[k], lambda dest, k=k, kv=kv: encode_into(
+                dest, k, fp, kv.dtype, tuple(kv.shape), lambda payload, kv=kv: payload.copy_(kv)))
+
+    def read() -> None:
+        with tier.lease(keys) as views:
+            for k, view in zip(keys, views, strict=True):
+                outs[k].copy_(chunk_view(view, k, fp)[1])
+
+    def ref_copy() -> None:
+        for dst, kv in zip(arena, kvs.values(), strict=True):
+            dst.copy_(kv)
+
+    put_s = _median(put, args.repeats, before=lambda: tier.delete(keys))
+    read_s = _median(read, args.repeats)
+    if not all(torch.equal(outs[k], kvs[k]) for k in keys):
+        raise RuntimeError("the CPU tier's in-place path returned other KV than it stored")
+    ref_s = _median(ref_copy, args.repeats)
+    tier.close()
+    return [
+        _row("cpu", "put in place (KV)", total, put_s, ref_s, "torch copy into existing memory"),
+        _row("cpu", "read leased (KV)", total, read_s, ref_s, "torch copy into existing memory"),
+    ]
 
 
 def _bench_disk(blobs: dict[str, bytes], args: argparse.Namespace) -> list[dict[str, Any]]:
