@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 Blob = bytes | bytearray | memoryview
-EvictionListener = Callable[[str, "bytes | None"], None]
-"""Called with (key, blob or None) for each chunk a tier evicts, so a manager can demote it."""
+EvictionListener = Callable[[str, "Blob | None"], None]
+"""Called with (key, blob or None) for each chunk a tier evicts, so a manager can demote it.
+The blob may be a view of the tier's memory (the CPU arena's slot), valid only during the
+call: a listener that keeps the bytes copies them."""
 
 
 @dataclass
@@ -125,7 +127,7 @@ class Tier(ABC):
         self._eviction_listeners.append(listener)
 
     def _account_put(
-        self, result: PutResult, written: int, evicted: list[tuple[str, bytes | None]]
+        self, result: PutResult, written: int, evicted: Sequence[tuple[str, Blob | None]]
     ) -> PutResult:
         """Count a finished put (stored bytes, failures by kind) and tell the eviction
         listeners what it displaced; call after the tier's lock is released."""
@@ -138,7 +140,7 @@ class Tier(ABC):
             self._notify_evicted(key, blob)
         return result
 
-    def _notify_evicted(self, key: str, blob: bytes | None) -> None:
+    def _notify_evicted(self, key: str, blob: Blob | None) -> None:
         with self.stats.lock:
             self.stats.evictions += 1
         for listener in self._eviction_listeners:

@@ -4,8 +4,10 @@ A slot holds one chunk blob (full chunks fill it, tails take a whole slot), so t
 never fragments and the hot path allocates nothing: a put copies the blob into a free slot,
 an index maps key -> (slot, length). The arena is pinned (page-locked, registered with CUDA)
 when CUDA is present so GPU copies from it are DMA transfers; ``close`` unregisters it, so
-no pin outlives the tier. When the arena is full the least recently used chunks are evicted
-and handed to the eviction listeners with their bytes, so a manager can demote them.
+no pin outlives the tier. The arena is page-aligned (see ``host_buffers``), so a slot of a
+page-multiple size can be written to disk with ``O_DIRECT`` as it is. When the arena is full
+the least recently used chunk is evicted and handed to the eviction listeners as a view of
+its slot, before the slot is written again, so a manager demotes it with no copy.
 
 The data path uses the arena in place: :meth:`CPUTier.store_in_place` lets the caller
 write a chunk straight into a free slot (the key is visible only once it is whole), and
@@ -28,6 +30,7 @@ from kvtier.chunk_format import byte_view, layer_span, parse_header, slice_chunk
 from kvtier.connectors.tiers.base import Blob, PutResult, Tier
 from kvtier.connectors.tiers.chunk_checks import admission_error, is_valid
 from kvtier.connectors.tiers.chunk_index import ChunkIndex
+from kvtier.connectors.tiers.host_buffers import HostBuffer
 from kvtier.errors import ChunkFormatError, InvalidArgumentError, TierError
 from kvtier.policies.eviction import ChunkInfo, EvictionPolicy, eviction_policy
 
@@ -65,12 +68,8 @@ class CPUTier(Tier):
             )
         self.slot_bytes = slot_bytes
         self.num_slots = num_slots
-        self._arena: torch.Tensor | None = torch.empty(num_slots * slot_bytes, dtype=torch.uint8)
-        self._pinned = False
-        if pin is not False and torch.cuda.is_available():
-            self._pin()
-        elif pin:
-            log.warning("CPU tier: pinning asked for but CUDA is not available; arena is pageable")
+        self._buffer: HostBuffer | None = HostBuffer(num_slots * slot_bytes, pin)
+        self._arena: torch.Tensor | None = self._buffer.tensor[: num_slots * slot_bytes]
         self._view: memoryview | None = memoryview(self._arena.numpy()).cast("B")
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
         self._index: ChunkIndex[int] = ChunkIndex(eviction_policy(eviction))
@@ -81,29 +80,19 @@ class CPUTier(Tier):
         self._doomed: set[int] = set()
         """Leased slots whose chunk was deleted: freed when their last lease ends."""
 
-    # --- pinning ---------------------------------------------------------------------
-    def _pin(self) -> None:
-        """Register the arena with CUDA (exact size, unlike the caching host allocator,
-        which rounds pinned blocks up to a power of two and keeps them after free)."""
-        assert self._arena is not None
-        rc = torch.cuda.cudart().cudaHostRegister(self._arena.data_ptr(), self._arena.numel(), 0)
-        if int(rc) != 0:
-            log.warning("CPU tier: cudaHostRegister failed (%s); arena stays pageable", rc)
-            return
-        self._pinned = True
-
     @property
     def pinned(self) -> bool:
-        return self._pinned
+        """Whether the arena is page-locked and registered with CUDA (DMA to the GPU)."""
+        return self._buffer is not None and self._buffer.pinned
 
     def close(self) -> None:
         """Unpin and free the arena; the tier holds nothing afterwards."""
         with self._lock:
             if self._arena is None:
                 return
-            if self._pinned:
-                torch.cuda.cudart().cudaHostUnregister(self._arena.data_ptr())
-                self._pinned = False
+            if self._buffer is not None:
+                self._buffer.close()
+            self._buffer = None
             if self._view is not None:
                 self._view.release()
             self._view = None
@@ -121,51 +110,56 @@ class CPUTier(Tier):
     def put(
         self, chunks: Mapping[str, Blob], info: Mapping[str, ChunkInfo] | None = None
     ) -> PutResult:
+        """Copy each blob into a slot (one copy: the tier's own memory is the
+        destination); a key stored by this batch is never evicted by a later one of it."""
         result = PutResult()
-        evicted: list[tuple[str, bytes]] = []
-        written = 0
-        with self._lock:
-            self._arena_view()
-            arena = self._arena
-            assert arena is not None
-            batch: set[str] = set()
-            for key, blob in chunks.items():
-                if key in self._index:
-                    self._index.get(key)
-                    if info and key in info:
-                        self._index.share(key, info[key].session)
-                    result.present.append(key)
-                    continue
-                if len(blob) > self.slot_bytes:
-                    result.failed[key] = "too_large"
-                    continue
-                reason = admission_error(key, blob)
-                if reason is not None:
-                    result.failed[key] = reason
-                    continue
-                slot = self._take_slot(batch, evicted)
-                if slot is None:
-                    result.failed[key] = "full"
-                    continue
-                start = slot * self.slot_bytes
+        batch: set[str] = set()
+        for key, blob in chunks.items():
+            reason = None if key in self else admission_error(key, blob)
+            if reason is not None:
+                result.failed[key] = reason
+                self.stats.count_error(reason.split(":")[0])
+                continue
+
+            def fill(slot: torch.Tensor, blob: Blob = blob) -> int:
                 # torch's copy uses every core (a memoryview assignment is one memcpy)
-                arena[start : start + len(blob)].copy_(byte_view(blob))
-                self._index.add(key, slot, len(blob), info.get(key) if info else None)
-                batch.add(key)
+                slot[: len(blob)].copy_(byte_view(blob))
+                return len(blob)
+
+            outcome = self._store_one(key, len(blob), fill, info.get(key) if info else None, batch)
+            if outcome == "stored":
                 result.stored.append(key)
-                written += len(blob)
-        return self._account_put(result, written, evicted)
+                batch.add(key)
+            elif outcome == "present":
+                result.present.append(key)
+            else:
+                result.failed[key] = outcome
+        return result
 
-    def _take_slot(self, batch: set[str], evicted: list[tuple[str, bytes]]) -> int | None:
-        """A free slot, evicting the LRU chunk not written by this batch if none is free.
-        Evicted bytes are copied out here and handed to listeners after the lock."""
-        exclude = batch | self._leased_keys.keys() if self._leased_keys else batch
-        for victim, slot, length in self._index.evict_while(lambda: not self._free, exclude):
+    def __contains__(self, key: object) -> bool:
+        with self._lock:
+            return key in self._index
+
+    def _take_slot(self, exclude: set[str], victims: list[tuple[str, int, int]]) -> int | None:
+        """A free slot, else the slot of the policy's victim (never a leased chunk, nor
+        one in ``exclude``). The victim is out of the index and its slot is the caller's,
+        unchanged until the caller has handed its bytes to the eviction listeners (after
+        the lock: a demotion writes them to a lower tier straight from the arena)."""
+        if self._free:
+            return self._free.pop()
+        if self._leased_keys:
+            exclude = exclude | self._leased_keys.keys()
+        for victim, slot, length in self._index.evict_while(lambda: not victims, exclude):
+            victims.append((victim, slot, length))
+        return victims[0][1] if victims else None
+
+    def _hand_down(self, victims: list[tuple[str, int, int]], arena: torch.Tensor) -> None:
+        """Tell the eviction listeners of each victim with a view of its bytes (valid
+        during the call: the slot is not reused before it returns)."""
+        view = memoryview(arena.numpy()).cast("B")
+        for victim, slot, length in victims:
             start = slot * self.slot_bytes
-            evicted.append((victim, bytes(self._arena_view()[start : start + length])))
-            self._free.append(slot)
-        return self._free.pop() if self._free else None
-
+            self._notify_evicted(victim, view[start : start + length])
     def share(self, keys: Sequence[str], session: Hashable) -> None:
         with self._lock:
             for key in keys:
@@ -259,10 +253,17 @@ class CPUTier(Tier):
         becomes visible only then: never a half-written chunk. Returns ``stored``,
         ``present``, ``too_large`` or ``full``; an error in ``fill`` frees the slot and
         propagates."""
-        if nbytes > self.slot_bytes:
-            self.stats.count_error("too_large")
-            return "too_large"
-        evicted: list[tuple[str, bytes]] = []
+        return self._store_one(key, nbytes, fill, info, set())
+
+    def _store_one(
+        self,
+        key: str,
+        nbytes: int,
+        fill: Callable[[torch.Tensor], int],
+        info: ChunkInfo | None,
+        exclude: set[str],
+    ) -> str:
+        victims: list[tuple[str, int, int]] = []
         with self._lock:
             self._arena_view()
             arena = self._arena
@@ -272,17 +273,18 @@ class CPUTier(Tier):
                 if info is not None:
                     self._index.share(key, info.session)
                 return "present"
-            slot = self._take_slot(set(), evicted)
+            slot = None if nbytes > self.slot_bytes else self._take_slot(exclude, victims)
+        self._hand_down(victims, arena)  # before the victim's slot is overwritten
         if slot is None:
-            self._account_put(PutResult(failed={key: "full"}), 0, evicted)
-            return "full"
+            reason = "too_large" if nbytes > self.slot_bytes else "full"
+            self._account_put(PutResult(failed={key: reason}), 0, [])
+            return reason
         start = slot * self.slot_bytes
         try:
             length = fill(arena[start : start + self.slot_bytes])
         except BaseException:
             with self._lock:
                 self._free.append(slot)
-            self._account_put(PutResult(), 0, evicted)  # what it displaced still goes down
             raise
         with self._lock:
             if self._arena is not arena:
@@ -293,15 +295,16 @@ class CPUTier(Tier):
             else:
                 self._index.add(key, slot, length, info)
         if raced:
-            self._account_put(PutResult(present=[key]), 0, evicted)
             return "present"
-        self._account_put(PutResult(stored=[key]), length, evicted)
+        self._account_put(PutResult(stored=[key]), length, [])
         return "stored"
 
     @contextlib.contextmanager
-    def lease(self, keys: Sequence[str]) -> Iterator[list[torch.Tensor | None]]:
-        """Views of the stored chunks in the arena (uint8, each exactly its chunk; None for
-        a miss), unverified: check them with :func:`~kvtier.chunk_format.chunk_view`.
+    def lease(
+        self, keys: Sequence[str], layers: tuple[int, int] | None = None
+    ) -> Iterator[list[torch.Tensor | None]]:
+        """Views of the stored chunks in the arena (uint8, each exactly its whole chunk,
+        whatever ``layers`` asks: a view costs nothing; None for a miss), unverified: check them with :func:`~kvtier.chunk_format.chunk_view`.
         Until the block ends their slots are neither evicted nor reused: a delete takes
         the key out at once (new readers miss it) and frees the slot when the last lease
         on it ends, so an old reader never sees another chunk's bytes."""

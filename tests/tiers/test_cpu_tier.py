@@ -28,14 +28,21 @@ def test_arena_is_preallocated_and_slots_are_reused() -> None:
     assert tier._arena is not None
     ptr, size = tier._arena.data_ptr(), tier._arena.numel()
     evicted: list[tuple[str, bytes | None]] = []
-    tier.add_eviction_listener(lambda k, b: evicted.append((k, b)))
+    handed: list[bool] = []
+
+    def on_evict(key: str, view: memoryview | None) -> None:
+        assert view is not None
+        handed.append(isinstance(view, memoryview))  # a view of the slot, not a copy
+        evicted.append((key, bytes(view)))  # valid during the call: copied here
+
+    tier.add_eviction_listener(on_evict)
     chunks = dict(blob(i) for i in range(12))
     for key, data in chunks.items():
         assert tier.put({key: data}).stored == [key]
     assert tier._arena.data_ptr() == ptr and tier._arena.numel() == size
     assert len(tier) == 4 and tier.free_slots == 0
     assert [k for k, _ in evicted] == list(chunks)[:8]
-    assert all(b == chunks[k] for k, b in evicted)  # evicted bytes are copies, whole
+    assert all(handed) and all(b == chunks[k] for k, b in evicted)  # whole, unchanged
     assert tier.get(list(chunks)[8:]) == list(chunks.values())[8:]
     tier.close()
 

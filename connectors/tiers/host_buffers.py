@@ -1,0 +1,138 @@
+"""Host memory for the data path: page-aligned, pinned where CUDA is present, reused.
+
+Chunks move between the pool, the tiers and the wire through *slots*, buffers that already
+exist: a store gathers KV into one, a disk write goes out of one and a disk read lands in
+one, a restore scatters from one. Allocating a fresh buffer per chunk costs more than the
+copy itself (page faults on first touch of tens of MiB), so buffers come from here:
+
+- :func:`host_buffer` allocates one, from anonymous ``mmap`` (page-aligned, so a slot
+  whose offset is a multiple of :data:`PAGE` can be the source or target of an
+  ``O_DIRECT`` transfer) and registered with CUDA when it is present (DMA to and from the
+  GPU without a bounce through the driver's staging memory);
+- :class:`StagingPool` keeps released buffers for the next chunk of the same size class,
+  so a data path in steady state allocates nothing (``allocations`` counts what it did
+  allocate, which tests check).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import threading
+from collections.abc import Iterator
+
+import torch
+
+log = logging.getLogger(__name__)
+
+PAGE = mmap.PAGESIZE
+SIZE_CLASS = 1 << 20
+"""Staging buffers are rounded up to a multiple of this (chunks of one model share a class)."""
+
+
+def round_up(n: int, align: int = PAGE) -> int:
+    return -(-n // align) * align
+
+
+class HostBuffer:
+    """One page-aligned host buffer (``tensor``: uint8, 1-D); pinned when CUDA is present
+    and ``pin`` is not False. ``close`` unpins and unmaps it; views taken of it must not
+    be used afterwards."""
+
+    def __init__(self, nbytes: int, pin: bool | None = None) -> None:
+        self.nbytes = max(round_up(nbytes), PAGE)
+        # populated now: the first copy into a fresh buffer would otherwise pay a page
+        # fault per 4 KiB, several times the copy itself
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+        self._map: mmap.mmap | None = mmap.mmap(-1, self.nbytes, flags=flags)
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.pinned = False
+        if pin is not False and torch.cuda.is_available():
+            rc = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0)
+            if int(rc) == 0:
+                self.pinned = True
+            else:
+                log.warning("cudaHostRegister of %d bytes failed (%s); buffer stays pageable", self.nbytes, rc)
+        elif pin:
+            log.warning("pinning asked for but CUDA is not available; host buffer is pageable")
+
+    def close(self) -> None:
+        if self._map is None:
+            return
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self.pinned = False
+        # The mmap stays mapped while any tensor over it lives (torch holds the buffer);
+        # dropping our references lets it go with the last view.
+        self._map = None
+
+
+def host_buffer(nbytes: int, pin: bool | None = None) -> HostBuffer:
+    return HostBuffer(nbytes, pin)
+
+
+class StagingPool:
+    """Reusable host buffers for chunks that pass through the host on their way between
+    the pool and a tier that lends no memory of its own (disk, Redis, the wire).
+
+    ``acquire(n)`` returns a uint8 tensor of at least ``n`` bytes, page-aligned; ``release``
+    gives it back. At most ``max_idle_bytes`` of released buffers are kept (the rest are
+    freed), so a burst does not pin memory for good."""
+
+    def __init__(self, max_idle_bytes: int = 1 << 30, pin: bool | None = None) -> None:
+        self.max_idle_bytes = max_idle_bytes
+        self._pin = pin
+        self._idle: dict[int, list[HostBuffer]] = {}
+        self._idle_bytes = 0
+        self._out: dict[int, HostBuffer] = {}
+        self._lock = threading.Lock()
+        self.allocations = 0
+        """Buffers allocated so far (a steady-state data path leaves this unchanged)."""
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        size = round_up(max(nbytes, 1), SIZE_CLASS)
+        with self._lock:
+            free = self._idle.get(size)
+            buf = free.pop() if free else None
+            if buf is not None:
+                self._idle_bytes -= buf.nbytes
+            else:
+                self.allocations += 1
+        if buf is None:
+            buf = HostBuffer(size, self._pin)
+        with self._lock:
+            self._out[buf.tensor.data_ptr()] = buf
+        return buf.tensor
+
+    def release(self, tensor: torch.Tensor) -> None:
+        with self._lock:
+            buf = self._out.pop(tensor.data_ptr(), None)
+            if buf is None:
+                raise ValueError("release of a buffer this pool did not hand out")
+            if self._idle_bytes + buf.nbytes <= self.max_idle_bytes:
+                self._idle.setdefault(buf.nbytes, []).append(buf)
+                self._idle_bytes += buf.nbytes
+                return
+        buf.close()
+
+    @contextlib.contextmanager
+    def borrowed(self, nbytes: int) -> Iterator[torch.Tensor]:
+        buf = self.acquire(nbytes)
+        try:
+            yield buf
+        finally:
+            self.release(buf)
+
+    @property
+    def idle_bytes(self) -> int:
+        with self._lock:
+            return self._idle_bytes
+
+    def close(self) -> None:
+        with self._lock:
+            idle = [b for bufs in self._idle.values() for b in bufs]
+            self._idle.clear()
+            self._idle_bytes = 0
+        for buf in idle:
+            buf.close()
