@@ -39,16 +39,16 @@ MAX_HEADER_BYTES = 1 << 16
 PAYLOAD_ALIGN = 64
 """In-place chunks start their payload at a multiple of this many bytes."""
 _U64_MAX = (1 << 64) - 1
-_packers = threading.local()
+_packer = msgpack.Packer(use_bin_type=True, autoreset=True)
+_packer_lock = threading.Lock()
 
 
 def _packb(obj: object) -> bytes:
-    """msgpack with one Packer per thread: ``msgpack.packb`` makes a new Packer, and with
-    it a 256 KiB buffer, on every call; a header is a few hundred bytes."""
-    packer = getattr(_packers, "packer", None)
-    if packer is None:
-        packer = _packers.packer = msgpack.Packer(use_bin_type=True, autoreset=True)
-    return packer.pack(obj)
+    """msgpack with one shared Packer: ``msgpack.packb`` makes a new Packer, and with it a
+    256 KiB buffer, on every call (a per-thread one would on every new I/O thread); a
+    header is a few hundred bytes, packed in microseconds."""
+    with _packer_lock:
+        return _packer.pack(obj)
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -180,13 +180,19 @@ def encode_into(
     fingerprint: bytes,
     dtype: torch.dtype,
     shape: tuple[int, ...],
-    fill: Callable[[torch.Tensor], None],
+    fill: Callable[..., None],
+    group_bytes: int | None = None,
 ) -> int:
     """Write a chunk into ``dest`` (a contiguous CPU uint8 tensor at least
     :func:`chunk_layout`'s total long, e.g. a tier's slot): ``fill(payload)`` writes the
     KV into its final place (``payload`` is a ``shape``/``dtype`` view of ``dest``: a
     gather from the pool, or a copy), then the checksums are computed there and the header
-    written in front. Nothing chunk-sized is allocated. Returns the chunk's length."""
+    written in front. Nothing chunk-sized is allocated. Returns the chunk's length.
+
+    With ``group_bytes``, the payload is filled a group of layers of about that many
+    bytes at a time, ``fill(part, start, end)`` for layers ``[start, end)``, and each
+    group is checksummed right after, while it is still in the CPU's cache: the payload
+    crosses memory once, not twice."""
     offset, total = chunk_layout(key, fingerprint, dtype, shape)
     if dest.dtype != torch.uint8 or dest.dim() != 1 or not dest.is_contiguous():
         raise ChunkFormatError("encode_into needs a contiguous 1-D uint8 tensor")
@@ -195,21 +201,29 @@ def encode_into(
     if dest.device.type != "cpu":
         raise ChunkFormatError("encode_into writes host memory; gather into a pinned slot")
     region = dest[offset:total]
-    fill(region.view(dtype).view(shape))
+    kv = region.view(dtype).view(shape)
     payload = memoryview(region.numpy()).cast("B")
+    layers = shape[0]
+    if group_bytes is None:
+        fill(kv)
+        sums = _layer_checksums(payload, layers)
+    else:
+        step = len(payload) // layers if layers else 0
+        per = max(1, group_bytes // step) if step else layers
+        sums = ()
+        for a in range(0, layers, per):
+            b = min(a + per, layers)
+            fill(kv[a:b], a, b)
+            sums += _layer_checksums(payload[a * step : b * step], b - a)
     header = ChunkHeader(
         key=key,
         fingerprint=bytes(fingerprint),
         dtype=_DTYPE_NAMES[dtype],
         shape=tuple(shape),
         num_tokens=int(shape[2]),
-        layer_checksums=_layer_checksums(payload, shape[0]),
+        layer_checksums=sums,
     )
-    packed = header.pack_to(offset - _PREFIX.size)
-    head = memoryview(dest[:offset].numpy()).cast("B")
-    _PREFIX.pack_into(head, 0, MAGIC, len(packed))
-    head[_PREFIX.size : offset] = packed
-    return total
+    return write_header(dest, header, offset)
 
 
 def chunk_view(
@@ -220,7 +234,9 @@ def chunk_view(
     verify: bool = True,
 ) -> tuple[ChunkHeader, torch.Tensor]:
     """Verify the chunk in ``buf`` (a 1-D uint8 CPU tensor holding exactly one chunk) and
-    return its KV, or only layers ``[start, end)`` of it (only their checksums are read),
+    return its KV, or only the model's layers ``[start, end)`` of it (only their checksums
+    are read; a chunk that holds a layer range, from its ``first_layer`` on, is indexed by
+    model layer too, so a tier may hand out the whole chunk or just the range asked for),
     as a *view* of ``buf`` (no copy) where the payload is aligned for its dtype, as
     :func:`encode_into` writes it; a copy otherwise. The view is only as stable as ``buf``:
     hold the tier's lease on it while reading. ``verify=False`` skips the checksums, for a
@@ -232,7 +248,8 @@ def chunk_view(
             f"chunk {header.key}: payload is {len(mem) - offset} bytes, header says "
             f"{header.payload_nbytes} (truncated or padded)"
         )
-    start, end = (0, header.num_layers) if layers is None else layers
+    f = header.first_layer
+    start, end = (0, header.num_layers) if layers is None else (layers[0] - f, layers[1] - f)
     span_start, span_len = layer_span(header, (start, end))
     step = header.layer_nbytes
     for i in range(start, end) if verify else ():
@@ -247,13 +264,8 @@ def chunk_view(
     payload = buf[offset + span_start : offset + span_start + span_len]
     if (payload.storage_offset()) % dtype.itemsize:
         payload = payload.clone()  # an older chunk with an unaligned payload
-    shape = (end - start, *header.shape[1:])
-    if start or end != header.num_layers:
-        header = replace(
-            header, shape=shape, layer_checksums=header.layer_checksums[start:end],
-            first_layer=header.first_layer + start,
-        )
-    return header, payload.view(dtype).view(shape)
+    header = range_header(header, (start, end))
+    return header, payload.view(dtype).view(header.shape)
 
 
 def parse_header(buf: bytes | bytearray | memoryview) -> tuple[ChunkHeader, int]:
@@ -342,21 +354,45 @@ def layer_span(header: ChunkHeader, layers: tuple[int, int]) -> tuple[int, int]:
     return start * header.layer_nbytes, (end - start) * header.layer_nbytes
 
 
+def range_header(header: ChunkHeader, layers: tuple[int, int]) -> ChunkHeader:
+    """The header of the chunk holding only layers ``[start, end)`` of ``header``'s chunk
+    (checksums carried over, so the range is still verified against the writer's)."""
+    start, end = layers
+    layer_span(header, layers)
+    if (start, end) == (0, header.num_layers):
+        return header
+    return replace(
+        header,
+        shape=(end - start, *header.shape[1:]),
+        layer_checksums=header.layer_checksums[start:end],
+        first_layer=header.first_layer + start,
+    )
+
+
+def header_room(header: ChunkHeader) -> int:
+    """The smallest payload offset :func:`write_header` can write ``header`` in front of."""
+    return _PREFIX.size + len(_packb({**header.fields(), "pad": b""}))
+
+
+def write_header(dest: torch.Tensor, header: ChunkHeader, payload_offset: int) -> int:
+    """Write the prefix and ``header`` (padded) into ``dest[:payload_offset]`` (a uint8
+    CPU tensor whose payload is, or will be, at ``payload_offset``); returns the chunk's
+    length. Lets a reader land a payload first, where it wants it, and frame it after."""
+    packed = header.pack_to(payload_offset - _PREFIX.size)
+    head = memoryview(dest[:payload_offset].numpy()).cast("B")
+    _PREFIX.pack_into(head, 0, MAGIC, len(packed))
+    head[_PREFIX.size : payload_offset] = packed
+    return payload_offset + header.payload_nbytes
+
+
 def slice_chunk(
     header: ChunkHeader, layers: tuple[int, int], payload_part: bytes | memoryview
 ) -> bytes:
     """A valid chunk holding only layers ``[start, end)``, from their payload bytes (e.g. a
     range read of a stored chunk). Checksums are carried over, not recomputed, so a corrupted
     range is still caught by :func:`validate_chunk`."""
-    start, end = layers
     _, length = layer_span(header, layers)
     if len(payload_part) != length:
         raise ChunkFormatError(f"layer range payload is {len(payload_part)} bytes, expected {length}")
-    part = replace(
-        header,
-        shape=(end - start, *header.shape[1:]),
-        layer_checksums=header.layer_checksums[start:end],
-        first_layer=header.first_layer + start,
-    )
-    packed = part.pack()
+    packed = range_header(header, layers).pack()
     return b"".join((_PREFIX.pack(MAGIC, len(packed)), packed, payload_part))

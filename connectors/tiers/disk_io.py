@@ -15,6 +15,8 @@ import errno
 import mmap
 import os
 
+import numpy as np
+
 ALIGN = 4096
 HEAD_READ = 4096
 """Bytes read first for a layer-range read: enough for the header of a chunk of
@@ -80,20 +82,39 @@ def _write_all(fd: int, data: memoryview, offset: int = 0) -> None:
         offset += os.pwrite(fd, data[offset:], offset)
 
 
+def address(view: memoryview) -> int:
+    """The address of a buffer's first byte (to check O_DIRECT's alignment)."""
+    if not len(view):
+        return 0
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
 def _write_direct(fd: int, blob: bytes | bytearray | memoryview) -> None:
-    n = len(blob)
-    size = max(_round_up(n), ALIGN)
-    buf = mmap.mmap(-1, size)
+    """Write ``blob`` with O_DIRECT: its whole pages straight from its memory where it is
+    page-aligned (a slot of the CPU arena or of a staging buffer), the rest through a
+    page-sized bounce buffer; the file is padded to a page and truncated back."""
+    data = memoryview(blob).cast("B")
+    n = len(data)
+    head = n - n % ALIGN if address(data) % ALIGN == 0 else 0
     try:
-        buf[:n] = blob
-        try:
-            _write_all(fd, memoryview(buf))
-        except OSError as exc:
-            if exc.errno == errno.EINVAL:
-                raise DirectIOUnsupported(exc.errno, f"O_DIRECT write refused: {exc.strerror}") from None
-            raise
-    finally:
-        buf.close()
+        if head:
+            _write_all(fd, data[:head])
+        rest = n - head
+        if rest or not n:
+            buf = mmap.mmap(-1, max(_round_up(rest), ALIGN))
+            try:
+                buf[:rest] = data[head:]
+                view = memoryview(buf)
+                done = 0
+                while done < len(view):
+                    done += os.pwrite(fd, view[done:], head + done)
+                view.release()
+            finally:
+                buf.close()
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            raise DirectIOUnsupported(exc.errno, f"O_DIRECT write refused: {exc.strerror}") from None
+        raise
     os.ftruncate(fd, n)
 
 
@@ -133,3 +154,39 @@ def read_range(fd: int, offset: int, length: int, direct: bool) -> bytes:
         return data
     finally:
         buf.close()
+
+
+def read_into(fd: int, offset: int, length: int, buf: memoryview, at: int, direct: bool) -> bool:
+    """Read ``length`` bytes at file ``offset`` into ``buf[at : at + length]``, with no
+    intermediate copy; False when the file ends first (a truncated file). With ``direct``
+    the read is widened to whole pages, so ``buf`` must be page-aligned at
+    ``at - offset % ALIGN`` and have room for the widened read (see
+    :func:`direct_read_room`); the bytes around the asked range are overwritten."""
+    if length <= 0:
+        return True
+    if not direct:
+        got = 0
+        while got < length:
+            n = os.preadv(fd, [buf[at + got : at + length]], offset + got)
+            if n <= 0:
+                return False
+            got += n
+        return True
+    delta = offset % ALIGN
+    lo, size = at - delta, _round_up(delta + length)
+    if lo < 0 or lo + size > len(buf) or address(buf[lo:]) % ALIGN:
+        raise ValueError("O_DIRECT read into a buffer that is not page-aligned or too short")
+    got = 0
+    while got < delta + length:
+        n = os.preadv(fd, [buf[lo + got : lo + size]], offset - delta + got)
+        if n <= 0:
+            return False
+        got += n
+        if got % ALIGN:  # end of file: a short O_DIRECT read is never resumed unaligned
+            break
+    return got >= delta + length
+
+
+def direct_read_room(offset: int, length: int) -> int:
+    """Bytes past ``at - offset % ALIGN`` an O_DIRECT :func:`read_into` may write."""
+    return _round_up(offset % ALIGN + length)

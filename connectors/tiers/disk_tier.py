@@ -25,18 +25,30 @@ import os
 import struct
 import threading
 import uuid
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
-from kvtier.chunk_format import layer_span, parse_header, slice_chunk
+import torch
+
+from kvtier.chunk_format import (
+    PAYLOAD_ALIGN,
+    ChunkHeader,
+    header_room,
+    layer_span,
+    parse_header,
+    range_header,
+    slice_chunk,
+    write_header,
+)
 from kvtier.chunk_keys import KEY_RE
 from kvtier.connectors.tiers import disk_io
 from kvtier.connectors.tiers.base import Blob, PutResult, Tier
 from kvtier.connectors.tiers.chunk_checks import admission_error, is_valid
 from kvtier.connectors.tiers.chunk_index import ChunkIndex
 from kvtier.connectors.tiers.disk_io import failure_reason, fsync_dir, unlink_if_present
+from kvtier.connectors.tiers.host_buffers import StagingPool, round_up
 from kvtier.errors import ChunkFormatError, InvalidArgumentError, TierError
 from kvtier.policies.eviction import ChunkInfo, EvictionPolicy, eviction_policy
 
@@ -57,7 +69,8 @@ class DiskTier(Tier):
     ``fsync``: sync data and directories (turn off only for scratch data).
     ``o_direct``: bypass the page cache (falls back to buffered I/O, with a warning, where
     the filesystem refuses it). ``read_evicted``: hand evicted chunks' bytes to eviction
-    listeners (one extra read per eviction) instead of ``None``.
+    listeners (one extra read per eviction) instead of ``None``. ``staging``: the buffers
+    :meth:`lease` reads into (default: a pool of its own).
     """
 
     name = "disk"
@@ -71,6 +84,7 @@ class DiskTier(Tier):
         max_workers: int = 4,
         read_evicted: bool = False,
         eviction: str | EvictionPolicy = "lru",
+        staging: StagingPool | None = None,
     ) -> None:
         super().__init__()
         if capacity_bytes is not None and capacity_bytes < 1:
@@ -92,6 +106,9 @@ class DiskTier(Tier):
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
             max_workers, thread_name_prefix="kvtier-disk"
         )
+        self._own_staging = staging is None
+        self._staging = StagingPool() if staging is None else staging
+        """Buffers reads land in (:meth:`lease`): reused, so reading allocates nothing."""
 
     # --- start-up --------------------------------------------------------------------
     def _acquire_dir_lock(self) -> tuple[int, bool]:
@@ -326,15 +343,7 @@ class DiskTier(Tier):
                 gone.append(keys[i])
             else:
                 out[i] = data  # type: ignore[assignment]
-        if corrupt or gone:
-            with self._lock:
-                for key in corrupt:
-                    if self._index.pop(key) is not None:
-                        unlink_if_present(self._path(key))
-                for key in gone:
-                    self._index.pop(key)
-        for key in corrupt:
-            log.warning("disk tier %s: chunk %s is corrupt or truncated; deleted", self.directory, key)
+        self._forget(corrupt, gone)
         hits = [b for b in out if b is not None]
         with self.stats.lock:
             self.stats.gets += len(keys)
@@ -378,14 +387,8 @@ class DiskTier(Tier):
     @staticmethod
     def _read_layers(key: str, fd: int, direct: bool, layers: tuple[int, int]) -> bytes | None:
         """Header + one byte range (two or three preads); None when the file is damaged."""
-        head = disk_io.read_range(fd, 0, disk_io.HEAD_READ, direct)
-        if len(head) >= _PREFIX.size:
-            need = _PREFIX.size + _PREFIX.unpack_from(head)[1]
-            if len(head) < need <= _PREFIX.size + (1 << 16):
-                head = disk_io.read_range(fd, 0, need, direct)
-        try:
-            header, offset = parse_header(head)
-        except ChunkFormatError:
+        header, offset = DiskTier._read_header(fd, direct)
+        if header is None:
             return None
         try:
             start, length = layer_span(header, layers)
@@ -395,6 +398,114 @@ class DiskTier(Tier):
         if len(part) != length:
             return None
         return slice_chunk(header, layers, part)
+
+    @property
+    def staging(self) -> StagingPool:
+        """The reused buffers reads land in (share it with the manager's writes)."""
+        return self._staging
+
+    # --- lease -------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def lease(
+        self, keys: Sequence[str], layers: tuple[int, int] | None = None
+    ) -> Iterator[list[torch.Tensor | None]]:
+        """The chunks (or layers ``layers`` of them) read straight into staging buffers,
+        several files at once, each a uint8 tensor holding one valid chunk (None: a miss),
+        unverified: check them with :func:`~kvtier.chunk_format.chunk_view`. No bytes
+        object is made: the payload lands where it is read from (with ``O_DIRECT`` from
+        the device), the header is framed around it. The buffers go back to the pool when
+        the block ends. A file that is gone is a miss; one that is truncated or whose
+        header is unreadable is deleted (a torn file is never handed out)."""
+        if layers is not None and not 0 <= layers[0] < layers[1]:
+            raise InvalidArgumentError(f"layer range {layers} is empty or negative")
+        with self._lock:
+            present = [i for i, key in enumerate(keys) if self._index.get(key) is not None]
+        reads = self._map(lambda i: self._read_into(keys[i], layers), present)
+        out: list[torch.Tensor | None] = [None] * len(keys)
+        gone: list[str] = []
+        corrupt: list[str] = []
+        held: list[torch.Tensor] = []
+        for i, got in zip(present, reads, strict=True):
+            if got is _CORRUPT:
+                corrupt.append(keys[i])
+            elif got is None:
+                gone.append(keys[i])
+            else:
+                buf, length = got  # type: ignore[misc]
+                held.append(buf)
+                out[i] = buf[:length]
+        self._forget(corrupt, gone)
+        hits = [v.numel() for v in out if v is not None]
+        with self.stats.lock:
+            self.stats.gets += len(keys)
+            self.stats.hits += len(hits)
+            self.stats.misses += len(keys) - len(hits)
+            self.stats.bytes_read += sum(hits)
+            self.stats.corrupt += len(corrupt)
+        try:
+            yield out
+        finally:
+            for buf in held:
+                self._staging.release(buf)
+
+    def _read_into(self, key: str, layers: tuple[int, int] | None) -> object:
+        """(staging buffer, chunk length), None if the file is gone, or _CORRUPT."""
+        try:
+            fd, direct = self._open(key)
+        except FileNotFoundError:
+            return None
+        buf: torch.Tensor | None = None
+        try:
+            size = os.fstat(fd).st_size
+            header, offset = self._read_header(fd, direct)
+            if header is None or size != offset + header.payload_nbytes:
+                return _CORRUPT
+            try:
+                span = (0, header.num_layers) if layers is None else layers
+                lo, length = layer_span(header, span)
+            except ChunkFormatError as exc:
+                raise InvalidArgumentError(f"chunk {key}: {exc}") from None
+            part = range_header(header, span)
+            at = round_up(header_room(part), PAYLOAD_ALIGN)
+            if direct:  # the payload lands at the same offset within a page as on disk
+                at += (offset + lo - at) % disk_io.ALIGN
+            buf = self._staging.acquire(at + disk_io.direct_read_room(offset + lo, length))
+            if not disk_io.read_into(fd, offset + lo, length, memoryview(buf.numpy()), at, direct):
+                self._staging.release(buf)
+                return _CORRUPT
+            return buf, write_header(buf, part, at)
+        except OSError as exc:
+            if buf is not None:
+                self._staging.release(buf)
+            log.warning("disk tier %s: reading chunk %s failed: %s", self.directory, key, exc)
+            self.stats.count_error("io_error")
+            return _CORRUPT
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _read_header(fd: int, direct: bool) -> tuple[ChunkHeader | None, int]:
+        head = disk_io.read_range(fd, 0, disk_io.HEAD_READ, direct)
+        if len(head) >= _PREFIX.size:
+            need = _PREFIX.size + _PREFIX.unpack_from(head)[1]
+            if len(head) < need <= _PREFIX.size + (1 << 16):
+                head = disk_io.read_range(fd, 0, need, direct)
+        try:
+            return parse_header(head)
+        except ChunkFormatError:
+            return None, 0
+
+    def _forget(self, corrupt: Sequence[str], gone: Sequence[str]) -> None:
+        """Drop corrupt files (and their index entries) and entries whose file vanished."""
+        if corrupt or gone:
+            with self._lock:
+                for key in corrupt:
+                    if self._index.pop(key) is not None:
+                        unlink_if_present(self._path(key))
+                for key in gone:
+                    self._index.pop(key)
+        for key in corrupt:
+            log.warning("disk tier %s: chunk %s is corrupt or truncated; deleted", self.directory, key)
 
     # --- the rest ------------------------------------------------------------------------
     def contains_prefix(self, keys: Sequence[str]) -> int:
@@ -435,6 +546,8 @@ class DiskTier(Tier):
             fd, self._lock_fd = self._lock_fd, None
         if pool is not None:
             pool.shutdown(wait=True)
+            if self._own_staging:
+                self._staging.close()
         if fd is not None:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
