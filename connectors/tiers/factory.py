@@ -38,7 +38,11 @@ def configured_eviction(cfg: TiersConfig, field: str) -> EvictionPolicy:
 
 def build_tiers(cfg: TiersConfig, slot_bytes: int, fingerprint: bytes) -> TierManager | None:
     """CPU, disk and Redis tiers as configured, fastest first; None when all are off."""
+    from kvtier.connectors.tiers.host_buffers import StagingPool, round_up
+
     tiers: list[Tier] = []
+    staging = StagingPool()  # one pool of reused buffers for the manager's writes and disk reads
+    slot_bytes = round_up(slot_bytes)  # page-aligned slots: a demotion writes them with O_DIRECT as they are
     cpu_eviction = configured_eviction(cfg, "cpu_eviction")
     disk_eviction = configured_eviction(cfg, "disk_eviction")
     if cfg.cpu_bytes:
@@ -63,6 +67,7 @@ def build_tiers(cfg: TiersConfig, slot_bytes: int, fingerprint: bytes) -> TierMa
                 cfg.disk_o_direct,
                 read_evicted=bool(cfg.redis_url),
                 eviction=disk_eviction,
+                staging=staging,
             )
         )
     if cfg.redis_url:
@@ -71,4 +76,4 @@ def build_tiers(cfg: TiersConfig, slot_bytes: int, fingerprint: bytes) -> TierMa
         tiers.append(RedisTier(cfg.redis_url, ttl_s=cfg.redis_ttl_s, timeout_s=cfg.redis_timeout_s))
     if not tiers:
         return None
-    return TierManager(tiers, cfg.write_policy, fingerprint=fingerprint)
+    return TierManager(tiers, cfg.write_policy, fingerprint=fingerprint, staging=staging)

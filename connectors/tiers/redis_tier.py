@@ -18,15 +18,17 @@ exceptions are faults) lives in ``redis_client``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
+import torch
 from redis.utils import HIREDIS_AVAILABLE
 
-from kvtier.chunk_format import layer_span, parse_header, slice_chunk, validate_chunk
+from kvtier.chunk_format import byte_view, layer_span, parse_header, slice_chunk, validate_chunk
 from kvtier.connectors.tiers.base import Blob, PutResult, Tier
 from kvtier.connectors.tiers.redis_client import (
     CLUSTER_SCHEME,
@@ -45,6 +47,17 @@ T = TypeVar("T")
 
 HEADER_PROBE_BYTES = 4096
 """First bytes read by a layer-range get; covers the header of any chunk up to ~400 layers."""
+
+
+def _wire(blob: Blob) -> bytes | memoryview:
+    """A value redis-py sends as it is (a byte memoryview goes out of the caller's buffer,
+    a slot or a staging buffer, with no copy). A put that times out may still be sending
+    when the caller reuses the buffer; the value is then torn, and every read checks key
+    and checksums, so it is rejected, never served."""
+    if isinstance(blob, bytes):
+        return blob
+    view = memoryview(blob)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 class RedisTier(Tier):
@@ -137,7 +150,7 @@ class RedisTier(Tier):
         assert self._sync is not None
         pipe = self._sync.pipeline(transaction=False)
         for k in keys:
-            pipe.set(self._rk(k), bytes(chunks[k]), nx=True, px=self.ttl_ms)
+            pipe.set(self._rk(k), _wire(chunks[k]), nx=True, px=self.ttl_ms)
             if self.ttl_ms is not None:
                 pipe.pexpire(self._rk(k), self.ttl_ms)  # a re-put keeps a live chunk alive
         return pipe.execute(raise_on_error=False)
@@ -154,7 +167,7 @@ class RedisTier(Tier):
         else:
             pipe = self._pipeline()
             for k in keys:
-                pipe.set(self._rk(k), bytes(chunks[k]), nx=True, px=self.ttl_ms)
+                pipe.set(self._rk(k), _wire(chunks[k]), nx=True, px=self.ttl_ms)
                 if self.ttl_ms is not None:
                     pipe.pexpire(self._rk(k), self.ttl_ms)  # a re-put keeps a live chunk alive
             replies = await pipe.execute(raise_on_error=False)
@@ -177,7 +190,9 @@ class RedisTier(Tier):
         self._add_used(written)
         return result
 
-    async def _get(self, keys: Sequence[str], layers: tuple[int, int] | None) -> list[bytes | None]:
+    async def _get(
+        self, keys: Sequence[str], layers: tuple[int, int] | None, verify: bool = True
+    ) -> list[bytes | None]:
         if not keys:
             return []
         if layers is None:
@@ -185,7 +200,7 @@ class RedisTier(Tier):
             out: list[bytes | None] = []
             corrupt: dict[str, int] = {}
             for k, blob in zip(keys, raw, strict=True):
-                if blob is not None and not self._valid(k, blob):
+                if verify and blob is not None and not self._valid(k, blob):
                     corrupt[k] = len(blob)
                     blob = None
                 out.append(blob)
@@ -346,6 +361,17 @@ class RedisTier(Tier):
     def get(self, keys: Sequence[str], layers: tuple[int, int] | None = None) -> list[bytes | None]:
         self._check_layers(layers)
         return self._guarded("get", self._get(keys, layers), self._all_missed(keys))
+
+    @contextlib.contextmanager
+    def lease(
+        self, keys: Sequence[str], layers: tuple[int, int] | None = None
+    ) -> Iterator[list[torch.Tensor | None]]:
+        """The chunks as uint8 tensors over the replies (no copy), for the manager to
+        verify once (:func:`~kvtier.chunk_format.chunk_view`) and scatter from: whole
+        chunks unverified here (one round trip), layer ranges as :meth:`get` reads them."""
+        self._check_layers(layers)
+        blobs = self._guarded("get", self._get(keys, layers, verify=False), self._all_missed(keys))
+        yield [None if b is None else byte_view(b) for b in blobs]
 
     def contains_prefix(self, keys: Sequence[str]) -> int:
         return self._guarded("contains_prefix", self._contains_prefix(keys), lambda _: 0)

@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from kvtier.chunk_format import chunk_layout, encode_chunk, encode_into
+from kvtier.chunk_format import chunk_layout, encode_into
 from kvtier.chunk_keys import ChunkKey, chunk_keys
 from kvtier.connectors.tiers.manager import TierManager
 from kvtier.errors import InvalidArgumentError
@@ -70,8 +70,46 @@ class Snapshot:
     end: int = 0
     """Tokens covered by the stored chunks plus the copied ones (contiguous)."""
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Each chunk's KV, a view of its staging buffer at the payload's place in the chunk."""
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Each chunk's staging buffer (from the manager's pool), given back by ``store``."""
     nbytes: int = 0
     ready: torch.cuda.Event | None = None
+
+
+GROUP_BYTES = 4 << 20
+"""Layers are gathered and checksummed this many bytes at a time (see ``encode_into``)."""
+
+Fill = Callable[..., None]
+Source = tuple[tuple[int, ...], torch.dtype, Fill]
+"""A chunk to write: its shape, dtype and how to fill its payload, a group of layers at a time."""
+
+
+def _in_place(part: torch.Tensor, a: int, b: int) -> None:
+    """The payload already lies where it goes (a snapshot's staging buffer)."""
+
+
+def _copy_from(t: torch.Tensor) -> Source:
+    """A chunk's (shape, dtype, fill) that copies it from a host snapshot."""
+    return tuple(t.shape), t.dtype, lambda part, a, b: part.copy_(t[a:b])
+
+
+def _gather_from(kv: torch.Tensor, ids: list[int], num_tokens: int
+                 ) -> Source:
+    """A chunk's (shape, dtype, fill) that gathers its layers straight from the pool's
+    blocks (on CUDA: gathered on the device, then one copy per group of layers to the
+    host, waited for)."""
+    shape = (kv.shape[0], 2, num_tokens, kv.shape[4], kv.shape[5])
+    if not kv.is_cuda:
+        return shape, kv.dtype, lambda part, a, b: gather_blocks(kv[a:b], ids, num_tokens=num_tokens, out=part)
+    dev: list[torch.Tensor] = []
+
+    def fill(part: torch.Tensor, a: int, b: int) -> None:
+        if not dev:
+            dev.append(gather_blocks(kv, ids, num_tokens=num_tokens))
+        part.copy_(dev[0][a:b])
+
+    return shape, kv.dtype, fill
 
 
 class PoolOwner(Protocol):
@@ -142,26 +180,18 @@ class KVTransfer(RestoreMixin):
         return (present[-1] + 1) * self._pool.block_size if present else 0
 
     # -------------------------------------------------------------------- save
-    def snapshot(
-        self, token_ids: Sequence[int], reserve: Callable[[int], None] | None = None
-    ) -> Snapshot:
-        """Copy the KV of every chunk not stored yet out of the pool (engine thread).
-
-        The copy is what makes storing asynchronous safe: once taken, the pool's blocks may
-        be reused. ``reserve(nbytes)`` is called before any copy is made (the transfer
-        engine's cap on bytes in flight). On CUDA the gather runs on a side stream into
-        pinned host memory and ``ready`` is its completion event."""
-        pool = self._pool
-        bs = pool.block_size
+    def _plan(self, token_ids: Sequence[int]) -> tuple[Snapshot, list[tuple[ChunkKey, list[int]]]]:
+        """The chunks of ``token_ids`` to store (not stored yet, wholly in the pool), with
+        their pool blocks, and a snapshot that records what is stored already."""
+        bs = self._pool.block_size
         blocks = self._pool_blocks(token_ids)
         n = self.storable_tokens(token_ids)
-        keys = self._keys(list(token_ids[:n]))
-        snap = Snapshot(keys=keys)
-        if not keys:
-            return snap
-        have = self.manager.lookup([k.key for k in keys])
+        snap = Snapshot(keys=self._keys(list(token_ids[:n])))
         todo: list[tuple[ChunkKey, list[int]]] = []
-        for i, ck in enumerate(keys):
+        if not snap.keys:
+            return snap, todo
+        have = self.manager.lookup([k.key for k in snap.keys])
+        for i, ck in enumerate(snap.keys):
             if i < have.length:
                 snap.already += 1
                 snap.end = ck.end
@@ -171,28 +201,42 @@ class KVTransfer(RestoreMixin):
                 break  # a hole: neither stored nor in the pool
             todo.append((ck, ids))  # type: ignore[arg-type]
             snap.end = ck.end
-        per_token = pool.storage.bytes_per_token
-        snap.nbytes = sum(ck.num_tokens for ck, _ in todo) * per_token
+        snap.nbytes = sum(ck.num_tokens for ck, _ in todo) * self._pool.storage.bytes_per_token
+        return snap, todo
+
+    def snapshot(
+        self, token_ids: Sequence[int], reserve: Callable[[int], None] | None = None
+    ) -> Snapshot:
+        """Copy the KV of every chunk not stored yet out of the pool (engine thread).
+
+        The copy is what makes storing asynchronous safe: once taken, the pool's blocks may
+        be reused. ``reserve(nbytes)`` is called before any copy is made (the transfer
+        engine's cap on bytes in flight). On CUDA the gather runs on a side stream into
+        pinned host memory and ``ready`` is its completion event."""
+        snap, todo = self._plan(token_ids)
         if not todo:
             return snap
         if reserve is not None:
             reserve(snap.nbytes)
-        kv = pool.storage.kv
+        kv = self._pool.storage.kv
+        for ck, _ in todo:  # reused buffers (pinned with CUDA), laid out as the chunk
+            shape = (kv.shape[0], 2, ck.num_tokens, kv.shape[4], kv.shape[5])
+            offset, total = chunk_layout(ck.key, self.runner.fingerprint, kv.dtype, shape)
+            buf = snap.buffers[ck.key] = self.manager.staging.acquire(total)
+            snap.tensors[ck.key] = buf[offset:total].view(kv.dtype).view(shape)
         if kv.is_cuda:
             stream = self._side_stream()
             stream.wait_stream(torch.cuda.current_stream(kv.device))
             with torch.cuda.stream(stream):
                 for ck, ids in todo:
                     dev = gather_blocks(kv, ids, num_tokens=ck.num_tokens)
-                    host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
-                    host.copy_(dev, non_blocking=True)
+                    snap.tensors[ck.key].copy_(dev, non_blocking=True)
                     dev.record_stream(stream)
-                    snap.tensors[ck.key] = host
                 snap.ready = torch.cuda.Event()
                 snap.ready.record(stream)
         else:
             for ck, ids in todo:
-                snap.tensors[ck.key] = gather_blocks(kv, ids, num_tokens=ck.num_tokens)
+                gather_blocks(kv, ids, num_tokens=ck.num_tokens, out=snap.tensors[ck.key])
         return snap
 
     def _side_stream(self) -> torch.cuda.Stream:
@@ -203,24 +247,46 @@ class KVTransfer(RestoreMixin):
     def store(self, snap: Snapshot, tier: int | str = 0, owner: Hashable | None = None) -> SaveReport:
         """Encode a snapshot's chunks and put them in ``tier`` (any thread); ``owner`` (a
         session id) lets the tiers' eviction policy treat them as that session's chain."""
+        try:
+            if snap.ready is not None:
+                snap.ready.synchronize()
+            sources = {key: _copy_from(t) for key, t in snap.tensors.items()}
+            return self._write(snap, sources, tier, owner)
+        finally:
+            self.release(snap)
+
+    def release(self, snap: Snapshot) -> None:
+        """Give a snapshot's buffers back (``store`` does; call it for one never stored)."""
+        buffers, snap.buffers = snap.buffers, {}
+        snap.tensors = {}
+        for buf in buffers.values():
+            self.manager.staging.release(buf)
+
+    def save(
+        self, token_ids: Sequence[int], tier: int | str = 0, owner: Hashable | None = None
+    ) -> SaveReport:
+        """Store the KV of ``token_ids`` up to its last block held in the pool (whole
+        blocks; the last chunk is a tail keyed by its length), now, gathering each chunk
+        from the pool straight to where it is stored (a CPU arena slot, or a staging
+        buffer a lower tier writes from): one copy, checksummed while in cache. Chunks
+        already in a tier are not written again; a chunk that is neither stored nor fully
+        in the pool ends the stored prefix."""
+        snap, todo = self._plan(token_ids)
+        kv = self._pool.storage.kv
+        sources = {ck.key: _gather_from(kv, ids, ck.num_tokens) for ck, ids in todo}
+        return self._write(snap, sources, tier, owner)
+
+    def _write(
+        self, snap: Snapshot, sources: dict[str, Source],
+        tier: int | str, owner: Hashable | None,
+    ) -> SaveReport:
         report = SaveReport(tokens=0, keys=[k.key for k in snap.keys], already=snap.already)
         if owner is not None and snap.already:  # a shared prefix, not written again
             self.manager.share([k.key for k in snap.keys[: snap.already]], owner)
-        if snap.ready is not None:
-            snap.ready.synchronize()
-        fp = self.runner.fingerprint
         index = {ck.key: i for i, ck in enumerate(snap.keys)}
-        pending = self._store_in_place(snap, tier, owner, index, report)
-        blobs = {key: encode_chunk(key, fp, t) for key, t in pending.items()}
-        if blobs:
-            info = {
-                key: ChunkInfo(len(blob), session=owner, index=index[key])
-                for key, blob in blobs.items()
-            }
-            res = self.manager.put(blobs, tier, info)
-            report.failed = dict(res.failed)
-            report.stored += len(blobs) - len(res.failed)
-            report.bytes += sum(len(b) for k, b in blobs.items() if k not in res.failed)
+        pending = self._store_in_place(sources, tier, owner, index, report)
+        if pending:
+            self._put_staged(pending, tier, owner, index, report, snap.buffers)
         # The stored prefix ends at the first chunk no tier took.
         for ck in snap.keys:
             if ck.key in report.failed or ck.end > snap.end:
@@ -228,46 +294,76 @@ class KVTransfer(RestoreMixin):
             report.tokens = ck.end
         return report
 
+    def _encode(self, key: str, source: Source, dest: torch.Tensor) -> int:
+        shape, dtype, fill = source
+        return encode_into(dest, key, self.runner.fingerprint, dtype, shape, fill, GROUP_BYTES)
+
     def _store_in_place(
         self,
-        snap: Snapshot,
+        sources: dict[str, Source],
         tier: int | str,
         owner: Hashable | None,
         index: dict[str, int],
         report: SaveReport,
-    ) -> dict[str, torch.Tensor]:
-        """Write the snapshot's chunks straight into the target tier's memory where it
-        lends it (the CPU arena: one copy from the snapshot into a slot, header and
-        checksums written in place); returns the chunks left for the blob path (a tier
-        that lends no memory, or a full one: put then hands them down)."""
+    ) -> dict[str, Source]:
+        """Write the chunks straight into the target tier's memory where it lends it
+        (the CPU arena: one copy into a slot, header and checksums written in place);
+        returns the chunks left for a staging buffer (a tier that lends no memory, or a
+        full one: put then hands them down)."""
         fp = self.runner.fingerprint
         target = self.manager.tier_index(tier) if isinstance(tier, str) else tier
-        pending = dict(snap.tensors)
-        for key, kv in snap.tensors.items():
-            shape, dtype = tuple(kv.shape), kv.dtype
+        pending = dict(sources)
+        for key, source in sources.items():
+            shape, dtype, _ = source
             _, total = chunk_layout(key, fp, dtype, shape)
-
-            def fill(slot: torch.Tensor, key=key, kv=kv, shape=shape, dtype=dtype) -> int:
-                return encode_into(slot, key, fp, dtype, shape, lambda payload: payload.copy_(kv))
-
             info = ChunkInfo(total, session=owner, index=index[key])
-            done = self.manager.store_in_place(target, key, total, fill, info)
+            done = self.manager.store_in_place(
+                target, key, total, lambda slot, key=key, source=source: self._encode(key, source, slot), info
+            )
             if done is None:
-                break  # the tier lends no memory: every chunk goes the blob way
+                break  # the tier lends no memory: every chunk goes through staging
             if done in ("stored", "present"):
                 del pending[key]
                 report.stored += 1
                 report.bytes += total
         return pending
 
-    def save(
-        self, token_ids: Sequence[int], tier: int | str = 0, owner: Hashable | None = None
-    ) -> SaveReport:
-        """Store the KV of ``token_ids`` up to its last block held in the pool (whole
-        blocks; the last chunk is a tail keyed by its length). Chunks already in a tier are
-        not written again; a chunk that is neither stored nor fully in the pool ends the
-        stored prefix."""
-        return self.store(self.snapshot(token_ids), tier, owner)
+    def _put_staged(
+        self,
+        pending: dict[str, Source],
+        tier: int | str,
+        owner: Hashable | None,
+        index: dict[str, int],
+        report: SaveReport,
+        staged: dict[str, torch.Tensor],
+    ) -> None:
+        """Encode each chunk in place into a reused staging buffer and put the buffers'
+        memory in one batch (the disk tier writes from it, Redis sends it): no chunk-sized
+        bytes object is made. A snapshot's chunk already lies in its buffer at its place
+        (``staged``): only its checksums and header are written."""
+        staging = self.manager.staging
+        held: list[torch.Tensor] = []
+        try:
+            blobs: dict[str, memoryview] = {}
+            for key, source in pending.items():
+                shape, dtype, fill = source
+                buf = staged.get(key)
+                if buf is not None:
+                    source = (shape, dtype, _in_place)
+                else:
+                    _, total = chunk_layout(key, self.runner.fingerprint, dtype, shape)
+                    buf = staging.acquire(total)
+                    held.append(buf)
+                n = self._encode(key, source, buf)
+                blobs[key] = memoryview(buf[:n].numpy())
+            info = {key: ChunkInfo(len(b), session=owner, index=index[key]) for key, b in blobs.items()}
+            res = self.manager.put(blobs, tier, info)
+            report.failed = dict(res.failed)
+            report.stored += len(blobs) - len(res.failed)
+            report.bytes += sum(len(b) for k, b in blobs.items() if k not in res.failed)
+        finally:
+            for buf in held:
+                staging.release(buf)
 
     # ------------------------------------------------------------------- evict
     def pool_blocks(self, token_ids: Sequence[int]) -> set[int]:

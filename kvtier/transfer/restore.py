@@ -166,30 +166,37 @@ class RestoreMixin:
         report = LoadReport(tokens=cached, from_pool=cached)
         if not usable:
             return report
-        with self._reading(usable, where, 0) as layer0:
+        pool = self._pool
+        num_layers = pool.storage.num_layers
+        if stream is None:
+            stream = pool.storage.kv.is_cuda or usable[-1].end - cached >= self.stream_min_tokens
+        # Not streaming: every layer in one read per chunk (one lease, one file read, one
+        # round trip), layer 0 scattered first as a streamed restore does, then the rest.
+        last = None if stream and num_layers > 1 else num_layers - 1
+        with self._reading(usable, where, 0, last) as parts:
             chunks: list[ChunkKey] = []
             end = usable[0].start  # <= cached: the first chunk may overlap blocks still pooled
-            for ck, part in zip(usable, layer0, strict=True):
+            for ck, part in zip(usable, parts, strict=True):
                 if part is None or ck.start != end:
                     break
                 chunks.append(ck)
                 end = ck.end
             if end <= cached:
                 return report
+            layer0 = [p if last is None else p[:1] for p in parts[: len(chunks)] if p is not None]
             begun = self._begin_load(prefix, end, chunks, layer0)
+            if begun is not None and last is not None:
+                sid, load, spans = begun
+                self._load_rest(load, spans, [p[1:] for p in parts[: len(chunks)] if p is not None])
         if begun is None:
             return report
         sid, load, spans = begun
-        pool = self._pool
         where = Location(len(chunks), where.tiers[: len(chunks)])
-        if stream is None:
-            stream = pool.storage.kv.is_cuda or end - cached >= self.stream_min_tokens
-        if stream and load.num_layers > 1:
+        if last is None:
             self._stream_rest(load, chunks, spans, where)
             report.pending = load
             loaded = chunks
         else:
-            self._load_rest(load, chunks, spans, where)
             for b in load.take_poisoned_blocks():
                 pool.block_pool.uncache_block(b)
             pool.free_sequence(sid)
@@ -289,7 +296,15 @@ class RestoreMixin:
         the chunk lies there, so they must be scattered before the block ends (on CUDA the
         copies are waited for before the slots are let go)."""
         stop = layer + 1 if last is None else last + 1
-        with self.manager.lease([ck.key for ck in chunks], (layer, stop), where) as parts:
+        span = None if (layer, stop) == (0, self._pool.storage.num_layers) else (layer, stop)
+        kv = self._pool.storage.kv
+        with self.manager.lease([ck.key for ck in chunks], span, where) as parts:
+            for i, (ck, part) in enumerate(zip(chunks, parts, strict=True)):
+                want = (stop - layer, 2, ck.num_tokens, kv.shape[4], kv.shape[5])
+                if part is not None and tuple(part.shape) != want:
+                    log.warning("chunk %s holds KV of shape %s, not %s: not restored",
+                                ck.key, tuple(part.shape), want)
+                    parts[i] = None  # a chunk another writer shaped otherwise: a miss
             yield parts
             if self._pool.storage.kv.is_cuda:
                 torch.cuda.current_stream().synchronize()
@@ -297,24 +312,18 @@ class RestoreMixin:
     def _load_rest(
         self,
         load: LayerLoad,
-        chunks: Sequence[ChunkKey],
         spans: Sequence[tuple[int, list[int]]],
-        where: Location,
+        parts: Sequence[torch.Tensor | None],
     ) -> None:
-        """Layers 1.. of the chunks in one read per chunk and one scatter (a restore that
-        does not stream: per-layer reads would pay the tier's and the decoder's per-call
-        costs once per layer, several times the copy itself on a CPU). A chunk that cannot
-        be read ends the restore there."""
+        """Scatter layers 1.. of the chunks from the views read with layer 0 (a restore
+        that does not stream: per-layer reads would pay the tier's per-call costs once per
+        layer, several times the copy itself on a CPU)."""
         last = load.num_layers - 1
         with self._finishing(load, "restore"):
             if last >= 1:
-                with self._reading(chunks, where, 1, last) as parts:
-                    n = next((i for i, p in enumerate(parts) if p is None), len(parts))
-                    if n < len(parts):
-                        load.poison(n, f"chunk {chunks[n].key}: layers 1-{last} could not be read")
-                    good = [p for p in parts[:n] if p is not None]
-                    load.bytes += sum(p.numel() * p.element_size() for p in good)
-                    self._scatter_layer(1, good, spans[:n], last)
+                good = [p for p in parts if p is not None]
+                load.bytes += sum(p.numel() * p.element_size() for p in good)
+                self._scatter_layer(1, good, spans[: len(good)], last)
             for layer in range(1, load.num_layers):
                 load.layer_loaded(layer)
 

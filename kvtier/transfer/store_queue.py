@@ -56,20 +56,25 @@ class StoreQueue:
         the :class:`SaveReport`."""
         snap = self.kv.snapshot(token_ids, reserve=self._reserve)
         self.submitted += 1
+        copied = bool(snap.tensors)  # (store gives the snapshot's buffers back)
 
         def work() -> SaveReport:
             try:
                 return self.kv.store(snap, tier, owner)
             finally:
-                if snap.tensors:
-                    self._release(snap.nbytes)
+                self._release(snap.nbytes)
 
-        if not snap.tensors:  # nothing to copy: complete at once
+        if not copied:  # nothing to copy: complete at once
             self.completed += 1
             done: Future[SaveReport] = Future()
             done.set_result(self.kv.store(snap, tier, owner))
             return done
-        return self._pool.submit(work)
+        try:
+            return self._pool.submit(work)
+        except BaseException:  # a closed queue: the snapshot's buffers go back, unstored
+            self.kv.release(snap)
+            self._release(snap.nbytes)
+            raise
 
     def submit_prefetch(self, token_ids: Sequence[int]) -> Future[int]:
         """Raise the stored chunks of ``token_ids`` to the fastest tier in the background

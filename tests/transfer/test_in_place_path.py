@@ -1,6 +1,7 @@
-"""The CPU tier's in-place data path through KVTransfer: stores write slots in place,
-restores scatter from leased views, and neither makes a chunk-sized Python allocation in
-steady state (a ``bytes``/``bytearray`` per chunk is what the blob path paid)."""
+"""The in-place data path through KVTransfer: stores write CPU slots (or staging buffers a
+disk tier writes from) in place, restores scatter from leased views (of the arena, or of
+buffers disk reads landed in), and neither makes a chunk-sized Python allocation nor a new
+buffer in steady state (a ``bytes``/``bytearray`` per chunk is what the blob path paid)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from kvtier.connectors.tiers.cpu_tier import CPUTier
+from kvtier.connectors.tiers.disk_tier import DiskTier
 from kvtier.connectors.tiers.manager import TierManager
 from kvtier.engine.model_runner import ModelRunner
 from kvtier.gpu_pool.kernels import gather_blocks
@@ -73,3 +75,70 @@ def test_stores_and_restores_in_place_are_bit_exact_and_allocate_no_chunk(model_
     finally:
         xfer.close()
         tier.close()
+
+
+@pytest.mark.parametrize("o_direct", [False, True], ids=["buffered", "o_direct"])
+def test_disk_stores_from_and_restores_into_reused_buffers(model_dir, tmp_path, o_direct):
+    """The disk tier as the only tier: a store encodes each chunk in place into a staging
+    buffer and writes the file from it; a restore reads each file straight into a staging
+    buffer and scatters from it. Bit-exact, and in steady state neither a chunk-sized
+    Python object nor a new buffer is made."""
+    runner = ModelRunner(model_dir, dtype="float32", device="cpu", num_blocks=256)
+    chunk_bytes = runner.pool.storage.bytes_per_token * CHUNK
+    disk = DiskTier(tmp_path / "disk", o_direct=o_direct)
+    manager = TierManager([disk], fingerprint=runner.fingerprint, staging=disk.staging)
+    xfer = KVTransfer(runner, manager, CHUNK)
+    try:
+        warm, tokens = _tokens(4 * CHUNK, seed=3), _tokens(4 * CHUNK, seed=4)
+        for seq in (warm, tokens):
+            _compute(runner, str(len(seq)) + str(seq[0]), seq)
+        assert xfer.save(warm).stored == 4
+        xfer.evict(warm)
+        assert xfer.load(warm).from_tiers == 4 * CHUNK
+        before = _pool_kv(runner, tokens)
+        buffers = disk.staging.allocations
+
+        tracemalloc.start()
+        try:
+            saved = xfer.save(tokens)
+            store_peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.reset_peak()
+            assert xfer.evict(tokens) > 0
+            loaded = xfer.load(tokens, saved.tokens)
+            load_peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert (saved.tokens, saved.stored, loaded.from_tiers) == (4 * CHUNK, 4, 4 * CHUNK)
+        assert loaded.tier_hits == {"disk": 4} and disk.o_direct == o_direct
+        assert torch.equal(_pool_kv(runner, tokens), before)
+        assert disk.staging.allocations == buffers, "steady state made new buffers"
+        assert store_peak < chunk_bytes // 2, f"store: {store_peak} B for {chunk_bytes}-B chunks"
+        # (any one chunk-sized object would reach chunk_bytes; the rest is bookkeeping)
+        assert load_peak < chunk_bytes, f"restore: {load_peak} B for {chunk_bytes}-B chunks"
+    finally:
+        xfer.close()
+        manager.close()
+
+
+def test_cpu_evictions_are_demoted_to_disk_from_the_slot(model_dir, tmp_path):
+    """A CPU arena of two slots over a disk tier: storing four chunks demotes the two
+    oldest, written to disk from their slots before the slots are reused; every chunk
+    restores bit-exact, from the tier it ended in."""
+    runner = ModelRunner(model_dir, dtype="float32", device="cpu", num_blocks=256)
+    slot = runner.pool.storage.bytes_per_token * CHUNK + 4096
+    cpu, disk = CPUTier(2 * slot, slot), DiskTier(tmp_path / "disk")
+    manager = TierManager([cpu, disk], fingerprint=runner.fingerprint)
+    xfer = KVTransfer(runner, manager, CHUNK)
+    try:
+        tokens = _tokens(4 * CHUNK, seed=5)
+        _compute(runner, "s", tokens)
+        before = _pool_kv(runner, tokens)
+        assert xfer.save(tokens).stored == 4
+        assert (len(cpu), len(disk), manager.stats.demotions) == (2, 2, 2)
+        xfer.evict(tokens)
+        loaded = xfer.load(tokens)
+        assert loaded.from_tiers == 4 * CHUNK and loaded.tier_hits == {"disk": 2, "cpu": 2}
+        assert torch.equal(_pool_kv(runner, tokens), before)
+    finally:
+        xfer.close()
+        manager.close()
