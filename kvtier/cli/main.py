@@ -30,6 +30,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("kvtier.benchmarks.kernels", "bench"),
     ("kvtier.benchmarks.engine_throughput", "bench"),
     ("kvtier.benchmarks.tiers", "bench"),
+    ("kvtier.benchmarks.peers", "bench"),
     ("kvtier.benchmarks.ttft", "bench"),
     ("kvtier.benchmarks.policy_sim.cli", "bench"),
     ("kvtier.benchmarks.service", "bench"),

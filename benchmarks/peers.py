@@ -1,0 +1,463 @@
+"""``kvtier bench peers``: kvtier and LMCache side by side, in one run, on the same KV.
+
+Both move the same KV (a real model's shape, bf16, sessions of distinct tokens, 256-token
+chunks) end to end from KV tensors to a tier and back into KV tensors, and both are
+checked bit-exact:
+
+- kvtier: the KV sits in a paged pool; ``KVTransfer.save`` stores each session (gather
+  from the pool's blocks, checksum, header, into the tier), then the sessions are evicted
+  from the pool and ``KVTransfer.load`` restores them (read, verify, scatter into new
+  blocks), which the engine does for an idle session;
+- LMCache 0.5.6: ``LMCacheEngine.store`` / ``retrieve`` with ``force_store_wait``, in the
+  environment that holds it (``.venv-lmcache``), one subprocess per backend (its engine
+  is a process-wide singleton); see :mod:`kvtier.benchmarks.peers_lmcache`.
+
+Next to them, the physical operation on the same bytes, measured in the same run: a torch
+copy into memory that already exists (CPU), write + fsync of one file per chunk and a
+cold read with 1 and 4 threads (disk), redis-py SET / GET of one value per chunk (Redis).
+Ratios are against that reference and against LMCache; where kvtier loses, the table
+says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvtier.benchmarks.tiers import MODELS, _fadvise_dontneed, _start_redis
+
+TIERS = ("cpu", "disk", "redis")
+REPO = Path(__file__).resolve().parent.parent
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "peers",
+        help="kvtier vs LMCache store/retrieve per tier, next to the raw medium",
+        description="Store and retrieve the same KV with kvtier and with LMCache (CPU, disk "
+        "with fsync and a cold read, Redis), end to end from KV tensors to KV tensors, both "
+        "checked bit-exact, next to the raw medium measured in the same run.",
+    )
+    p.add_argument("--model", choices=sorted(MODELS), default="llama-3-8b")
+    p.add_argument("--sessions", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per session")
+    p.add_argument("--chunk-tokens", type=int, default=256)
+    p.add_argument("--tiers", default=",".join(TIERS), help="comma-separated: cpu,disk,redis")
+    p.add_argument("--disk-dir", type=Path, default=None, help="default: a temp dir under /tmp")
+    p.add_argument("--redis-url", default=None,
+                   help="Redis to use; default: a private redis-server started for the run")
+    p.add_argument("--lmcache-python", default=str(REPO / ".venv-lmcache" / "bin" / "python"),
+                   help="the Python of the environment that holds LMCache ('' to skip it)")
+    p.add_argument("--repeats", type=int, default=1, help="runs per row; the best is kept")
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--plot", type=Path, default=None)
+    p.set_defaults(func=run)
+
+
+# --------------------------------------------------------------------------- the KV
+@dataclass
+class _Owner:
+    """The pool and fingerprint the data path serves (the engine's model runner, minus
+    the model: what ``KVTransfer`` needs of it, see ``PoolOwner``)."""
+
+    pool: Any
+    fingerprint: bytes
+    layer_loads: list = field(default_factory=list)
+
+    def add_layer_load(self, load: Any) -> None:
+        self.layer_loads.append(load)
+
+    def reap_layer_loads(self, wait: bool = False) -> None:
+        self.layer_loads.clear()
+
+
+def _sessions(args: argparse.Namespace) -> list[list[int]]:
+    return [list(range(s * 10_000_000, s * 10_000_000 + args.tokens)) for s in range(args.sessions)]
+
+
+def _make_pool(args: argparse.Namespace) -> _Owner:
+    """A CPU pool holding every session's KV (random bf16), computed and cached, and a
+    copy of the pool to check restores against."""
+    import torch
+
+    from kvtier.gpu_pool.kv_storage import KVStorage
+    from kvtier.gpu_pool.paged_pool import PagedKVPool
+
+    layers, heads, dim, _ = MODELS[args.model]
+    bs = 16
+    blocks = args.sessions * -(-args.tokens // bs) * 2 + 8  # room to restore beside the originals
+    storage = KVStorage(layers, blocks, bs, heads, dim, torch.bfloat16, "cpu")
+    g = torch.Generator().manual_seed(0)
+    flat = storage.kv.view(torch.int16).view(-1)
+    step = 1 << 26
+    for i in range(0, flat.numel(), step):  # random bits (compared as bits: some are NaN)
+        part = flat[i : i + step]
+        part.copy_(torch.randint(-(1 << 14), 1 << 14, part.shape, generator=g, dtype=torch.int16))
+    owner = _Owner(PagedKVPool(storage), b"bench-peers-fp")
+    for s, tokens in enumerate(_sessions(args)):
+        owner.pool.add_sequence(f"s{s}", tokens, owner.fingerprint)
+        owner.pool.mark_computed(f"s{s}", len(tokens))
+    return owner
+
+
+def _session_kv(owner: _Owner, tokens: list[int]):
+    from kvtier.gpu_pool.kernels import gather_blocks
+
+    ids = owner.pool.manager.match_prefix(tokens, owner.fingerprint)
+    return gather_blocks(owner.pool.storage.kv, ids, num_tokens=len(ids) * owner.pool.block_size)
+
+
+# ------------------------------------------------------------------------ kvtier side
+def _kvtier_tier(name: str, args: argparse.Namespace, workdir: Path, redis_url: str | None,
+                 chunk_bytes: int):
+    from kvtier.connectors.tiers.cpu_tier import CPUTier, slot_bytes_for
+    from kvtier.connectors.tiers.disk_tier import DiskTier
+    from kvtier.connectors.tiers.host_buffers import round_up
+    from kvtier.connectors.tiers.redis_tier import RedisTier
+
+    chunks = args.sessions * -(-args.tokens // args.chunk_tokens)
+    if name == "cpu":
+        layers = MODELS[args.model][0]
+        slot = round_up(slot_bytes_for(layers, chunk_bytes))
+        return CPUTier(slot * chunks, slot)
+    if name == "disk":
+        return DiskTier(workdir / "kvtier-disk", fsync=True)
+    assert redis_url is not None
+    return RedisTier(redis_url, prefix="kvtier-peers:", timeout_s=30.0, op_timeout_s=600.0)
+
+
+def _kvtier_run(name: str, args: argparse.Namespace, owner: _Owner, expected: list[Any],
+                workdir: Path, redis_url: str | None) -> dict[str, Any]:
+    """Store every session, make the tier cold (disk), evict them from the pool, restore
+    them, check bit-exact."""
+    import torch
+
+    from kvtier.connectors.tiers.manager import TierManager
+    from kvtier.transfer.kv_transfer import KVTransfer
+
+    sessions = _sessions(args)
+    chunk_bytes = owner.pool.storage.bytes_per_token * args.chunk_tokens
+    tier = _kvtier_tier(name, args, workdir, redis_url, chunk_bytes)
+    manager = TierManager([tier], fingerprint=owner.fingerprint,
+                          staging=getattr(tier, "staging", None))
+    xfer = KVTransfer(owner, manager, args.chunk_tokens, stream=False)
+    try:
+        t0 = time.perf_counter()
+        reports = [xfer.save(tokens, 0, f"s{s}") for s, tokens in enumerate(sessions)]
+        store_s = time.perf_counter() - t0
+        stored = all(r.tokens == args.tokens for r in reports)
+        if name == "disk":
+            os.sync()
+            _fadvise_dontneed(sorted((workdir / "kvtier-disk").rglob("*.kvc")))
+        for s, tokens in enumerate(sessions):
+            owner.pool.free_sequence(f"s{s}")
+            xfer.evict(tokens)
+        t0 = time.perf_counter()
+        loads = [xfer.load(tokens) for tokens in sessions]
+        retrieve_s = time.perf_counter() - t0
+        restored = all(r.from_tiers == args.tokens for r in loads)
+        exact = stored and restored and all(  # bit patterns: random bits include NaNs
+            torch.equal(_session_kv(owner, tokens).view(torch.int16), want.view(torch.int16))
+            for tokens, want in zip(sessions, expected, strict=True)
+        )
+        for s, tokens in enumerate(sessions):  # hold them again for the next tier
+            owner.pool.add_sequence(f"s{s}", tokens, owner.fingerprint)
+            owner.pool.mark_computed(f"s{s}", len(tokens))
+        payload = sum(r.bytes for r in loads)
+        return {"store_s": store_s, "retrieve_s": retrieve_s, "bytes": payload, "bit_exact": exact}
+    finally:
+        xfer.close()
+        if name == "redis":
+            _redis_flush(redis_url, "kvtier-peers:*")
+        manager.close()
+        shutil.rmtree(workdir / "kvtier-disk", ignore_errors=True)  # every run starts empty
+
+
+def _redis_flush(url: str | None, pattern: str) -> None:
+    import redis
+
+    r = redis.Redis.from_url(url)
+    keys = list(r.scan_iter(pattern, count=1000))
+    if keys:
+        r.delete(*keys)
+
+
+# ------------------------------------------------------------------------ LMCache side
+def _lmcache_run(name: str, args: argparse.Namespace, workdir: Path, redis_url: str | None
+                 ) -> dict[str, Any] | None:
+    """LMCache on the same sizes, in its own environment and process."""
+    if not args.lmcache_python or not Path(args.lmcache_python).exists():
+        return None
+    layers, heads, dim, _ = MODELS[args.model]
+    cmd = [args.lmcache_python, "-m", "kvtier.benchmarks.peers_lmcache", "--backend", name,
+           "--layers", str(layers), "--kv-heads", str(heads), "--head-dim", str(dim),
+           "--tokens", str(args.tokens), "--sessions", str(args.sessions),
+           "--chunk-tokens", str(args.chunk_tokens), "--workdir", str(workdir / "lmcache")]
+    if redis_url:
+        cmd += ["--redis-url", redis_url]
+    shutil.rmtree(workdir / "lmcache", ignore_errors=True)  # every run starts empty
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+    return {"error": f"exit {proc.returncode}: " + " | ".join(tail)}
+
+
+# --------------------------------------------------------------------- the raw medium
+def _raw_cpu(src: Any) -> dict[str, float]:
+    import torch
+
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # touch every page first: the reference copies into memory that exists
+    t0 = time.perf_counter()
+    dst.copy_(src)
+    s = time.perf_counter() - t0
+    return {"store_s": s, "retrieve_s": s}
+
+
+def _raw_disk(src: Any, chunk_bytes: int, workdir: Path) -> dict[str, float]:
+    """write + fsync of one file per chunk, then cold reads of them with 1 and 4 threads
+    into memory that exists."""
+    import torch
+
+    d = workdir / "raw-disk"
+    d.mkdir(parents=True, exist_ok=True)
+    data = memoryview(src.view(torch.uint8).view(-1).numpy())
+    n = len(data) // chunk_bytes
+    paths = [d / f"{i}.bin" for i in range(n)]
+    t0 = time.perf_counter()
+    for i, p in enumerate(paths):
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = data[i * chunk_bytes : (i + 1) * chunk_bytes]
+            done = 0
+            while done < len(view):
+                done += os.write(fd, view[done:])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    store_s = time.perf_counter() - t0
+    dst = torch.empty(n * chunk_bytes, dtype=torch.uint8)
+    dst.fill_(0)
+    out = memoryview(dst.numpy())
+
+    def read(i: int) -> None:
+        with open(paths[i], "rb", buffering=0) as f:
+            f.readinto(out[i * chunk_bytes : (i + 1) * chunk_bytes])
+
+    times = {}
+    for threads in (1, 4):
+        os.sync()
+        _fadvise_dontneed(paths)
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(read, range(n)))
+        times[threads] = time.perf_counter() - t0
+    shutil.rmtree(d, ignore_errors=True)
+    return {"store_s": store_s, "retrieve_s": times[4], "retrieve_1thread_s": times[1]}
+
+
+def _raw_redis(src: Any, chunk_bytes: int, url: str) -> dict[str, float]:
+    """redis-py SET then GET of one value per chunk (hiredis parser where installed)."""
+    import redis
+    import torch
+
+    r = redis.Redis.from_url(url, socket_timeout=600)
+    data = memoryview(src.view(torch.uint8).view(-1).numpy())
+    n = len(data) // chunk_bytes
+    t0 = time.perf_counter()
+    for i in range(n):
+        r.set(f"raw:{i}", data[i * chunk_bytes : (i + 1) * chunk_bytes])
+    store_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    got = [r.get(f"raw:{i}") for i in range(n)]
+    retrieve_s = time.perf_counter() - t0
+    ok = all(g is not None and len(g) == chunk_bytes for g in got)
+    del got
+    r.delete(*[f"raw:{i}" for i in range(n)])
+    if not ok:
+        raise RuntimeError("raw redis GET returned short values")
+    return {"store_s": store_s, "retrieve_s": retrieve_s}
+
+
+RAW_WHAT = {
+    ("cpu", "store"): "torch copy into existing memory",
+    ("cpu", "retrieve"): "torch copy into existing memory",
+    ("disk", "store"): "write + fsync, one file per chunk, 1 thread",
+    ("disk", "retrieve"): "cold read into existing memory, 4 threads",
+    ("redis", "store"): "redis-py SET per chunk",
+    ("redis", "retrieve"): "redis-py GET per chunk",
+}
+
+
+# ----------------------------------------------------------------------------- run
+def _best(fn: Callable[[], dict[str, Any]], repeats: int) -> dict[str, Any]:
+    best: dict[str, Any] | None = None
+    for _ in range(max(1, repeats)):
+        got = fn()
+        if best is None or "error" in best:
+            best = got
+            continue
+        if "error" in got:
+            continue
+        for k in ("store_s", "retrieve_s"):
+            best[k] = min(best[k], got[k])
+        best["bit_exact"] = best.get("bit_exact", True) and got.get("bit_exact", True)
+    assert best is not None
+    return best
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from rich.console import Console
+
+    torch.manual_seed(0)
+    tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
+    unknown = set(tiers) - set(TIERS)
+    if unknown:
+        raise SystemExit(f"unknown tiers {sorted(unknown)}; choose from {', '.join(TIERS)}")
+    console = Console() if Console().is_terminal else Console(width=160)
+    workdir = Path(tempfile.mkdtemp(prefix="kvtier-peers-", dir=args.disk_dir))
+    started = None
+    redis_url = args.redis_url
+    if "redis" in tiers and redis_url is None:
+        started = _start_redis()
+        redis_url = started[1] if started else None
+        if redis_url is None:
+            console.print("redis: no redis-server (install it or pass --redis-url); skipped")
+            tiers.remove("redis")
+    rows: list[dict[str, Any]] = []
+    try:
+        owner = _make_pool(args)
+        sessions = _sessions(args)
+        expected = [_session_kv(owner, tokens).clone() for tokens in sessions]
+        src = torch.cat([e.reshape(-1) for e in expected])
+        chunk_bytes = owner.pool.storage.bytes_per_token * args.chunk_tokens
+        for name in tiers:
+            console.print(f"[bold]{name}[/bold]: kvtier ...")
+            ours = _best(lambda name=name: _kvtier_run(name, args, owner, expected, workdir, redis_url),
+                         args.repeats)
+            console.print(f"[bold]{name}[/bold]: LMCache ...")
+            peer = _best(lambda name=name: _lmcache_run(name, args, workdir, redis_url)
+                         or {"error": "LMCache environment not found"}, args.repeats)
+            console.print(f"[bold]{name}[/bold]: raw medium ...")
+            if name == "cpu":
+                raw = _raw_cpu(src)
+            elif name == "disk":
+                raw = _raw_disk(src, chunk_bytes, workdir)
+            else:
+                raw = _raw_redis(src, chunk_bytes, redis_url)
+            rows += _rows(name, ours, peer, raw, src.numel() * src.element_size())
+    finally:
+        if started:
+            started[0].kill()
+            started[0].wait()
+            shutil.rmtree(started[2], ignore_errors=True)
+        shutil.rmtree(workdir, ignore_errors=True)
+    _print(console, rows, args)
+    config = {"model": args.model, "sessions": args.sessions, "tokens": args.tokens,
+              "chunk_tokens": args.chunk_tokens, "dtype": "bfloat16",
+              "chunk_bytes": chunk_bytes, "total_bytes": int(src.numel() * src.element_size()),
+              "lmcache": _lmcache_version(args)}
+    if args.out:
+        from kvtier.benchmarks.results import write_result
+
+        path = write_result(args.out, "peers", {"config": config, "rows": rows})
+        console.print(f"wrote {path}")
+    if args.plot:
+        _plot(rows, args.plot, config)
+        console.print(f"wrote {args.plot}")
+    return 0
+
+
+def _rows(name: str, ours: dict[str, Any], peer: dict[str, Any], raw: dict[str, Any],
+          nbytes: int) -> list[dict[str, Any]]:
+    out = []
+    for op in ("store", "retrieve"):
+        key = f"{op}_s"
+        k = nbytes / ours[key] / 1e9
+        lm = None if "error" in peer else peer["bytes"] / peer[key] / 1e9
+        r = nbytes / raw[key] / 1e9
+        row: dict[str, Any] = {
+            "tier": name, "op": op, "kvtier_GBps": round(k, 3),
+            "lmcache_GBps": None if lm is None else round(lm, 3),
+            "raw_GBps": round(r, 3), "raw": RAW_WHAT[(name, op)],
+            "kvtier_vs_raw": round(k / r, 3),
+            "kvtier_vs_lmcache": None if lm is None else round(k / lm, 3),
+            "kvtier_bit_exact": bool(ours["bit_exact"]),
+            "lmcache_bit_exact": None if "error" in peer else bool(peer["bit_exact"]),
+        }
+        if "error" in peer:
+            row["lmcache_error"] = peer["error"]
+        elif peer.get("notes"):
+            row["lmcache_notes"] = peer["notes"]
+        if "retrieve_1thread_s" in raw and op == "retrieve":
+            row["raw_1thread_GBps"] = round(nbytes / raw["retrieve_1thread_s"] / 1e9, 3)
+        out.append(row)
+    return out
+
+
+def _lmcache_version(args: argparse.Namespace) -> str | None:
+    if not args.lmcache_python or not Path(args.lmcache_python).exists():
+        return None
+    proc = subprocess.run(
+        [args.lmcache_python, "-c", "import importlib.metadata as m; print(m.version('lmcache'))"],
+        capture_output=True, text=True)
+    return proc.stdout.strip() or None
+
+
+def _print(console: Any, rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"kvtier vs LMCache, {args.sessions} x {args.tokens} tokens of "
+                  f"{args.model} (GB/s, end to end KV -> tier -> KV)")
+    for col in ("tier", "op", "kvtier", "LMCache", "raw", "kvtier/raw", "kvtier/LMCache",
+                "bit-exact", "raw is"):
+        table.add_column(col)
+    for r in rows:
+        lm = "-" if r["lmcache_GBps"] is None else f"{r['lmcache_GBps']:.2f}"
+        vs = "-" if r["kvtier_vs_lmcache"] is None else f"{r['kvtier_vs_lmcache']:.2f}x"
+        exact = "yes" if r["kvtier_bit_exact"] else "[red]NO[/red]"
+        if r["lmcache_bit_exact"] is not None:
+            exact += " / " + ("yes" if r["lmcache_bit_exact"] else "[red]NO[/red]")
+        table.add_row(r["tier"], r["op"], f"{r['kvtier_GBps']:.2f}", lm, f"{r['raw_GBps']:.2f}",
+                      f"{r['kvtier_vs_raw']:.2f}x", vs, exact, r["raw"])
+    console.print(table)
+    for r in rows:
+        if r.get("lmcache_error"):
+            console.print(f"LMCache {r['tier']} {r['op']}: {r['lmcache_error']}")
+
+
+def _plot(rows: list[dict[str, Any]], path: Path, config: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['tier']}\n{r['op']}" for r in rows]
+    xs = range(len(rows))
+    w = 0.27
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(rows)), 4))
+    ax.bar([x - w for x in xs], [r["kvtier_GBps"] for r in rows], w, label="kvtier")
+    ax.bar(list(xs), [r["lmcache_GBps"] or 0 for r in rows], w, label="LMCache")
+    ax.bar([x + w for x in xs], [r["raw_GBps"] for r in rows], w, label="raw medium")
+    ax.set_xticks(list(xs), labels)
+    ax.set_ylabel("GB/s")
+    ax.set_title(f"{config['sessions']} x {config['tokens']} tokens, {config['model']}, bf16")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
