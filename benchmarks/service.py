@@ -42,7 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def make_chunks(n: int, payload_kib: int) -> dict[str, bytes]:
+def make_chunks(n: int, payload_kib: int, first: int = 0) -> dict[str, bytes]:
     import torch
 
     from kvtier.chunk_format import encode_chunk
@@ -52,7 +52,7 @@ def make_chunks(n: int, payload_kib: int) -> dict[str, bytes]:
     heads, dim = 1, per_token // 2  # [layers=1, 2, tokens, heads, dim]
     g = torch.Generator().manual_seed(0)
     out = {}
-    for i in range(n):
+    for i in range(first, first + n):
         key = f"{i:064x}"
         out[key] = encode_chunk(key, b"bench", torch.randn(1, 2, tokens, heads, dim, generator=g))
     return out
@@ -168,6 +168,36 @@ async def load(url: str, blobs: dict[str, bytes], clients: int, batch: int, max_
     return {"put": put, "get": get, "batch_get": many}
 
 
+def one_client(url: str, blobs: dict[str, bytes]) -> dict:
+    """One synchronous :class:`~kvtier.client.Client`, as a connector calls it: PUT each
+    chunk from its buffer, then GET each into one reused buffer (checked byte for byte)."""
+    import numpy as np
+
+    from kvtier.client import Client
+    from kvtier.errors import KVTierError
+
+    total = sum(len(b) for b in blobs.values())
+    out = bytearray(max(len(b) for b in blobs.values()))
+    with Client(url, timeout=300) as kv:
+        lat: list[float] = []
+        t0 = time.perf_counter()
+        for key, blob in blobs.items():
+            s = time.perf_counter()
+            kv.put_chunk(key, blob)
+            lat.append(time.perf_counter() - s)
+        put = _stats(lat, total, time.perf_counter() - t0, len(blobs), len(blobs))
+        lat = []
+        t0 = time.perf_counter()
+        for key, blob in blobs.items():
+            s = time.perf_counter()
+            got = kv.get_chunk_into(key, out)
+            lat.append(time.perf_counter() - s)
+            if got is None or not np.array_equal(np.frombuffer(got, np.uint8), np.frombuffer(blob, np.uint8)):
+                raise KVTierError(f"GET {key} returned other bytes than were put")
+        get = _stats(lat, total, time.perf_counter() - t0, len(blobs), len(blobs))
+    return {"put": put, "get": get}
+
+
 def raw_tier(tier: str, blobs: dict[str, bytes], slot: int, workdir: Path) -> dict[str, float]:
     """The tier the server writes into, timed in-process on the same chunks (GB/s)."""
     keys = list(blobs)
@@ -217,6 +247,7 @@ def run(args: argparse.Namespace) -> int:
             proc, url = start_server(args.tier, len(blobs), slot, work)
         try:
             result = asyncio.run(load(url, blobs, args.clients, args.batch, args.max_seconds))
+            sync = one_client(url, make_chunks(args.chunks, args.chunk_kib, first=args.chunks))
         finally:
             if proc is not None:
                 proc.terminate()
@@ -229,12 +260,18 @@ def run(args: argparse.Namespace) -> int:
         **result,
         "ratio_put_vs_raw": result["put"]["gbps"] / raw["put_gbps"],
         "ratio_get_vs_raw": result["get"]["gbps"] / raw["get_gbps"],
+        "one_sync_client": {
+            **sync,
+            "ratio_put_vs_raw": sync["put"]["gbps"] / raw["put_gbps"],
+            "ratio_get_vs_raw": sync["get"]["gbps"] / raw["get_gbps"],
+        },
     }
     table = Table(title=f"kvtier serve data plane, {args.clients} clients, {args.tier} tier")
     for col in ("phase", "chunks", "GB/s", "req/s", "p50 ms", "p99 ms", "raw tier GB/s"):
         table.add_column(col, justify="right")
-    for phase, raw_key in (("put", "put_gbps"), ("get", "get_gbps"), ("batch_get", "get_gbps")):
-        r = result[phase]
+    rows = [(p, result[p], k) for p, k in (("put", "put_gbps"), ("get", "get_gbps"), ("batch_get", "get_gbps"))]
+    rows += [(f"1 sync client {p}", sync[p], f"{p}_gbps") for p in ("put", "get")]
+    for phase, r, raw_key in rows:
         table.add_row(phase, str(r["chunks"]), f"{r['gbps']:.3f}", f"{r['requests_per_s']:.0f}",
                       f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}", f"{raw[raw_key]:.3f}")  # fmt: skip
     Console().print(table)

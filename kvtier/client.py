@@ -20,19 +20,13 @@ from typing import Any
 import httpx
 import msgpack
 
-from kvtier.errors import KVTierError
+from kvtier.chunk_wire import ChunkWire, ServiceError, error_from
+from kvtier.errors import InvalidArgumentError
+
+__all__ = ["AsyncClient", "Client", "Lookup", "ServiceError"]
 
 MSGPACK = "application/x-msgpack"
-
-
-class ServiceError(KVTierError):
-    """The service answered with an error status."""
-
-    def __init__(self, status: int, type_: str, message: str) -> None:
-        super().__init__(f"HTTP {status} {type_}: {message}")
-        self.status = status
-        self.type = type_
-        self.message = message
+OCTETS = "application/octet-stream"
 
 
 @dataclass(frozen=True)
@@ -53,6 +47,13 @@ class _Call:
     headers: dict[str, str] | None = None
     ok: tuple[int, ...] = (200,)
     """Statuses that are not errors (a 404 of HEAD is an answer, not an error)."""
+
+
+Blob = bytes | bytearray | memoryview
+
+
+def _layers(layers: tuple[int, int] | None) -> dict[str, str] | None:
+    return {"layers": f"{layers[0]}:{layers[1]}"} if layers else None
 
 
 def _raise_for(resp: httpx.Response, ok: tuple[int, ...]) -> None:
@@ -129,15 +130,15 @@ class _Routes:
         return _Call("DELETE", f"/v1/sessions/{session_id}", ok=(204,))
 
     @staticmethod
-    def put_chunk(key: str, blob: bytes, tier: str | None) -> _Call:
+    def put_chunk(key: str, blob: Blob, tier: str | None) -> _Call:
         params = {"tier": tier} if tier else None
-        headers = {"Content-Type": "application/octet-stream"}
-        return _Call("PUT", f"/v1/chunks/{key}", None, bytes(blob), params, headers, (200, 201))
+        headers = {"Content-Type": OCTETS}
+        content = blob if isinstance(blob, bytes) else bytes(blob)  # httpx sends bytes
+        return _Call("PUT", f"/v1/chunks/{key}", None, content, params, headers, (200, 201))
 
     @staticmethod
     def get_chunk(key: str, layers: tuple[int, int] | None) -> _Call:
-        params = {"layers": f"{layers[0]}:{layers[1]}"} if layers else None
-        return _Call("GET", f"/v1/chunks/{key}", params=params, ok=(200, 404))
+        return _Call("GET", f"/v1/chunks/{key}", params=_layers(layers), ok=(200, 404))
 
     @staticmethod
     def has_chunk(key: str) -> _Call:
@@ -191,6 +192,10 @@ class Client:
         self.http = httpx.Client(
             base_url=base_url, headers=_headers(token), timeout=timeout, **httpx_kwargs
         )
+        self.wire: ChunkWire | None = None
+        """Single-chunk PUT/GET bodies over ``http://`` (see :mod:`kvtier.chunk_wire`)."""
+        if base_url.startswith("http://") and not httpx_kwargs:
+            self.wire = ChunkWire(base_url, _headers(token), timeout)
 
     def _send(self, call: _Call) -> httpx.Response:
         resp = self.http.request(
@@ -233,12 +238,51 @@ class Client:
         self._send(_Routes.end_session(session_id))
 
     # data plane
-    def put_chunk(self, key: str, blob: bytes, tier: str | None = None) -> dict[str, Any]:
-        return self._send(_Routes.put_chunk(key, blob, tier)).json()
+    def put_chunk(self, key: str, blob: Blob, tier: str | None = None) -> dict[str, Any]:
+        """Store one chunk; ``blob`` is sent from where it is (bytes or any buffer)."""
+        if self.wire is None:
+            return self._send(_Routes.put_chunk(key, blob, tier)).json()
+        params = {"tier": tier} if tier else None
+        resp = self.wire.request("PUT", f"/v1/chunks/{key}", params, blob, {"Content-Type": OCTETS})
+        body = resp.read()
+        if resp.status not in (200, 201):
+            raise error_from(resp.status, body)
+        return json.loads(body)
 
     def get_chunk(self, key: str, layers: tuple[int, int] | None = None) -> bytes | None:
-        resp = self._send(_Routes.get_chunk(key, layers))
-        return None if resp.status_code == 404 else resp.content
+        """The chunk's bytes, or None when it is not stored."""
+        if self.wire is None:
+            resp = self._send(_Routes.get_chunk(key, layers))
+            return None if resp.status_code == 404 else resp.content
+        resp = self.wire.request("GET", f"/v1/chunks/{key}", _layers(layers))
+        body = resp.read()
+        if resp.status == 404:
+            return None
+        if resp.status != 200:
+            raise error_from(resp.status, body)
+        return body
+
+    def get_chunk_into(
+        self, key: str, out: Blob, layers: tuple[int, int] | None = None
+    ) -> memoryview | None:
+        """Read the chunk straight into ``out`` (a writable buffer that holds it): the
+        filled part of it, or None when it is not stored. No bytes object is made."""
+        mem = memoryview(out).cast("B")
+        if self.wire is None:
+            blob = self.get_chunk(key, layers)
+            if blob is None:
+                return None
+            if len(blob) > len(mem):
+                raise InvalidArgumentError(f"a {len(blob)}-byte chunk does not fit a {len(mem)}-byte buffer")
+            mem[: len(blob)] = blob
+            return mem[: len(blob)]
+        resp = self.wire.request("GET", f"/v1/chunks/{key}", _layers(layers))
+        if resp.status != 200:
+            body = resp.read()
+            if resp.status == 404:
+                return None
+            raise error_from(resp.status, body)
+        return self.wire.read_into(resp, mem)
 
     def has_chunk(self, key: str) -> bool:
         return self._send(_Routes.has_chunk(key)).status_code == 200
@@ -282,6 +326,8 @@ class Client:
 
     def close(self) -> None:
         self.http.close()
+        if self.wire is not None:
+            self.wire.close()
 
     def __enter__(self) -> Client:
         return self

@@ -10,6 +10,7 @@ dropped and reported as missing, never served.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Annotated, Any
 
@@ -19,8 +20,10 @@ from fastapi.concurrency import run_in_threadpool
 
 from kvtier.chunk_format import validate_chunk
 from kvtier.chunk_keys import KEY_PATTERN, KEY_RE
+from kvtier.connectors.tiers.base import Blob
 from kvtier.connectors.tiers.manager import PutReport, TierManager
 from kvtier.errors import ChunkError
+from kvtier.server.chunk_body import LeasedResponse, declared_length, staged_body
 from kvtier.server.errors import RouteError, error_responses
 from kvtier.server.schemas import (
     BatchGetRequest,
@@ -100,25 +103,39 @@ def _put_failed(report: PutReport) -> RouteError:
     openapi_extra=_BINARY_BODY,
 )
 async def put_chunk(key: Key, request: Request, tier: str | None = None) -> Response:
-    """Store one chunk (201), or confirm it is already stored (200)."""
+    """Store one chunk (201), or confirm it is already stored (200). A body with a
+    ``Content-Length`` streams into a reused staging buffer, is verified there and goes
+    to the tier from it (the CPU tier copies it into its slot; disk writes it out)."""
     state, manager = _manager(request)
     start = _tier_arg(manager, tier)
-    blob = await request.body()
-    _verify(manager, key, blob)
+    length = declared_length(request)
     t0 = time.perf_counter()
-    report = await run_in_threadpool(manager.put, {key: blob}, start)
+    if length is None:  # chunked upload: the body-limit middleware has it in one piece
+        blob = await request.body()
+        report = await run_in_threadpool(_verified_put, manager, key, blob, start)
+    else:
+        async with staged_body(request, manager.staging, length) as body:
+            t0 = time.perf_counter()
+            report = await run_in_threadpool(_verified_put, manager, key, memoryview(body.numpy()), start)
     state.metrics.transfer.labels("put").observe(time.perf_counter() - t0)
     if not report.ok:
         raise _put_failed(report)
     stored = [name for name, res in report.per_tier.items() if key in res.stored]
     status = "stored" if stored else "present"
     if stored:
-        state.metrics.transfer_bytes.labels("put").inc(len(blob))
+        state.metrics.transfer_bytes.labels("put").inc(length if length is not None else len(blob))
     tiers = stored or [name for name, res in report.per_tier.items() if key in res.present]
-    body = PutResponse(key=key, status=status, tiers=tiers)
+    body_out = PutResponse(key=key, status=status, tiers=tiers)
     return Response(
-        body.model_dump_json(), status_code=201 if stored else 200, media_type="application/json"
+        body_out.model_dump_json(), status_code=201 if stored else 200, media_type="application/json"
     )
+
+
+def _verified_put(manager: TierManager, key: str, blob: Blob, start: int) -> PutReport:
+    """Check the upload in full (a 400 stores nothing), then put it (worker thread: the
+    checksums and the copy must not hold up the event loop)."""
+    _verify(manager, key, blob)
+    return manager.put({key: blob}, start)
 
 
 @router.get(
@@ -127,11 +144,19 @@ async def put_chunk(key: Key, request: Request, tier: str | None = None) -> Resp
     responses={200: {"content": {OCTETS: {}}}, **_ERRORS},
 )
 async def get_chunk(key: Key, request: Request, layers: Layers = None) -> Response:
-    """The chunk's bytes (verified), from the fastest tier holding it."""
+    """The chunk's bytes (verified), from the fastest tier holding it. A whole chunk is
+    sent straight from the tier's memory under its lease (no copy into a response body);
+    a layer range, or a chunk the fastest tier holding it failed to give, is read whole."""
     state, manager = _manager(request)
     span = _parse_layers(layers)
     t0 = time.perf_counter()
-
+    if span is None:
+        leased = await run_in_threadpool(_lease_whole, manager, key)
+        if leased is not None:
+            view, lease, tier = leased
+            state.metrics.transfer.labels("get").observe(time.perf_counter() - t0)
+            state.metrics.transfer_bytes.labels("get").inc(view.numel())
+            return LeasedResponse(view, lease, {"X-KVTier-Tier": tier}, OCTETS)
     ((blob, tier),) = await run_in_threadpool(manager.get_each, [key], span)
     if blob is None:
         where = "" if span is None else f" (or layers {layers} lie outside it)"
@@ -139,6 +164,27 @@ async def get_chunk(key: Key, request: Request, layers: Layers = None) -> Respon
     state.metrics.transfer.labels("get").observe(time.perf_counter() - t0)
     state.metrics.transfer_bytes.labels("get").inc(len(blob))
     return Response(blob, media_type=OCTETS, headers={"X-KVTier-Tier": tier or ""})
+
+
+def _lease_whole(manager: TierManager, key: str):
+    """(verified view of the whole chunk, its open lease, tier name), or None when no
+    tier lends it verified (a miss, or a copy its checks rejected: the caller reads on).
+    A hit below the fastest tier is promoted, as a read through ``get`` would be."""
+    loc = manager.lookup([key])
+    if not loc.length:
+        return None
+    lease = contextlib.ExitStack()
+    try:
+        (view,) = lease.enter_context(manager.lease([key], location=loc, raw=True))
+        if view is None:
+            lease.close()
+            return None
+        if loc.tiers[0] > 0:
+            manager.promote({key: memoryview(view.numpy())})
+    except BaseException:
+        lease.close()
+        raise
+    return view, lease, manager.tiers[loc.tiers[0]].name
 
 
 @router.head("/{key}", response_class=Response, responses={404: {"description": "not stored"}})

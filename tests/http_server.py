@@ -15,10 +15,10 @@ from tests.serve_process import free_port
 
 
 @contextlib.contextmanager
-def running(state: ServiceState, close_state: bool = True) -> Iterator[str]:
-    """Serve ``state`` on loopback; yields the base URL; stops the server (and closes the
-    state) afterwards, also when the test fails."""
-    port = free_port()
+def running(state: ServiceState, close_state: bool = True, port: int | None = None) -> Iterator[str]:
+    """Serve ``state`` on loopback (on ``port``, else a free one); yields the base URL;
+    stops the server (and closes the state) afterwards, also when the test fails."""
+    port = port or free_port()
     config = uvicorn.Config(
         create_app(state), host="127.0.0.1", port=port, log_level="warning", lifespan="off"
     )

@@ -412,10 +412,12 @@ class DiskTier(Tier):
         """The chunks (or layers ``layers`` of them) read straight into staging buffers,
         several files at once, each a uint8 tensor holding one valid chunk (None: a miss),
         unverified: check them with :func:`~kvtier.chunk_format.chunk_view`. No bytes
-        object is made: the payload lands where it is read from (with ``O_DIRECT`` from
-        the device), the header is framed around it. The buffers go back to the pool when
-        the block ends. A file that is gone is a miss; one that is truncated or whose
-        header is unreadable is deleted (a torn file is never handed out)."""
+        object is made: the bytes land where they are read to (with ``O_DIRECT`` from the
+        device). A whole chunk is the file as written (the very bytes that were put); a
+        layer range gets a header of its own framed around its payload. The buffers go
+        back to the pool when the block ends. A file that is gone is a miss; one that is
+        truncated or whose header is unreadable is deleted (a torn file is never handed
+        out)."""
         if layers is not None and not 0 <= layers[0] < layers[1]:
             raise InvalidArgumentError(f"layer range {layers} is empty or negative")
         with self._lock:
@@ -460,8 +462,14 @@ class DiskTier(Tier):
             header, offset = self._read_header(fd, direct)
             if header is None or size != offset + header.payload_nbytes:
                 return _CORRUPT
+            if layers is None:  # the whole file as written: the chunk's own bytes
+                buf = self._staging.acquire(disk_io.direct_read_room(0, size))
+                if not disk_io.read_into(fd, 0, size, memoryview(buf.numpy()), 0, direct):
+                    self._staging.release(buf)
+                    return _CORRUPT
+                return buf, size
             try:
-                span = (0, header.num_layers) if layers is None else layers
+                span = layers
                 lo, length = layer_span(header, span)
             except ChunkFormatError as exc:
                 raise InvalidArgumentError(f"chunk {key}: {exc}") from None

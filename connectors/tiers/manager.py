@@ -230,9 +230,7 @@ class TierManager:
                 if ti > 0 and layers is None and self.promote_on_hit:
                     promote[keys[i]] = out[i]
         self.stats.misses += sum(1 for b in out if b is None)
-        if promote:
-            res = self._safe_put(self.tiers[0], promote)
-            self.stats.promotions += len(res.stored)
+        self.promote(promote)
         return out
 
     def get_each(
@@ -263,10 +261,15 @@ class TierManager:
                     promote[keys[i]] = out[i][0]
             todo = missed
         self.stats.misses += len(todo)
-        if promote:
-            res = self._safe_put(self.tiers[0], promote)
-            self.stats.promotions += len(res.stored)
+        self.promote(promote)
         return out
+
+    def promote(self, chunks: Mapping[str, Blob]) -> None:
+        """Copy verified chunks read from a slower tier into the fastest one (when
+        ``promote_on_hit``), so the next read of them is a RAM read."""
+        if chunks and self.promote_on_hit:
+            res = self._safe_put(self.tiers[0], chunks)
+            self.stats.promotions += len(res.stored)
 
     def _accept(self, tier: Tier, key: str, blob: Blob) -> bool:
         try:
@@ -312,11 +315,16 @@ class TierManager:
         keys: Sequence[str],
         layers: tuple[int, int] | None = None,
         location: Location | None = None,
+        raw: bool = False,
     ) -> Iterator[list[torch.Tensor | None]]:
         """Verified KV of ``keys`` (layers ``layers`` only), each from the tier holding
         it: a view into the tier's memory where it lends it (the CPU arena: no copy; the
         slot is neither evicted nor reused until the block ends), else decoded from its
-        ``get``. A chunk that fails its checks is a miss and is dropped from its tier."""
+        ``get``. A chunk that fails its checks is a miss and is dropped from its tier.
+        ``raw``: each whole chunk's verified bytes (uint8) instead of its KV, to send on
+        as they are (the sidecar's GET)."""
+        if raw and layers is not None:
+            raise InvalidArgumentError("a raw lease is of whole chunks (layers must be None)")
         loc = location or self.lookup(keys)
         out: list[torch.Tensor | None] = [None] * len(keys)
         by_tier: dict[int, list[int]] = {}
@@ -333,7 +341,7 @@ class TierManager:
                         tier.stats.count_error(type(exc).__name__)
                         self.stats.misses += len(idxs)
                         continue
-                    checked = self._check_views(keys, idxs, views, layers)
+                    checked = self._check_views(keys, idxs, views, layers, raw)
                     for i, got in zip(idxs, checked, strict=True):
                         if got is None:
                             self.stats.misses += 1
@@ -351,7 +359,10 @@ class TierManager:
                     sub = [keys[i] for i in idxs]
                     blobs = self.get(sub, layers, Location(len(sub), [ti] * len(sub)))
                     for i, blob in zip(idxs, blobs, strict=True):
-                        out[i] = None if blob is None else _decoded(blob, keys[i], layers)
+                        if blob is not None and raw:
+                            out[i] = byte_view(blob)
+                        elif blob is not None:
+                            out[i] = _decoded(blob, keys[i], layers)
             yield out  # (get() counted the other tiers' misses)
         for tier, key, exc in rejected:  # after the lease: a leased slot is freed on release
             self._reject(tier, key, exc)
@@ -362,6 +373,7 @@ class TierManager:
         idxs: Sequence[int],
         views: Sequence[torch.Tensor | None],
         layers: tuple[int, int] | None,
+        raw: bool = False,
     ) -> list[torch.Tensor | ChunkError | None]:
         """Each lent chunk verified (checksums of the layers asked, key, model) into its
         KV view, or the error that rejects it; on two threads where there are several
@@ -372,7 +384,8 @@ class TierManager:
             if view is None:
                 return None
             try:
-                return chunk_view(view, keys[i], self.fingerprint, layers)[1]
+                kv = chunk_view(view, keys[i], self.fingerprint, layers)[1]
+                return view if raw else kv
             except ChunkError as exc:
                 return exc
 

@@ -1,0 +1,119 @@
+"""Chunk bodies over plain HTTP/1.1 with the standard library, for :class:`kvtier.client.Client`.
+
+httpx moves a 32 MiB body through h11's receive buffer in 64 KiB reads and joins the pieces
+at the end; for the chunk routes that costs more than the loopback socket itself. Here a
+PUT sends the caller's buffer as it is (one ``sendall``) and a GET reads the reply straight
+into the caller's buffer (``readinto``) or into one ``bytes`` of the reply's length. Each
+thread keeps its own keep-alive connection (``http.client`` connections are not
+thread-safe); a request on a connection the server closed meanwhile is sent again once on a
+fresh one (every chunk request is idempotent: chunks are content-addressed).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urlencode, urlsplit
+
+from kvtier.errors import InvalidArgumentError, KVTierError
+
+_STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
+
+
+class ServiceError(KVTierError):
+    """The service answered with an error status."""
+
+    def __init__(self, status: int, type_: str, message: str) -> None:
+        super().__init__(f"HTTP {status} {type_}: {message}")
+        self.status = status
+        self.type = type_
+        self.message = message
+
+
+def error_from(status: int, body: bytes) -> ServiceError:
+    """The service's JSON error body as a :class:`ServiceError` (any other body as text)."""
+    try:
+        err = json.loads(body)["error"]
+        return ServiceError(status, err["type"], err["message"])
+    except (ValueError, KeyError, TypeError):
+        return ServiceError(status, "http_error", body[:500].decode(errors="replace"))
+
+
+class ChunkWire:
+    """Per-thread keep-alive connections to one ``http://`` base URL."""
+
+    def __init__(self, base_url: str, headers: Mapping[str, str], timeout: float) -> None:
+        url = urlsplit(base_url)
+        if url.scheme != "http" or not url.hostname:
+            raise InvalidArgumentError(f"the chunk wire speaks plain http://, got {base_url!r}")
+        self.host, self.port = url.hostname, url.port or 80
+        self.prefix = url.path.rstrip("/")
+        self.headers = dict(headers)
+        self.timeout = timeout
+        self._local = threading.local()
+        self._all: list[http.client.HTTPConnection] = []
+        self._lock = threading.Lock()
+
+    def _conn(self, fresh: bool = False) -> http.client.HTTPConnection:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None and not fresh:
+            return conn
+        if conn is not None:
+            conn.close()
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+        self._local.conn = conn
+        with self._lock:
+            self._all.append(conn)
+        return conn
+
+    def request(
+        self, method: str, path: str, params: Mapping[str, Any] | None = None,
+        body: Any = None, headers: Mapping[str, str] | None = None,
+    ) -> http.client.HTTPResponse:
+        """Send one request and return its response with the body unread (read it all
+        before the next request on this thread)."""
+        target = self.prefix + path + ("?" + urlencode(params) if params else "")
+        merged = {**self.headers, **(headers or {})}
+        if body is not None:
+            merged["Content-Length"] = str(memoryview(body).nbytes)
+        for attempt in (0, 1):
+            conn = self._conn(fresh=attempt > 0)
+            reused = conn.sock is not None
+            try:
+                conn.request(method, target, body=body, headers=merged)
+                return conn.getresponse()
+            except _STALE:
+                conn.close()
+                if attempt or not reused:
+                    raise
+        raise AssertionError("unreachable")
+
+    def read_into(self, resp: http.client.HTTPResponse, out: memoryview) -> memoryview:
+        """The reply's body read into ``out`` (which must hold it): the filled part."""
+        n = int(resp.getheader("content-length") or -1)
+        if n < 0:
+            data = resp.read()
+            n = len(data)
+            if n > len(out):
+                raise InvalidArgumentError(f"a {n}-byte chunk does not fit a {len(out)}-byte buffer")
+            out[:n] = data
+            return out[:n]
+        if n > len(out):
+            resp.read()  # leave the connection usable
+            raise InvalidArgumentError(f"a {n}-byte chunk does not fit a {len(out)}-byte buffer")
+        got = 0
+        while got < n:
+            m = resp.readinto(out[got:n])
+            if not m:
+                raise http.client.IncompleteRead(b"", n - got)
+            got += m
+        return out[:n]
+
+    def close(self) -> None:
+        with self._lock:
+            conns, self._all = self._all, []
+        for conn in conns:
+            conn.close()

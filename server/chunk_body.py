@@ -1,0 +1,80 @@
+"""Chunk bodies on the wire without chunk-sized allocations.
+
+An upload with a ``Content-Length`` streams into a reused staging buffer (the pieces the
+server receives are copied once, to where the chunk is verified and handed to the tiers);
+a download streams out of the tier's own memory: a verified view held under the tier's
+lease (the CPU arena's slot, the disk tier's staging buffer), released once the last byte
+is sent or the client goes away. Neither joins the body into one ``bytes``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import torch
+from fastapi import Request
+from fastapi.concurrency import run_in_threadpool
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from kvtier.connectors.tiers.host_buffers import StagingPool
+from kvtier.server.errors import RouteError
+
+PIECE = 1 << 20
+"""Bytes per write of a download: the socket drains between pieces, so the transport
+buffers at most one piece's unsent tail."""
+
+
+def declared_length(request: Request) -> int | None:
+    """The upload's ``Content-Length`` (None for a chunked upload)."""
+    raw = request.headers.get("content-length")
+    return None if raw is None else int(raw)  # the body-limit middleware checked it parses
+
+
+@contextlib.asynccontextmanager
+async def staged_body(request: Request, staging: StagingPool, length: int) -> AsyncIterator[torch.Tensor]:
+    """The upload's bytes in a staging buffer (a uint8 view of exactly ``length`` bytes),
+    given back when the block ends. A body that is shorter or longer than it declared is a
+    400 (the connection was cut, or the client lied)."""
+    buf = staging.acquire(length)
+    try:
+        mem = memoryview(buf.numpy())
+        pos = 0
+        async for piece in request.stream():
+            end = pos + len(piece)
+            if end > length:
+                raise RouteError(400, f"body is longer than its Content-Length ({length} bytes)")
+            mem[pos:end] = piece
+            pos = end
+        if pos != length:
+            raise RouteError(400, f"body ended after {pos} of its {length} bytes")
+        yield buf[:length]
+    finally:
+        staging.release(buf)
+
+
+class LeasedResponse(Response):
+    """Send ``view`` (uint8, CPU) in pieces, then close ``lease`` (on a worker thread: a
+    tier's release may take its lock); the lease is closed even if the client goes away."""
+
+    def __init__(
+        self, view: torch.Tensor, lease: contextlib.ExitStack, headers: dict[str, str], media_type: str
+    ) -> None:
+        super().__init__(None, headers=headers, media_type=media_type)
+        self.headers["content-length"] = str(view.numel())
+        self._view = view
+        self._lease = lease
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            mem = memoryview(self._view.numpy())
+            n = len(mem)
+            for start in range(0, n, PIECE):
+                end = min(start + PIECE, n)
+                await send({"type": "http.response.body", "body": mem[start:end], "more_body": end < n})
+            if n == 0:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await run_in_threadpool(self._lease.close)
