@@ -202,7 +202,8 @@ def _lmcache_run(name: str, args: argparse.Namespace, workdir: Path, redis_url: 
     cmd = [args.lmcache_python, "-m", "kvtier.benchmarks.peers_lmcache", "--backend", name,
            "--layers", str(layers), "--kv-heads", str(heads), "--head-dim", str(dim),
            "--tokens", str(args.tokens), "--sessions", str(args.sessions),
-           "--chunk-tokens", str(args.chunk_tokens), "--workdir", str(workdir / "lmcache")]
+           "--chunk-tokens", str(args.chunk_tokens), "--workdir", str(workdir / "lmcache"),
+           "--repeats", str(max(1, args.repeats))]  # best of, in one process (warm)
     if redis_url:
         cmd += ["--redis-url", redis_url]
     shutil.rmtree(workdir / "lmcache", ignore_errors=True)  # every run starts empty
@@ -350,8 +351,8 @@ def run(args: argparse.Namespace) -> int:
             ours = _best(lambda name=name: _kvtier_run(name, args, owner, expected, workdir, redis_url),
                          args.repeats)
             console.print(f"[bold]{name}[/bold]: LMCache ...")
-            peer = _best(lambda name=name: _lmcache_run(name, args, workdir, redis_url)
-                         or {"error": "LMCache environment not found"}, args.repeats)
+            peer = (_lmcache_run(name, args, workdir, redis_url)
+                    or {"error": "LMCache environment not found"})
             console.print(f"[bold]{name}[/bold]: raw medium ...")
             if name == "cpu":
                 raw = _raw_cpu(src)

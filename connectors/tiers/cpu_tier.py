@@ -78,6 +78,9 @@ class CPUTier(Tier):
         """Slot -> leases on it: such a slot is never a victim and never reused."""
         self._leased_keys: Counter[str] = Counter()
         self._doomed: set[int] = set()
+        self._departing: dict[str, tuple[int, int]] = {}
+        """Victims being handed to the eviction listeners (key -> slot, length): out of the
+        index but still readable, so a chunk on its way down is never in no tier at all."""
         """Leased slots whose chunk was deleted: freed when their last lease ends."""
 
     @property
@@ -138,7 +141,12 @@ class CPUTier(Tier):
 
     def __contains__(self, key: object) -> bool:
         with self._lock:
-            return key in self._index
+            return key in self._index or key in self._departing
+
+    def _entry(self, key: str) -> tuple[int, int] | None:
+        """(slot, length) of a held chunk, one on its way down included (under the lock)."""
+        entry = self._index.get(key)
+        return self._departing.get(key) if entry is None else entry
 
     def _take_slot(self, exclude: set[str], victims: list[tuple[str, int, int]]) -> int | None:
         """A free slot, else the slot of the policy's victim (never a leased chunk, nor
@@ -151,7 +159,19 @@ class CPUTier(Tier):
             exclude = exclude | self._leased_keys.keys()
         for victim, slot, length in self._index.evict_while(lambda: not victims, exclude):
             victims.append((victim, slot, length))
+            self._departing[victim] = (slot, length)
         return victims[0][1] if victims else None
+
+    def _landed(self, victims: list[tuple[str, int, int]], slot: int | None) -> bool:
+        """The victims are handed down: they leave for good. False when a reader leased
+        the slot meanwhile: it is freed when the reader lets go, and the caller takes
+        another (under the lock)."""
+        for victim, _, _ in victims:
+            self._departing.pop(victim, None)
+        if slot is not None and victims and self._leased[slot]:
+            self._doomed.add(slot)
+            return False
+        return True
 
     def _hand_down(self, victims: list[tuple[str, int, int]], arena: torch.Tensor) -> None:
         """Tell the eviction listeners of each victim with a view of its bytes (valid
@@ -178,7 +198,7 @@ class CPUTier(Tier):
         with self._lock:
             view = self._arena_view()
             for key in keys:
-                entry = self._index.get(key)
+                entry = self._entry(key)
                 if entry is None:
                     out.append(None)
                     continue
@@ -230,8 +250,8 @@ class CPUTier(Tier):
 
     def _drop(self, key: str) -> bool:
         entry = self._index.pop(key)
-        if entry is None:
-            return False
+        if entry is None:  # on its way down, the slot is the writer's: it only leaves
+            return self._departing.pop(key, None) is not None
         if self._leased[entry[0]]:
             self._doomed.add(entry[0])  # a reader still holds it: freed when it lets go
         else:
@@ -263,18 +283,22 @@ class CPUTier(Tier):
         info: ChunkInfo | None,
         exclude: set[str],
     ) -> str:
-        victims: list[tuple[str, int, int]] = []
-        with self._lock:
-            self._arena_view()
-            arena = self._arena
-            assert arena is not None
-            if key in self._index:
-                self._index.get(key)
-                if info is not None:
-                    self._index.share(key, info.session)
-                return "present"
-            slot = None if nbytes > self.slot_bytes else self._take_slot(exclude, victims)
-        self._hand_down(victims, arena)  # before the victim's slot is overwritten
+        while True:
+            victims: list[tuple[str, int, int]] = []
+            with self._lock:
+                self._arena_view()
+                arena = self._arena
+                assert arena is not None
+                if key in self._index:
+                    self._index.get(key)
+                    if info is not None:
+                        self._index.share(key, info.session)
+                    return "present"
+                slot = None if nbytes > self.slot_bytes else self._take_slot(exclude, victims)
+            self._hand_down(victims, arena)  # before the victim's slot is overwritten
+            with self._lock:
+                if self._landed(victims, slot):
+                    break
         if slot is None:
             reason = "too_large" if nbytes > self.slot_bytes else "full"
             self._account_put(PutResult(failed={key: reason}), 0, [])
@@ -315,7 +339,7 @@ class CPUTier(Tier):
             arena = self._arena
             assert arena is not None
             for key in keys:
-                entry = self._index.get(key)
+                entry = self._entry(key)
                 if entry is None:
                     views.append(None)
                     continue
@@ -343,7 +367,14 @@ class CPUTier(Tier):
 
     def contains_prefix(self, keys: Sequence[str]) -> int:
         with self._lock:
-            return self._index.leading_present(keys)
+            if not self._departing:
+                return self._index.leading_present(keys)
+            n = 0
+            for key in keys:
+                if key not in self._index and key not in self._departing:
+                    break
+                n += 1
+            return n
 
     def delete(self, keys: Sequence[str]) -> int:
         with self._lock:

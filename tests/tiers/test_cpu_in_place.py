@@ -123,3 +123,39 @@ def test_a_closed_arena_is_a_miss_through_the_manager_not_an_error():
     with manager.lease([_key(1)], None, Location(1, where.tiers)) as parts:
         assert parts == [None]
     assert tier.stats.errors == {"TierError": 1} and manager.stats.misses == 1
+
+
+def test_a_chunk_on_its_way_down_stays_readable_and_its_reader_keeps_the_slot():
+    """An evicted chunk is handed to the listeners before it leaves: meanwhile it is still
+    present (a concurrent lookup never finds it in no tier at all) and can be leased; a
+    reader that leased it then keeps that slot, and the writer evicts another chunk."""
+    tier = _tier(3)
+    seen: dict = {}
+    held = []
+
+    def on_evict(key, blob):
+        seen.setdefault("victims", []).append(key)
+        if held:
+            return
+        seen["present"] = key in tier and tier.contains_prefix([key]) == 1
+        seen["copy"] = tier.get([key])[0]
+        lease = tier.lease([key])
+        (view,) = lease.__enter__()
+        held.append((lease, view))
+
+    try:
+        assert [_store(tier, i) for i in (1, 2, 3)] == ["stored"] * 3
+        tier.add_eviction_listener(on_evict)
+        with tier.lease([_key(2)]):  # 2 stays
+            assert _store(tier, 4) == "stored"
+        assert seen["victims"] == [_key(1), _key(3)]  # 1's reader kept its slot: 3 went too
+        assert seen["present"] and seen["copy"] is not None
+        assert _key(1) not in tier and tier.contains_prefix([_key(1)]) == 0  # it has left
+        lease, view = held[0]
+        assert torch.equal(chunk_view(view, _key(1), FP)[1], _kv(1))  # never overwritten
+        assert sorted(k for k in (_key(i) for i in range(1, 5)) if k in tier) == [_key(2), _key(4)]
+        assert tier.free_slots == 0
+        lease.__exit__(None, None, None)
+        assert tier.free_slots == 1  # freed when its reader let go
+    finally:
+        tier.close()
