@@ -198,6 +198,39 @@ def one_client(url: str, blobs: dict[str, bytes]) -> dict:
     return {"put": put, "get": get}
 
 
+def raw_loopback(blobs: dict[str, bytes]) -> dict[str, float]:
+    """The wire under the sidecar: the same chunks sent over one loopback TCP connection
+    into a buffer that exists (``sendall`` / ``recv_into``, no HTTP), GB/s."""
+    import threading
+
+    size = max(len(b) for b in blobs.values())
+    total = sum(len(b) for b in blobs.values())
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(1)
+
+        def sink() -> None:
+            conn, _ = srv.accept()
+            mem = memoryview(bytearray(size))
+            with conn:
+                for blob in blobs.values():
+                    got = 0
+                    while got < len(blob):
+                        got += conn.recv_into(mem[got : len(blob)])
+                    conn.sendall(b"k")
+
+        thread = threading.Thread(target=sink, daemon=True)
+        thread.start()
+        with socket.create_connection(srv.getsockname()) as cli:
+            t0 = time.perf_counter()
+            for blob in blobs.values():
+                cli.sendall(blob)
+                cli.recv(1)
+            wall = time.perf_counter() - t0
+        thread.join(timeout=30)
+    return {"gbps": total / wall / 1e9}
+
+
 def raw_tier(tier: str, blobs: dict[str, bytes], slot: int, workdir: Path) -> dict[str, float]:
     """The tier the server writes into, timed in-process on the same chunks (GB/s)."""
     keys = list(blobs)
@@ -241,6 +274,7 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-service-") as tmp:
         work = Path(tmp)
         raw = raw_tier(args.tier, blobs, slot, work)
+        wire = raw_loopback(blobs)
         proc = None
         url = args.url
         if url is None:
@@ -257,6 +291,7 @@ def run(args: argparse.Namespace) -> int:
         "clients": args.clients,
         "chunk_bytes": len(next(iter(blobs.values()))),
         "raw_tier": raw,
+        "raw_loopback_gbps": wire["gbps"],
         **result,
         "ratio_put_vs_raw": result["put"]["gbps"] / raw["put_gbps"],
         "ratio_get_vs_raw": result["get"]["gbps"] / raw["get_gbps"],
@@ -264,16 +299,18 @@ def run(args: argparse.Namespace) -> int:
             **sync,
             "ratio_put_vs_raw": sync["put"]["gbps"] / raw["put_gbps"],
             "ratio_get_vs_raw": sync["get"]["gbps"] / raw["get_gbps"],
+            "ratio_put_vs_loopback": sync["put"]["gbps"] / wire["gbps"],
+            "ratio_get_vs_loopback": sync["get"]["gbps"] / wire["gbps"],
         },
     }
     table = Table(title=f"kvtier serve data plane, {args.clients} clients, {args.tier} tier")
-    for col in ("phase", "chunks", "GB/s", "req/s", "p50 ms", "p99 ms", "raw tier GB/s"):
+    for col in ("phase", "chunks", "GB/s", "req/s", "p50 ms", "p99 ms", "raw tier GB/s", "loopback GB/s"):
         table.add_column(col, justify="right")
     rows = [(p, result[p], k) for p, k in (("put", "put_gbps"), ("get", "get_gbps"), ("batch_get", "get_gbps"))]
     rows += [(f"1 sync client {p}", sync[p], f"{p}_gbps") for p in ("put", "get")]
     for phase, r, raw_key in rows:
         table.add_row(phase, str(r["chunks"]), f"{r['gbps']:.3f}", f"{r['requests_per_s']:.0f}",
-                      f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}", f"{raw[raw_key]:.3f}")  # fmt: skip
+                      f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}", f"{raw[raw_key]:.3f}", f"{wire['gbps']:.3f}")  # fmt: skip
     Console().print(table)
     if args.out:
         write_result(args.out, "service", payload)

@@ -22,6 +22,9 @@ def test_bench_service_small_run_writes_results(tmp_path):
         assert r["chunks"] == 24 and r["gbps"] > 0 and r["p99_ms"] >= r["p50_ms"] > 0
     assert doc["batch_get"]["requests"] == 6
     assert doc["raw_tier"]["put_gbps"] > 0 and doc["ratio_get_vs_raw"] > 0
+    one = doc["one_sync_client"]  # the connector's way: one client, bodies from/into buffers
+    assert one["put"]["chunks"] == one["get"]["chunks"] == 24
+    assert doc["raw_loopback_gbps"] > 0 and one["ratio_get_vs_loopback"] > 0
 
 
 def test_bench_service_rejects_nonsense():
