@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Hashable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -24,7 +24,7 @@ import torch
 
 from kvtier.chunk_format import chunk_layout, encode_into
 from kvtier.chunk_keys import ChunkKey, chunk_keys
-from kvtier.connectors.tiers.manager import TierManager
+from kvtier.connectors.tiers.manager import PutReport, TierManager
 from kvtier.errors import InvalidArgumentError
 from kvtier.gpu_pool import PagedKVPool
 from kvtier.gpu_pool.kernels import gather_blocks
@@ -78,6 +78,9 @@ class Snapshot:
 
 
 GROUP_BYTES = 4 << 20
+PUT_BATCH_BYTES = 128 << 20
+"""Staged chunks are put in batches of about this many bytes, each while the next is being
+encoded (a disk write or a Redis send overlaps the gather and checksums of the next)."""
 """Layers are gathered and checksummed this many bytes at a time (see ``encode_into``)."""
 
 Fill = Callable[..., None]
@@ -152,6 +155,7 @@ class KVTransfer(RestoreMixin):
         see docs/tiers.md)."""
         self.stream_min_tokens = CPU_STREAM_MIN_TOKENS
         self._executor: ThreadPoolExecutor | None = None
+        self._putter: ThreadPoolExecutor | None = None
         self.lost_restores = 0
         """Restores that lost chunks after they were published (recomputed instead)."""
 
@@ -338,14 +342,28 @@ class KVTransfer(RestoreMixin):
         staged: dict[str, torch.Tensor],
     ) -> None:
         """Encode each chunk in place into a reused staging buffer and put the buffers'
-        memory in one batch (the disk tier writes from it, Redis sends it): no chunk-sized
-        bytes object is made. A snapshot's chunk already lies in its buffer at its place
+        memory in batches (the disk tier writes from it, Redis sends it), each batch on
+        the putter thread while the next is encoded: no chunk-sized bytes object is made,
+        and at most about two batches of buffers are out at once. A snapshot's chunk already lies in its buffer at its place
         (``staged``): only its checksums and header are written."""
         staging = self.manager.staging
+        batches: list[tuple[Future[PutReport], list[torch.Tensor], dict[str, memoryview]]] = []
+        blobs: dict[str, memoryview] = {}
         held: list[torch.Tensor] = []
+
+        def settle(batch: tuple[Future[PutReport], list[torch.Tensor], dict[str, memoryview]]) -> None:
+            fut, bufs, sent = batch
+            try:
+                res = fut.result()
+                report.failed.update(res.failed)
+                report.stored += len(sent) - len(res.failed)
+                report.bytes += sum(len(b) for k, b in sent.items() if k not in res.failed)
+            finally:  # a put finishes before its buffers go back
+                for buf in bufs:
+                    staging.release(buf)
+
         try:
-            blobs: dict[str, memoryview] = {}
-            for key, source in pending.items():
+            for i, (key, source) in enumerate(pending.items()):
                 shape, dtype, fill = source
                 buf = staged.get(key)
                 if buf is not None:
@@ -356,14 +374,38 @@ class KVTransfer(RestoreMixin):
                     held.append(buf)
                 n = self._encode(key, source, buf)
                 blobs[key] = memoryview(buf[:n].numpy())
-            info = {key: ChunkInfo(len(b), session=owner, index=index[key]) for key, b in blobs.items()}
-            res = self.manager.put(blobs, tier, info)
-            report.failed = dict(res.failed)
-            report.stored += len(blobs) - len(res.failed)
-            report.bytes += sum(len(b) for k, b in blobs.items() if k not in res.failed)
+                if i == len(pending) - 1 or sum(len(b) for b in blobs.values()) >= PUT_BATCH_BYTES:
+                    batches.append((self._put_later(blobs, tier, owner, index), held, blobs))
+                    blobs, held = {}, []
+                    while len(batches) > 1:  # one batch being put while the next is encoded
+                        settle(batches.pop(0))
         finally:
-            for buf in held:
+            for buf in held:  # encoding failed: these were never handed to a put
                 staging.release(buf)
+            failure: BaseException | None = None
+            for batch in batches:  # each one settled, whatever another raised
+                try:
+                    settle(batch)
+                except BaseException as exc:  # noqa: BLE001 - re-raised below
+                    failure = failure or exc
+            if failure is not None:
+                raise failure
+
+    def _put_later(
+        self, blobs: dict[str, memoryview], tier: int | str, owner: Hashable | None, index: dict[str, int]
+    ) -> Future[PutReport]:
+        """Put one batch of encoded chunks on the putter thread (batches in order)."""
+        info = {key: ChunkInfo(len(b), session=owner, index=index[key]) for key, b in blobs.items()}
+        if self._putter is None:
+            self._putter = ThreadPoolExecutor(1, thread_name_prefix="kvtier-put")
+        return self._putter.submit(self.manager.put, blobs, tier, info)
+
+    def close(self) -> None:
+        """Wait for restores and puts in flight and stop their threads."""
+        super().close()
+        if self._putter is not None:
+            self._putter.shutdown(wait=True)
+            self._putter = None
 
     # ------------------------------------------------------------------- evict
     def pool_blocks(self, token_ids: Sequence[int]) -> set[int]:

@@ -142,3 +142,41 @@ def test_cpu_evictions_are_demoted_to_disk_from_the_slot(model_dir, tmp_path):
     finally:
         xfer.close()
         manager.close()
+
+
+def test_a_large_store_is_put_in_batches_while_the_next_is_encoded(model_dir, tmp_path, monkeypatch):
+    """A store of many chunks to a tier that lends no memory goes out in batches, each put
+    on the putter thread while the next batch is encoded: every chunk lands (bit-exact on
+    restore), and never more than about two batches of staging buffers are out at once
+    (a whole-session store used to hold one buffer per chunk until the end)."""
+    import kvtier.transfer.kv_transfer as kv_transfer
+
+    runner = ModelRunner(model_dir, dtype="float32", device="cpu", num_blocks=256)
+    chunk_bytes = runner.pool.storage.bytes_per_token * CHUNK
+    monkeypatch.setattr(kv_transfer, "PUT_BATCH_BYTES", 2 * chunk_bytes)
+    disk = DiskTier(tmp_path / "disk", fsync=False)
+    manager = TierManager([disk], fingerprint=runner.fingerprint, staging=disk.staging)
+    xfer = KVTransfer(runner, manager, CHUNK)
+    out_at_put: list[int] = []
+    put = disk.put
+
+    def counting_put(chunks, info=None):
+        out_at_put.append(len(disk.staging._out))
+        return put(chunks, info)
+
+    monkeypatch.setattr(disk, "put", counting_put)
+    try:
+        tokens = _tokens(8 * CHUNK, seed=5)
+        _compute(runner, "s", tokens)
+        before = _pool_kv(runner, tokens)
+        saved = xfer.save(tokens)
+        assert (saved.tokens, saved.stored, saved.failed) == (8 * CHUNK, 8, {})
+        assert len(out_at_put) == 4  # four batches of two chunks
+        assert max(out_at_put) <= 5  # the batch being put, the next one, one being encoded
+        assert disk.staging._out == {}  # every buffer went back
+        assert xfer.evict(tokens) > 0
+        assert xfer.load(tokens, saved.tokens).from_tiers == 8 * CHUNK
+        assert torch.equal(_pool_kv(runner, tokens), before)
+    finally:
+        xfer.close()
+        manager.close()
