@@ -113,8 +113,9 @@ class LivePolicy:
         idle = now - since
         seen = self.think.population.n
         m = self._memo.get(session)
-        if m is not None and m[0] == since and idle <= m[1] * 1.05 + 1e-3 and seen <= m[2] * 1.01 + 1:
-            return m[3]
+        fresh = m is not None and m[0] == since and m[1] <= idle <= m[1] * 1.05 + 1e-3
+        if fresh and seen <= m[2] * 1.01 + 1:  # never one made for a longer idle time
+            return m[3]  # type: ignore[index]
         out = (self.think.eviction_rank(session, idle), self.think.expected_next_s(session, idle))
         self._memo[session] = (since, idle, seen, out)
         return out

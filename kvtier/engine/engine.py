@@ -161,7 +161,9 @@ class Engine(OffloadMixin):
         )
         for tier in kv.manager.tiers:
             if isinstance(tier.eviction, SessionAware):
-                tier.eviction.predictor = policy.eviction_rank
+                # on the policy's clock (the engine's), not the tier's own monotonic one:
+                # idle times from two clocks must never meet in one prediction
+                tier.eviction.predictor = lambda session, _tier_now: policy.eviction_rank(session)
         kv.manager.demotion = policy.demotion_target  # as the simulator's cascade asks
         return policy
 

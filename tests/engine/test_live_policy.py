@@ -256,6 +256,11 @@ def test_a_tier_keeps_the_copy_of_a_session_the_pool_lets_go_next(model_dir, tmp
         held = old_copy()
         assert held > 0
         cpu = eng.tiers.tiers[0]
+        # The tier ranks on the engine's clock whatever its own index's clock reads (here
+        # the host's uptime: hours past the engine's fake one would once rank "new" as the
+        # session idle longest, and the pool would let it go instead of "old").
+        for late in (0.0, 1e6):
+            assert cpu.eviction.predictor("new", late) == eng.policy.eviction_rank("new")
         evicted = cpu.stats.evictions
         assert eng.policy.eviction_rank("old") == -1.0 < eng.policy.eviction_rank("filler")
         eng.stage("new", "cpu")  # a write into the full tier; "new" keeps its blocks

@@ -53,5 +53,6 @@ def test_a_prediction_is_reused_until_the_idle_time_grows_five_percent():
     first = live.prediction("a", 100.0)
     assert live.prediction("a", 104.0) == first
     assert live.prediction("a", 200.0) != first
+    assert live.prediction("a", 100.0) == first  # never one made for a longer idle time
     live.forget("a")
     assert live.prediction("a", 200.0) is None
