@@ -324,11 +324,15 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
 
+    from kvtier.errors import InvalidArgumentError
+
     torch.manual_seed(0)
     tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
     unknown = set(tiers) - set(TIERS)
     if unknown:
-        raise SystemExit(f"unknown tiers {sorted(unknown)}; choose from {', '.join(TIERS)}")
+        raise InvalidArgumentError(f"unknown tiers {sorted(unknown)}; choose from {', '.join(TIERS)}")
+    if args.sessions < 1 or args.tokens < args.chunk_tokens or args.tokens % args.chunk_tokens:
+        raise InvalidArgumentError("--sessions must be >= 1 and --tokens a multiple of --chunk-tokens")
     console = Console() if Console().is_terminal else Console(width=160)
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-peers-", dir=args.disk_dir))
     started = None

@@ -1,0 +1,33 @@
+"""``kvtier bench peers`` end to end at a small size, kvtier's side: every tier stores and
+restores the KV bit-exact through KVTransfer, each row next to its raw medium, written as
+the documented JSON rows. (The LMCache side runs in its own environment: tests_lmcache.)"""
+
+from __future__ import annotations
+
+import json
+
+from kvtier.cli.main import main
+
+
+def test_bench_peers_small_run_writes_rows(tmp_path):
+    out = tmp_path / "peers.json"
+    rc = main(
+        ["bench", "peers", "--model", "smollm-135m", "--sessions", "2", "--tokens", "512",
+         "--tiers", "cpu,disk,redis", "--lmcache-python", str(tmp_path / "no-lmcache"),
+         "--disk-dir", str(tmp_path), "--out", str(out)]
+    )  # fmt: skip
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["suite"] == "peers" and doc["config"]["total_bytes"] == 2 * 512 * 30 * 2 * 3 * 64 * 2
+    rows = {(r["tier"], r["op"]): r for r in doc["rows"]}
+    assert set(rows) == {(t, op) for t in ("cpu", "disk", "redis") for op in ("store", "retrieve")}
+    for r in rows.values():
+        assert r["kvtier_bit_exact"] is True
+        assert r["kvtier_GBps"] > 0 and r["raw_GBps"] > 0 and r["raw"]
+        assert r["kvtier_vs_raw"] == round(r["kvtier_GBps"] / r["raw_GBps"], 3)
+        assert r["lmcache_GBps"] is None  # no LMCache environment given: nothing made up
+
+
+def test_bench_peers_rejects_nonsense():
+    assert main(["bench", "peers", "--tiers", "cpu,tape"]) == 2
+    assert main(["bench", "peers", "--tokens", "300"]) == 2  # not whole chunks
