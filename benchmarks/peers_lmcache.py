@@ -54,7 +54,7 @@ _LOCATION = {"cpu": "LocalCPUBackend", "disk": "LocalDiskBackend", "redis": "Rem
 _TOKEN_STRIDE = 1_000_000  # session s, repeat r: tokens start at (r*sessions+s)*stride
 
 
-def _connector_class(shape_tail: tuple[int, int]) -> type:
+def cpu_copy_connector(shape_tail: tuple[int, int]) -> type:
     """A ``GPUConnectorInterface`` that copies between LMCache's memory objects and the
     CPU tensor passed as ``kvcaches`` (a ``[2, L, T, H*D]`` view). Built lazily because
     the base class lives in lmcache."""
@@ -235,7 +235,7 @@ def lmcache_store_retrieve(kv: torch.Tensor, tokens_per_session: int, sessions: 
     )  # fmt: skip
     engine = LMCacheEngineBuilder.get_or_create(
         model, load_engine_config_with_overrides(overrides=overrides), metadata,
-        _connector_class((layers, hidden))(), lambda t, r: None, lambda o, r: o,
+        cpu_copy_connector((layers, hidden))(), lambda t, r: None, lambda o, r: o,
     )  # fmt: skip
     engine.post_init()
     backends = engine.storage_manager.storage_backends

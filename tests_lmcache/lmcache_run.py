@@ -16,32 +16,17 @@ import time
 import torch
 from lmcache.v1.cache_engine import LMCacheEngineBuilder
 from lmcache.v1.config import load_engine_config_with_overrides
-from lmcache.v1.gpu_connector import GPUConnectorInterface
 from lmcache.v1.metadata import LMCacheMetadata
+
+from kvtier.benchmarks.peers_lmcache import cpu_copy_connector
 
 LAYERS, HEADS, HEAD_DIM, CHUNK = 2, 4, 16, 256
 NUM_TOKENS = 3 * CHUNK + 40
 
 
-class CPUCopyConnector(GPUConnectorInterface):
-    """Copies between LMCache's memory objects and one CPU tensor ``[2, L, T, H*D]``."""
-
-    def get_shape(self, num_tokens: int) -> torch.Size:
-        return torch.Size([2, LAYERS, num_tokens, HEADS * HEAD_DIM])
-
-    def from_gpu(self, memory_obj, start, end, **kw):
-        memory_obj.tensor.copy_(kw["kvcaches"][:, :, start:end, :])
-
-    def to_gpu(self, memory_obj, start, end, **kw):
-        kw["kvcaches"][:, :, start:end, :].copy_(memory_obj.tensor)
-
-    def batched_from_gpu(self, memory_objs, starts, ends, **kw):
-        for m, s, e in zip(memory_objs, starts, ends, strict=True):
-            self.from_gpu(m, s, e, **kw)
-
-    def batched_to_gpu(self, memory_objs=None, starts=None, ends=None, **kw):
-        for m, s, e in zip(memory_objs, starts, ends, strict=True):
-            self.to_gpu(m, s, e, **kw)
+# The benchmark's connector: copies between LMCache's memory objects and one CPU tensor
+# [2, L, T, H*D] (LMCache ships none that copies from plain CPU tensors).
+CPUCopyConnector = cpu_copy_connector((LAYERS, HEADS * HEAD_DIM))
 
 
 def make_engine(port: int, token: str):

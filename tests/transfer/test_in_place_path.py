@@ -38,6 +38,22 @@ def _compute(runner, sid, tokens) -> None:
     runner.free_sequence(sid)
 
 
+def _traced_round_trip(xfer, tokens):
+    """Save ``tokens``, drop their blocks, load them back: (save report, load report, peak
+    Python allocation of the store, of the restore), as tracemalloc sees them."""
+    tracemalloc.start()
+    try:
+        saved = xfer.save(tokens)
+        store_peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        assert xfer.evict(tokens) > 0
+        loaded = xfer.load(tokens, saved.tokens)
+        load_peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    return saved, loaded, store_peak, load_peak
+
+
 def _pool_kv(runner, tokens) -> torch.Tensor:
     blocks = runner.pool.manager.match_prefix(tokens, runner.fingerprint)
     return gather_blocks(runner.pool.storage.kv, blocks).clone()
@@ -57,16 +73,7 @@ def test_stores_and_restores_in_place_are_bit_exact_and_allocate_no_chunk(model_
         xfer.load(warm)
         before = _pool_kv(runner, tokens)
 
-        tracemalloc.start()
-        try:
-            saved = xfer.save(tokens)
-            store_peak = tracemalloc.get_traced_memory()[1]
-            tracemalloc.reset_peak()
-            assert xfer.evict(tokens) > 0
-            loaded = xfer.load(tokens, saved.tokens)
-            load_peak = tracemalloc.get_traced_memory()[1]
-        finally:
-            tracemalloc.stop()
+        saved, loaded, store_peak, load_peak = _traced_round_trip(xfer, tokens)
         assert (saved.tokens, saved.stored, loaded.from_tiers) == (4 * CHUNK, 4, 4 * CHUNK)
         assert tier.stats.puts == 8 and len(tier) == 8  # every chunk went in place
         assert torch.equal(_pool_kv(runner, tokens), before)
@@ -98,16 +105,7 @@ def test_disk_stores_from_and_restores_into_reused_buffers(model_dir, tmp_path, 
         before = _pool_kv(runner, tokens)
         buffers = disk.staging.allocations
 
-        tracemalloc.start()
-        try:
-            saved = xfer.save(tokens)
-            store_peak = tracemalloc.get_traced_memory()[1]
-            tracemalloc.reset_peak()
-            assert xfer.evict(tokens) > 0
-            loaded = xfer.load(tokens, saved.tokens)
-            load_peak = tracemalloc.get_traced_memory()[1]
-        finally:
-            tracemalloc.stop()
+        saved, loaded, store_peak, load_peak = _traced_round_trip(xfer, tokens)
         assert (saved.tokens, saved.stored, loaded.from_tiers) == (4 * CHUNK, 4, 4 * CHUNK)
         assert loaded.tier_hits == {"disk": 4} and disk.o_direct == o_direct
         assert torch.equal(_pool_kv(runner, tokens), before)
