@@ -152,6 +152,8 @@ async def get_chunk(key: Key, request: Request, layers: Layers = None) -> Respon
     t0 = time.perf_counter()
     if span is None:
         leased = await run_in_threadpool(_lease_whole, manager, key)
+        if leased == "missing":
+            raise RouteError(404, f"chunk {key} is not stored")
         if leased is not None:
             view, lease, tier = leased
             state.metrics.transfer.labels("get").observe(time.perf_counter() - t0)
@@ -167,12 +169,14 @@ async def get_chunk(key: Key, request: Request, layers: Layers = None) -> Respon
 
 
 def _lease_whole(manager: TierManager, key: str):
-    """(verified view of the whole chunk, its open lease, tier name), or None when no
-    tier lends it verified (a miss, or a copy its checks rejected: the caller reads on).
-    A hit below the fastest tier is promoted, as a read through ``get`` would be."""
+    """(verified view of the whole chunk, its open lease, tier name); ``"missing"`` when
+    no tier holds it; None when the tier holding it did not lend it verified (a copy its
+    checks rejected, or one gone meanwhile: the caller reads on through every tier). A hit
+    below the fastest tier is promoted, as a read through ``get`` would be."""
     loc = manager.lookup([key])
     if not loc.length:
-        return None
+        manager.count_misses()
+        return "missing"
     lease = contextlib.ExitStack()
     try:
         (view,) = lease.enter_context(manager.lease([key], location=loc, raw=True))

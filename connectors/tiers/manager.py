@@ -264,6 +264,11 @@ class TierManager:
         self.promote(promote)
         return out
 
+    def count_misses(self, n: int = 1) -> None:
+        """Keys a caller looked up (``lookup``) and found in no tier, counted as misses
+        the way ``get`` counts its own."""
+        self.stats.misses += n
+
     def promote(self, chunks: Mapping[str, Blob]) -> None:
         """Copy verified chunks read from a slower tier into the fastest one (when
         ``promote_on_hit``), so the next read of them is a RAM read."""
