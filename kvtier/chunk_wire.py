@@ -6,7 +6,9 @@ PUT sends the caller's buffer as it is (one ``sendall``) and a GET reads the rep
 into the caller's buffer (``readinto``) or into one ``bytes`` of the reply's length. Each
 thread keeps its own keep-alive connection (``http.client`` connections are not
 thread-safe); a request on a connection the server closed meanwhile is sent again once on a
-fresh one (every chunk request is idempotent: chunks are content-addressed).
+fresh one (every chunk request is idempotent: chunks are content-addressed). A server that
+cannot be reached raises ``OSError`` (``ConnectionError``, ``TimeoutError``) where the httpx
+path raises ``httpx.TransportError``; an error status is a :class:`ServiceError` on both.
 """
 
 from __future__ import annotations
