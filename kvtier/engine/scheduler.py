@@ -271,8 +271,11 @@ class Scheduler:
         if t.first_token is None:
             t.first_token = now
         t.token_times.append(now)
-        delta = req.decoder.push(token) if req.decoder is not None else ""
         reason = req.stop.check_token(token, len(req.output_ids))
+        # The token that ends the turn (EOS, <|im_end|>, a stop id) stays in the ids, where
+        # the KV needs it, but not in the text, as in vLLM and OpenAI's API.
+        ends_turn = reason == "stop"
+        delta = req.decoder.push(token) if req.decoder is not None and not ends_turn else ""
         if req.decoder is not None and req.params.stop:
             req.text = req.decoder.text
             cut = req.stop.find_stop_string(req.text, req._text_checked)

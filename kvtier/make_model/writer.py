@@ -135,12 +135,12 @@ def write_weights(
             if on_tensor is not None:
                 on_tensor(tensors[name].numel() * DTYPE_BYTES[dtype])
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
-        os.chmod(out / fname, 0o666 & ~_umask())  # safetensors creates files 0600
+        os.chmod(out / fname, 0o666 & ~current_umask())  # safetensors creates files 0600
         del tensors
     if len(files) > 1:
         total = sum(math.prod(s) for s in shapes.values()) * DTYPE_BYTES[dtype]
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        _write_json(out / "model.safetensors.index.json", index)
+        write_json(out / "model.safetensors.index.json", index)
     return files
 
 
@@ -217,7 +217,7 @@ def make_model(
         raise InvalidArgumentError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPE_BYTES)}")
     vocab = vocab_size or p.vocab_size
     out_path = Path(out)
-    _check_destination(out_path, force)
+    check_destination(out_path, force)
 
     text, tcfg, ids = tokenizer_files(p, vocab, p.max_position_embeddings)
     config = build_config(
@@ -233,14 +233,14 @@ def make_model(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        _write_json(tmp / "config.json", config)
+        write_json(tmp / "config.json", config)
         (tmp / "tokenizer.json").write_text(text, encoding="utf-8")
-        _write_json(tmp / "tokenizer_config.json", tcfg)
-        _write_json(
+        write_json(tmp / "tokenizer_config.json", tcfg)
+        write_json(
             tmp / "generation_config.json",
             {"bos_token_id": ids["bos_token_id"], "eos_token_id": ids["stop_token_ids"]},
         )
-        _write_json(
+        write_json(
             tmp / "make_model.json",
             {
                 "preset": p.name,
@@ -257,7 +257,7 @@ def make_model(
         files = _write_weights_with_progress(
             tmp, shapes, dtype, seed, max_shard_bytes, weight_bytes, show, p.name
         )
-        _install(tmp, out_path)
+        install_dir(tmp, out_path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -306,7 +306,7 @@ def _write_weights_with_progress(
         )
 
 
-def _check_destination(out: Path, force: bool) -> None:
+def check_destination(out: Path, force: bool) -> None:
     if out.exists() and not out.is_dir():
         raise InvalidArgumentError(f"{out} exists and is not a directory; choose another --out")
     if out.is_dir() and any(out.iterdir()) and not force:
@@ -315,7 +315,7 @@ def _check_destination(out: Path, force: bool) -> None:
         )
 
 
-def _install(tmp: Path, out: Path) -> None:
+def install_dir(tmp: Path, out: Path) -> None:
     """Move the finished ``tmp`` to ``out``; an old ``out`` is removed only after."""
     old: Path | None = None
     if out.exists():
@@ -326,13 +326,13 @@ def _install(tmp: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _umask() -> int:
+def current_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
 
 
-def _write_json(path: Path, doc: Any) -> None:
+def write_json(path: Path, doc: Any) -> None:
     path.write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 

@@ -45,7 +45,7 @@ class ChatFormat:
             segs.append((self.bos_token, True))
         prev: Message | None = None
         for i, msg in enumerate(messages):
-            _check_message(msg, i)
+            check_message(msg, i)
             segs.extend(s for s in self._message(msg, prev) if s[0])
             prev = msg
         if add_generation_prompt:
@@ -57,7 +57,7 @@ class ChatFormat:
         return "".join(t for t, _ in self.segments(messages, add_generation_prompt))
 
 
-def _check_message(msg: Message, index: int) -> None:
+def check_message(msg: Message, index: int) -> None:
     if not isinstance(msg, Mapping) or "role" not in msg or "content" not in msg:
         raise InvalidArgumentError(
             f"message {index} must be a mapping with 'role' and 'content', got {msg!r}"

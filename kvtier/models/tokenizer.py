@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import codecs
 import json
+import logging
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from kvtier.errors import KVTierError
-from kvtier.models.chat_template import ChatFormat, detect_format, render_ids
+from kvtier.models.chat_template import FORMATS, ChatFormat, detect_format, render_ids
+from kvtier.models.jinja_template import ChatTemplateError, TemplateChatFormat, template_from_config
+
+log = logging.getLogger(__name__)
 
 
 class TokenizerError(KVTierError, ValueError):
@@ -58,21 +62,28 @@ class Tokenizer:
         eos_token: str | None = None,
         extra_eos_ids: Iterable[int] = (),
         source: str = "<memory>",
+        chat_template: str | None = None,
+        add_bos: bool | None = None,
     ) -> None:
         self._tok = backend
         self.source = source
         vocab = backend.get_vocab(with_added_tokens=True)
-        self.chat_format: ChatFormat | None = detect_format(vocab)
-        fmt = self.chat_format
         self._specials: dict[str, int] = {
             t.content: i for i, t in backend.get_added_tokens_decoder().items() if t.special
         }
+        self.chat_format: ChatFormat | TemplateChatFormat | None = self._chat_format(
+            vocab, chat_template, bos_token, eos_token
+        )
+        fmt = self.chat_format
         self._special_ids = frozenset(self._specials.values())
         bos_token = bos_token if bos_token is not None else (fmt.bos_token if fmt else None)
         eos_token = eos_token if eos_token is not None else (fmt.eos_token if fmt else None)
         self.bos_token_id: int | None = vocab.get(bos_token) if bos_token else None
         self.eos_token_id: int | None = vocab.get(eos_token) if eos_token else None
-        self.add_bos_default = bool(fmt.add_bos) if fmt else self.bos_token_id is not None
+        if add_bos is not None:
+            self.add_bos_default = add_bos and self.bos_token_id is not None
+        else:
+            self.add_bos_default = bool(fmt.add_bos) if fmt else self.bos_token_id is not None
         stops = [self.eos_token_id] if self.eos_token_id is not None else []
         stops += [vocab[t] for t in (fmt.stop_tokens if fmt else ()) if t in vocab]
         stops += list(extra_eos_ids)
@@ -80,6 +91,26 @@ class Tokenizer:
         self._raw = backend  # parses special tokens in text
         self._literal: Any = None  # a copy that does not (made on first use)
         self._bytes: list[bytes] | None = None
+
+    def _chat_format(
+        self, vocab: Mapping[str, int], template: str | None, bos: str | None, eos: str | None
+    ) -> ChatFormat | TemplateChatFormat | None:
+        """The checkpoint's own template when it has one kvtier does not know by heart
+        (rendered with Jinja), else the built-in family its special tokens name."""
+        builtin = detect_format(vocab)
+        known = {f.jinja for f in FORMATS.values()}
+        if template is None or template in known:
+            return builtin
+        try:
+            fmt = TemplateChatFormat(
+                template, self._specials, bos_token=bos, eos_token=eos,
+            )
+            fmt.segments([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+        except ChatTemplateError as exc:
+            fallback = builtin.name if builtin else "none"
+            log.warning("%s: %s; using the built-in chat format (%s)", self.source, exc, fallback)
+            return builtin
+        return fmt
 
     # --- construction ------------------------------------------------------------------
 
@@ -99,12 +130,15 @@ class Tokenizer:
         gen = _read_json(d / "generation_config.json")
         extra = gen.get("eos_token_id")
         extra_ids = extra if isinstance(extra, list) else ([extra] if isinstance(extra, int) else [])
+        add_bos = cfg.get("add_bos_token")
         return cls(
             tok,
             bos_token=_token_name(cfg.get("bos_token")),
             eos_token=_token_name(cfg.get("eos_token")),
             extra_eos_ids=extra_ids,
             source=str(tj),
+            chat_template=template_from_config(cfg.get("chat_template")),
+            add_bos=add_bos if isinstance(add_bos, bool) else None,
         )
 
     @classmethod
@@ -229,8 +263,8 @@ class Tokenizer:
         """Token ids of a conversation in this tokenizer's chat format (see chat_template)."""
         if self.chat_format is None:
             raise TokenizerError(
-                f"{self.source}: no chat format recognised (no Llama 3, ChatML or [INST] "
-                "special tokens)"
+                f"{self.source}: no chat format recognised (no chat_template in "
+                "tokenizer_config.json, and no Llama 3, ChatML or [INST] special tokens)"
             )
         return render_ids(self, self.chat_format, messages, add_generation_prompt)
 
