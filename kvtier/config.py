@@ -207,6 +207,10 @@ class ServerConfig(_Section):
     (bigger chunks go to the disk tier). Engine mode sizes slots from the model."""
     max_tokens_default: int = 256
     """``/v1/chat/completions``: output tokens when a request names no ``max_tokens``."""
+    served_model_names: list[str] = []
+    """Engine mode: the names ``/v1/models`` lists and chat requests may ask for (the first
+    is the one replies carry when a request names none); empty: the model directory's name.
+    A request naming any other model gets OpenAI's 404 ``model_not_found``."""
 
     @field_validator("port")
     @classmethod

@@ -11,6 +11,7 @@ runs in a throwaway session. Every response carries per-turn timings under ``kvt
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -26,7 +27,7 @@ from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.session import TurnResult
 from kvtier.errors import InvalidArgumentError
 from kvtier.server.errors import RouteError, error_body, error_responses, status_of
-from kvtier.server.schemas import ChatCompletion, ChatCompletionRequest
+from kvtier.server.schemas import ChatCompletion, ChatCompletionRequest, ModelCard, ModelList
 from kvtier.server.state import ServiceState
 
 router = APIRouter(tags=["chat"])
@@ -68,6 +69,8 @@ def _timings(result: TurnResult) -> dict[str, Any]:
         "turn": s.turn,
         "reused_tokens": s.reused_tokens,
         "restored_tokens": s.restored_tokens,
+        "restored_from": dict(s.restored_from),
+        "restored_bytes": s.restored_bytes,
         "recomputed_tokens": s.recomputed_tokens,
         "queue_s": s.queue_s,
         "ttft_s": s.ttft_s,
@@ -122,6 +125,57 @@ class _Turn:
         return f"data: {json.dumps(payload)}\n\n"
 
 
+_SESSION_ID = re.compile(r"[\x20-\x7e]{1,256}")
+
+
+def _check_session_id(session_id: str, where: str) -> None:
+    """A session id travels back in the ``X-Session-Id`` header: printable ASCII only, so
+    a bad one is a 400 before the turn runs, never a broken response after it."""
+    if not _SESSION_ID.fullmatch(session_id):
+        raise InvalidArgumentError(
+            f"the session id in the {where} must be 1 to 256 printable ASCII characters "
+            f"(no control characters or non-ASCII text), got {session_id[:40]!r}"
+        )
+
+
+def _served_name(state: ServiceState, requested: str | None) -> str:
+    """The name a reply carries: the one requested, if this server serves it."""
+    if requested is None:
+        return state.model_names[0]
+    if requested not in state.model_names:
+        raise RouteError(
+            404,
+            f"The model `{requested}` does not exist; this server serves "
+            f"{', '.join(repr(n) for n in state.model_names)} (GET /v1/models lists them; "
+            "kvtier serve --served-model-name adds aliases)",
+            "model_not_found",
+        )
+    return requested
+
+
+def _cards(state: ServiceState) -> list[ModelCard]:
+    root = state.model_root or ""
+    return [ModelCard(id=n, created=state.created, root=root) for n in state.model_names]
+
+
+@router.get("/v1/models", response_model=ModelList, responses=_ERRORS)
+async def list_models(request: Request) -> ModelList:
+    """The models this server chats with: one, under each of its served names (a sidecar
+    without a model lists none)."""
+    return ModelList(data=_cards(request.app.state.kvtier))
+
+
+@router.get("/v1/models/{model}", response_model=ModelCard, responses=_ERRORS)
+async def get_model(model: str, request: Request) -> ModelCard:
+    """One served model; any other name is OpenAI's 404 ``model_not_found``."""
+    state: ServiceState = request.app.state.kvtier
+    if state.engine is None:
+        raise RouteError(404, f"The model `{model}` does not exist; this server runs without "
+                         "a model (kvtier serve --model DIR)", "model_not_found")
+    name = _served_name(state, model)
+    return next(c for c in _cards(state) if c.id == name)
+
+
 def _turn(body: ChatCompletionRequest, state: ServiceState, x_session_id: str | None) -> _Turn:
     """Check the request and gather what the turn needs."""
     if state.engine is None:
@@ -134,11 +188,13 @@ def _turn(body: ChatCompletionRequest, state: ServiceState, x_session_id: str | 
     history, message = messages[:-1], messages[-1]["content"]
     system = history[0]["content"] if len(history) == 1 and history[0]["role"] == "system" else None
     session_id = x_session_id or body.user
+    if session_id:
+        _check_session_id(session_id, "X-Session-Id header" if x_session_id else "user field")
     ephemeral = not session_id
     session_id = session_id or f"ephemeral-{uuid.uuid4().hex}"
     params = _params(body, state.config.server.max_tokens_default)
     prepare = _preparer(session_id, history)
-    model = body.model or state.model_name or "kvtier"
+    model = _served_name(state, body.model)
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     headers = {} if ephemeral else {"X-Session-Id": session_id}

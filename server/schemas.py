@@ -30,6 +30,9 @@ class TurnInfo(_Doc):
     reused_tokens: int
     recomputed_tokens: int
     restored_tokens: int
+    restored_from: dict[str, int] = {}
+    """Restored tokens per tier that held them (tier name -> tokens)."""
+    restored_bytes: int = 0
     output_tokens: int
     queue_s: float | None
     ttft_s: float | None
@@ -129,6 +132,22 @@ class ChatMessage(_Doc):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+class ModelCard(_Doc):
+    """One entry of ``GET /v1/models`` (OpenAI's model object)."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "kvtier"
+    root: str
+    """The model directory's name (every alias of one model has the same root)."""
+
+
+class ModelList(_Doc):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
 
 
 class ChatCompletionRequest(_Doc):

@@ -34,9 +34,15 @@ class ServiceState:
         self.config = config
         self.manager = manager
         self.engine = engine
-        self.model_name = model_name
+        names = list(config.server.served_model_names) if engine is not None else []
+        self.model_names: list[str] = names or ([model_name] if model_name else [])
+        """What /v1/models lists and chat requests may name (aliases of the one model)."""
+        self.model_name = self.model_names[0] if self.model_names else None
+        self.model_root = model_name
+        """The model directory's name."""
         self.metrics = ServiceMetrics()
         self.started = time.monotonic()
+        self.created = int(time.time())
 
     @property
     def mode(self) -> str:

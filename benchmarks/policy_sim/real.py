@@ -127,8 +127,9 @@ class _Replay:
         res.ttft_s.append(ttft)
         res.prompt_tokens += len(prompt)
         res.saved_tokens += result.stats.reused_tokens
-        if turn.restored_tokens:
-            res.hits["restored"] = res.hits.get("restored", 0) + -(-turn.restored_tokens // chunk)
+        restored = result.stats.restored_tokens
+        if restored:
+            res.hits["restored"] = res.hits.get("restored", 0) + -(-restored // chunk)
         self.server_free = start + ttft
 
 

@@ -31,6 +31,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=None, help="listen port (default server.port)")
     p.add_argument("--model", default=None, metavar="DIR", help="model directory: engine mode")
     p.add_argument("--auth-token", default=None, help="bearer token (default server.auth_token)")
+    p.add_argument(
+        "--served-model-name", nargs="+", default=None, metavar="NAME",
+        help="names /v1/models lists and chat requests may use (default: the model "
+        "directory's name; server.served_model_names)",
+    )
     add_engine_flags(p)
     p.add_argument(
         "--log-level", default=None, choices=["debug", "info", "warning", "error"],
@@ -49,6 +54,7 @@ def build_state(args: argparse.Namespace):
             "server.host": args.host,
             "server.port": args.port,
             "server.auth_token": args.auth_token,
+            "server.served_model_names": getattr(args, "served_model_name", None),
             "log_level": level.upper() if level else None,
         },
     )

@@ -39,7 +39,7 @@ from kvtier.models.tokenizer import Tokenizer
 from kvtier.policies.eviction import SessionAware
 from kvtier.policies.live import LivePolicy, load_cost_model
 from kvtier.policies.offload import Watermarks
-from kvtier.transfer.kv_transfer import KVTransfer, SaveReport
+from kvtier.transfer.kv_transfer import KVTransfer, LoadReport, SaveReport
 from kvtier.transfer.store_queue import StoreQueue
 
 __all__ = [
@@ -69,7 +69,8 @@ class PendingTurn:
     message: str
     system: str | None
     request: Request
-    restored_tokens: int = 0
+    restore: LoadReport | None = None
+    """What was brought back from the tiers for this turn's prompt."""
 
     def request_done(self) -> bool:
         return self.request.finished
@@ -269,7 +270,7 @@ class Engine(OffloadMixin):
         prompt = session.next_prompt(self.tokenizer, message, sys_msg)
         if self.policy is not None:
             self.policy.turn_started(session_id)
-        restored = self._restore_if_needed(session, len(prompt)).from_tiers
+        restored = self._restore_if_needed(session, prompt)
         if self.policy is not None and self.policy.auto_offload:
             self._make_room(len(prompt) - len(session.token_ids), exclude=session_id)
         cb = (lambda _r, _t, delta: on_text(delta) if delta else None) if on_text else None
@@ -287,7 +288,7 @@ class Engine(OffloadMixin):
         if req.finish_reason == "error":
             failed = ChatSession(sid).record(turn.message, None, req)
             return replace(failed, error=req.error, internal_error=req.internal_error)
-        result = turn.session.record(turn.message, turn.system, req, turn.restored_tokens)
+        result = turn.session.record(turn.message, turn.system, req, turn.restore)
         self.sessions[sid] = turn.session
         self._set_resident(turn.session, True)
         return result

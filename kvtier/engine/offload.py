@@ -16,6 +16,7 @@ import logging
 import math
 import time
 from collections import Counter
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -194,32 +195,45 @@ class OffloadMixin:
         by itself; call it on a hint that the user is coming back). ``wait=False`` returns
         once layer 0 is in and lets the other layers stream in meanwhile."""
         self._need_tiers()
-        report = self._restore_if_needed(self.session(session_id))
+        report = self._restore_if_needed(self.session(session_id), None)
         if wait and report.pending is not None:
             self.scheduler.settle_loads()
         return report
 
     def _restore_if_needed(
-        self, session: ChatSession, prompt_tokens: int | None = None
+        self, session: ChatSession, prompt: Sequence[int] | None
     ) -> LoadReport:
-        """Load the session's stored prefix, as much of it as the restore plan says beats
-        recomputing (all of it without a cost model, or for an explicit restore)."""
-        if self.kv is None or not session.stored_tokens:
+        """Load the longest stored prefix of what the turn needs, as much of it as the
+        restore plan says beats recomputing (all of it without a cost model, or for an
+        explicit restore, ``prompt`` None).
+
+        A session with KV of its own in the tiers restores that (its tail chunk included).
+        Any other turn (a new session, one opened from a request's history, the first turn
+        after a restart) looks its prompt up by content: chunk keys are chained content
+        hashes under this model's fingerprint, so a system prompt or document another
+        session stored is found in whichever tier holds it. The prompt's last token is
+        always computed: its logits start the reply."""
+        if self.kv is None:
             return LoadReport(tokens=0)
-        limit = session.stored_tokens
+        if session.stored_tokens:
+            tokens, limit = session.token_ids, session.stored_tokens
+        elif prompt is not None and len(prompt) > 1:
+            tokens, limit = prompt, len(prompt) - 1
+        else:
+            return LoadReport(tokens=0)
         found = None
-        if self.policy is not None and self.policy.cost is not None and prompt_tokens:
-            found = self.kv.stored_prefix(session.token_ids, limit)
-            k = self.policy.plan_load(found.chunks, prompt_tokens, found.cached)
+        if self.policy is not None and self.policy.cost is not None and prompt is not None:
+            found = self.kv.stored_prefix(tokens, limit)
+            k = self.policy.plan_load(found.chunks, len(prompt), found.cached)
             limit = found.cached + sum(n for n, _ in found.chunks[:k])
             if limit <= found.cached:
                 return LoadReport(tokens=found.cached, from_pool=found.cached)
         t0 = time.perf_counter()
-        report = self.kv.load(session.token_ids, limit, found=found)
+        report = self.kv.load(tokens, limit, found=found)
         if self.policy is not None and report.pending is None and len(report.tier_hits) == 1:
             (tier,) = report.tier_hits
             self.policy.observe_read(tier, report.bytes, time.perf_counter() - t0)
-        if report.tokens >= session.stored_tokens:
+        if session.stored_tokens and report.tokens >= session.stored_tokens:
             session.offloaded = False
             self._set_resident(session, True)
         return report

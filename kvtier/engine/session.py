@@ -14,6 +14,7 @@ from kvtier.engine.scheduler import Request
 from kvtier.errors import InvalidArgumentError
 from kvtier.models.chat_template import Message, render_ids
 from kvtier.models.tokenizer import Tokenizer
+from kvtier.transfer.restore import LoadReport
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,10 @@ class TurnStats:
     preemptions: int = 0
     restored_tokens: int = 0
     """Prompt tokens whose KV was brought back from a lower tier for this turn."""
+    restored_from: dict[str, int] = field(default_factory=dict)
+    """Of those, how many each tier brought (tier name -> tokens)."""
+    restored_bytes: int = 0
+    """KV bytes read from the tiers for them."""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -96,7 +101,8 @@ class ChatSession:
         return self.token_ids + closing + full[len(base) :]
 
     def record(
-        self, user_message: str, system: str | None, req: Request, restored_tokens: int = 0
+        self, user_message: str, system: str | None, req: Request,
+        restored: LoadReport | None = None,
     ) -> TurnResult:
         if system is not None:
             self.messages.append({"role": "system", "content": system})
@@ -116,8 +122,17 @@ class ChatSession:
             total_s=None if t.finished is None else t.finished - t.arrival,
             finish_reason=req.finish_reason,
             preemptions=req.num_preemptions,
-            restored_tokens=restored_tokens,
+            restored_tokens=restored.from_tiers if restored else 0,
+            restored_from=dict(restored.tier_tokens) if restored else {},
+            restored_bytes=_bytes_read(restored),
         )
         self.offloaded = False
         self.turns.append(stats)
         return TurnResult(self.session_id, req.text, list(req.output_ids), stats)
+
+
+def _bytes_read(report: LoadReport | None) -> int:
+    """Bytes a restore read (a streamed one has finished by the time its turn has)."""
+    if report is None:
+        return 0
+    return report.pending.bytes if report.pending is not None else report.bytes

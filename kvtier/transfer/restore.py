@@ -57,6 +57,9 @@ class LoadReport:
     from_pool: int = 0
     from_tiers: int = 0
     tier_hits: dict[str, int] = field(default_factory=dict)
+    """Chunks read per tier."""
+    tier_tokens: dict[str, int] = field(default_factory=dict)
+    """New tokens each tier brought (the pool's cached blocks excluded)."""
     bytes: int = 0
     pending: LayerLoad | None = None
     """A streamed restore still loading (the pool's forward passes wait on it per layer);
@@ -205,9 +208,11 @@ class RestoreMixin:
         report.tokens = max(end, cached)
         report.from_tiers = report.tokens - cached
         report.bytes = load.bytes
-        for ti in where.tiers[: len(loaded)]:
+        for ti, ck in zip(where.tiers[: len(loaded)], loaded, strict=True):
             name = self.manager.tiers[ti].name
             report.tier_hits[name] = report.tier_hits.get(name, 0) + 1
+            new = ck.end - max(ck.start, cached)
+            report.tier_tokens[name] = report.tier_tokens.get(name, 0) + new
         return report
 
     def _usable_chunks(
