@@ -6,6 +6,8 @@ recompute the whole history; KV still in the pool (the floor); restore from each
 (CPU arena; disk, warm page cache and cold; Redis when a URL is given) then compute only
 the new message — once loading every layer first, once streamed (``*_stream``: layer l
 computes while layer l+1 loads). Ratios are against recompute, measured in the same run.
+Then the shared-prefix case (:mod:`ttft_shared`): a new session whose long system prompt
+another session stored, found by content in each tier.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default=None)
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--shared-prefix", type=int, default=1024, metavar="TOKENS",
+                   help="also time a new session whose TOKENS-token system prompt another "
+                   "session stored, in each tier (0: skip)")
     p.add_argument("--out", type=Path, default=None)
     p.set_defaults(func=run)
 
@@ -78,6 +83,17 @@ def run(args: argparse.Namespace) -> int:
 
     rows = [bench.measure(h, args.repeats, console) for h in histories]
     _print_table(console, rows, f"{model_dir.name} {dtype} on {device}")
+    bench.close()
+    shared: list[dict[str, Any]] = []
+    if args.shared_prefix:
+        from kvtier.benchmarks.ttft_shared import measure_shared_prefix, print_shared_table
+
+        with console.status(f"shared prefix of {args.shared_prefix} tokens: timing"):
+            shared = measure_shared_prefix(
+                model_dir, dtype, str(device), args.shared_prefix, args.chunk_tokens,
+                args.repeats, bench.disk_dir, args.redis_url, args.threads,
+            )
+        print_shared_table(console, shared, f"{model_dir.name} {dtype} on {device}")
     if args.out:
         from kvtier.benchmarks.results import write_result
 
@@ -86,9 +102,9 @@ def run(args: argparse.Namespace) -> int:
                        "chunk_tokens": args.chunk_tokens, "repeats": args.repeats,
                        "threads": torch.get_num_threads(), "redis": bool(args.redis_url)},
             "rows": rows,
+            "shared_prefix": {"prefix_tokens": args.shared_prefix, "rows": shared},
         })
         console.print(f"wrote {path}")
-    bench.close()
     if args.disk_dir is None:
         shutil.rmtree(bench.disk_dir, ignore_errors=True)
     return 0

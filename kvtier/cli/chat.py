@@ -20,7 +20,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Multi-turn chat with streamed tokens and a timing line per turn. Reads "
         "one message per line when stdin is not a terminal.",
     )
-    p.add_argument("--model", required=True, metavar="DIR", help="model directory (HF format)")
+    p.add_argument("--model", default=None, metavar="DIR",
+                   help="model directory (HF format); default: SmolLM2-135M-Instruct, got "
+                   "once into out/models by `kvtier get-model`")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -56,6 +58,10 @@ def run(args: argparse.Namespace, stdin: TextIO | None = None, stdout: TextIO | 
     )
     config = config_from_args(args)
     apply_log_level(config, args)
+    if args.model is None:
+        from kvtier.make_model.get_model import default_chat_model
+
+        args.model = str(default_chat_model())
     engine = Engine(args.model, config)
     interactive = stdin.isatty()
     session, n = "chat-1", 1

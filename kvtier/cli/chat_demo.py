@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.errors import KVTierError
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise here
-    console = Console()
+    console = Console() if Console().is_terminal else Console(width=120)
     stamp = int(time.time())
     with Client(args.url, token=args.token, timeout=600) as kv:
         health = _wait_ready(kv, args.wait)
@@ -108,8 +108,8 @@ def run(args: argparse.Namespace) -> int:
             raise KVTierError("the server runs without a model: start it with --model DIR")
         console.print(f"[bold]kvtier serve[/] at {args.url}, model {health['model']}")
         table = Table(title="where each prompt token's KV came from (as the server reports)")
-        for col in ("conversation", "turn", "prompt", "restored", "MiB read", "recomputed",
-                    "TTFT ms", "KV from"):
+        for col in ("conversation", "turn", "prompt", "restored", "MiB read", "computed",
+                    "TTFT ms", "KV from (tokens)"):
             table.add_column(col, justify="right")
         rows: list[tuple[str, int, dict[str, Any]]] = []
         for who, questions in CONVERSATIONS:

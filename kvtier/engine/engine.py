@@ -259,7 +259,11 @@ class Engine(OffloadMixin):
         system: str | None = None,
         on_text: Callable[[str], None] | None = None,
     ) -> PendingTurn:
-        """Queue a turn without running it (the async engine's half of :meth:`chat`)."""
+        """Queue a turn without running it (the async engine's half of :meth:`chat`).
+
+        The turn's clock (its TTFT) starts here, so a restore done before it is queued
+        counts in the TTFT it reports."""
+        arrival = time.perf_counter()
         if session_id in self._busy:
             raise SessionBusyError(
                 f"session {session_id!r} already has a turn in flight; wait for its reply"
@@ -274,7 +278,8 @@ class Engine(OffloadMixin):
         if self.policy is not None and self.policy.auto_offload:
             self._make_room(len(prompt) - len(session.token_ids), exclude=session_id)
         cb = (lambda _r, _t, delta: on_text(delta) if delta else None) if on_text else None
-        req = self.scheduler.add(prompt, params, f"{session_id}#{len(session.turns) + 1}", cb)
+        req = self.scheduler.add(prompt, params, f"{session_id}#{len(session.turns) + 1}", cb,
+                                 arrival=arrival)
         self._busy.add(session_id)
         return PendingTurn(session, message, sys_msg, req, restored)
 

@@ -145,9 +145,13 @@ class Scheduler:
         params: SamplingParams | None = None,
         request_id: Hashable | None = None,
         on_token: Callable[[Request, int, str], None] | None = None,
+        arrival: float | None = None,
     ) -> Request:
         """Queue a request. One that can never run (empty, too long, bad token ids) is
-        returned already finished with ``finish_reason == "error"``: it never stalls others."""
+        returned already finished with ``finish_reason == "error"``: it never stalls others.
+
+        ``arrival`` (``time.perf_counter``): when the caller took the request in, if work on
+        it came before queueing (a chat turn restores its KV first); default now."""
         params = params or SamplingParams()
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         req = Request(
@@ -156,7 +160,7 @@ class Scheduler:
             params=params,
             stop=StopChecker(params, self.eos_token_ids),
             generator=params.make_generator(),
-            timings=RequestTimings(time.perf_counter()),
+            timings=RequestTimings(time.perf_counter() if arrival is None else arrival),
             on_token=on_token,
             decoder=self.tokenizer.stream() if self.tokenizer is not None else None,
         )

@@ -75,6 +75,25 @@ def get_model(
     return out_path, True
 
 
+def default_chat_model(models_dir: str | Path = "out/models") -> Path:
+    """The model ``kvtier chat`` uses when given none: the real default model, got once;
+    the random-weight preset of its shape, with a one-line note, if it cannot be had."""
+    from kvtier.errors import KVTierError
+    from kvtier.make_model.writer import make_model
+
+    root = Path(models_dir)
+    try:
+        out, _ = get_model(None, root / DEFAULT_REAL_MODEL)
+        return out
+    except KVTierError as exc:
+        fallback = root / "smollm-135m"
+        print(f"note: {DEFAULT_REAL_MODEL} could not be had ({exc}); using random weights at "
+              "SmolLM-135M's shape, so the replies are noise", file=sys.stderr)
+        if not (fallback / "config.json").is_file():
+            make_model("smollm-135m", fallback)
+        return fallback
+
+
 def _already_there(out: Path, sha256: str | None, dtype: str) -> bool:
     """A finished conversion of the same file, at the same dtype, is in ``out``."""
     try:

