@@ -43,6 +43,7 @@ from kvtier.chunk_keys import chunk_keys
 from kvtier.connectors.chunk_store import ChunkStore, open_store
 from kvtier.connectors.tiers.factory import HEADER_ALLOWANCE
 from kvtier.errors import ChunkError
+from kvtier.models.weights_digest import checkpoint_digest
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -90,10 +91,16 @@ class KVTierConnector(KVConnectorBase_V1):
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.block_size = vllm_config.cache_config.block_size
         model = vllm_config.model_config
+        # The weights name the model: their digest for a local checkpoint (kept beside it,
+        # see kvtier.models.weights_digest), else the hub id and revision vLLM loads.
+        digest = checkpoint_digest(str(model.model))
+        weights = f"w{digest}" if digest else f"{model.model}@{model.revision or 'main'}"
+        salt = extra.get("fingerprint_salt")
         self.fingerprint = "|".join(
             (
-                "vllm",
-                str(model.model),
+                "vllm-v2",
+                weights,
+                f"salt{len(str(salt))}:{salt}" if salt else "nosalt",
                 str(model.dtype),
                 f"bs{self.block_size}",
                 f"layers{model.get_num_layers(vllm_config.parallel_config)}",

@@ -33,12 +33,17 @@ import xxhash
 from kvtier.errors import ChunkFormatError, ChunkMismatchError
 
 MAGIC = b"KVTC"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: the header carries ``hxh``, a checksum of its own fields (1 had none)."""
 _PREFIX = struct.Struct("<4sI")
 MAX_HEADER_BYTES = 1 << 16
 PAYLOAD_ALIGN = 64
 """In-place chunks start their payload at a multiple of this many bytes."""
 _U64_MAX = (1 << 64) - 1
+_HEADER_KEYS = frozenset({"v", "key", "fp", "dtype", "shape", "tokens", "l0", "xxh", "hxh",
+                          "pad", "padd"})
+"""Every field a header may hold ("pad"/"padd": filler, the only bytes no checksum covers,
+meaningless by construction)."""
 _packer = msgpack.Packer(use_bin_type=True, autoreset=True)
 _packer_lock = threading.Lock()
 
@@ -86,6 +91,15 @@ class ChunkHeader:
     def payload_nbytes(self) -> int:
         return self.layer_nbytes * self.num_layers
 
+    def identity_checksum(self) -> int:
+        """xxh3 of every field a reader relies on (the payload's checksums included), so
+        no byte of a served chunk is outside a checksum: a flipped ``fp`` or ``l0`` is
+        caught like a flipped payload byte."""
+        return xxhash.xxh3_64_intdigest(_packb([
+            self.version, self.key, self.fingerprint, self.dtype, list(self.shape),
+            self.num_tokens, self.first_layer, list(self.layer_checksums),
+        ]))
+
     def fields(self) -> dict:
         return {
             "v": self.version,
@@ -96,6 +110,7 @@ class ChunkHeader:
             "tokens": self.num_tokens,
             "l0": self.first_layer,
             "xxh": list(self.layer_checksums),
+            "hxh": self.identity_checksum(),
         }
 
     def pack(self) -> bytes:
@@ -168,7 +183,7 @@ def chunk_layout(
         raise ChunkFormatError(f"unsupported chunk dtype {dtype}; use {sorted(DTYPES)}")
     worst = ChunkHeader(key, bytes(fingerprint), _DTYPE_NAMES[dtype], tuple(shape), shape[2],
                         (_U64_MAX,) * shape[0])
-    longest = len(_packb({**worst.fields(), "padd": bytes(256)}))
+    longest = len(_packb({**worst.fields(), "hxh": _U64_MAX, "padd": bytes(256)}))
     offset = -(-(_PREFIX.size + longest - 256 + 3) // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
     payload = dtype.itemsize * shape[0] * 2 * shape[2] * shape[3] * shape[4]
     return offset, offset + payload
@@ -288,13 +303,21 @@ def parse_header(buf: bytes | bytearray | memoryview) -> tuple[ChunkHeader, int]
             shape=tuple(int(x) for x in raw["shape"]),
             num_tokens=int(raw["tokens"]),
             layer_checksums=tuple(int(x) for x in raw["xxh"]),
-            first_layer=int(raw.get("l0", 0)),
+            first_layer=int(raw["l0"]),
             version=int(raw["v"]),
         )
+        hxh = int(raw["hxh"]) if header.version == FORMAT_VERSION else None
+        unknown = set(raw) - _HEADER_KEYS
+        if unknown:
+            raise ValueError(f"unknown fields {sorted(unknown)}")
     except (ValueError, KeyError, TypeError, msgpack.ExtraData, msgpack.FormatError) as exc:
         raise ChunkFormatError(f"chunk header is not valid: {exc}") from None
     if header.version != FORMAT_VERSION:
         raise ChunkFormatError(f"chunk format version {header.version} is not {FORMAT_VERSION}")
+    if hxh != header.identity_checksum():
+        raise ChunkFormatError(
+            f"chunk {header.key[:16]}: header checksum mismatch (corrupted header)"
+        )
     if header.dtype not in DTYPES:
         raise ChunkFormatError(f"chunk dtype {header.dtype!r} is not one of {sorted(DTYPES)}")
     if (

@@ -21,6 +21,7 @@ KEY_PATTERN = r"^[0-9A-Za-z_-]{2,200}$"
 """What a tier accepts as a chunk key: safe as a file name, a Redis key and a URL segment
 (kvtier's own keys are hex digests; a connector may key chunks its own way)."""
 KEY_RE = re.compile(KEY_PATTERN)
+"""Use ``KEY_RE.fullmatch``: with ``match``, ``$`` also matches before a final newline."""
 
 
 @dataclass(frozen=True)

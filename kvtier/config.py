@@ -149,6 +149,10 @@ class EngineConfig(_Section):
     stream_restore: bool | None = None
     """Restores stream layer by layer (layer l computes while layer l+1 loads); unset: on
     CUDA always, on CPU for restores of 2048 tokens or more."""
+    fingerprint_salt: str | None = None
+    """Mixed into the model fingerprint that keys every stored chunk: engines with different
+    salts never share KV, even of the same model over shared tiers (as vLLM's
+    ``cache_salt``); unset: KV is shared by every engine of the same weights."""
 
     @field_validator("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_threads")
     @classmethod

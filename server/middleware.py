@@ -39,14 +39,20 @@ class BearerAuth:
 
     def __init__(self, app: ASGIApp, token: str) -> None:
         self.app = app
-        self.expected = f"Bearer {token}".encode()
+        self.expected = token.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"authorization")
-        if given is None or not secrets.compare_digest(given, self.expected):
+        # The scheme is case-insensitive (RFC 9110 11.1); the token is compared whole.
+        scheme, _, token = (given or b"").strip().partition(b" ")
+        if (
+            given is None
+            or scheme.lower() != b"bearer"
+            or not secrets.compare_digest(token.strip(), self.expected)
+        ):
             why = "missing bearer token" if given is None else "wrong bearer token"
             await _send_error(
                 send,

@@ -211,7 +211,7 @@ async def delete_chunk(key: Key, request: Request) -> Response:
 
 
 def _check_keys(keys: list[str]) -> None:
-    bad = [k for k in keys if not KEY_RE.match(k)]
+    bad = [k for k in keys if not KEY_RE.fullmatch(k)]
     if bad:
         raise RouteError(400, f"not chunk keys: {bad[:5]} (pattern {KEY_PATTERN})")
 

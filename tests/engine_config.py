@@ -12,7 +12,7 @@ from kvtier.config import KVTierConfig, TiersConfig
 POOL = {"dtype", "device", "block_size", "num_blocks", "enable_prefix_caching"}
 ENGINE = {
     "max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_threads",
-    "max_inflight_bytes", "stream_restore",
+    "max_inflight_bytes", "stream_restore", "fingerprint_salt",
 }
 
 

@@ -190,7 +190,7 @@ class DiskTier(Tier):
                         self._index.share(key, info[key].session)
                     result.present.append(key)
                     continue
-                if not KEY_RE.match(key):
+                if not KEY_RE.fullmatch(key):
                     result.failed[key] = f"invalid: key {key!r} is not a chunk key (hex digest)"
                     continue
                 reason = admission_error(key, blob)

@@ -32,6 +32,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, metavar="DIR", help="model directory: engine mode")
     p.add_argument("--auth-token", default=None, help="bearer token (default server.auth_token)")
     p.add_argument(
+        "--allow-unauthenticated", action="store_true",
+        help="serve beyond loopback without a bearer token (refused otherwise: anyone who "
+        "can reach the port could read and write KV)",
+    )
+    p.add_argument(
         "--served-model-name", nargs="+", default=None, metavar="NAME",
         help="names /v1/models lists and chat requests may use (default: the model "
         "directory's name; server.served_model_names)",
@@ -44,11 +49,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def build_state(args: argparse.Namespace):
-    from kvtier.server.state import ServiceState
-
+def serve_config(args: argparse.Namespace):
+    """The config with ``kvtier serve``'s flags on top."""
     level = getattr(args, "log_level", None)
-    config = config_from_args(
+    return config_from_args(
         args,
         **{
             "server.host": args.host,
@@ -58,10 +62,40 @@ def build_state(args: argparse.Namespace):
             "log_level": level.upper() if level else None,
         },
     )
+
+
+def build_state(args: argparse.Namespace, config=None):
+    from kvtier.server.state import ServiceState
+
+    config = config if config is not None else serve_config(args)
     apply_log_level(config, args)
     if args.model is None:
         return ServiceState.sidecar(config)
     return ServiceState.with_engine(config, args.model)
+
+
+def check_exposure(host: str, token: str | None, allowed: bool) -> None:
+    """Refuse to listen beyond loopback without a token, unless the user says so."""
+    import ipaddress
+
+    from kvtier.errors import ConfigError
+
+    if token or host == "localhost":
+        return
+    try:
+        loopback = ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        loopback = False  # a host name: it may resolve to anything
+    if loopback:
+        return
+    if not allowed:
+        raise ConfigError(
+            f"kvtier serve would listen on {host} without a bearer token: anyone who can "
+            "reach it could read, write and poison KV. Set --auth-token (server.auth_token), "
+            "bind to 127.0.0.1, or pass --allow-unauthenticated if the network is yours alone"
+        )
+    log.warning("kvtier serve listens on %s without a bearer token (--allow-unauthenticated)",
+                host)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -69,7 +103,10 @@ def run(args: argparse.Namespace) -> int:
 
     from kvtier.server.app import create_app
 
-    state = build_state(args)
+    config = serve_config(args)
+    check_exposure(config.server.host, config.server.auth_token,
+                   getattr(args, "allow_unauthenticated", False))
+    state = build_state(args, config)
     cfg = state.config.server
     try:
         app = create_app(state)

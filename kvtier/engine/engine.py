@@ -105,6 +105,7 @@ class Engine(OffloadMixin):
             block_size=pool.block_size,
             max_model_len=opts.max_model_len,
             enable_prefix_caching=pool.enable_prefix_caching,
+            fingerprint_salt=opts.fingerprint_salt,
         )
         self.tiers = None
         self.kv: KVTransfer | None = None

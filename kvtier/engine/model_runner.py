@@ -19,9 +19,10 @@ import torch
 from kvtier.errors import InvalidArgumentError
 from kvtier.gpu_pool import AddResult, KVStorage, PagedKVPool
 from kvtier.gpu_pool.kv_storage import resolve_device, resolve_dtype
-from kvtier.models.checkpoint import load_state_dict
+from kvtier.models.checkpoint import checkpoint_files, load_state_dict
 from kvtier.models.config import ModelConfig
 from kvtier.models.llama import AttentionMetadata, CausalLM
+from kvtier.models.weights_digest import state_dict_digest, weights_digest
 from kvtier.transfer.layer_load import LayerLoad
 
 SeqId = Hashable
@@ -49,6 +50,7 @@ class ModelRunner:
         block_size: int = 16,
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
+        fingerprint_salt: str | None = None,
     ):
         self.device = resolve_device(device) if isinstance(device, str) else torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -57,9 +59,12 @@ class ModelRunner:
         if model_dir is not None:
             config = ModelConfig.from_pretrained(model_dir)
             state_dict = load_state_dict(model_dir, config, self.dtype, self.device)
+            files = sorted(set(checkpoint_files(Path(model_dir)).values()))
+            self.weights_digest = weights_digest(model_dir, files)
         elif state_dict is None:
             raise InvalidArgumentError("ModelRunner(config=...) needs state_dict too")
         else:
+            self.weights_digest = state_dict_digest(state_dict)
             state_dict = {k: v.to(self.device, self.dtype) for k, v in state_dict.items()}
         assert config is not None
         self.config = config
@@ -75,8 +80,11 @@ class ModelRunner:
             self._storage(num_blocks, memory_bytes, block_size), enable_prefix_caching
         )
         self.kv_dtype_name = _DTYPE_NAMES[self.dtype]
-        self.fingerprint = config.fingerprint(self.kv_dtype_name)
-        """Chained-hash ``extra`` of every sequence: KV of another model never matches."""
+        self.fingerprint = config.fingerprint(
+            self.kv_dtype_name, self.weights_digest, fingerprint_salt
+        )
+        """Chained-hash ``extra`` of every sequence: KV of another model (other weights, or
+        the same config with other weights) or another salt never matches."""
         self.layer_loads: list[LayerLoad] = []
         """Streamed restores in progress: every step waits for each layer's KV."""
 

@@ -21,20 +21,13 @@ from pathlib import Path
 
 from kvtier.make_model.real_models import RealModel
 from kvtier.models.config import CheckpointError
+from kvtier.paths import cache_dir as default_cache_dir
 
 _PIECE = 1 << 20
 
 
 class ModelSourceError(CheckpointError):
     """A real model's file cannot be found, downloaded, or does not match its checksum."""
-
-
-def default_cache_dir() -> Path:
-    """``$KVTIER_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvtier``, else ``~/.cache/kvtier``."""
-    if os.environ.get("KVTIER_CACHE_DIR"):
-        return Path(os.environ["KVTIER_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "kvtier"
 
 
 def file_sha256(path: Path) -> str:

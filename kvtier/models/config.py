@@ -94,16 +94,24 @@ class ModelConfig:
             return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
 
-    def fingerprint(self, kv_dtype: str) -> bytes:
-        """Bytes naming the model and KV layout, for the chained KV hash's ``extra``."""
+    def fingerprint(self, kv_dtype: str, weights: str, salt: str | None = None) -> bytes:
+        """Bytes naming the model and KV layout, for the chained KV hash's ``extra``: the
+        architecture, every hyper-parameter the KV depends on, the KV dtype, the digest of
+        the weights (:mod:`kvtier.models.weights_digest`) and an optional salt. Not the
+        directory's name: the same weights anywhere share KV, other weights never do."""
         r = self.rope_scaling
         parts = [
-            "kvtier-model-v1", self.name, self.architecture, f"V{self.vocab_size}",
+            "kvtier-model-v2", self.architecture, f"V{self.vocab_size}",
             f"H{self.hidden_size}", f"I{self.intermediate_size}", f"L{self.num_hidden_layers}",
             f"QH{self.num_attention_heads}", f"KVH{self.num_key_value_heads}",
-            f"D{self.head_dim}", f"theta{self.rope_theta!r}", f"rope{r.rope_type}:{r.factor!r}",
-            f"kv{kv_dtype}",
+            f"D{self.head_dim}", f"eps{self.rms_norm_eps!r}", f"theta{self.rope_theta!r}",
+            f"rope{r.rope_type}:{r.factor!r}:{r.low_freq_factor!r}:{r.high_freq_factor!r}:"
+            f"{r.original_max_position_embeddings}",
+            f"bias{int(self.qkv_bias)}{int(self.o_bias)}{int(self.mlp_bias)}",
+            f"kv{kv_dtype}", f"w{weights}",
         ]
+        if salt:
+            parts.append(f"salt{len(salt)}:{salt}")
         return "|".join(parts).encode()
 
     @classmethod

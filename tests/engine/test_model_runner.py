@@ -104,7 +104,11 @@ def test_config_and_state_dict_constructor_and_memory_sizing(ckpt):
                     memory_bytes=10 * per_block + 5, max_model_len=64)
     assert r.pool.storage.num_blocks == 10 and r.max_model_len == 64
     assert r.pool.storage.kv.shape == (2, 10, 2, 8, 2, 16)
-    assert r.fingerprint == cfg.fingerprint("float32") and cfg.name.encode() in r.fingerprint
+    # The fingerprint names the weights: one changed weight, another fingerprint.
+    assert r.fingerprint == cfg.fingerprint("float32", r.weights_digest)
+    bumped = dict(state, **{"model.norm.weight": state["model.norm.weight"] + 1e-3})
+    other = ModelRunner(config=cfg, state_dict=bumped, device="cpu", num_blocks=4, block_size=8)
+    assert other.fingerprint != r.fingerprint
     toks = tokens(10, seed=9)
     assert r.generate_greedy(toks, 5) == runner_for(ckpt).generate_greedy(toks, 5)
     assert "__generate_greedy__" not in r.pool

@@ -52,12 +52,18 @@ def test_legacy_rope_keys_and_eos_list(tmp_path):
     assert cfg.tie_word_embeddings and cfg.qkv_bias and cfg.o_bias
 
 
-def test_fingerprint_separates_models_and_dtypes():
+def test_fingerprint_separates_models_weights_dtypes_and_salts():
     a = ModelConfig.from_dict(BASE, name="m")
     b = ModelConfig.from_dict(dict(BASE, num_hidden_layers=3), name="m")
-    assert a.fingerprint("float16") == a.fingerprint("float16")
-    assert len({a.fingerprint("float16"), a.fingerprint("bfloat16"), b.fingerprint("float16"),
-                ModelConfig.from_dict(BASE, name="n").fingerprint("float16")}) == 4
+    eps = ModelConfig.from_dict(dict(BASE, rms_norm_eps=1e-5), name="m")
+    assert a.fingerprint("float16", "w1") == a.fingerprint("float16", "w1")
+    prints = {a.fingerprint("float16", "w1"), a.fingerprint("bfloat16", "w1"),
+              b.fingerprint("float16", "w1"), eps.fingerprint("float16", "w1"),
+              a.fingerprint("float16", "w2"), a.fingerprint("float16", "w1", salt="tenant-a")}
+    assert len(prints) == 6
+    # The directory's name is not the model: the same weights elsewhere share KV.
+    assert ModelConfig.from_dict(BASE, name="n").fingerprint("float16", "w1") == a.fingerprint(
+        "float16", "w1")
 
 
 @pytest.mark.parametrize(

@@ -169,6 +169,11 @@ def test_bad_keys_and_layers_are_400_or_422(sidecar):
         with pytest.raises(ServiceError) as err:
             kv.lookup(["ok-key", "../etc/passwd"])
         assert err.value.status == 400
+        # A key with a trailing newline is not a key ("$" alone would let it through).
+        assert kv.http.get("/v1/chunks/abcd%0A").status_code == 422
+        with pytest.raises(ServiceError) as err:
+            kv.lookup(["abcd\n"])
+        assert err.value.status == 400
         r = kv.http.post("/v1/chunks/lookup", json={"keys": "nope"})
         assert r.status_code == 422 and r.json()["error"]["type"] == "invalid_request"
 
@@ -221,6 +226,30 @@ def test_auth_token_guards_every_route_but_healthz(tmp_path):
         with Client(url, token="s3cret") as kv:
             assert kv.put_chunk(key(1), chunk(key(1)))["status"] == "stored"
             assert kv.stats()["tiers"][0]["chunks"] == 1
+        # The scheme is case-insensitive (RFC 9110); the token is not.
+        for scheme in ("bearer", "BEARER", "Bearer"):
+            r = httpx.get(f"{url}/v1/stats", headers={"Authorization": f"{scheme} s3cret"})
+            assert r.status_code == 200, scheme
+        for bad in ("Bearer S3CRET", "Basic s3cret", "s3cret", "Bearer", "Bearer s3cret x"):
+            assert httpx.get(f"{url}/v1/stats",
+                             headers={"Authorization": bad}).status_code == 401, bad
+
+
+@pytest.mark.parametrize(("host", "token", "allowed", "refused"), [
+    ("127.0.0.1", None, False, False), ("::1", None, False, False),
+    ("localhost", None, False, False), ("0.0.0.0", "t", False, False),
+    ("0.0.0.0", None, False, True), ("10.1.2.3", None, False, True),
+    ("myhost.example", None, False, True), ("0.0.0.0", None, True, False),
+])
+def test_serving_beyond_loopback_without_a_token_is_refused(host, token, allowed, refused):
+    from kvtier.cli.serve import check_exposure
+    from kvtier.errors import ConfigError
+
+    if refused:
+        with pytest.raises(ConfigError, match="without a bearer token"):
+            check_exposure(host, token, allowed)
+    else:
+        check_exposure(host, token, allowed)
 
 
 def test_stats_and_metrics_count_what_happened(sidecar):
@@ -255,3 +284,11 @@ def test_sessions_in_sidecar_mode_are_unknown(sidecar):
         assert err.value.status == 404 and "--model" in err.value.message
         r = kv.http.get("/v1/nothing-here")
         assert r.status_code == 404 and r.json()["error"]["type"] == "not_found"
+
+
+def test_kvtier_serve_refuses_to_start_exposed_without_a_token(capsys, monkeypatch):
+    from kvtier.cli.main import main
+
+    monkeypatch.delenv("KVTIER_SERVER__AUTH_TOKEN", raising=False)
+    assert main(["serve", "--host", "0.0.0.0", "--port", "0"]) == 2
+    assert "--allow-unauthenticated" in capsys.readouterr().err
