@@ -206,6 +206,12 @@ class DiskTier(Tier):
                 todo.append((key, blob))
         evicted_blobs = self._discard_evicted(evicted)
         outcomes = self._write_batch(todo)
+        full = [(k, b) for k, b in todo if outcomes[k] == "disk_full"]
+        if full:  # the filesystem filled before the tier's capacity: the coldest chunks go
+            freed = self._free_bytes(sum(len(b) for _, b in full))
+            if freed:
+                evicted_blobs += freed
+                outcomes.update(self._write_batch(full))
         written = 0
         with self._lock:
             for key, blob in todo:
@@ -238,6 +244,30 @@ class DiskTier(Tier):
                 continue
             evicted.append((victim, doomed))
         return not short_of_room()
+
+    def _free_bytes(self, need: int) -> list[tuple[str, bytes | None]]:
+        """Evict the policy's coldest chunks until ``need`` bytes are freed (a full
+        filesystem, whatever the configured capacity): a tier that takes no more writes
+        until someone deletes by hand is worse than one that forgets its coldest KV."""
+        evicted: list[tuple[str, str]] = []
+        freed = 0
+
+        def short() -> bool:
+            return freed < need
+
+        with self._lock:
+            for victim, _, size in self._index.evict_while(short):
+                doomed = self._temp_path(victim)
+                try:
+                    os.rename(self._path(victim), doomed)
+                except FileNotFoundError:
+                    continue
+                evicted.append((victim, doomed))
+                freed += size
+        if evicted:
+            log.warning("disk tier %s: the filesystem is full; evicted %d chunks (%d bytes)",
+                        self.directory, len(evicted), freed)
+        return self._discard_evicted(evicted)
 
     def _discard_evicted(self, evicted: list[tuple[str, str]]) -> list[tuple[str, bytes | None]]:
         out: list[tuple[str, bytes | None]] = []

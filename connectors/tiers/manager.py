@@ -285,10 +285,16 @@ class TierManager:
             return False
 
     def _reject(self, tier: Tier, key: str, exc: ChunkError) -> None:
-        """A chunk failed its checks: counted, logged and dropped from its tier (a miss,
-        then a recompute; never wrong KV)."""
-        reason = "mismatch" if "another model" in str(exc) or "holds" in str(exc) else "corrupt"
+        """A chunk failed its checks: counted, logged and, if corrupt, dropped from its tier
+        (a miss, then a recompute; never wrong KV). A whole chunk of another model (or filed
+        under another key) is a miss too, but it stays: it may be another engine's, sharing
+        the directory or the Redis, and is not this reader's to delete."""
+        foreign = isinstance(exc, ChunkMismatchError)
+        reason = "mismatch" if foreign else "corrupt"
         self.stats.rejected[reason] = self.stats.rejected.get(reason, 0) + 1
+        if foreign:
+            log.info("chunk %s in %s is not this model's: %s", key, tier.name, exc)
+            return
         log.warning("dropping chunk %s from %s: %s", key, tier.name, exc)
         try:
             tier.delete([key])

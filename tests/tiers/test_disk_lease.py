@@ -131,3 +131,13 @@ def test_a_chunk_of_another_model_or_key_is_rejected(tier) -> None:
     assert manager.stats.rejected == {"mismatch": 1}
     with TierManager([tier], fingerprint=b"another model").lease([key]) as parts:
         assert parts == [None]
+    # Another model's reader misses, and deletes nothing: the chunk is still its writer's.
+    mine = _key(5)
+    tier.put({mine: _in_place(5)})
+    foreign = TierManager([tier], fingerprint=b"another model")
+    with foreign.lease([mine]) as parts:
+        assert parts == [None]
+    assert foreign.get([mine]) == [None]
+    assert foreign.stats.rejected == {"mismatch": 2} and _path(tier, mine).exists()
+    with TierManager([tier], fingerprint=FP).lease([mine]) as parts:
+        assert parts[0] is not None

@@ -180,6 +180,29 @@ def test_killed_mid_write_leaves_only_whole_chunks(tmp_path: Path) -> None:
     assert interrupted, "no kill landed during a write"
 
 
+def test_a_full_filesystem_evicts_the_coldest_chunks_before_refusing(tmp_path: Path) -> None:
+    """The filesystem fills long before the tier's capacity (16 GiB of config on a 1 MiB
+    tmpfs): a put that hits ENOSPC evicts the least recently used chunks and is stored,
+    rather than the tier refusing every write until someone deletes files by hand."""
+    with mounted("tmpfs", tmp_path / "small", "size=1m") as root:
+        old = dict(big_blob(i) for i in range(3))
+        new = dict(big_blob(i) for i in range(10, 12))
+        with DiskTier(root, capacity_bytes=16 << 30) as tier:
+            assert tier.put(old).ok
+            first = next(iter(old))
+            assert tier.get([first]) == [old[first]]  # the first is now the most recent
+            gone: list[str] = []
+            tier.add_eviction_listener(lambda key, _blob: gone.append(key))
+            res = tier.put(new)
+            assert res.ok, res.failed
+            assert first not in gone and len(gone) >= 1  # the coldest went, not the hot one
+            assert tier.get(list(new)) == list(new.values())
+            assert tier.get(gone) == [None] * len(gone)
+            assert tier.stats.evictions == len(gone) and "disk_full" not in tier.stats.errors
+            assert not files(root, TEMP_SUFFIX)
+            assert assert_all_visible_chunks_whole(root) == len(tier)
+
+
 def test_disk_full_is_reported_and_nothing_torn(tmp_path: Path) -> None:
     """A real ENOSPC: a 1 MiB tmpfs takes three 256 KiB chunks, not six."""
     with mounted("tmpfs", tmp_path / "small", "size=1m") as root:
