@@ -112,6 +112,11 @@ class TiersConfig(_Section):
     """``redis://host:port/db`` or a cluster URL; unset: no Redis tier."""
     redis_ttl_s: int | None = None
     redis_timeout_s: float = 1.0
+    redis_max_connections: int = 32
+    """Connections per Redis client; past them a call waits for one (within its deadline)."""
+    redis_min_bandwidth: ByteSize = ByteSize(50_000_000)
+    """Bytes per second a Redis call is assumed to move at least: its deadline is the
+    latency bound plus its bytes at this rate."""
     write_policy: Literal["write_through", "write_back"] = "write_back"
     cpu_eviction: str = "session-aware"
     """Which chunk a full CPU tier gives up: lru, slru, lfu, arc, cost-aware,

@@ -73,7 +73,11 @@ def build_tiers(cfg: TiersConfig, slot_bytes: int, fingerprint: bytes) -> TierMa
     if cfg.redis_url:
         from kvtier.connectors.tiers.redis_tier import RedisTier
 
-        tiers.append(RedisTier(cfg.redis_url, ttl_s=cfg.redis_ttl_s, timeout_s=cfg.redis_timeout_s))
+        tiers.append(RedisTier(
+            cfg.redis_url, ttl_s=cfg.redis_ttl_s, timeout_s=cfg.redis_timeout_s,
+            max_connections=cfg.redis_max_connections,
+            min_bandwidth_Bps=float(cfg.redis_min_bandwidth),
+        ))
     if not tiers:
         return None
     return TierManager(tiers, cfg.write_policy, fingerprint=fingerprint, staging=staging)

@@ -64,6 +64,17 @@ def error_kind(exc: BaseException) -> str:
     return "unavailable"
 
 
+def reply_failure(reply: Exception) -> str:
+    """The ``PutResult.failed`` reason of a command's error reply. Redis answers ``OOM ...``
+    past its ``maxmemory`` (redis-py strips the prefix into ``OutOfMemoryError``): that is
+    a full tier, as a full disk is, not an error."""
+    if is_fault(reply):
+        return f"{error_kind(reply)}: {reply}"
+    if isinstance(reply, rexc.OutOfMemoryError) or str(reply).startswith("OOM"):
+        return f"full: {reply}"
+    return f"error: {reply}"
+
+
 def is_fault(reply: object) -> bool:
     """A per-command reply that is a connection fault (cluster pipelines return them)."""
     return isinstance(reply, (rexc.ConnectionError, rexc.TimeoutError, OSError))
@@ -81,7 +92,11 @@ async def make_async_client(url: str, *, cluster: bool, timeout_s: float, max_co
         max_connections=max_connections,
     )
     if not cluster:
-        return aioredis.Redis.from_url(url, **common)
+        # A blocking pool: past max_connections a call waits for a connection (within its
+        # own deadline) instead of failing with MaxConnectionsError, which under a load of
+        # many sessions turned a healthy Redis into spurious misses.
+        pool = aioredis.BlockingConnectionPool.from_url(url, timeout=None, **common)
+        return aioredis.Redis(connection_pool=pool)
     if urlsplit(url).scheme == CLUSTER_SCHEME:
         nodes = [ClusterNode(h, p) for h, p in parse_cluster_url(url)]
         parts = urlsplit(url.replace(CLUSTER_SCHEME + "://", "redis://", 1).split(",", 1)[0])
@@ -92,15 +107,19 @@ async def make_async_client(url: str, *, cluster: bool, timeout_s: float, max_co
     return RedisCluster.from_url(url, **common)
 
 
-def make_sync_client(url: str, *, timeout_s: float, max_connections: int) -> redis.Redis:
-    """The blocking single-server client, with the asyncio client's pool settings."""
-    return redis.Redis.from_url(
+def make_sync_client(url: str, *, timeout_s: float, max_connections: int,
+                     pool_wait_s: float = 30.0) -> redis.Redis:
+    """The blocking single-server client, with the asyncio client's pool settings (a
+    blocking pool whose wait is bounded: its worker threads are not cancelled)."""
+    pool = redis.BlockingConnectionPool.from_url(
         url,
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,
         retry=SyncRetry(NoBackoff(), 1, supported_errors=(rexc.ConnectionError,)),
         max_connections=max_connections,
+        timeout=pool_wait_s,
     )
+    return redis.Redis(connection_pool=pool)
 
 
 class RedisConnection:

@@ -37,6 +37,7 @@ from kvtier.connectors.tiers.redis_client import (
     error_kind,
     is_fault,
     parse_cluster_url,
+    reply_failure,
 )
 from kvtier.errors import ChunkError, InvalidArgumentError
 
@@ -67,8 +68,12 @@ class RedisTier(Tier):
     or ``redis+cluster://host:port,host:port`` (any reachable nodes; the rest is discovered).
     ``cluster=True`` treats a ``redis://host:port`` URL as a cluster seed node.
     ``timeout_s`` bounds connecting and every socket read: a stalled server is noticed
-    within it. ``op_timeout_s`` (default ``max(4 * timeout_s, 2 s)``) bounds a whole call,
-    transfer included. ``ttl_s`` gives every chunk an expiry (refreshed when put again).
+    within it. A whole call is bounded by ``op_timeout_s`` (default ``max(4 * timeout_s,
+    2 s)``) plus the time its bytes take at ``min_bandwidth_Bps`` (default 50 MB/s), so a
+    batch of large chunks is not cut short on a loaded machine while a stall is still
+    noticed; batches are split into calls of at most ``max_batch_bytes``. Past
+    ``max_connections`` a call waits for a connection instead of failing. ``ttl_s`` gives
+    every chunk an expiry (refreshed when put again).
     """
 
     name = "redis"
@@ -84,6 +89,8 @@ class RedisTier(Tier):
         op_timeout_s: float | None = None,
         max_connections: int = 32,
         capacity_bytes: int | None = None,
+        min_bandwidth_Bps: float = 50e6,
+        max_batch_bytes: int = 64 << 20,
     ) -> None:
         super().__init__()
         if timeout_s <= 0:
@@ -97,6 +104,13 @@ class RedisTier(Tier):
         self.ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
         self.timeout_s = timeout_s
         self.op_timeout_s = op_timeout_s or max(4 * timeout_s, 2.0)
+        if min_bandwidth_Bps <= 0 or max_batch_bytes <= 0:
+            raise InvalidArgumentError("min_bandwidth_Bps and max_batch_bytes must be > 0")
+        self.min_bandwidth_Bps = min_bandwidth_Bps
+        self.max_batch_bytes = max_batch_bytes
+        self._chunk_hint = 0
+        """The largest chunk seen: what a get of unknown sizes budgets per key (1 MiB
+        until a chunk was seen, and no split)."""
         self._capacity = capacity_bytes
         self._used = 0
         self._used_lock = threading.Lock()
@@ -110,24 +124,32 @@ class RedisTier(Tier):
         self._sync = self._conn.sync
 
     # --- running on the connection's loop ---------------------------------------------
-    def _guarded(self, what: str, coro: Coroutine[Any, Any, T], fallback: Callable[[str], T]) -> T:
+    def deadline(self, nbytes: int) -> float:
+        """Seconds a call moving ``nbytes`` may take: a latency bound plus the bytes at the
+        floor bandwidth."""
+        return self.op_timeout_s + nbytes / self.min_bandwidth_Bps
+
+    def _guarded(self, what: str, coro: Coroutine[Any, Any, T], fallback: Callable[[str], T],
+                 nbytes: int = 0) -> T:
         """Run ``coro`` on the tier's loop from any thread; a Redis fault becomes ``fallback``."""
         if self._closed:
             coro.close()
             return fallback("unavailable: tier closed")
-        fut = self._conn.submit(coro, self.op_timeout_s)
+        limit = self.deadline(nbytes)
+        fut = self._conn.submit(coro, limit)
         try:
-            return fut.result(self.op_timeout_s + 1.0)
+            return fut.result(limit + 1.0)
         except FAULTS as exc:
             fut.cancel()
             return self._fault(what, exc, fallback)
 
-    async def _aguarded(self, what: str, coro: Coroutine[Any, Any, T], fallback: Callable[[str], T]) -> T:
+    async def _aguarded(self, what: str, coro: Coroutine[Any, Any, T], fallback: Callable[[str], T],
+                        nbytes: int = 0) -> T:
         """The async face: await the tier's loop from the caller's loop."""
         if self._closed:
             coro.close()
             return fallback("unavailable: tier closed")
-        fut = self._conn.submit(coro, self.op_timeout_s)
+        fut = self._conn.submit(coro, self.deadline(nbytes))
         try:
             return await asyncio.wrap_future(fut)
         except FAULTS as exc:
@@ -176,9 +198,7 @@ class RedisTier(Tier):
         for i, k in enumerate(keys):
             reply = replies[i * step]
             if isinstance(reply, Exception):
-                msg = str(reply)
-                kind = "full" if msg.startswith("OOM") else "error"
-                result.failed[k] = f"{error_kind(reply) if is_fault(reply) else kind}: {msg}"
+                result.failed[k] = reply_failure(reply)
             elif reply:
                 result.stored.append(k)
                 written += len(chunks[k])
@@ -354,13 +374,55 @@ class RedisTier(Tier):
     def _put_failed(self, chunks: Mapping[str, Blob]) -> Callable[[str], PutResult]:
         return lambda why: PutResult(failed={k: why for k in chunks})
 
+    def _put_batches(self, chunks: Mapping[str, Blob]) -> list[dict[str, Blob]]:
+        """``chunks`` in calls of at most ``max_batch_bytes`` (a bigger chunk goes alone)."""
+        batches: list[dict[str, Blob]] = [{}]
+        size = 0
+        for k, blob in chunks.items():
+            n = len(blob)
+            self._chunk_hint = max(self._chunk_hint, n)
+            if batches[-1] and size + n > self.max_batch_bytes:
+                batches.append({})
+                size = 0
+            batches[-1][k] = blob
+            size += n
+        return [b for b in batches if b]
+
+    def _get_batches(self, keys: Sequence[str]) -> list[Sequence[str]]:
+        if not self._chunk_hint:
+            return [keys]
+        per = max(1, self.max_batch_bytes // self._chunk_hint)
+        return [keys[i : i + per] for i in range(0, len(keys), per)] or [keys]
+
+    def _get_budget(self, n: int) -> int:
+        return n * (self._chunk_hint or 1 << 20)
+
     def put(self, chunks: Mapping[str, Blob], info: Mapping[str, object] | None = None) -> PutResult:
         """``info`` is ignored: Redis evicts by its own ``maxmemory`` policy."""
-        return self._guarded("put", self._put(chunks), self._put_failed(chunks))
+        result = PutResult()
+        for batch in self._put_batches(chunks):
+            part = self._guarded("put", self._put(batch), self._put_failed(batch),
+                                 sum(len(b) for b in batch.values()))
+            result.stored += part.stored
+            result.present += part.present
+            result.failed.update(part.failed)
+        return result
 
     def get(self, keys: Sequence[str], layers: tuple[int, int] | None = None) -> list[bytes | None]:
         self._check_layers(layers)
-        return self._guarded("get", self._get(keys, layers), self._all_missed(keys))
+        return self._read(keys, layers, verify=True)
+
+    def _read(self, keys: Sequence[str], layers: tuple[int, int] | None, verify: bool
+              ) -> list[bytes | None]:
+        out: list[bytes | None] = []
+        for batch in self._get_batches(keys):
+            blobs = self._guarded("get", self._get(batch, layers, verify=verify),
+                                  self._all_missed(batch), self._get_budget(len(batch)))
+            for b in blobs:
+                if b is not None:
+                    self._chunk_hint = max(self._chunk_hint, len(b))
+            out += blobs
+        return out
 
     @contextlib.contextmanager
     def lease(
@@ -370,7 +432,7 @@ class RedisTier(Tier):
         verify once (:func:`~kvtier.chunk_format.chunk_view`) and scatter from: whole
         chunks unverified here (one round trip), layer ranges as :meth:`get` reads them."""
         self._check_layers(layers)
-        blobs = self._guarded("get", self._get(keys, layers, verify=False), self._all_missed(keys))
+        blobs = self._read(keys, layers, verify=False)
         yield [None if b is None else byte_view(b) for b in blobs]
 
     def contains_prefix(self, keys: Sequence[str]) -> int:
@@ -390,13 +452,24 @@ class RedisTier(Tier):
 
     # --- the async face (awaitable from any event loop) ---------------------------------
     async def aput(self, chunks: Mapping[str, Blob]) -> PutResult:
-        return await self._aguarded("put", self._put(chunks), self._put_failed(chunks))
+        result = PutResult()
+        for batch in self._put_batches(chunks):
+            part = await self._aguarded("put", self._put(batch), self._put_failed(batch),
+                                        sum(len(b) for b in batch.values()))
+            result.stored += part.stored
+            result.present += part.present
+            result.failed.update(part.failed)
+        return result
 
     async def aget(
         self, keys: Sequence[str], layers: tuple[int, int] | None = None
     ) -> list[bytes | None]:
         self._check_layers(layers)
-        return await self._aguarded("get", self._get(keys, layers), self._all_missed(keys))
+        out: list[bytes | None] = []
+        for batch in self._get_batches(keys):
+            out += await self._aguarded("get", self._get(batch, layers), self._all_missed(batch),
+                                        self._get_budget(len(batch)))
+        return out
 
     async def acontains_prefix(self, keys: Sequence[str]) -> int:
         return await self._aguarded("contains_prefix", self._contains_prefix(keys), lambda _: 0)

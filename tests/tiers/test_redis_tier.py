@@ -361,3 +361,76 @@ def test_cluster_node_killed_degrades_to_misses() -> None:
         assert time.monotonic() - start < 2.5
     finally:
         cluster.cleanup()
+
+
+# --- under load: connections, large batches, a full server ------------------------------
+
+
+def test_more_callers_than_connections_wait_instead_of_failing(redis_server: RedisServer):
+    """400 concurrent reads over a pool of 2 connections: all hits, no spurious
+    'unavailable' (a non-blocking pool raised MaxConnectionsError past 2)."""
+    t = RedisTier(redis_server.url, timeout_s=2.0, max_connections=2)
+    try:
+        blobs = {key(i): chunk(i) for i in range(8)}
+        assert t.put(blobs).ok
+
+        async def many() -> tuple[list, list]:
+            gets = asyncio.gather(*(t.aget([key(i % 8)]) for i in range(200)))
+            looks = asyncio.gather(*(t.acontains_prefix([key(i % 8)]) for i in range(400)))
+            return await gets, await looks
+
+        replies, found = asyncio.run(many())
+        assert all(r == [blobs[key(i % 8)]] for i, r in enumerate(replies))
+        assert found == [1] * 400
+        results: list = []
+
+        def reader(i: int) -> None:
+            results.append(t.get([key(i % 8)]))
+
+        threads = [threading.Thread(target=reader, args=(i,)) for i in range(32)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert len(results) == 32 and all(r[0] is not None for r in results)
+        assert not t.stats.errors
+    finally:
+        t.close()
+
+
+def test_a_large_batch_gets_time_for_its_bytes_and_is_split(redis_server: RedisServer):
+    """A latency bound far too short for 48 MiB still lets the batch through: the deadline
+    grows with the bytes (here 10 MB/s assumed), and the batch goes in calls of at most
+    17 MiB (two chunks each)."""
+    t = RedisTier(redis_server.url, timeout_s=2.0, op_timeout_s=0.01,
+                  min_bandwidth_Bps=10e6, max_batch_bytes=17 << 20)
+    try:
+        big = {key(i): chunk(i, dtype=torch.float32, layers=32, tokens=2048) for i in range(6)}
+        assert all(len(b) > 8 << 20 for b in big.values())  # 8 MiB each
+        trips = t.round_trips
+        res = t.put(big)
+        assert res.ok and len(res.stored) == 6, res.failed
+        assert t.round_trips - trips == 3  # 6 x 8 MiB in 17 MiB calls
+        got = t.get(list(big))
+        assert got == list(big.values())
+        assert t.deadline(48 << 20) > 5.0
+    finally:
+        t.close()
+
+
+def test_a_full_redis_is_reported_as_full():
+    """Past maxmemory with noeviction Redis answers OOM; redis-py strips that prefix, so
+    the failure must be recognised by its kind: 'full', as a full disk."""
+    server = RedisServer(extra=["--maxmemory", "2mb", "--maxmemory-policy", "noeviction"])
+    server.start()
+    t = RedisTier(server.url, timeout_s=2.0)
+    try:
+        blobs = {key(i): chunk(i, dtype=torch.float32, layers=8, tokens=1024) for i in range(4)}
+        res = t.put(blobs)
+        assert res.failed, "2 MiB of maxmemory took 4 MiB of chunks"
+        assert all(why.startswith("full") for why in res.failed.values()), res.failed
+        for k in res.stored:
+            assert t.get([k]) == [blobs[k]]
+    finally:
+        t.close()
+        server.cleanup()
