@@ -93,12 +93,13 @@ def tier_stats(manager: TierManager | None) -> list[dict[str, Any]]:
     for tier in manager.tiers if manager is not None else []:
         s = tier.stats.as_dict()
         reads = s["hits"] + s["misses"]
+        chunks, used = tier.gauges()  # counters: never a Redis SCAN or a wait on a tier lock
         out.append(
             {
                 "name": tier.name,
                 "capacity_bytes": tier.capacity_bytes,
-                "used_bytes": tier.used_bytes,
-                "chunks": len(tier),
+                "used_bytes": used,
+                "chunks": chunks,
                 "hit_rate": s["hits"] / reads if reads else 0.0,
                 **s,
             }

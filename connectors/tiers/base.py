@@ -116,6 +116,12 @@ class Tier(ABC):
     def __len__(self) -> int:
         """Chunks stored."""
 
+    def gauges(self) -> tuple[int, int]:
+        """(chunks, bytes) held, for metrics and stats: cheap, never a scan and never a wait
+        on a lock a transfer holds (a value a moment old is fine). Tiers whose ``len`` or
+        ``used_bytes`` is not cheap override it."""
+        return len(self), self.used_bytes
+
     @property
     def eviction(self) -> Any:
         """The :class:`~kvtier.policies.eviction.EvictionPolicy` choosing this tier's

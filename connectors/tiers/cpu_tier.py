@@ -403,3 +403,7 @@ class CPUTier(Tier):
     def __len__(self) -> int:
         with self._lock:
             return len(self._index)
+
+    def gauges(self) -> tuple[int, int]:
+        """Read without the tier's lock: two ints, possibly a moment apart."""
+        return len(self._index), self._index.used_bytes

@@ -577,6 +577,10 @@ class DiskTier(Tier):
         with self._lock:
             return len(self._index)
 
+    def gauges(self) -> tuple[int, int]:
+        """Read without the tier's lock: two ints, possibly a moment apart."""
+        return len(self._index), self._index.used_bytes
+
     def close(self) -> None:
         """Finish in-flight I/O, stop the workers and release the directory."""
         with self._lock:

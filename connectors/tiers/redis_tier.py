@@ -113,6 +113,8 @@ class RedisTier(Tier):
         until a chunk was seen, and no split)."""
         self._capacity = capacity_bytes
         self._used = 0
+        self._count = 0
+        """Chunks this instance stored minus those it deleted (for metrics, no SCAN)."""
         self._used_lock = threading.Lock()
         self.round_trips = 0
         """Pipelines (network round trips; one per node on a cluster) sent so far."""
@@ -207,7 +209,7 @@ class RedisTier(Tier):
         with self.stats.lock:
             self.stats.puts += len(result.stored)
             self.stats.bytes_written += written
-        self._add_used(written)
+        self._add_used(written, len(result.stored))
         return result
 
     async def _get(
@@ -321,7 +323,7 @@ class RedisTier(Tier):
         await pipe.execute(raise_on_error=False)
         with self.stats.lock:
             self.stats.corrupt += len(corrupt)
-        self._add_used(-sum(corrupt.values()))
+        self._add_used(-sum(corrupt.values()), -len(corrupt))
 
     async def _contains_prefix(self, keys: Sequence[str]) -> int:
         if not keys:
@@ -348,7 +350,10 @@ class RedisTier(Tier):
         replies = await pipe.execute(raise_on_error=False)
         sizes, dels = replies[0::2], replies[1::2]
         removed = sum(1 for d in dels if d == 1)
-        self._add_used(-sum(s for s, d in zip(sizes, dels, strict=True) if d == 1 and isinstance(s, int)))
+        self._add_used(
+            -sum(s for s, d in zip(sizes, dels, strict=True) if d == 1 and isinstance(s, int)),
+            -removed,
+        )
         return removed
 
     async def _count_keys(self) -> int:
@@ -361,9 +366,10 @@ class RedisTier(Tier):
         escaped = "".join("\\" + c if c in "*?[]\\" else c for c in self.prefix)
         return escaped + "*"
 
-    def _add_used(self, delta: int) -> None:
+    def _add_used(self, delta: int, chunks: int = 0) -> None:
         with self._used_lock:
             self._used = max(0, self._used + delta)
+            self._count = max(0, self._count + chunks)
 
     # --- the Tier interface (sync, from any thread) -------------------------------------
     @staticmethod
@@ -489,6 +495,12 @@ class RedisTier(Tier):
         expiry, eviction and other writers are not seen)."""
         with self._used_lock:
             return self._used
+
+    def gauges(self) -> tuple[int, int]:
+        """Chunks and bytes this instance stored minus those it deleted: counters, never a
+        SCAN (what Redis expired or evicted, or other writers stored, is not seen)."""
+        with self._used_lock:
+            return self._count, self._used
 
     def __len__(self) -> int:
         """Keys under ``prefix`` on the server(s), by SCAN: exact but O(keys); 0 if down."""

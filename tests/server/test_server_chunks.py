@@ -292,3 +292,34 @@ def test_kvtier_serve_refuses_to_start_exposed_without_a_token(capsys, monkeypat
     monkeypatch.delenv("KVTIER_SERVER__AUTH_TOKEN", raising=False)
     assert main(["serve", "--host", "0.0.0.0", "--port", "0"]) == 2
     assert "--allow-unauthenticated" in capsys.readouterr().err
+
+
+def test_stats_and_metrics_never_scan_redis(tmp_path):
+    """/v1/stats and /metrics read counters kept as writes happen: with many keys in Redis
+    (another writer's among them) neither sends a SCAN, and the chunk count is this
+    service's own."""
+    from tests.redis_servers import RedisServer
+
+    server = RedisServer()
+    server.start()
+    try:
+        with server.client() as raw:
+            pipe = raw.pipeline(transaction=False)
+            for i in range(3000):
+                pipe.set(f"kvtier:{i:040x}", b"x")
+            pipe.execute()
+        cfg = load_config(environ={}, overrides={"tiers": {
+            "cpu_bytes": 0, "disk_bytes": 0, "redis_url": server.url}})
+        with running(ServiceState.sidecar(cfg)) as url, Client(url) as kv:
+            assert kv.put_chunk(key(1), chunk(key(1)))["status"] == "stored"
+            with server.client() as raw:
+                scans = int(raw.info("commandstats").get("cmdstat_scan", {}).get("calls", 0))
+                for _ in range(3):
+                    stats = kv.stats()
+                    assert httpx.get(f"{url}/metrics").status_code == 200
+                after = int(raw.info("commandstats").get("cmdstat_scan", {}).get("calls", 0))
+            assert after == scans
+            (redis,) = [t for t in stats["tiers"] if t["name"] == "redis"]
+            assert redis["chunks"] == 1 and redis["used_bytes"] == len(chunk(key(1)))
+    finally:
+        server.cleanup()
