@@ -19,6 +19,7 @@ payload can be read back as a tensor view (:func:`chunk_view`) with no copy.
 
 from __future__ import annotations
 
+import re
 import struct
 import threading
 import warnings
@@ -40,6 +41,22 @@ MAX_HEADER_BYTES = 1 << 16
 PAYLOAD_ALIGN = 64
 """In-place chunks start their payload at a multiple of this many bytes."""
 _U64_MAX = (1 << 64) - 1
+NAMESPACE_SEP = "."
+"""Joins a namespace and a chunk key into the key a tier stores under (``tenant.key``).
+Chunk keys never contain it, so the service files every client's chunks in that client's
+namespace, and the engine's own chunks (bare keys) in none a client can write or read."""
+STORAGE_KEY_PATTERN = r"(?:[0-9A-Za-z]{1,32}\.)?[0-9A-Za-z_-]{2,200}"
+STORAGE_KEY_RE = re.compile(STORAGE_KEY_PATTERN)
+"""What a tier stores under: a chunk key, optionally in a namespace (use ``fullmatch``)."""
+
+
+def namespaced_key(namespace: str, key: str) -> str:
+    return f"{namespace}{NAMESPACE_SEP}{key}"
+
+
+def logical_key(storage_key: str) -> str:
+    """The chunk key a blob stored under ``storage_key`` must name in its header."""
+    return storage_key.rpartition(NAMESPACE_SEP)[2]
 _HEADER_KEYS = frozenset({"v", "key", "fp", "dtype", "shape", "tokens", "l0", "xxh", "hxh",
                           "pad", "padd"})
 """Every field a header may hold ("pad"/"padd": filler, the only bytes no checksum covers,
@@ -271,7 +288,7 @@ def chunk_view(
         lo = offset + i * step
         if xxhash.xxh3_64_intdigest(mem[lo : lo + step]) != header.layer_checksums[i]:
             raise ChunkFormatError(f"chunk {header.key}: checksum mismatch (corrupted bytes)")
-    if key is not None and header.key != key:
+    if key is not None and header.key != logical_key(key):
         raise ChunkMismatchError(f"chunk stored under {key} holds {header.key}")
     if fingerprint is not None and header.fingerprint != fingerprint:
         raise ChunkMismatchError(f"chunk {header.key} was computed by another model")
@@ -347,7 +364,7 @@ def validate_chunk(
         )
     if _layer_checksums(payload, header.num_layers) != header.layer_checksums:
         raise ChunkFormatError(f"chunk {header.key}: checksum mismatch (corrupted bytes)")
-    if key is not None and header.key != key:
+    if key is not None and header.key != logical_key(key):
         raise ChunkMismatchError(f"chunk stored under {key} holds {header.key}")
     if fingerprint is not None and header.fingerprint != fingerprint:
         raise ChunkMismatchError(f"chunk {header.key} was computed by another model")

@@ -202,13 +202,45 @@ class PolicyConfig(_Section):
         return v
 
 
+SCOPES = ("read", "write", "chat", "admin")
+
+
+class TokenConfig(_Section):
+    """One bearer token: who holds it (its tenant) and what it may do (its scopes)."""
+
+    token: str
+    tenant: str = "default"
+    """The namespace its chunks live in: tenants never read or overwrite each other's
+    chunks, and no tenant can reach the engine's own. Letters and digits, 1 to 32."""
+    scopes: list[Literal["read", "write", "chat", "admin"]] = ["read", "write", "chat"]
+    """``read``: get/lookup chunks; ``write``: put/delete chunks; ``chat``: chat
+    completions and the model list; ``admin``: sessions, stats, metrics."""
+
+    @field_validator("token")
+    @classmethod
+    def _token(cls, v: str) -> str:
+        if len(v) < 8 or any(c.isspace() for c in v):
+            raise ValueError("a token must be at least 8 characters, without whitespace")
+        return v
+
+    @field_validator("tenant")
+    @classmethod
+    def _tenant(cls, v: str) -> str:
+        if not (1 <= len(v) <= 32 and v.isascii() and v.isalnum()):
+            raise ValueError(f"a tenant name is 1 to 32 letters and digits, got {v!r}")
+        return v
+
+
 class ServerConfig(_Section):
     """``kvtier serve``: where it listens, who may call it, how big a request may be."""
 
     host: str = "127.0.0.1"
     port: int = 8100
     auth_token: str | None = None
-    """Bearer token every route but ``/healthz`` asks for; unset: no auth (loopback use)."""
+    """Bearer token every route but ``/healthz`` asks for, with every scope, in tenant
+    ``default``; unset (and no ``tokens``): no auth (loopback use)."""
+    tokens: list[TokenConfig] = []
+    """Scoped tokens, each in a tenant (see :class:`TokenConfig`); with ``auth_token``."""
     max_body_bytes: ByteSize = ByteSize(256 << 20)
     """Largest request body accepted; larger ones get 413 before anything is read into a tier."""
     chunk_slot_bytes: ByteSize = ByteSize(4 << 20)

@@ -7,6 +7,7 @@ from fastapi import FastAPI, Request, Response
 from kvtier import __version__
 from kvtier.server import routes_chat, routes_chunks, routes_control
 from kvtier.server.errors import install_error_handlers
+from kvtier.server.identity import identities
 from kvtier.server.middleware import BearerAuth, BodyLimit
 from kvtier.server.state import ServiceState
 
@@ -35,6 +36,7 @@ def create_app(state: ServiceState) -> FastAPI:
     server = state.config.server
     # Outermost first to run: auth, then the size limit, then the app.
     app.add_middleware(BodyLimit, limit=server.max_body_bytes)
-    if server.auth_token:
-        app.add_middleware(BearerAuth, token=server.auth_token)
+    tokens = identities(server)
+    if tokens:
+        app.add_middleware(BearerAuth, tokens=tokens)
     return app

@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 _STATUS_TYPES = {
     400: "invalid_request",
     401: "unauthorized",
+    403: "forbidden",
     404: "not_found",
     405: "method_not_allowed",
     409: "conflict",

@@ -160,6 +160,10 @@ class ServiceMetrics:
             buckets=_SECONDS_BUCKETS,
             registry=r,
         )
+        self.tenant_bytes = Counter(
+            "kvtier_tenant_transfer_bytes", "Chunk bytes each tenant put and got",
+            ["tenant", "direction"], registry=r,
+        )
         self.transfer_bytes = Counter(
             "kvtier_transfer_bytes", "Bytes moved by the data plane and sessions", ["direction"],
             registry=r,

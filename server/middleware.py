@@ -13,9 +13,7 @@ import secrets
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvtier.server.errors import error_body
-
-OPEN_PATHS = frozenset({"/healthz"})
-"""Answered without a token: liveness probes carry no credentials."""
+from kvtier.server.identity import IDENTITY_KEY, Identity, required_scope
 
 
 async def _send_error(send: Send, status: int, message: str, headers: list | None = None) -> None:
@@ -35,32 +33,48 @@ async def _send_error(send: Send, status: int, message: str, headers: list | Non
 
 
 class BearerAuth:
-    """Every route but :data:`OPEN_PATHS` needs ``Authorization: Bearer <token>``."""
+    """Every route but ``/healthz`` needs ``Authorization: Bearer <token>`` of a token whose
+    scopes cover the request (:func:`~kvtier.server.identity.required_scope`); the caller's
+    identity is left in the scope for the routes (its tenant is its chunks' namespace)."""
 
-    def __init__(self, app: ASGIApp, token: str) -> None:
+    def __init__(self, app: ASGIApp, tokens: dict[bytes, Identity]) -> None:
         self.app = app
-        self.expected = token.encode()
+        self.tokens = tokens
+
+    def _identity(self, token: bytes) -> Identity | None:
+        found = None
+        for known, ident in self.tokens.items():  # every one compared: constant time
+            if secrets.compare_digest(token, known):
+                found = ident
+        return found
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        needed = required_scope(scope.get("method", ""), scope.get("path", ""))
+        if scope["type"] != "http" or needed is None:
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"authorization")
         # The scheme is case-insensitive (RFC 9110 11.1); the token is compared whole.
         scheme, _, token = (given or b"").strip().partition(b" ")
-        if (
-            given is None
-            or scheme.lower() != b"bearer"
-            or not secrets.compare_digest(token.strip(), self.expected)
-        ):
+        ident = self._identity(token.strip()) if scheme.lower() == b"bearer" else None
+        if ident is None:
             why = "missing bearer token" if given is None else "wrong bearer token"
             await _send_error(
                 send,
                 401,
-                f"{why}: send 'Authorization: Bearer <server.auth_token>'",
+                f"{why}: send 'Authorization: Bearer <token>' (server.auth_token or one of "
+                "server.tokens)",
                 [(b"www-authenticate", b"Bearer")],
             )
             return
+        if needed not in ident.scopes:
+            await _send_error(
+                send, 403,
+                f"this token (tenant {ident.tenant!r}, scopes {sorted(ident.scopes)}) lacks "
+                f"the {needed!r} scope that {scope['method']} {scope['path']} needs",
+            )
+            return
+        scope[IDENTITY_KEY] = ident
         await self.app(scope, receive, send)
 
 

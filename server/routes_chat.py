@@ -27,6 +27,7 @@ from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.session import TurnResult
 from kvtier.errors import InvalidArgumentError
 from kvtier.server.errors import RouteError, error_body, error_responses, status_of
+from kvtier.server.identity import DEFAULT_TENANT, identity_of
 from kvtier.server.schemas import ChatCompletion, ChatCompletionRequest, ModelCard, ModelList
 from kvtier.server.state import ServiceState
 
@@ -176,7 +177,8 @@ async def get_model(model: str, request: Request) -> ModelCard:
     return next(c for c in _cards(state) if c.id == name)
 
 
-def _turn(body: ChatCompletionRequest, state: ServiceState, x_session_id: str | None) -> _Turn:
+def _turn(body: ChatCompletionRequest, state: ServiceState, x_session_id: str | None,
+          request_scope: dict) -> _Turn:
     """Check the request and gather what the turn needs."""
     if state.engine is None:
         raise RouteError(
@@ -191,13 +193,16 @@ def _turn(body: ChatCompletionRequest, state: ServiceState, x_session_id: str | 
     if session_id:
         _check_session_id(session_id, "X-Session-Id header" if x_session_id else "user field")
     ephemeral = not session_id
+    headers = {} if ephemeral else {"X-Session-Id": session_id}
     session_id = session_id or f"ephemeral-{uuid.uuid4().hex}"
+    tenant = identity_of(request_scope).tenant
+    if tenant != DEFAULT_TENANT:  # tenants' sessions never meet: another tenant's id is not
+        session_id = f"{tenant}:{session_id}"  # theirs to continue
     params = _params(body, state.config.server.max_tokens_default)
     prepare = _preparer(session_id, history)
     model = _served_name(state, body.model)
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    headers = {} if ephemeral else {"X-Session-Id": session_id}
     return _Turn(
         state=state, eng=state.engine, session_id=session_id, ephemeral=ephemeral,
         message=message, system=system, params=params, prepare=prepare, model=model,
@@ -216,7 +221,7 @@ async def chat_completions(
     x_session_id: str | None = Header(default=None, max_length=256),
 ) -> Any:
     """One chat turn; ``stream: true`` answers with server-sent events."""
-    turn = _turn(body, request.app.state.kvtier, x_session_id)
+    turn = _turn(body, request.app.state.kvtier, x_session_id, request.scope)
     if not body.stream:
         return await _complete(turn)
     return await _stream(turn, bool(body.stream_options and body.stream_options.include_usage))

@@ -1,7 +1,9 @@
 """Data plane: chunks in and out of the tiers, one at a time or in batches.
 
 A chunk travels in the chunk format of :mod:`kvtier.chunk_format` (header, per-layer
-checksums, payload). Every upload is verified in full (header, length, checksums, that it
+checksums, payload). Every key a caller names is its tenant's: chunk ``k`` is stored under
+``tenant.k`` (:mod:`kvtier.server.identity`), so callers never reach another tenant's
+chunks or the engine's own. Every upload is verified in full (header, length, checksums, that it
 holds the key it is put under and, in engine mode, the engine's model) before any tier sees
 it: a malformed chunk is a 400 and nothing is stored. A batch put is all-or-nothing on
 validation. Reads are verified again by the tier manager; a chunk found corrupt at rest is
@@ -18,13 +20,14 @@ import msgpack
 from fastapi import APIRouter, Path, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 
-from kvtier.chunk_format import validate_chunk
+from kvtier.chunk_format import logical_key, namespaced_key, validate_chunk
 from kvtier.chunk_keys import KEY_PATTERN, KEY_RE
 from kvtier.connectors.tiers.base import Blob
 from kvtier.connectors.tiers.manager import PutReport, TierManager
 from kvtier.errors import ChunkError
 from kvtier.server.chunk_body import LeasedResponse, declared_length, staged_body
 from kvtier.server.errors import RouteError, error_responses
+from kvtier.server.identity import identity_of
 from kvtier.server.schemas import (
     BatchGetRequest,
     BatchPutResponse,
@@ -61,6 +64,11 @@ _MSGPACK_BODY = {
         },
     }
 }
+
+
+def _stored_as(request: Request, key: str) -> str:
+    """The key the tiers hold the caller's chunk ``key`` under: in the caller's namespace."""
+    return namespaced_key(identity_of(request.scope).tenant, key)
 
 
 def _manager(request: Request) -> tuple[ServiceState, TierManager]:
@@ -109,33 +117,39 @@ async def put_chunk(key: Key, request: Request, tier: str | None = None) -> Resp
     state, manager = _manager(request)
     start = _tier_arg(manager, tier)
     length = declared_length(request)
+    where = _stored_as(request, key)
     t0 = time.perf_counter()
     if length is None:  # chunked upload: the body-limit middleware has it in one piece
         blob = await request.body()
-        report = await run_in_threadpool(_verified_put, manager, key, blob, start)
+        report = await run_in_threadpool(_verified_put, manager, key, where, blob, start)
     else:
         async with staged_body(request, manager.staging, length) as body:
             t0 = time.perf_counter()
-            report = await run_in_threadpool(_verified_put, manager, key, memoryview(body.numpy()), start)
+            report = await run_in_threadpool(
+                _verified_put, manager, key, where, memoryview(body.numpy()), start
+            )
     state.metrics.transfer.labels("put").observe(time.perf_counter() - t0)
     if not report.ok:
         raise _put_failed(report)
-    stored = [name for name, res in report.per_tier.items() if key in res.stored]
+    stored = [name for name, res in report.per_tier.items() if where in res.stored]
     status = "stored" if stored else "present"
     if stored:
-        state.metrics.transfer_bytes.labels("put").inc(length if length is not None else len(blob))
-    tiers = stored or [name for name, res in report.per_tier.items() if key in res.present]
+        nbytes = length if length is not None else len(blob)
+        state.metrics.transfer_bytes.labels("put").inc(nbytes)
+        state.metrics.tenant_bytes.labels(identity_of(request.scope).tenant, "put").inc(nbytes)
+    tiers = stored or [name for name, res in report.per_tier.items() if where in res.present]
     body_out = PutResponse(key=key, status=status, tiers=tiers)
     return Response(
         body_out.model_dump_json(), status_code=201 if stored else 200, media_type="application/json"
     )
 
 
-def _verified_put(manager: TierManager, key: str, blob: Blob, start: int) -> PutReport:
-    """Check the upload in full (a 400 stores nothing), then put it (worker thread: the
-    checksums and the copy must not hold up the event loop)."""
+def _verified_put(manager: TierManager, key: str, where: str, blob: Blob, start: int
+                  ) -> PutReport:
+    """Check the upload in full (a 400 stores nothing), then put it under ``where`` (worker
+    thread: the checksums and the copy must not hold up the event loop)."""
     _verify(manager, key, blob)
-    return manager.put({key: blob}, start)
+    return manager.put({where: blob}, start)
 
 
 @router.get(
@@ -149,22 +163,26 @@ async def get_chunk(key: Key, request: Request, layers: Layers = None) -> Respon
     a layer range, or a chunk the fastest tier holding it failed to give, is read whole."""
     state, manager = _manager(request)
     span = _parse_layers(layers)
+    where = _stored_as(request, key)
+    tenant = identity_of(request.scope).tenant
     t0 = time.perf_counter()
     if span is None:
-        leased = await run_in_threadpool(_lease_whole, manager, key)
+        leased = await run_in_threadpool(_lease_whole, manager, where)
         if leased == "missing":
             raise RouteError(404, f"chunk {key} is not stored")
         if leased is not None:
             view, lease, tier = leased
             state.metrics.transfer.labels("get").observe(time.perf_counter() - t0)
             state.metrics.transfer_bytes.labels("get").inc(view.numel())
+            state.metrics.tenant_bytes.labels(tenant, "get").inc(view.numel())
             return LeasedResponse(view, lease, {"X-KVTier-Tier": tier}, OCTETS)
-    ((blob, tier),) = await run_in_threadpool(manager.get_each, [key], span)
+    ((blob, tier),) = await run_in_threadpool(manager.get_each, [where], span)
     if blob is None:
         where = "" if span is None else f" (or layers {layers} lie outside it)"
         raise RouteError(404, f"chunk {key} is not stored{where}")
     state.metrics.transfer.labels("get").observe(time.perf_counter() - t0)
     state.metrics.transfer_bytes.labels("get").inc(len(blob))
+    state.metrics.tenant_bytes.labels(tenant, "get").inc(len(blob))
     return Response(blob, media_type=OCTETS, headers={"X-KVTier-Tier": tier or ""})
 
 
@@ -195,7 +213,7 @@ def _lease_whole(manager: TierManager, key: str):
 async def head_chunk(key: Key, request: Request) -> Response:
     """200 with ``X-KVTier-Tier`` when the chunk is stored, 404 otherwise (no body)."""
     _, manager = _manager(request)
-    loc = await run_in_threadpool(manager.lookup, [key])
+    loc = await run_in_threadpool(manager.lookup, [_stored_as(request, key)])
     if not loc.length:
         return Response(status_code=404)
     return Response(status_code=200, headers={"X-KVTier-Tier": manager.tiers[loc.tiers[0]].name})
@@ -205,7 +223,7 @@ async def head_chunk(key: Key, request: Request) -> Response:
 async def delete_chunk(key: Key, request: Request) -> Response:
     """Remove the chunk from every tier (204), or 404 if no tier held it."""
     _, manager = _manager(request)
-    if not await run_in_threadpool(manager.delete, [key]):
+    if not await run_in_threadpool(manager.delete, [_stored_as(request, key)]):
         raise RouteError(404, f"chunk {key} is not stored")
     return Response(status_code=204)
 
@@ -221,7 +239,7 @@ async def lookup(body: LookupRequest, request: Request) -> dict[str, Any]:
     """The longest stored prefix of ``keys`` and the tier holding each of its keys."""
     _, manager = _manager(request)
     _check_keys(body.keys)
-    loc = await run_in_threadpool(manager.lookup, body.keys)
+    loc = await run_in_threadpool(manager.lookup, [_stored_as(request, k) for k in body.keys])
     return {"length": loc.length, "tiers": [manager.tiers[i].name for i in loc.tiers]}
 
 
@@ -241,10 +259,14 @@ async def batch_get(body: BatchGetRequest, request: Request) -> Response:
     if span is not None and span[0] < 0:
         raise RouteError(400, "layers must be non-negative")
     t0 = time.perf_counter()
-    found = await run_in_threadpool(manager.get_each, body.keys, span)
+    found = await run_in_threadpool(
+        manager.get_each, [_stored_as(request, k) for k in body.keys], span
+    )
     blobs = [blob for blob, _ in found]
+    nbytes = sum(len(b) for b in blobs if b)
     state.metrics.transfer.labels("get").observe(time.perf_counter() - t0)
-    state.metrics.transfer_bytes.labels("get").inc(sum(len(b) for b in blobs if b))
+    state.metrics.transfer_bytes.labels("get").inc(nbytes)
+    state.metrics.tenant_bytes.labels(identity_of(request.scope).tenant, "get").inc(nbytes)
     return Response(msgpack.packb(blobs, use_bin_type=True), media_type=MSGPACK)
 
 
@@ -269,16 +291,21 @@ async def batch_put(request: Request, tier: str | None = None) -> dict[str, Any]
     for key, blob in chunks.items():
         _verify(manager, key, blob)
     t0 = time.perf_counter()
-    report = await run_in_threadpool(manager.put, chunks, start)
-    state.metrics.transfer.labels("put").observe(time.perf_counter() - t0)
-    stored = sorted({k for res in report.per_tier.values() for k in res.stored})
-    present = sorted(
-        {k for res in report.per_tier.values() for k in res.present} - set(stored)
+    report = await run_in_threadpool(
+        manager.put, {_stored_as(request, k): v for k, v in chunks.items()}, start
     )
-    state.metrics.transfer_bytes.labels("put").inc(sum(len(chunks[k]) for k in stored))
-    if chunks and len(report.failed) == len(chunks):
+    state.metrics.transfer.labels("put").observe(time.perf_counter() - t0)
+    stored = sorted({logical_key(k) for res in report.per_tier.values() for k in res.stored})
+    present = sorted(
+        {logical_key(k) for res in report.per_tier.values() for k in res.present} - set(stored)
+    )
+    nbytes = sum(len(chunks[k]) for k in stored)
+    state.metrics.transfer_bytes.labels("put").inc(nbytes)
+    state.metrics.tenant_bytes.labels(identity_of(request.scope).tenant, "put").inc(nbytes)
+    failed = {logical_key(k): why for k, why in report.failed.items()}
+    if chunks and len(failed) == len(chunks):
         raise _put_failed(report)
-    return {"stored": stored, "present": present, "failed": report.failed}
+    return {"stored": stored, "present": present, "failed": failed}
 
 
 

@@ -7,7 +7,7 @@ read, so a chunk corrupted at rest is caught and turned into a miss.
 
 from __future__ import annotations
 
-from kvtier.chunk_format import parse_header, validate_chunk
+from kvtier.chunk_format import logical_key, parse_header, validate_chunk
 from kvtier.errors import ChunkError, ChunkFormatError
 
 
@@ -17,7 +17,7 @@ def admission_error(key: str, blob: bytes | bytearray | memoryview) -> str | Non
         header, offset = parse_header(blob)
     except ChunkFormatError as exc:
         return f"invalid: {exc}"
-    if header.key != key:
+    if header.key != logical_key(key):
         return f"invalid: blob holds chunk {header.key}, not {key}"
     if len(blob) != offset + header.payload_nbytes:
         return (

@@ -34,15 +34,16 @@ import torch
 
 from kvtier.chunk_format import (
     PAYLOAD_ALIGN,
+    STORAGE_KEY_RE,
     ChunkHeader,
     header_room,
     layer_span,
+    logical_key,
     parse_header,
     range_header,
     slice_chunk,
     write_header,
 )
-from kvtier.chunk_keys import KEY_RE
 from kvtier.connectors.tiers import disk_io
 from kvtier.connectors.tiers.base import Blob, PutResult, Tier
 from kvtier.connectors.tiers.chunk_checks import admission_error, is_valid
@@ -147,11 +148,18 @@ class DiskTier(Tier):
         return removed
 
     # --- paths -------------------------------------------------------------------------
+    @staticmethod
+    def _shard(key: str) -> str:
+        """The subdirectory of ``key``: its chunk key's first two characters (a namespace
+        would put all of a tenant's chunks in one)."""
+        return logical_key(key)[:2]
+
     def _path(self, key: str) -> str:
-        return os.path.join(self.directory, key[:2], key + CHUNK_SUFFIX)
+        return os.path.join(self.directory, self._shard(key), key + CHUNK_SUFFIX)
 
     def _temp_path(self, key: str) -> str:
-        return os.path.join(self.directory, key[:2], f".{key}.{uuid.uuid4().hex[:12]}{TEMP_SUFFIX}")
+        return os.path.join(self.directory, self._shard(key),
+                            f".{key}.{uuid.uuid4().hex[:12]}{TEMP_SUFFIX}")
 
     @property
     def o_direct(self) -> bool:
@@ -190,7 +198,7 @@ class DiskTier(Tier):
                         self._index.share(key, info[key].session)
                     result.present.append(key)
                     continue
-                if not KEY_RE.fullmatch(key):
+                if not STORAGE_KEY_RE.fullmatch(key):
                     result.failed[key] = f"invalid: key {key!r} is not a chunk key (hex digest)"
                     continue
                 reason = admission_error(key, blob)
@@ -292,7 +300,7 @@ class DiskTier(Tier):
         if not todo:
             return outcomes
         new_dirs = False
-        for sub in {key[:2] for key, _ in todo}:
+        for sub in {self._shard(key) for key, _ in todo}:
             path = self.directory / sub
             if not path.is_dir():
                 try:
@@ -300,7 +308,7 @@ class DiskTier(Tier):
                     new_dirs = True
                 except OSError as exc:
                     for key, _ in todo:
-                        if key[:2] == sub:
+                        if self._shard(key) == sub:
                             outcomes[key] = failure_reason(exc)
         pending = [(k, b) for k, b in todo if k not in outcomes]
         temps = self._map(self._write_temp, pending)
@@ -313,7 +321,7 @@ class DiskTier(Tier):
                     unlink_if_present(temp)
                     reason = failure_reason(exc)
                 else:
-                    renamed.setdefault(key[:2], []).append(key)
+                    renamed.setdefault(self._shard(key), []).append(key)
             outcomes[key] = reason
         if self.fsync:
             dirs = [str(self.directory / sub) for sub in renamed]

@@ -104,7 +104,9 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.server.app import create_app
 
     config = serve_config(args)
-    check_exposure(config.server.host, config.server.auth_token,
+    check_exposure(config.server.host,
+                   config.server.auth_token or (config.server.tokens[0].token
+                                                if config.server.tokens else None),
                    getattr(args, "allow_unauthenticated", False))
     state = build_state(args, config)
     cfg = state.config.server

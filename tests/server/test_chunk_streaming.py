@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from kvtier.chunk_format import validate_chunk
+from kvtier.chunk_format import namespaced_key, validate_chunk
 from kvtier.client import Client, ServiceError
 from kvtier.errors import InvalidArgumentError
 from kvtier.server.state import ServiceState
@@ -20,6 +20,10 @@ from tests.http_server import running
 from tests.serve_process import free_port
 from tests.server.test_server_chunks import FP, _config, chunk, key
 
+
+def stored_as(k: str) -> str:
+    """Where the service files the default tenant's chunk ``k``."""
+    return namespaced_key("default", k)
 
 def _big(i: int, tokens: int = 512) -> bytes:
     """A chunk of 256 KiB (many socket reads); 3 MiB with ``tokens=6144`` (several
@@ -109,7 +113,7 @@ def test_a_reader_that_walks_away_releases_the_slot_it_was_sent_from(tmp_path):
         sock = _raw(url, rcvbuf=4096)
         sock.sendall(f"GET /v1/chunks/{key(1)} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
         assert sock.recv(1024).startswith(b"HTTP/1.1 200")
-        assert key(1) in cpu._leased_keys  # the slot is being sent from
+        assert stored_as(key(1)) in cpu._leased_keys  # the slot is being sent from
         sock.close()
         assert _until(lambda: not cpu._leased_keys)
         assert kv.delete_chunk(key(1))  # and the slot is free to go
@@ -122,8 +126,8 @@ def test_a_corrupt_cpu_copy_is_never_sent_and_the_disk_copy_is(tmp_path):
     with running(state) as url, Client(url) as kv:
         kv.put_chunk(key(1), blob, tier="disk")
         cpu = state.manager.tiers[0]
-        assert cpu.put({key(1): blob}).stored == [key(1)]
-        slot, _ = cpu._index.get(key(1), touch=False)
+        assert cpu.put({stored_as(key(1)): blob}).stored == [stored_as(key(1))]
+        slot, _ = cpu._index.get(stored_as(key(1)), touch=False)
         cpu._arena[slot * cpu.slot_bytes + len(blob) - 100] ^= 0xFF  # a flipped bit at rest
         got = kv.get_chunk(key(1))
         assert got == blob

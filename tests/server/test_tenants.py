@@ -1,0 +1,139 @@
+"""Writers that cannot poison, and tenants whose chunks never meet.
+
+The attack that worked before: forged chunks (valid checksums, the engine's own
+fingerprint, zeroed KV) PUT over HTTP under the predictable keys of a session's prompt were
+taken as "present" when the engine offloaded, then restored, and changed the reply. Now
+every client's chunk lives in its tenant's namespace, the engine's in none a client can
+reach, and tokens carry scopes."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from kvtier.chunk_format import encode_chunk
+from kvtier.client import Client, ServiceError
+from kvtier.config import load_config
+from kvtier.engine.engine import Engine
+from kvtier.engine.sampling import SamplingParams
+from kvtier.make_model.writer import make_model
+from kvtier.server.state import ServiceState
+from tests.engine_config import engine_config
+from tests.http_server import running
+from tests.server.test_server_chunks import chunk, key
+
+SYSTEM = "You are a helpful assistant who answers about offloading KV caches. " * 3
+Q1 = "Tell me about the mountains and the weather there."
+Q2 = "And in winter?"
+GREEDY = {"temperature": 0, "max_tokens": 8}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    torch.set_num_threads(1)
+    return make_model("tiny", tmp_path_factory.mktemp("m") / "tiny", seed=7).path
+
+
+def test_forged_chunks_under_the_engines_keys_never_reach_a_turn(model_dir, tmp_path):
+    plain = Engine(model_dir, engine_config(num_blocks=128, tiers=None))
+    p = SamplingParams(max_tokens=8)
+    plain.chat("s", Q1, p, system=SYSTEM)
+    expected = plain.chat("s", Q2, p)
+    plain.close()
+
+    cfg = load_config(environ={}, overrides={
+        "pool": {"num_blocks": 128}, "chunk_tokens": 64,
+        "tiers": {"cpu_bytes": 16 << 20, "disk_dir": str(tmp_path / "chunks"),
+                  "disk_bytes": 64 << 20, "disk_fsync": False}})
+    state = ServiceState.with_engine(cfg, model_dir)
+    eng = state.engine.engine
+    history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": Q1}]
+    with running(state) as url, Client(url) as kv:
+        r1 = kv.chat(history, session_id="victim", **GREEDY)
+        # The attacker computes the keys the engine will store the session under (they are
+        # chained hashes of its tokens under the model's fingerprint, which the attacker
+        # knows), and PUTs zeroed KV with valid checksums under every one of them.
+        ids = eng.sessions["victim"].token_ids
+        storage = eng.runner.pool.storage
+        forged = {}
+        for ck in eng.kv._keys(ids):
+            shape = (storage.num_layers, 2, ck.end - ck.start, storage.num_kv_heads,
+                     storage.head_dim)
+            zeros = torch.zeros(shape, dtype=storage.kv.dtype)
+            forged[ck.key] = encode_chunk(ck.key, eng.runner.fingerprint, zeros)
+        assert len(forged) >= 2
+        for k, blob in forged.items():
+            assert kv.put_chunk(k, blob)["status"] == "stored"  # accepted: in its namespace
+        off = kv.offload("victim", tier="disk")
+        assert off["stored_tokens"] > 0 and off["bytes"] > 0  # the engine stored its own
+        history += [{"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
+                    {"role": "user", "content": Q2}]
+        r2 = kv.chat(history, session_id="victim", **GREEDY)
+        assert r2["kvtier"]["restored_tokens"] == off["stored_tokens"]
+        # The client's own chunks are still its own to read back, forged as they are.
+        k0 = next(iter(forged))
+        assert kv.get_chunk(k0) == forged[k0]
+    state.close()
+    assert r2["choices"][0]["message"]["content"] == expected.text
+
+
+TOKENS = [
+    {"token": "alpha-writer-1", "tenant": "alpha", "scopes": ["read", "write"]},
+    {"token": "alpha-reader-1", "tenant": "alpha", "scopes": ["read"]},
+    {"token": "beta-writer-01", "tenant": "beta", "scopes": ["read", "write"]},
+    {"token": "chat-only-0001", "tenant": "gamma", "scopes": ["chat"]},
+]
+
+
+@pytest.fixture
+def tenants(tmp_path):
+    cfg = load_config(environ={}, overrides={
+        "tiers": {"cpu_bytes": 8 << 20, "disk_dir": str(tmp_path / "c"), "disk_bytes": 64 << 20,
+                  "disk_fsync": False},
+        "server": {"auth_token": "the-admin-token", "tokens": TOKENS}})
+    with running(ServiceState.sidecar(cfg)) as url:
+        yield url
+
+
+def test_tenants_never_see_or_overwrite_each_others_chunks(tenants):
+    url = tenants
+    mine, theirs = chunk(key(1), seed=1), chunk(key(1), seed=2)
+    with Client(url, token="alpha-writer-1") as a, Client(url, token="beta-writer-01") as b:
+        assert a.put_chunk(key(1), mine)["status"] == "stored"
+        assert not b.has_chunk(key(1)) and b.lookup([key(1)]).length == 0
+        assert b.get_chunk(key(1)) is None  # a 404
+        assert b.put_chunk(key(1), theirs)["status"] == "stored"  # not "present": its own
+        assert a.get_chunk(key(1)) == mine and b.get_chunk(key(1)) == theirs
+        assert b.delete_chunk(key(1)) and a.get_chunk(key(1)) == mine
+        got = b.put_chunks({key(2): chunk(key(2))})
+        assert got["stored"] == [key(2)] and a.get_chunks([key(2)]) == [None]
+        assert b.get_chunks([key(2)]) == [chunk(key(2))]
+
+
+def test_scopes_limit_what_a_token_may_do(tenants):
+    url = tenants
+    with Client(url, token="alpha-writer-1") as a:
+        a.put_chunk(key(1), chunk(key(1)))
+    with Client(url, token="alpha-reader-1") as r:
+        assert r.get_chunk(key(1)) == chunk(key(1))  # the same tenant's, readable
+        with pytest.raises(ServiceError) as err:
+            r.put_chunk(key(3), chunk(key(3)))
+        assert err.value.status == 403 and "'write' scope" in err.value.message
+    headers = {"Authorization": "Bearer chat-only-0001"}
+    assert httpx.get(f"{url}/v1/chunks/{key(1)}", headers=headers).status_code == 403
+    assert httpx.get(f"{url}/v1/models", headers=headers).status_code == 200
+    for token, status in (("alpha-writer-1", 403), ("the-admin-token", 200)):
+        r = httpx.get(f"{url}/v1/stats", headers={"Authorization": f"Bearer {token}"})
+        assert r.status_code == status
+    metrics = httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer the-admin-token"})
+    assert 'kvtier_tenant_transfer_bytes_total{direction="put",tenant="alpha"}' in metrics.text
+
+
+def test_a_tenant_name_or_token_that_cannot_be_used_is_a_config_error():
+    from kvtier.errors import ConfigError
+
+    for bad in ({"token": "short", "tenant": "a"}, {"token": "long-enough", "tenant": "a.b"},
+                {"token": "long-enough", "tenant": "a", "scopes": ["root"]}):
+        with pytest.raises(ConfigError):
+            load_config(environ={}, overrides={"server": {"tokens": [bad]}})
