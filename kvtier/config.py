@@ -243,6 +243,10 @@ class ServerConfig(_Section):
     """Scoped tokens, each in a tenant (see :class:`TokenConfig`); with ``auth_token``."""
     max_body_bytes: ByteSize = ByteSize(256 << 20)
     """Largest request body accepted; larger ones get 413 before anything is read into a tier."""
+    max_inflight_bytes: ByteSize | None = None
+    """Request bodies held at once across all requests; past it a request gets 503 with
+    ``Retry-After`` (default: an eighth of the machine's memory, at most 2 GiB, never
+    below ``max_body_bytes``)."""
     chunk_slot_bytes: ByteSize = ByteSize(4 << 20)
     """Sidecar mode (no ``--model``): the CPU arena's slot size, the largest chunk it holds
     (bigger chunks go to the disk tier). Engine mode sizes slots from the model."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from fastapi import FastAPI, Request, Response
 
 from kvtier import __version__
@@ -14,6 +16,18 @@ from kvtier.server.state import ServiceState
 DESCRIPTION = """Tiered KV-cache service. Control plane (sessions, stats, metrics), chunk
 data plane (the chunk format of kvtier), and in engine mode an OpenAI-compatible chat
 endpoint whose sessions survive idleness by moving their KV down the tiers."""
+
+
+def inflight_budget(configured: int | None, max_body: int) -> int:
+    """Bytes of request bodies the service holds at once: as configured, else an eighth of
+    the machine's memory capped at 2 GiB; never below one largest body."""
+    if configured is None:
+        try:
+            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            ram = 8 << 30
+        configured = min(ram // 8, 2 << 30)
+    return max(int(configured), max_body)
 
 
 def create_app(state: ServiceState) -> FastAPI:
@@ -35,7 +49,8 @@ def create_app(state: ServiceState) -> FastAPI:
 
     server = state.config.server
     # Outermost first to run: auth, then the size limit, then the app.
-    app.add_middleware(BodyLimit, limit=server.max_body_bytes)
+    app.add_middleware(BodyLimit, limit=server.max_body_bytes,
+                       budget=inflight_budget(server.max_inflight_bytes, server.max_body_bytes))
     tokens = identities(server)
     if tokens:
         app.add_middleware(BearerAuth, tokens=tokens)

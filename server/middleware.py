@@ -83,11 +83,32 @@ class BodyTooLarge(Exception):
 
 
 class BodyLimit:
-    """Refuse request bodies over ``limit`` bytes with 413, before any of it is used."""
+    """Refuse request bodies over ``limit`` bytes with 413, before any of it is used; and
+    past ``budget`` bytes of bodies in flight across all requests, answer 503 with
+    ``Retry-After`` instead of taking the memory (a body counts from admission until its
+    request is answered)."""
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    def __init__(self, app: ASGIApp, limit: int, budget: int | None = None) -> None:
         self.app = app
         self.limit = limit
+        self.budget = budget
+        self.inflight = 0
+        """Bytes of request bodies admitted and not yet answered."""
+
+    async def _admitted(self, scope: Scope, receive: Receive, send: Send, nbytes: int) -> None:
+        if self.budget is not None and nbytes and self.inflight + nbytes > self.budget:
+            await _send_error(
+                send, 503,
+                f"the server holds {self.inflight} bytes of request bodies in flight; "
+                f"{nbytes} more would pass server.max_inflight_bytes ({self.budget}): retry",
+                [(b"retry-after", b"1")],
+            )
+            return
+        self.inflight += nbytes
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.inflight -= nbytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -97,7 +118,8 @@ class BodyLimit:
         message = f"request body is larger than server.max_body_bytes ({self.limit} bytes)"
         if length is not None:
             try:
-                too_big = int(length) > self.limit
+                declared = int(length)
+                too_big = declared > self.limit
             except ValueError:
                 await _send_error(send, 400, f"invalid Content-Length {length!r}")
                 return
@@ -105,7 +127,7 @@ class BodyLimit:
                 await _send_error(send, 413, message)
                 return
             # The server reads exactly Content-Length bytes: nothing to count or buffer.
-            await self.app(scope, receive, send)
+            await self._admitted(scope, receive, send, declared)
             return
         # Chunked uploads carry no length: buffer up to the limit, then replay the body.
         body = bytearray()
@@ -120,7 +142,8 @@ class BodyLimit:
             if len(body) > self.limit:
                 await _send_error(send, 413, message)
                 return
-        await self.app(scope, _replay([{"type": "http.request", "body": bytes(body)}], receive), send)
+        replay = _replay([{"type": "http.request", "body": bytes(body)}], receive)
+        await self._admitted(scope, replay, send, len(body))
 
 
 def _replay(messages: list[Message], then: Receive | None = None) -> Receive:

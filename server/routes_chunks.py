@@ -267,18 +267,12 @@ async def batch_get(body: BatchGetRequest, request: Request) -> Response:
     state.metrics.transfer.labels("get").observe(time.perf_counter() - t0)
     state.metrics.transfer_bytes.labels("get").inc(nbytes)
     state.metrics.tenant_bytes.labels(identity_of(request.scope).tenant, "get").inc(nbytes)
-    return Response(msgpack.packb(blobs, use_bin_type=True), media_type=MSGPACK)
+    packed = await run_in_threadpool(msgpack.packb, blobs, use_bin_type=True)  # off the loop
+    return Response(packed, media_type=MSGPACK)
 
 
-@router.post(
-    "/batch/put", response_model=BatchPutResponse, responses=_ERRORS, openapi_extra=_MSGPACK_BODY
-)
-async def batch_put(request: Request, tier: str | None = None) -> dict[str, Any]:
-    """Many chunks in one round trip (a msgpack map key -> bytes). Every chunk is verified
-    first: one bad chunk fails the request with 400 and nothing is stored."""
-    state, manager = _manager(request)
-    start = _tier_arg(manager, tier)
-    raw = await request.body()
+def _unpacked_and_verified(manager: TierManager, raw: bytes) -> dict[str, bytes]:
+    """The batch's chunks, each verified in full; any problem is a 400 and nothing stored."""
     try:
         chunks = msgpack.unpackb(raw, raw=False, strict_map_key=True)
     except Exception as exc:  # noqa: BLE001 - any decoding failure is the caller's
@@ -290,6 +284,20 @@ async def batch_put(request: Request, tier: str | None = None) -> dict[str, Any]
     _check_keys(list(chunks))
     for key, blob in chunks.items():
         _verify(manager, key, blob)
+    return chunks
+
+
+@router.post(
+    "/batch/put", response_model=BatchPutResponse, responses=_ERRORS, openapi_extra=_MSGPACK_BODY
+)
+async def batch_put(request: Request, tier: str | None = None) -> dict[str, Any]:
+    """Many chunks in one round trip (a msgpack map key -> bytes). Every chunk is verified
+    first: one bad chunk fails the request with 400 and nothing is stored."""
+    state, manager = _manager(request)
+    start = _tier_arg(manager, tier)
+    raw = await request.body()
+    # Unpacking and checksumming hundreds of MiB must not hold up the event loop.
+    chunks = await run_in_threadpool(_unpacked_and_verified, manager, raw)
     t0 = time.perf_counter()
     report = await run_in_threadpool(
         manager.put, {_stored_as(request, k): v for k, v in chunks.items()}, start

@@ -184,3 +184,30 @@ def test_the_sync_client_survives_a_server_restart_between_calls(tmp_path):
         assert kv.put_chunk(key(1), blob)["status"] == "stored"
         assert kv.get_chunk(key(1)) == blob
     kv.close()
+
+
+def test_bodies_past_the_inflight_budget_get_503_with_retry_after(tmp_path):
+    """Two uploads of 3 MiB fit a 7 MiB budget; a third waiting to be read would not: 503
+    with Retry-After, nothing stored; once one finishes, the same upload goes through."""
+    cfg = _config(tmp_path, max_body_bytes=4 << 20, max_inflight_bytes=7 << 20,
+                  chunk_slot_bytes=13 << 20)
+    cfg.tiers.cpu_bytes = 96 << 20
+    state = ServiceState.sidecar(cfg)
+    blobs = {i: _big(i, tokens=6144) for i in (1, 2, 3)}
+    with running(state) as url, Client(url) as kv:
+        held = []
+        for i in (1, 2):  # headers sent, bodies not yet: admitted and counted
+            sock = _raw(url)
+            sock.sendall(f"PUT /v1/chunks/{key(i)} HTTP/1.1\r\nHost: x\r\n"
+                         f"Content-Length: {len(blobs[i])}\r\n\r\n".encode())
+            held.append(sock)
+        time.sleep(0.3)
+        r = kv.http.put(f"/v1/chunks/{key(3)}", content=blobs[3])
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert "max_inflight_bytes" in r.json()["error"]["message"]
+        assert not kv.has_chunk(key(3))
+        held[0].sendall(blobs[1])  # one upload completes and releases its share
+        assert held[0].recv(4096).startswith(b"HTTP/1.1 201")
+        assert kv.put_chunk(key(3), blobs[3])["status"] == "stored"
+        for sock in held:
+            sock.close()
