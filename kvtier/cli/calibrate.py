@@ -122,12 +122,17 @@ def _load_runner(args: argparse.Namespace):
     return runner, device, dtype
 
 
+MAX_ROUNDS = 4
+"""Rounds of transfer samples pooled before calibration gives up on a noisy machine."""
+
+
 def calibrate_tiers(runner, args: argparse.Namespace, console, n_chunks: int = 8) -> dict:
     """A fitted ``TierCost`` per tier: CPU, disk (``--disk-dir`` or a temp dir) and Redis
     when ``--redis-url`` is given; every tier is closed (and the temp dir removed) after."""
     from kvtier.connectors.tiers.cpu_tier import CPUTier
     from kvtier.connectors.tiers.disk_tier import DiskTier
     from kvtier.connectors.tiers.factory import chunk_blob_bytes
+    from kvtier.errors import InvalidArgumentError
     from kvtier.policies.cost_model import LinearCost, TierCost
 
     cfg = runner.config
@@ -148,10 +153,23 @@ def calibrate_tiers(runner, args: argparse.Namespace, console, n_chunks: int = 8
     tier_costs = {}
     try:
         for name, tier in tiers.items():
-            with console.status(f"calibrating the {name} tier"):
-                writes, reads = calibrate_transfer(runner, tier, args.chunk_tokens,
-                                                   args.repeats, n_chunks)
-            tier_costs[name] = TierCost(name, LinearCost.fit(reads), LinearCost.fit(writes))
+            writes: list = []
+            reads: list = []
+            # On a busy machine one round of samples can be too noisy to show the cost
+            # growing with size; more rounds pool their samples before giving up.
+            for attempt in range(1, MAX_ROUNDS + 1):
+                with console.status(f"calibrating the {name} tier (round {attempt})"):
+                    w, r = calibrate_transfer(runner, tier, args.chunk_tokens,
+                                              args.repeats, n_chunks)
+                writes += w
+                reads += r
+                try:
+                    tier_costs[name] = TierCost(name, LinearCost.fit(reads),
+                                                LinearCost.fit(writes))
+                    break
+                except InvalidArgumentError:
+                    if attempt == MAX_ROUNDS:
+                        raise
             console.print(f"{name}: read {tier_costs[name].read}, write {tier_costs[name].write}")
     finally:
         for tier in tiers.values():

@@ -35,6 +35,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("kvtier.benchmarks.ttft", "bench"),
     ("kvtier.benchmarks.policy_sim.cli", "bench"),
     ("kvtier.benchmarks.service", "bench"),
+    ("kvtier.benchmarks.faults", "bench"),
 ]
 
 
