@@ -78,3 +78,23 @@ class LeasedResponse(Response):
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             await run_in_threadpool(self._lease.close)
+
+
+class PiecewiseResponse(Response):
+    """Send a body given as parts (headers and chunks' own bytes), each in pieces of at
+    most :data:`PIECE` bytes: no part is joined or copied, and no write is so large that
+    the transport copies hundreds of MiB of unsent tail on the event loop."""
+
+    def __init__(self, parts: list[bytes | memoryview], media_type: str) -> None:
+        super().__init__(None, media_type=media_type)
+        self._parts = [memoryview(p).cast("B") for p in parts]
+        self.headers["content-length"] = str(sum(len(p) for p in self._parts))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        for part in self._parts:
+            for start in range(0, len(part), PIECE):
+                await send({"type": "http.response.body", "body": part[start : start + PIECE],
+                            "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})

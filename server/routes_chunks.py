@@ -16,7 +16,6 @@ import contextlib
 import time
 from typing import Annotated, Any
 
-import msgpack
 from fastapi import APIRouter, Path, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 
@@ -25,7 +24,13 @@ from kvtier.chunk_keys import KEY_PATTERN, KEY_RE
 from kvtier.connectors.tiers.base import Blob
 from kvtier.connectors.tiers.manager import PutReport, TierManager
 from kvtier.errors import ChunkError
-from kvtier.server.chunk_body import LeasedResponse, declared_length, staged_body
+from kvtier.server.chunk_body import (
+    LeasedResponse,
+    PiecewiseResponse,
+    declared_length,
+    staged_body,
+)
+from kvtier.server.chunk_map import chunk_list_parts, parse_chunk_map
 from kvtier.server.errors import RouteError, error_responses
 from kvtier.server.identity import identity_of
 from kvtier.server.schemas import (
@@ -267,20 +272,14 @@ async def batch_get(body: BatchGetRequest, request: Request) -> Response:
     state.metrics.transfer.labels("get").observe(time.perf_counter() - t0)
     state.metrics.transfer_bytes.labels("get").inc(nbytes)
     state.metrics.tenant_bytes.labels(identity_of(request.scope).tenant, "get").inc(nbytes)
-    packed = await run_in_threadpool(msgpack.packb, blobs, use_bin_type=True)  # off the loop
-    return Response(packed, media_type=MSGPACK)
+    return PiecewiseResponse(chunk_list_parts(blobs), MSGPACK)
 
 
-def _unpacked_and_verified(manager: TierManager, raw: bytes) -> dict[str, bytes]:
-    """The batch's chunks, each verified in full; any problem is a 400 and nothing stored."""
-    try:
-        chunks = msgpack.unpackb(raw, raw=False, strict_map_key=True)
-    except Exception as exc:  # noqa: BLE001 - any decoding failure is the caller's
-        raise RouteError(400, f"body is not a msgpack map: {exc}") from None
-    if not isinstance(chunks, dict) or not all(
-        isinstance(k, str) and isinstance(v, bytes) for k, v in chunks.items()
-    ):
-        raise RouteError(400, "body must be a msgpack map of chunk key (str) -> chunk (bin)")
+def _unpacked_and_verified(manager: TierManager, raw: bytes | memoryview
+                           ) -> dict[str, memoryview]:
+    """The batch's chunks (views of ``raw``), each verified in full; any problem is a 400
+    and nothing stored."""
+    chunks = parse_chunk_map(memoryview(raw).cast("B"))
     _check_keys(list(chunks))
     for key, blob in chunks.items():
         _verify(manager, key, blob)
@@ -295,21 +294,31 @@ async def batch_put(request: Request, tier: str | None = None) -> dict[str, Any]
     first: one bad chunk fails the request with 400 and nothing is stored."""
     state, manager = _manager(request)
     start = _tier_arg(manager, tier)
-    raw = await request.body()
-    # Unpacking and checksumming hundreds of MiB must not hold up the event loop.
-    chunks = await run_in_threadpool(_unpacked_and_verified, manager, raw)
-    t0 = time.perf_counter()
-    report = await run_in_threadpool(
-        manager.put, {_stored_as(request, k): v for k, v in chunks.items()}, start
-    )
-    state.metrics.transfer.labels("put").observe(time.perf_counter() - t0)
+    # The body streams into a staging buffer (no join of hundreds of MiB on the event loop);
+    # parsing and checksumming run on a worker thread, and the chunks go to the tiers as
+    # views of that buffer, while it is held.
+    length = declared_length(request)
+    tenant = identity_of(request.scope).tenant
+
+    def verified_put(raw: bytes | memoryview) -> tuple[dict[str, memoryview], PutReport, float]:
+        chunks = _unpacked_and_verified(manager, raw)
+        t0 = time.perf_counter()
+        report = manager.put({namespaced_key(tenant, k): v for k, v in chunks.items()}, start)
+        return chunks, report, time.perf_counter() - t0
+
+    if length is None:  # chunked upload: the body-limit middleware has it in one piece
+        chunks, report, took = await run_in_threadpool(verified_put, await request.body())
+    else:
+        async with staged_body(request, manager.staging, length) as body:
+            chunks, report, took = await run_in_threadpool(verified_put, memoryview(body.numpy()))
+    state.metrics.transfer.labels("put").observe(took)
     stored = sorted({logical_key(k) for res in report.per_tier.values() for k in res.stored})
     present = sorted(
         {logical_key(k) for res in report.per_tier.values() for k in res.present} - set(stored)
     )
     nbytes = sum(len(chunks[k]) for k in stored)
     state.metrics.transfer_bytes.labels("put").inc(nbytes)
-    state.metrics.tenant_bytes.labels(identity_of(request.scope).tenant, "put").inc(nbytes)
+    state.metrics.tenant_bytes.labels(tenant, "put").inc(nbytes)
     failed = {logical_key(k): why for k, why in report.failed.items()}
     if chunks and len(failed) == len(chunks):
         raise _put_failed(report)
