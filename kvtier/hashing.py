@@ -9,6 +9,7 @@ BLAKE2b over a fixed binary encoding makes hashes stable across processes and ma
 from __future__ import annotations
 
 import hashlib
+import os
 from array import array
 from collections.abc import Sequence
 
@@ -58,3 +59,12 @@ def chain_hashes(
         parent = chain_hash(parent, token_ids[start : start + block_size], extra)
         out.append(parent)
     return out
+
+
+def file_sha256(path: str | os.PathLike[str], piece: int = 8 << 20) -> str:
+    """Hex SHA-256 of a file's contents, read in pieces (for files of any size)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while data := f.read(piece):
+            h.update(data)
+    return h.hexdigest()

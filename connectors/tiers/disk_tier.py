@@ -244,34 +244,31 @@ class DiskTier(Tier):
         def short_of_room() -> bool:
             return self._index.used_bytes + self._reserved + size > capacity
 
-        for victim, _, _ in self._index.evict_while(short_of_room):
+        self._evict_while(short_of_room, evicted)
+        return not short_of_room()
+
+    def _evict_while(self, short: Callable[[], bool], evicted: list[tuple[str, str]]) -> int:
+        """Give up the policy's victims while ``short()`` (under the lock): each file is
+        renamed to a temp name, to be read or removed after the lock. Returns the bytes."""
+        freed = 0
+        for victim, _, size in self._index.evict_while(short):
             doomed = self._temp_path(victim)
             try:
                 os.rename(self._path(victim), doomed)
             except FileNotFoundError:
                 continue
             evicted.append((victim, doomed))
-        return not short_of_room()
+            freed += size
+        return freed
 
     def _free_bytes(self, need: int) -> list[tuple[str, bytes | None]]:
         """Evict the policy's coldest chunks until ``need`` bytes are freed (a full
         filesystem, whatever the configured capacity): a tier that takes no more writes
         until someone deletes by hand is worse than one that forgets its coldest KV."""
         evicted: list[tuple[str, str]] = []
-        freed = 0
-
-        def short() -> bool:
-            return freed < need
-
         with self._lock:
-            for victim, _, size in self._index.evict_while(short):
-                doomed = self._temp_path(victim)
-                try:
-                    os.rename(self._path(victim), doomed)
-                except FileNotFoundError:
-                    continue
-                evicted.append((victim, doomed))
-                freed += size
+            target = self._index.used_bytes - need
+            freed = self._evict_while(lambda: self._index.used_bytes > target, evicted)
         if evicted:
             log.warning("disk tier %s: the filesystem is full; evicted %d chunks (%d bytes)",
                         self.directory, len(evicted), freed)

@@ -31,8 +31,9 @@ def get_model(
     log: Any = None,
 ) -> tuple[Path, bool]:
     """Write the checkpoint; returns (directory, whether anything was written)."""
+    from kvtier.hashing import file_sha256
     from kvtier.make_model.gguf_import import convert_gguf
-    from kvtier.make_model.wheel_source import file_sha256, locate_gguf
+    from kvtier.make_model.wheel_source import locate_gguf
 
     say = log or (lambda msg: print(msg, file=sys.stderr))
     out_path = Path(out)

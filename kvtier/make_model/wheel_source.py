@@ -19,6 +19,7 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
+from kvtier.hashing import file_sha256
 from kvtier.make_model.real_models import RealModel
 from kvtier.models.config import CheckpointError
 from kvtier.paths import cache_dir as default_cache_dir
@@ -28,14 +29,6 @@ _PIECE = 1 << 20
 
 class ModelSourceError(CheckpointError):
     """A real model's file cannot be found, downloaded, or does not match its checksum."""
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while piece := f.read(_PIECE):
-            h.update(piece)
-    return h.hexdigest()
 
 
 def locate_gguf(

@@ -19,10 +19,11 @@ from pathlib import Path
 
 import torch
 
+from kvtier.hashing import file_sha256
+
 log = logging.getLogger(__name__)
 
 RECORD_FILE = "kvtier_weights.json"
-_PIECE = 8 << 20
 
 
 def state_dict_digest(state: dict[str, torch.Tensor]) -> str:
@@ -51,7 +52,7 @@ def weights_digest(model_dir: str | Path, files: list[Path]) -> str:
             entries[name] = old
             continue
         entries[name] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns,
-                         "sha256": _file_sha256(path)}
+                         "sha256": file_sha256(path)}
         changed = True
     if changed or set(record) != set(entries):
         _write_record(record_path, entries)
@@ -69,14 +70,6 @@ def checkpoint_digest(model_dir: str | Path) -> str | None:
         return None
     files = sorted(p for p in d.iterdir() if p.is_file() and p.suffix in (".safetensors", ".bin", ".pt"))
     return weights_digest(d, files) if files else None
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while piece := f.read(_PIECE):
-            h.update(piece)
-    return h.hexdigest()
 
 
 def _record_path(model_dir: Path) -> Path:

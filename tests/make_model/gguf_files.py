@@ -26,15 +26,11 @@ _LAYER = {
 
 
 def _bytes_to_unicode() -> list[str]:
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    cs = list(bs)
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return [chr(c) for _, c in sorted(zip(bs, cs, strict=True))]
+    """The byte-level alphabet, in byte order (GPT-2's table, as kvtier's tokenizer has it)."""
+    from kvtier.models.tokenizer import _bytes_to_unicode as table
+
+    by_byte = table()
+    return [by_byte[b] for b in range(256)]
 
 
 def permute(w: np.ndarray, n_head: int) -> np.ndarray:

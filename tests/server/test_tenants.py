@@ -17,22 +17,14 @@ from kvtier.client import Client, ServiceError
 from kvtier.config import load_config
 from kvtier.engine.engine import Engine
 from kvtier.engine.sampling import SamplingParams
-from kvtier.make_model.writer import make_model
 from kvtier.server.state import ServiceState
 from tests.engine_config import engine_config
 from tests.http_server import running
+from tests.server import test_server_engine
 from tests.server.test_server_chunks import chunk, key
+from tests.server.test_server_engine import GREEDY, Q1, Q2, SYSTEM
 
-SYSTEM = "You are a helpful assistant who answers about offloading KV caches. " * 3
-Q1 = "Tell me about the mountains and the weather there."
-Q2 = "And in winter?"
-GREEDY = {"temperature": 0, "max_tokens": 8}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    torch.set_num_threads(1)
-    return make_model("tiny", tmp_path_factory.mktemp("m") / "tiny", seed=7).path
+model_dir = test_server_engine.model_dir  # the same tiny model, used by name
 
 
 def test_forged_chunks_under_the_engines_keys_never_reach_a_turn(model_dir, tmp_path):
