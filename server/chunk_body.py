@@ -37,7 +37,9 @@ async def staged_body(request: Request, staging: StagingPool, length: int) -> As
     """The upload's bytes in a staging buffer (a uint8 view of exactly ``length`` bytes),
     given back when the block ends. A body that is shorter or longer than it declared is a
     400 (the connection was cut, or the client lied)."""
-    buf = staging.acquire(length)
+    # A new buffer is mapped and pre-faulted (MAP_POPULATE): a second or more for hundreds
+    # of MiB, which must not happen on the event loop.
+    buf = await run_in_threadpool(staging.acquire, length)
     try:
         mem = memoryview(buf.numpy())
         pos = 0

@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 
 PAGE = mmap.PAGESIZE
 SIZE_CLASS = 1 << 20
+POPULATE_PIECE = 16 << 20
+"""Buffers larger than this are faulted in by pieces of this size (see :class:`HostBuffer`)."""
 """Staging buffers are rounded up to a multiple of this (chunks of one model share a class)."""
 
 
@@ -42,11 +44,19 @@ class HostBuffer:
 
     def __init__(self, nbytes: int, pin: bool | None = None) -> None:
         self.nbytes = max(round_up(nbytes), PAGE)
-        # populated now: the first copy into a fresh buffer would otherwise pay a page
-        # fault per 4 KiB, several times the copy itself
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+        # Populated now: the first copy into a fresh buffer would otherwise pay a page
+        # fault per 4 KiB, several times the copy itself. Large buffers are faulted in by
+        # pieces rather than with MAP_POPULATE, which holds the process's memory-map lock
+        # for the whole buffer: every other thread's mmap (a large malloc, a socket
+        # buffer) waited on it, stalling the server's event loop for a second at 400 MiB.
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        if self.nbytes <= POPULATE_PIECE:
+            flags |= getattr(mmap, "MAP_POPULATE", 0)
         self._map: mmap.mmap | None = mmap.mmap(-1, self.nbytes, flags=flags)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+        if self.nbytes > POPULATE_PIECE:
+            for start in range(0, self.nbytes, POPULATE_PIECE):
+                self.tensor[start : start + POPULATE_PIECE].fill_(0)
         self.pinned = False
         if pin is not False and torch.cuda.is_available():
             rc = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0)
