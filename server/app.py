@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 
 from fastapi import FastAPI, Request, Response
 
@@ -33,11 +32,6 @@ def inflight_budget(configured: int | None, max_body: int) -> int:
 
 def create_app(state: ServiceState) -> FastAPI:
     """An app serving ``state``; the caller owns ``state`` and closes it after the server."""
-    # Worker threads verify, copy and (un)pack hundreds of MiB while the event loop answers
-    # requests. With CPython's default 5 ms switch interval a busy worker makes the loop
-    # wait up to 5 ms for every one of the many GIL hand-offs a request takes; 0.5 ms keeps
-    # /healthz and small requests quick during large transfers.
-    sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
     app = FastAPI(title="kvtier", version=__version__, description=DESCRIPTION)
     app.state.kvtier = state
     install_error_handlers(app, state.metrics.count_error)
