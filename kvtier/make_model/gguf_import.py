@@ -64,7 +64,6 @@ _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 # apply GPT-2's regex.
 _PRE_TOKENIZERS = {
     "gpt2": "gpt2",
-    "default": "gpt2",
     "smollm": "digits+gpt2",
     "starcoder": "digits+gpt2",
     "refact": "digits+gpt2",
@@ -352,8 +351,13 @@ def _tokenizer_files(
             f"{meta.path}: tokenizer model {kind!r} is not supported; only byte-level BPE "
             "('gpt2') vocabularies can be converted"
         )
-    pre = meta.get("tokenizer.ggml.pre", "default")
+    pre = meta.get("tokenizer.ggml.pre")
     style = _PRE_TOKENIZERS.get(pre)
+    if pre is None:
+        raise CheckpointError(
+            f"{meta.path}: no tokenizer.ggml.pre, so how text is split before the merges is "
+            "unknown (an old conversion); convert the model again with a current llama.cpp"
+        )
     if style is None:
         raise CheckpointError(
             f"{meta.path}: pre-tokenizer {pre!r} is not supported; known: "
