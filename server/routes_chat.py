@@ -126,16 +126,19 @@ class _Turn:
         return f"data: {json.dumps(payload)}\n\n"
 
 
-_SESSION_ID = re.compile(r"[\x20-\x7e]{1,256}")
+_SESSION_ID = re.compile(r"[\x20-\x39\x3b-\x7e]{1,256}")
+"""Printable ASCII but ``:``, which joins a tenant to its sessions' ids."""
 
 
 def _check_session_id(session_id: str, where: str) -> None:
     """A session id travels back in the ``X-Session-Id`` header: printable ASCII only, so
-    a bad one is a 400 before the turn runs, never a broken response after it."""
+    a bad one is a 400 before the turn runs, never a broken response after it. No ``:``:
+    another tenant's sessions are ``tenant:id``, and must not be nameable."""
     if not _SESSION_ID.fullmatch(session_id):
         raise InvalidArgumentError(
             f"the session id in the {where} must be 1 to 256 printable ASCII characters "
-            f"(no control characters or non-ASCII text), got {session_id[:40]!r}"
+            f"other than ':' (no control characters or non-ASCII text), got "
+            f"{session_id[:40]!r}"
         )
 
 

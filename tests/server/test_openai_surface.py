@@ -75,7 +75,8 @@ def test_served_names_alias_the_model_in_replies_and_streams(model_dir):
             client.chat.completions.create(model="tiny-chat", messages=QUESTION, max_tokens=4)
 
 
-@pytest.mark.parametrize("user", ["a\r\nX-Evil: 1", "日本語", "nul\x00", "x" * 257])
+@pytest.mark.parametrize("user", ["a\r\nX-Evil: 1", "日本語", "nul\x00", "x" * 257,
+                                  "alpha:bob"])
 def test_a_session_id_that_cannot_travel_in_a_header_is_a_400(model_dir, user):
     with running(_state(model_dir)) as url:
         client = _client(url)
