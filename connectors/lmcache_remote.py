@@ -11,18 +11,27 @@ LMCache configuration (YAML or ``LMCACHE_*`` variables)::
       remote_storage_plugin.kvtier.module_path: kvtier.connectors.lmcache_remote
       remote_storage_plugin.kvtier.class_name: KVTierAdapter
       kvtier_token: "..."            # when the server asks for a bearer token
+      kvtier_fingerprint_salt: "..."  # optional: KV under another salt is never shared
 
 Each LMCache chunk becomes one kvtier chunk: its bytes are the payload (checksummed per
 chunk by kvtier's format, so a corrupted chunk is a miss, never wrong KV), and LMCache's
 own metadata (length, shapes, dtypes, memory format) rides in the header's fingerprint
 field, so a read allocates exactly what was stored, partial chunks included. LMCache's key
 string is hashed (xxh3-128) into a kvtier key. ``batched_contains`` is one prefix lookup.
+
+The key names the model as kvtier's own fingerprint does (:func:`backend_identity`).
+LMCache's key holds the model's name, world size, worker and dtype, not its weights: two
+checkpoints served under one name (a fine-tune, a new revision at the same path) would
+share KV. So the hash also covers the weights' digest where the model name is a local
+checkpoint (computed once, kept beside it: :mod:`kvtier.models.weights_digest`), the KV
+shape, and an optional salt; KV stored under another identity is a miss.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,6 +43,7 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 from kvtier.chunk_format import encode_chunk, parse_header, validate_chunk
 from kvtier.client import AsyncClient, Client
 from kvtier.errors import ChunkError
+from kvtier.models.weights_digest import checkpoint_digest
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +51,23 @@ SCHEME = "kvtier://"
 FP_PREFIX = b"lmcache|"
 
 
-def kvtier_key(key: Any) -> str:
-    """The kvtier chunk key of an LMCache ``CacheEngineKey`` (any string form)."""
+def backend_identity(metadata: Any, extra: dict[str, Any]) -> str:
+    """What names the model beyond LMCache's own key: its weights (a local checkpoint's
+    digest, else the name LMCache was given), its KV shape, and the optional salt."""
+    name = str(getattr(metadata, "model_name", "") or "")
+    digest = checkpoint_digest(name) if name and Path(name).is_dir() else None
+    weights = f"w{digest}" if digest else f"name{len(name)}:{name}"
+    shape = "x".join(str(d) for d in (getattr(metadata, "kv_shape", None) or ()))
+    salt = extra.get("kvtier_fingerprint_salt")
+    salted = f"salt{len(str(salt))}:{salt}" if salt else "nosalt"
+    return f"{weights}|kv{shape}|{salted}"
+
+
+def kvtier_key(key: Any, identity: str = "") -> str:
+    """The kvtier chunk key of an LMCache ``CacheEngineKey`` (any string form) under a
+    backend identity (see :func:`backend_identity`)."""
     text = key.to_string() if hasattr(key, "to_string") else str(key)
-    return "lmc-" + xxhash.xxh3_128_hexdigest(text.encode())
+    return "lmc-" + xxhash.xxh3_128_hexdigest(identity.encode() + b"\0" + text.encode())
 
 
 def http_url(url: str) -> str:
@@ -82,6 +105,7 @@ class KVTierRemoteConnector(RemoteConnector):
         self.token = extra.get("kvtier_token")
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend
+        self.identity = backend_identity(local_cpu_backend.metadata, extra)
         self.sync = Client(self.base_url, token=self.token)
         self._async: AsyncClient | None = None
 
@@ -91,20 +115,23 @@ class KVTierRemoteConnector(RemoteConnector):
             self._async = AsyncClient(self.base_url, token=self.token)
         return self._async
 
+    def _key(self, key: Any) -> str:
+        return kvtier_key(key, self.identity)
+
     async def exists(self, key) -> bool:
-        return await self.client.has_chunk(kvtier_key(key))
+        return await self.client.has_chunk(self._key(key))
 
     def exists_sync(self, key) -> bool:
-        return self.sync.has_chunk(kvtier_key(key))
+        return self.sync.has_chunk(self._key(key))
 
     def support_batched_contains(self) -> bool:
         return True
 
     def batched_contains(self, keys) -> int:
-        return self.sync.lookup([kvtier_key(k) for k in keys]).length if keys else 0
+        return self.sync.lookup([self._key(k) for k in keys]).length if keys else 0
 
     async def get(self, key):
-        k = kvtier_key(key)
+        k = self._key(key)
         blob = await self.client.get_chunk(k)
         if blob is None:
             return None
@@ -130,7 +157,7 @@ class KVTierRemoteConnector(RemoteConnector):
             memory_obj.get_dtypes(),
             memory_obj.get_memory_format(),
         )
-        k = kvtier_key(key)
+        k = self._key(key)
         await self.client.put_chunk(k, encode(k, data, meta))
 
     async def list(self) -> list[str]:

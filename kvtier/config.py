@@ -226,9 +226,26 @@ class TokenConfig(_Section):
     @field_validator("tenant")
     @classmethod
     def _tenant(cls, v: str) -> str:
-        if not (1 <= len(v) <= 32 and v.isascii() and v.isalnum()):
-            raise ValueError(f"a tenant name is 1 to 32 letters and digits, got {v!r}")
-        return v
+        return _check_tenant(v)
+
+
+class TenantQuota(_Section):
+    """Bytes one tenant's chunks may hold in each tier (unset: no bound but the tier's).
+    Past it the tenant's own least recently used chunks move down a tier (out of the last
+    one): one tenant filling its share never evicts another's KV."""
+
+    cpu: ByteSize | None = None
+    disk: ByteSize | None = None
+    redis: ByteSize | None = None
+
+    def per_tier(self) -> dict[str, int]:
+        return {tier: int(v) for tier, v in self.model_dump().items() if v is not None}
+
+
+def _check_tenant(v: str) -> str:
+    if not (1 <= len(v) <= 32 and v.isascii() and v.isalnum()):
+        raise ValueError(f"a tenant name is 1 to 32 letters and digits, got {v!r}")
+    return v
 
 
 class ServerConfig(_Section):
@@ -241,6 +258,9 @@ class ServerConfig(_Section):
     ``default``; unset (and no ``tokens``): no auth (loopback use)."""
     tokens: list[TokenConfig] = []
     """Scoped tokens, each in a tenant (see :class:`TokenConfig`); with ``auth_token``."""
+    quotas: dict[str, TenantQuota] = {}
+    """tenant -> bytes its chunks may hold per tier, e.g. ``{alice: {cpu: 512MiB, disk:
+    4GiB}}`` (see :class:`TenantQuota`)."""
     max_body_bytes: ByteSize = ByteSize(256 << 20)
     """Largest request body accepted; larger ones get 413 before anything is read into a tier."""
     max_inflight_bytes: ByteSize | None = None
@@ -256,6 +276,13 @@ class ServerConfig(_Section):
     """Engine mode: the names ``/v1/models`` lists and chat requests may ask for (the first
     is the one replies carry when a request names none); empty: the model directory's name.
     A request naming any other model gets OpenAI's 404 ``model_not_found``."""
+
+    @field_validator("quotas")
+    @classmethod
+    def _quota_tenants(cls, v: dict[str, TenantQuota]) -> dict[str, TenantQuota]:
+        for tenant in v:
+            _check_tenant(tenant)
+        return v
 
     @field_validator("port")
     @classmethod

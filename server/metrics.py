@@ -34,6 +34,7 @@ class _SnapshotCollector(Collector):
         snap = self.snapshot
         yield from _tier_metrics(snap.get("tiers", []))
         yield from _manager_metrics(snap.get("manager"))
+        yield from _tenant_metrics(snap.get("tenants", []))
         yield from _pool_metrics(snap.get("pool"))
         sessions = snap.get("sessions")
         if sessions is not None:
@@ -51,6 +52,23 @@ class _SnapshotCollector(Collector):
             for kind, n in sorted(policy.get("decisions", {}).items()):
                 c.add_metric([kind], n)
             yield c
+
+
+def _tenant_metrics(tenants: list[dict[str, Any]]) -> Iterator[Metric]:
+    labels = ["tenant", "tier"]
+    held = GaugeMetricFamily("kvtier_tenant_stored_bytes", "Bytes a tenant's chunks hold in a tier",
+                             labels=labels)
+    quota = GaugeMetricFamily("kvtier_tenant_quota_bytes", "A tenant's quota in a tier",
+                              labels=labels)
+    pushed = CounterMetricFamily("kvtier_tenant_quota_evicted_bytes",
+                                 "Bytes a tenant's quota made a tier evict", labels=labels)
+    for row in tenants:
+        key = [row["tenant"], row["tier"]]
+        held.add_metric(key, row["bytes"])
+        pushed.add_metric(key, row["quota_evicted_bytes"])
+        if row["quota_bytes"] is not None:
+            quota.add_metric(key, row["quota_bytes"])
+    yield from (held, quota, pushed)
 
 
 def _tier_metrics(tiers: list[dict[str, Any]]) -> Iterator[Metric]:

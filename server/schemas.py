@@ -208,6 +208,8 @@ class Stats(_Doc):
     uptime_s: float
     tiers: list[dict[str, Any]]
     manager: dict[str, Any] | None
+    tenants: list[dict[str, Any]]
+    """Per tenant and tier: ``bytes`` held, ``quota_bytes``, ``quota_evicted_bytes``."""
     pool: dict[str, Any] | None
     sessions: dict[str, int] | None
     policy: dict[str, Any] | None

@@ -40,6 +40,8 @@ class ServiceState:
         self.model_name = self.model_names[0] if self.model_names else None
         self.model_root = model_name
         """The model directory's name."""
+        if manager is not None:
+            manager.quotas = {t: q.per_tier() for t, q in config.server.quotas.items()}
         self.metrics = ServiceMetrics()
         self.started = time.monotonic()
         self.created = int(time.time())
@@ -79,6 +81,7 @@ class ServiceState:
             "uptime_s": time.monotonic() - self.started,
             "tiers": tier_stats(self.manager),
             "manager": manager_stats(self.manager),
+            "tenants": tenant_stats(self.manager),
             "pool": None,
             "sessions": None,
             "policy": None,
@@ -105,6 +108,25 @@ def tier_stats(manager: TierManager | None) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def tenant_stats(manager: TierManager | None) -> list[dict[str, Any]]:
+    """Per tenant and tier: bytes held, its quota, bytes its quota pushed down."""
+    if manager is None:
+        return []
+    held = manager.tenant_bytes()
+    evicted = dict(manager.stats.quota_evicted_bytes)
+    quotas = {(t, tier): q for t, per in manager.quotas.items() for tier, q in per.items()}
+    return [
+        {
+            "tenant": tenant,
+            "tier": tier,
+            "bytes": held.get((tenant, tier), 0),
+            "quota_bytes": quotas.get((tenant, tier)),
+            "quota_evicted_bytes": evicted.get((tenant, tier), 0),
+        }
+        for tenant, tier in sorted(held.keys() | quotas.keys() | evicted.keys())
+    ]
 
 
 def manager_stats(manager: TierManager | None) -> dict[str, Any] | None:

@@ -29,7 +29,7 @@ NUM_TOKENS = 3 * CHUNK + 40
 CPUCopyConnector = cpu_copy_connector((LAYERS, HEADS * HEAD_DIM))
 
 
-def make_engine(port: int, token: str):
+def make_engine(port: int, token: str, salt: str = ""):
     config = load_engine_config_with_overrides(
         overrides={
             "chunk_size": CHUNK,
@@ -43,6 +43,7 @@ def make_engine(port: int, token: str):
                 "remote_storage_plugin.kvtier.class_name": "KVTierAdapter",
                 "kvtier_token": token,
                 "force_store_wait": True,  # a small CPU pool must not drop chunks
+                **({"kvtier_fingerprint_salt": salt} if salt else {}),
             },
         }
     )
@@ -60,10 +61,11 @@ def make_engine(port: int, token: str):
 
 def main() -> None:
     role, port, token = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    salt = sys.argv[4] if len(sys.argv) > 4 else ""
     tokens = torch.arange(NUM_TOKENS)
     kv = torch.randn(2, LAYERS, NUM_TOKENS, HEADS * HEAD_DIM,
                      generator=torch.Generator().manual_seed(0)).half()  # fmt: skip
-    engine = make_engine(port, token)
+    engine = make_engine(port, token, salt)
     if role == "write":
         engine.store(tokens, kvcaches=kv)
         deadline = time.monotonic() + 60  # puts to the remote backend finish in background

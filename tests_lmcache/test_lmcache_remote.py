@@ -17,7 +17,7 @@ import torch
 from lmcache.v1.memory_management import MemoryFormat
 from lmcache.v1.protocol import RemoteMetadata, init_remote_metadata_info
 
-from kvtier.connectors.lmcache_remote import decode, encode, kvtier_key
+from kvtier.connectors.lmcache_remote import backend_identity, decode, encode, kvtier_key
 from kvtier.errors import ChunkError
 from tests.serve_process import start_serve
 
@@ -35,11 +35,11 @@ def server(tmp_path):
     proc.wait(timeout=30)
 
 
-def run_engine(role: str, port: int) -> dict:
+def run_engine(role: str, port: int, salt: str = "") -> dict:
     """One LMCache engine in a fresh process (``lmcache_run.py``): its teardown is not safe
     to run twice in one process, and a second process proves the chunks crossed over."""
     proc = subprocess.run(
-        [sys.executable, str(HERE / "lmcache_run.py"), role, str(port), TOKEN],
+        [sys.executable, str(HERE / "lmcache_run.py"), role, str(port), TOKEN, salt],
         capture_output=True, text=True, timeout=300,
         env=dict(os.environ, PYTHONHASHSEED="0"),  # LMCache's chunk hashes, stable
     )  # fmt: skip
@@ -60,6 +60,8 @@ def test_lmcache_stores_and_retrieves_through_kvtier_serve(server):
     stats = _stats(port)
     assert sum(t["chunks"] for t in stats["tiers"]) == 3  # the full chunks (partial: off)
 
+    salted = run_engine("read", port, salt="another-tenant")  # another identity: a miss
+    assert salted["lookup"] == 0 and salted["retrieved"] == 0 and salted["untouched"]
     read = run_engine("read", port)
     assert read["lookup"] == 3 * CHUNK and read["retrieved"] == 3 * CHUNK
     assert read["equal"] and read["nothing_past_hit"]  # bit-exact, nothing invented
@@ -86,3 +88,26 @@ def test_chunk_encoding_round_trip_and_refusals():
         decode(key, blob[:-1] + bytes([blob[-1] ^ 1]))
     with pytest.raises(ChunkError, match="holds"):
         decode(kvtier_key("another"), blob)
+
+
+def test_the_key_names_the_weights_the_kv_shape_and_the_salt(tmp_path):
+    """LMCache's key holds the model's name but not its weights: two checkpoints at one
+    path (a fine-tune written over the base) must not share KV."""
+    from types import SimpleNamespace
+
+    ckpt = tmp_path / "model"
+    ckpt.mkdir()
+    (ckpt / "model.safetensors").write_bytes(b"weights of the base model")
+    meta = SimpleNamespace(model_name=str(ckpt), kv_shape=(LAYERS, 2, CHUNK, HEADS, HEAD_DIM))
+    base = backend_identity(meta, {})
+    assert base == backend_identity(meta, {})  # stable: the digest is kept beside the weights
+    (ckpt / "model.safetensors").write_bytes(b"weights of the fine-tune!")
+    tuned = backend_identity(meta, {})
+    assert tuned != base
+    other_shape = SimpleNamespace(model_name=str(ckpt), kv_shape=(LAYERS, 2, CHUNK, 8, HEAD_DIM))
+    assert backend_identity(other_shape, {}) != tuned
+    assert backend_identity(meta, {"kvtier_fingerprint_salt": "t1"}) != tuned
+    hub = SimpleNamespace(model_name="org/model", kv_shape=meta.kv_shape)
+    assert backend_identity(hub, {}) != tuned  # a hub id is named by itself
+    k = "kvtier-test@1@0@abc@half"
+    assert kvtier_key(k, base) != kvtier_key(k, tuned)

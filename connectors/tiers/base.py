@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,6 +121,22 @@ class Tier(ABC):
         on a lock a transfer holds (a value a moment old is fine). Tiers whose ``len`` or
         ``used_bytes`` is not cheap override it."""
         return len(self), self.used_bytes
+
+    # --- tenants ----------------------------------------------------------------------
+    def namespace_held(self, namespace: str, keys: Sequence[str] = ()) -> tuple[int, set[str]]:
+        """Bytes ``namespace`` (a tenant) holds here, and which of ``keys`` it holds:
+        counters kept as chunks come and go (see :mod:`.namespace_usage`)."""
+        return 0, set()
+
+    def namespace_bytes(self) -> dict[str, int]:
+        """namespace -> bytes held here (per-tenant gauges; never a scan)."""
+        return {}
+
+    def evict_namespace(self, namespace: str, need: int, exclude: Collection[str] = ()) -> int:
+        """Evict ``namespace``'s least recently used chunks (none in ``exclude``) until
+        ``need`` bytes are free, handing them to the eviction listeners as the tier's own
+        evictions are (a quota pushes a tenant's KV down, not out). Returns bytes freed."""
+        return 0
 
     @property
     def eviction(self) -> Any:

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Container, Hashable, Iterable, Iterator
 from typing import Generic, TypeVar
 
+from kvtier.connectors.tiers.namespace_usage import NamespaceUsage
 from kvtier.policies.eviction import LRU, ChunkInfo, EvictionPolicy
 
 V = TypeVar("V")
@@ -35,6 +36,8 @@ class ChunkIndex(Generic[V]):
         self.policy = policy or LRU()
         self.clock = clock
         self.used_bytes = 0
+        self.namespaces = NamespaceUsage()
+        """Bytes and recency per tenant namespace (quotas, per-tenant gauges)."""
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -56,6 +59,7 @@ class ChunkIndex(Generic[V]):
         entry = self._entries.get(key)
         if entry is not None and touch:
             self.policy.access(key, self.clock() if now is None else now)
+            self.namespaces.touch(key)
         return entry
 
     def size(self, key: Hashable) -> int:
@@ -76,6 +80,7 @@ class ChunkIndex(Generic[V]):
             self.policy.remove(key)
         self._entries[key] = (value, size)
         self.used_bytes += size
+        self.namespaces.add(key, size)
         info = info if info is not None else ChunkInfo(size)
         self.policy.insert(key, info, self.clock() if now is None else now)
 
@@ -89,6 +94,7 @@ class ChunkIndex(Generic[V]):
         if entry is not None:
             self.used_bytes -= entry[1]
             self.policy.remove(key)
+            self.namespaces.remove(key)
         return entry
 
     def victim(self, exclude: Container[Hashable] = frozenset(), now: float | None = None) -> Hashable | None:
@@ -112,7 +118,19 @@ class ChunkIndex(Generic[V]):
             value, size = self._entries.pop(key)
             self.used_bytes -= size
             self.policy.remove(key)
+            self.namespaces.remove(key)
             yield key, value, size
+
+    def evict_namespace(
+        self, namespace: str, need: int, exclude: Container[Hashable] = frozenset()
+    ) -> Iterator[tuple[Hashable, V, int]]:
+        """Give up ``namespace``'s least recently used chunks (none in ``exclude``) until
+        ``need`` bytes are freed: a tenant over its quota makes room from its own KV. Each
+        is removed from the index and yielded as :meth:`evict_while` yields."""
+        for key in self.namespaces.coldest(namespace, need, exclude):  # type: ignore[arg-type]
+            entry = self.pop(key)
+            if entry is not None:
+                yield key, entry[0], entry[1]
 
     def keys(self) -> Iterator[Hashable]:
         return iter(list(self._entries))

@@ -22,7 +22,7 @@ import contextlib
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -383,6 +383,37 @@ class CPUTier(Tier):
     @property
     def eviction(self) -> EvictionPolicy:
         return self._index.policy
+
+    # --- tenants ---------------------------------------------------------------------
+    def namespace_held(self, namespace: str, keys: Sequence[str] = ()) -> tuple[int, set[str]]:
+        with self._lock:
+            return self._index.namespaces.held(namespace, keys)
+
+    def namespace_bytes(self) -> dict[str, int]:
+        return self._index.namespaces.snapshot()
+
+    def evict_namespace(self, namespace: str, need: int, exclude: Collection[str] = ()) -> int:
+        """As the arena evicts when full (handed down from the slot, leased chunks kept),
+        but only ``namespace``'s coldest chunks."""
+        victims: list[tuple[str, int, int]] = []
+        with self._lock:
+            self._arena_view()
+            arena = self._arena
+            assert arena is not None
+            skip = set(exclude) | self._leased_keys.keys()
+            for victim, slot, length in self._index.evict_namespace(namespace, need, skip):
+                victims.append((str(victim), slot, length))
+                self._departing[str(victim)] = (slot, length)
+        self._hand_down(victims, arena)
+        with self._lock:
+            for victim, slot, _ in victims:
+                self._departing.pop(victim, None)
+                if self._leased[slot]:
+                    self._doomed.add(slot)  # leased while on its way down: freed on release
+                else:
+                    self._leased.pop(slot, None)
+                    self._free.append(slot)
+        return sum(length for _, _, length in victims)
 
     # --- capacity --------------------------------------------------------------------
     @property

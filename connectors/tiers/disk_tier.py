@@ -25,7 +25,7 @@ import os
 import struct
 import threading
 import uuid
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
@@ -568,6 +568,32 @@ class DiskTier(Tier):
     @property
     def eviction(self) -> EvictionPolicy:
         return self._index.policy
+
+    # --- tenants ---------------------------------------------------------------------
+    def namespace_held(self, namespace: str, keys: Sequence[str] = ()) -> tuple[int, set[str]]:
+        with self._lock:
+            return self._index.namespaces.held(namespace, keys)
+
+    def namespace_bytes(self) -> dict[str, int]:
+        return self._index.namespaces.snapshot()
+
+    def evict_namespace(self, namespace: str, need: int, exclude: Collection[str] = ()) -> int:
+        """As the tier evicts when full (renamed aside under the lock, handed down after
+        it), but only ``namespace``'s coldest chunks."""
+        evicted: list[tuple[str, str]] = []
+        freed = 0
+        with self._lock:
+            for victim, _, size in self._index.evict_namespace(namespace, need, set(exclude)):
+                doomed = self._temp_path(str(victim))
+                try:
+                    os.rename(self._path(str(victim)), doomed)
+                except FileNotFoundError:
+                    continue
+                evicted.append((str(victim), doomed))
+                freed += size
+        for key, blob in self._discard_evicted(evicted):
+            self._notify_evicted(key, blob)
+        return freed
 
     @property
     def capacity_bytes(self) -> int | None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
@@ -23,6 +23,7 @@ import torch
 from kvtier.chunk_format import byte_view, chunk_view, validate_chunk
 from kvtier.connectors.tiers.base import Blob, PutResult, Tier
 from kvtier.connectors.tiers.host_buffers import StagingPool
+from kvtier.connectors.tiers.namespace_usage import namespace_of
 from kvtier.errors import ChunkError, ChunkFormatError, ChunkMismatchError, InvalidArgumentError
 from kvtier.policies.eviction import ChunkInfo
 
@@ -63,6 +64,8 @@ class ManagerStats:
     """Evicted chunks the demotion policy dropped (not worth keeping in a lower tier)."""
     rejected: dict[str, int] = field(default_factory=dict)
     """Blobs refused on read, by reason (corrupt, mismatch)."""
+    quota_evicted_bytes: dict[tuple[str, str], int] = field(default_factory=dict)
+    """(tenant, tier) -> bytes a tenant's quota made that tier evict (pushed down)."""
 
 
 def _decoded(blob: Blob, key: str, layers: tuple[int, int] | None) -> torch.Tensor | None:
@@ -115,6 +118,8 @@ class TierManager:
         index or None to drop it; unset: always the next tier. The engine sets its live
         policy's :meth:`~kvtier.policies.live.LivePolicy.demotion_target`, which the
         policy simulator's cascade asks too."""
+        self.quotas: dict[str, dict[str, int]] = {}
+        """tenant -> tier name -> bytes its namespace may hold there (see ``put``)."""
         self._lock = threading.Lock()
         for i, tier in enumerate(self.tiers[:-1]):
             tier.add_eviction_listener(self._demoter(i))
@@ -161,7 +166,10 @@ class TierManager:
         info: Mapping[str, ChunkInfo] | None = None,
     ) -> PutReport:
         """Store chunks in ``tier`` (and, write-through, every tier below it). A key is
-        failed only if no tier took it. ``info`` goes to the tiers' eviction policies."""
+        failed only if no tier took it. ``info`` goes to the tiers' eviction policies.
+        A tenant's chunks (``tenant.key``) respect its ``quotas`` in every tier: past its
+        quota it pushes its own coldest chunks down (or out, from the last tier), never
+        another tenant's."""
         start = self.tier_index(tier) if isinstance(tier, str) else tier
         targets = self.tiers[start:]
         report = PutReport()
@@ -187,15 +195,86 @@ class TierManager:
         }
         return report
 
-    @staticmethod
     def _safe_put(
-        tier: Tier, chunks: Mapping[str, Blob], info: Mapping[str, ChunkInfo] | None = None
+        self, tier: Tier, chunks: Mapping[str, Blob], info: Mapping[str, ChunkInfo] | None = None
     ) -> PutResult:
+        chunks, refused = self._within_quotas(tier, chunks)
         try:
-            return tier.put(chunks, info) if info else tier.put(chunks)
+            res = tier.put(chunks, info) if info else tier.put(chunks)
         except Exception as exc:  # noqa: BLE001 - reported per key, never raised
             tier.stats.count_error(type(exc).__name__)
-            return PutResult(failed={k: f"error: {exc}" for k in chunks})
+            res = PutResult(failed={k: f"error: {exc}" for k in chunks})
+        if refused:
+            res.failed.update(refused)
+            for reason in refused.values():
+                tier.stats.count_error(reason.split(":")[0])
+        if self.quotas and (res.stored or res.present):
+            self._trim_to_quotas(tier, res.stored + res.present)
+        return res
+
+    # ------------------------------------------------------------------ quotas
+    def _quota(self, namespace: str | None, tier: Tier) -> int | None:
+        if namespace is None:
+            return None
+        return self.quotas.get(namespace, {}).get(tier.name)
+
+    def _by_quota(self, tier: Tier, keys: Iterable[str]) -> dict[str, tuple[int, list[str]]]:
+        """The keys of each namespace that has a quota in ``tier``: ns -> (quota, keys)."""
+        out: dict[str, tuple[int, list[str]]] = {}
+        for key in keys:
+            ns = namespace_of(key)
+            quota = self._quota(ns, tier)
+            if quota is not None and ns is not None:
+                out.setdefault(ns, (quota, []))[1].append(key)
+        return out
+
+    def _within_quotas(
+        self, tier: Tier, chunks: Mapping[str, Blob]
+    ) -> tuple[Mapping[str, Blob], dict[str, str]]:
+        """What of ``chunks`` may go into ``tier`` under the tenants' quotas, after making
+        room from each tenant's own coldest chunks there (handed down like any eviction);
+        the rest is refused (``quota``: a batch bigger than the whole quota)."""
+        if not self.quotas:
+            return chunks, {}
+        refused: dict[str, str] = {}
+        for ns, (quota, keys) in self._by_quota(tier, chunks).items():
+            held, present = tier.namespace_held(ns, keys)
+            incoming = 0
+            for key in keys:
+                if key in present:
+                    continue
+                size = len(chunks[key])
+                if incoming + size > quota:
+                    refused[key] = f"quota: tenant {ns} may hold {quota} bytes in {tier.name}"
+                else:
+                    incoming += size
+            if held + incoming > quota:
+                self._evict_for_quota(tier, ns, held + incoming - quota, keys)
+        if not refused:
+            return chunks, {}
+        return {k: v for k, v in chunks.items() if k not in refused}, refused
+
+    def _trim_to_quotas(self, tier: Tier, keys: Sequence[str]) -> None:
+        """After a put: a tenant over its quota (concurrent puts raced past the check)
+        gives up its coldest chunks, never the ones just stored."""
+        for ns, (quota, ns_keys) in self._by_quota(tier, keys).items():
+            held, _ = tier.namespace_held(ns)
+            if held > quota:
+                self._evict_for_quota(tier, ns, held - quota, ns_keys)
+
+    def _evict_for_quota(self, tier: Tier, ns: str, need: int, keep: Sequence[str]) -> None:
+        try:
+            freed = tier.evict_namespace(ns, need, set(keep))
+        except Exception as exc:  # noqa: BLE001 - the put goes on; the trim retries next time
+            tier.stats.count_error(type(exc).__name__)
+            return
+        with self._lock:
+            key = (ns, tier.name)
+            self.stats.quota_evicted_bytes[key] = self.stats.quota_evicted_bytes.get(key, 0) + freed
+
+    def tenant_bytes(self) -> dict[tuple[str, str], int]:
+        """(tenant, tier) -> bytes held: counters, never a scan."""
+        return {(ns, t.name): n for t in self.tiers for ns, n in t.namespace_bytes().items()}
 
     # --------------------------------------------------------------------- get
     def get(
@@ -313,6 +392,8 @@ class TierManager:
         write = getattr(target, "store_in_place", None)
         if write is None or self.write_policy != "write_back":
             return None
+        if self._quota(namespace_of(key), target) is not None:
+            return None  # a tenant under a quota goes through put, which enforces it
         try:
             return write(key, nbytes, fill, info)
         except Exception as exc:  # noqa: BLE001 - reported, the caller falls back

@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Coroutine, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -30,6 +30,7 @@ from redis.utils import HIREDIS_AVAILABLE
 
 from kvtier.chunk_format import byte_view, layer_span, parse_header, slice_chunk, validate_chunk
 from kvtier.connectors.tiers.base import Blob, PutResult, Tier
+from kvtier.connectors.tiers.namespace_usage import NamespaceUsage
 from kvtier.connectors.tiers.redis_client import (
     CLUSTER_SCHEME,
     FAULTS,
@@ -116,6 +117,9 @@ class RedisTier(Tier):
         self._count = 0
         """Chunks this instance stored minus those it deleted (for metrics, no SCAN)."""
         self._used_lock = threading.Lock()
+        self._namespaces = NamespaceUsage()
+        """Tenants' chunks this instance stored (quotas, per-tenant gauges; under
+        ``_used_lock``): what Redis expired or evicted leaves when a read misses it."""
         self.round_trips = 0
         """Pipelines (network round trips; one per node on a cluster) sent so far."""
         self._closed = False
@@ -210,6 +214,9 @@ class RedisTier(Tier):
             self.stats.puts += len(result.stored)
             self.stats.bytes_written += written
         self._add_used(written, len(result.stored))
+        with self._used_lock:
+            for k in result.stored:
+                self._namespaces.add(k, len(chunks[k]))
         return result
 
     async def _get(
@@ -231,6 +238,12 @@ class RedisTier(Tier):
         if corrupt:
             await self._drop_corrupt(corrupt)
         hits = sum(b is not None for b in out)
+        with self._used_lock:
+            for k, b in zip(keys, out, strict=True):
+                if b is None:
+                    self._namespaces.remove(k)  # expired, evicted by Redis, or corrupt
+                else:
+                    self._namespaces.touch(k)
         with self.stats.lock:
             self.stats.gets += len(keys)
             self.stats.hits += hits
@@ -350,6 +363,9 @@ class RedisTier(Tier):
         replies = await pipe.execute(raise_on_error=False)
         sizes, dels = replies[0::2], replies[1::2]
         removed = sum(1 for d in dels if d == 1)
+        with self._used_lock:
+            for k in keys:
+                self._namespaces.remove(k)
         self._add_used(
             -sum(s for s, d in zip(sizes, dels, strict=True) if d == 1 and isinstance(s, int)),
             -removed,
@@ -482,6 +498,28 @@ class RedisTier(Tier):
 
     async def adelete(self, keys: Sequence[str]) -> int:
         return await self._aguarded("delete", self._delete(keys), lambda _: 0)
+
+    # --- tenants ---------------------------------------------------------------------
+    def namespace_held(self, namespace: str, keys: Sequence[str] = ()) -> tuple[int, set[str]]:
+        with self._used_lock:
+            return self._namespaces.held(namespace, keys)
+
+    def namespace_bytes(self) -> dict[str, int]:
+        with self._used_lock:
+            return self._namespaces.snapshot()
+
+    def evict_namespace(self, namespace: str, need: int, exclude: Collection[str] = ()) -> int:
+        """Delete ``namespace``'s least recently used chunks (of those this instance
+        stored) until ``need`` bytes are freed: the last tier, nothing to hand down."""
+        with self._used_lock:
+            victims = self._namespaces.coldest(namespace, need, exclude)
+        if not victims:
+            return 0
+        before = self.namespace_held(namespace)[0]
+        self.delete(victims)
+        for key in victims:
+            self._notify_evicted(key, None)
+        return before - self.namespace_held(namespace)[0]
 
     # --- capacity ---------------------------------------------------------------------
     @property

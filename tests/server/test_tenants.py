@@ -129,3 +129,30 @@ def test_a_tenant_name_or_token_that_cannot_be_used_is_a_config_error():
                 {"token": "long-enough", "tenant": "a", "scopes": ["root"]}):
         with pytest.raises(ConfigError):
             load_config(environ={}, overrides={"server": {"tokens": [bad]}})
+
+
+def test_quotas_hold_per_tenant_and_show_in_stats_and_metrics(tmp_path):
+    size = len(chunk(key(0)))
+    cfg = load_config(environ={}, overrides={
+        "tiers": {"cpu_bytes": 64 << 20, "disk_dir": str(tmp_path / "c"), "disk_bytes": 64 << 20,
+                  "disk_fsync": False},
+        "server": {"auth_token": "the-admin-token", "tokens": TOKENS,
+                   "quotas": {"alpha": {"cpu": 2 * size}}}})
+    with running(ServiceState.sidecar(cfg)) as url:
+        with Client(url, token="alpha-writer-1") as a, Client(url, token="beta-writer-01") as b:
+            for i in range(5):
+                assert a.put_chunk(key(i), chunk(key(i), seed=i))["status"] == "stored"
+                assert b.put_chunk(key(i), chunk(key(i), seed=10 + i))["status"] == "stored"
+            assert [a.get_chunk(key(i)) for i in range(5)] == [chunk(key(i), seed=i) for i in range(5)]
+            assert [b.get_chunk(key(i)) for i in range(5)] == [
+                chunk(key(i), seed=10 + i) for i in range(5)]
+        with Client(url, token="the-admin-token") as admin:
+            rows = {(r["tenant"], r["tier"]): r for r in admin.stats()["tenants"]}
+            assert rows[("alpha", "cpu")]["bytes"] <= 2 * size
+            assert rows[("alpha", "cpu")]["quota_bytes"] == 2 * size
+            assert rows[("alpha", "cpu")]["quota_evicted_bytes"] >= 3 * size
+            assert rows[("alpha", "disk")]["bytes"] >= 3 * size  # pushed down, not lost
+            assert rows[("beta", "cpu")]["bytes"] == 5 * size  # beta never made room for alpha
+            text = admin.metrics()
+        assert f'kvtier_tenant_quota_bytes{{tenant="alpha",tier="cpu"}} {float(2 * size)}' in text
+        assert 'kvtier_tenant_stored_bytes{tenant="beta",tier="cpu"}' in text
