@@ -220,6 +220,16 @@ def _replay_all(args: argparse.Namespace, workloads: list, budgets: list[float],
                 "time_scale": scale, "offered_load_recompute": offered_load(wl, wcost),
                 "working_set_bytes": working, "budgets": {},
             }
+            stats = wl.meta.get("session_stats")
+            if stats is not None:
+                entry["session_stats"] = stats
+                console.print(
+                    f"{wl.name}: {stats['requests']:,} requests -> {stats['sessions']:,} sessions "
+                    f"(turns per session p50 {stats['turns_per_session_p50']}, p90 "
+                    f"{stats['turns_per_session_p90']}, max {stats['turns_per_session_max']}); "
+                    f"{stats['continuing_fraction']:.0%} of requests continue a session, "
+                    f"{stats['shared_prefix_token_fraction']:.0%} of prompt tokens in prefixes "
+                    "shared across sessions")
             tier_bytes = {"cpu": args.cpu_frac * working, "disk": args.disk_frac * working,
                           "redis": args.disk_frac * working}
             for b in budgets:

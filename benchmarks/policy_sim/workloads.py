@@ -16,6 +16,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from kvtier.benchmarks.policy_sim.trace_sessions import Request, rebuild_sessions, session_stats
 from kvtier.errors import InvalidArgumentError, TraceFormatError
 
 
@@ -161,23 +162,19 @@ def synthetic(spec: SyntheticSpec, seed: int = 0, name: str = "synthetic") -> Wo
 # ------------------------------------------------------------------------ Mooncake
 def mooncake(path: str | Path, block_tokens: int = 512, limit: int | None = None) -> Workload:
     """A Mooncake-format JSONL trace (``timestamp`` ms, ``input_length``,
-    ``output_length``, ``hash_ids`` of 512-token chained blocks). Sessions are rebuilt from
-    shared hash prefixes: a request continues the session of the latest earlier request
-    whose full blocks its own chain starts with (the earlier request's last block is
-    usually partial, so its hash differs once the conversation grows); a request sharing
-    less than that (a common system prompt) starts a session."""
+    ``output_length``, ``hash_ids`` of 512-token chained blocks). Conversations are rebuilt
+    by :func:`~kvtier.benchmarks.policy_sim.trace_sessions.rebuild_sessions` (a request
+    continues an earlier one whose full blocks it extends past any prefix that several
+    conversations share); what the rebuild found is in ``meta["session_stats"]``."""
     path = Path(path)
-    turns: list[Turn] = []
-    ends: dict[int, Hashable] = {}  # last full block of a request's chain -> its session
-    raw: list[list[int]] = []
-    next_session = 0
+    requests: list[Request] = []
     try:
         fh = path.open()
     except OSError as exc:
         raise InvalidArgumentError(f"{path}: cannot read the trace: {exc}") from None
     with fh:
         for lineno, line in enumerate(fh, 1):
-            if limit is not None and len(turns) >= limit:
+            if limit is not None and len(requests) >= limit:
                 break
             if not line.strip():
                 continue
@@ -186,7 +183,7 @@ def mooncake(path: str | Path, block_tokens: int = 512, limit: int | None = None
                 ts = float(rec["timestamp"]) / 1000.0
                 inp = int(rec["input_length"])
                 out = int(rec["output_length"])
-                ids = [int(h) for h in rec["hash_ids"]]
+                ids = tuple(int(h) for h in rec["hash_ids"])
             except (ValueError, KeyError, TypeError) as exc:
                 raise TraceFormatError(
                     str(path), lineno,
@@ -199,25 +196,22 @@ def mooncake(path: str | Path, block_tokens: int = 512, limit: int | None = None
                     f"input_length {inp} needs {math.ceil(inp / block_tokens)} "
                     f"hash_ids of {block_tokens} tokens, got {len(ids)}",
                 )
-            session = None
-            for h in reversed(ids):
-                if h in ends:
-                    session = ends[h]
-                    break
-            if session is None:
-                session = next_session
-                next_session += 1
-            keys = tuple(ids[:-1]) + ((ids[-1], inp - (len(ids) - 1) * block_tokens),)
-            turns.append(Turn(session, ts, keys, block_tokens, inp, out))
-            raw.append(ids)
-            full = inp // block_tokens
-            if full:
-                ends[ids[full - 1]] = session
-    if not turns:
+            requests.append(Request(ts, inp, out, ids))
+    if not requests:
         raise InvalidArgumentError(f"{path}: no requests in the trace")
-    turns = _with_reply_keys(turns, raw, block_tokens)
-    turns.sort(key=lambda t: t.arrival_s)
-    return Workload(path.stem, turns, block_tokens, {"trace": str(path), "sessions": next_session})
+    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)  # stable
+    requests = [requests[i] for i in order]
+    sessions = rebuild_sessions(requests, block_tokens)
+    turns = []
+    for r, session in zip(requests, sessions, strict=True):
+        ids = r.hash_ids
+        keys = ids[:-1] + ((ids[-1], r.input_tokens - (len(ids) - 1) * block_tokens),)
+        turns.append(Turn(session, r.arrival_s, keys, block_tokens, r.input_tokens,
+                          r.output_tokens))
+    turns = _with_reply_keys(turns, [list(r.hash_ids) for r in requests], block_tokens)
+    stats = session_stats(requests, sessions, block_tokens)
+    return Workload(path.stem, turns, block_tokens,
+                    {"trace": str(path), "sessions": stats["sessions"], "session_stats": stats})
 
 
 def _with_reply_keys(turns: list[Turn], ids: list[list[int]], block: int) -> list[Turn]:
