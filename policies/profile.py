@@ -34,7 +34,9 @@ def load_profile(
     machine: str | None = None,
 ) -> tuple[CostModel, list[str]]:
     """The cost model in ``path`` and warnings when it was measured for another model
-    or machine than the ones given."""
+    or machine than the ones given. A modelled profile (a GPU machine described from its
+    datasheets, ``"modelled": true``) is for the machine it names, not this one: no
+    machine warning."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(
@@ -57,7 +59,7 @@ def load_profile(
             f"profile {p.name} was measured for another model (fingerprint {cost.model[:12]}, "
             f"this one is {model_fingerprint[:12]}): its prefill costs do not apply"
         )
-    if machine is not None and cost.machine != machine:
+    if machine is not None and cost.machine != machine and not doc.get("modelled"):
         warnings.append(
             f"profile {p.name} was measured on another machine ({cost.machine}; this is "
             f"{machine}): recalibrate with `kvtier calibrate`"

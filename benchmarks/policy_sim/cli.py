@@ -58,7 +58,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="GPU KV budgets as fractions of the workload's live working set")
     p.add_argument("--cpu-frac", type=float, default=0.5, help="CPU tier size / working set")
     p.add_argument("--disk-frac", type=float, default=4.0, help="disk tier size / working set")
-    p.add_argument("--profile", type=Path, default=DEFAULT_PROFILE, help="calibration profile")
+    p.add_argument("--profile", default=str(DEFAULT_PROFILE),
+                   help="a calibration profile (file from `kvtier calibrate`) or the name of a "
+                   "shipped hardware profile (`kvtier bench hardware-profiles` lists them)")
+    p.add_argument("--nodes", type=int, default=1,
+                   help="serving nodes, each with its GPU pool and CPU/disk tiers, sharing the "
+                   "profile's redis tier (a remote store)")
+    p.add_argument("--router", default="cache-aware",
+                   help="how turns reach nodes: round-robin, session-affinity, cache-aware")
+    p.add_argument("--network", choices=("25gbe", "100gbe"), default=None,
+                   help="replace the profile's redis tier by a remote store over this link")
     p.add_argument("--sessions", type=int, default=400, help="sessions per synthetic workload")
     p.add_argument("--target-load", type=float, default=0.7,
                    help="stretch arrivals so recompute-only prefill keeps the server this busy "
@@ -70,6 +79,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, default=None, help="write JSON results here")
     p.add_argument("--plot", type=Path, default=None, help="write PNG plots into this directory")
     p.set_defaults(func=run)
+
+
+def resolve_profile(text: str) -> Path:
+    """A profile path, or the shipped profile of that name (``benchmarks/profiles``)."""
+    path = Path(text)
+    if path.suffix == ".json" or path.exists():
+        return path
+    shipped = DEFAULT_PROFILE.parent / f"{text}.json"
+    if not shipped.is_file():
+        names = sorted(p.stem for p in DEFAULT_PROFILE.parent.glob("*.json"))
+        raise InvalidArgumentError(f"no profile {text!r}: give a file, or one of {', '.join(names)}")
+    return shipped
 
 
 def builtin_workload(name: str, sessions: int, seed: int):
@@ -143,9 +164,16 @@ def run(args: argparse.Namespace) -> int:
         console = Console(width=160)
     budgets = _floats(args.budgets, "budgets")
     systems = _systems(args)
+    if args.real and args.nodes != 1:
+        raise InvalidArgumentError("--real replays on this one machine: --nodes is simulation only")
     if args.real and args.model is None:
         raise InvalidArgumentError("--real needs --model DIR (a checkpoint from `kvtier make-model`)")
+    args.profile = resolve_profile(args.profile)
     cost, warnings = load_profile(args.profile, machine=this_machine())
+    if args.network:
+        from kvtier.benchmarks.policy_sim.hardware import with_network
+
+        cost = with_network(cost, args.network)
     for w in warnings:
         console.print(f"[yellow]warning:[/] {w}")
     workloads = _workloads(args)
@@ -158,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
                        "systems": [s.name for s in systems], "cpu_frac": args.cpu_frac,
                        "disk_frac": args.disk_frac, "seed": args.seed,
                        "sessions": args.sessions, "target_load": args.target_load,
+                       "nodes": args.nodes, "router": args.router, "network": args.network,
                        "profile_warnings": warnings},
             "workloads": results,
         })
@@ -211,13 +240,14 @@ def _replay_all(args: argparse.Namespace, workloads: list, budgets: list[float],
         task = progress.add_task("replaying", total=len(workloads) * len(budgets) * len(systems))
         for wl in workloads:
             wcost = slow_tiers(cost) if wl.name == "slow-tiers" else cost
-            load = offered_load(wl, wcost)
+            load = offered_load(wl, wcost) / args.nodes
             scale = args.time_scale or max(1.0, load / args.target_load)
             wl = scale_time(wl, scale)
             working = wl.peak_live_tokens() * wcost.kv_bytes_per_token
             entry: dict[str, Any] = {
                 "turns": len(wl.turns), "sessions": len({t.session for t in wl.turns}),
-                "time_scale": scale, "offered_load_recompute": offered_load(wl, wcost),
+                "time_scale": scale, "offered_load_recompute": offered_load(wl, wcost) / args.nodes,
+                "nodes": args.nodes, "router": args.router,
                 "working_set_bytes": working, "budgets": {},
             }
             stats = wl.meta.get("session_stats")
@@ -230,7 +260,8 @@ def _replay_all(args: argparse.Namespace, workloads: list, budgets: list[float],
                     f"{stats['continuing_fraction']:.0%} of requests continue a session, "
                     f"{stats['shared_prefix_token_fraction']:.0%} of prompt tokens in prefixes "
                     "shared across sessions")
-            tier_bytes = {"cpu": args.cpu_frac * working, "disk": args.disk_frac * working,
+            n = args.nodes  # CPU and disk tiers per node; the redis tier is the cluster's
+            tier_bytes = {"cpu": args.cpu_frac * working / n, "disk": args.disk_frac * working / n,
                           "redis": args.disk_frac * working}
             for b in budgets:
                 rows = {}
@@ -239,19 +270,26 @@ def _replay_all(args: argparse.Namespace, workloads: list, budgets: list[float],
                     if args.real:
                         rows[spec.name] = _real_row(args, wl, spec, wcost, b, working, tier_bytes)
                     else:
-                        rows[spec.name] = _sim_row(wl, spec, wcost, b * working, tier_bytes)
+                        rows[spec.name] = _sim_row(wl, spec, wcost, b * working / n, tier_bytes,
+                                                   n, args.router)
                     progress.advance(task)
                 entry["budgets"][f"{b:g}"] = rows
             results[wl.name] = entry
     return results
 
 
-def _sim_row(wl, spec, cost, gpu_bytes: float, tier_bytes: dict[str, float]) -> dict:
-    """One system in the simulator, with how long the simulation itself took."""
+def _sim_row(wl, spec, cost, gpu_bytes: float, tier_bytes: dict[str, float], nodes: int = 1,
+             router: str = "cache-aware") -> dict:
+    """One system in the simulator (one node, or a cluster of ``nodes`` sharing the redis
+    tier; ``gpu_bytes`` per node), with how long the simulation itself took."""
+    from kvtier.benchmarks.policy_sim.cluster import Cluster
     from kvtier.benchmarks.policy_sim.simulator import Simulator
 
     t0 = time.perf_counter()
-    res = Simulator(wl, spec, cost, gpu_bytes, tier_bytes).run()
+    if nodes > 1:
+        res = Cluster(wl, spec, cost, gpu_bytes, tier_bytes, nodes, router).run()
+    else:
+        res = Simulator(wl, spec, cost, gpu_bytes, tier_bytes).run()
     secs = time.perf_counter() - t0
     return {**res.summary(), "sim_seconds": secs,
             "sim_turns_per_s": len(wl.turns) / max(secs, 1e-9),

@@ -54,7 +54,10 @@ class Simulator(StagingMixin):
         gpu_bytes: float,
         tier_bytes: dict[str, float],
         timeline_points: int = 200,
+        shared: dict[str, tuple[Store, Link]] | None = None,
     ) -> None:
+        """``shared``: tiers this node shares with others (a cluster's Redis), by name:
+        their contents and link are the same objects in every node (see ``cluster``)."""
         self.w = workload
         self.spec = system
         self.cost = cost
@@ -70,8 +73,10 @@ class Simulator(StagingMixin):
         """GPU chunk -> when its copy written ahead of need is down (its blocks may go
         only then)."""
         self.gpu = Store("gpu", gpu_bytes, self._policy(system.gpu_eviction, gpu=True))
-        self.tiers = [Store(t, tier_bytes[t], self._policy(system.tier_eviction)) for t in names]
-        self.links = {t: Link() for t in names}
+        shared = shared or {}
+        self.tiers = [shared[t][0] if t in shared else
+                      Store(t, tier_bytes[t], self._policy(system.tier_eviction)) for t in names]
+        self.links = {t: shared[t][1] if t in shared else Link() for t in names}
         self.res = SimResult(system.name)
         span = (workload.turns[-1].arrival_s - workload.turns[0].arrival_s) if workload.turns else 0
         self._sample_every = max(span / max(timeline_points, 1), 1e-9)
@@ -100,7 +105,8 @@ class Simulator(StagingMixin):
         self._tiers_worth = self._tiers_pay()
         self.gpu.on_remove = self._left_gpu
         for st in self.tiers:
-            st.on_remove = self._forget_if_gone
+            if st.name not in shared:  # a shared tier tells every node (the cluster wires it)
+                st.on_remove = self._forget_if_gone
 
     def _forget_if_gone(self, key: Hashable) -> None:
         if self._where(key) is not None:

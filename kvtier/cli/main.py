@@ -34,6 +34,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("kvtier.benchmarks.peers", "bench"),
     ("kvtier.benchmarks.ttft", "bench"),
     ("kvtier.benchmarks.policy_sim.cli", "bench"),
+    ("kvtier.benchmarks.policy_sim.hardware", "bench"),
     ("kvtier.benchmarks.service", "bench"),
     ("kvtier.benchmarks.faults", "bench"),
 ]
