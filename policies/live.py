@@ -139,11 +139,16 @@ class LivePolicy:
         return 0.0 if p is None else p[1]
 
     # ---------------------------------------------------------------- demotion
-    def demotion_target(self, index: int, nbytes: int) -> int | None:
+    def demotion_target(self, index: int, nbytes: int, in_pool: bool = False) -> int | None:
         """Where a chunk that tier ``index`` (of ``tier_names``) lets go goes: the next
         tier down, when there is one and, with measured costs, loading it back from there
         beats recomputing it (:func:`worth_storing`); None: it is dropped. The engine's
-        tier manager and the simulator's cascade both ask this."""
+        tier manager and the simulator's cascade both ask this. A copy of a chunk the
+        pool still holds (``in_pool``) is dropped: the pool writes it back where the
+        policy says when it lets it go, and demoting it now would tie those blocks to a
+        write on a slower tier."""
+        if in_pool:
+            return None
         below = index + 1
         if below >= len(self.tier_names):
             return None

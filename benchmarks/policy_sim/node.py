@@ -13,6 +13,18 @@ from kvtier.policies.eviction import ChunkInfo, EvictionPolicy
 _NO_PINS: frozenset = frozenset()
 
 
+class KeySet(dict):
+    """A set that iterates in insertion order (a plain set of keys holding strings
+    iterates in an order that changes with the process's hash seed, and with it which of
+    equal candidates a policy picks: runs would not repeat)."""
+
+    def add(self, key: Hashable) -> None:
+        self[key] = None
+
+    def discard(self, key: Hashable) -> None:
+        self.pop(key, None)
+
+
 class Store:
     """One tier in the simulation: the live tiers' :class:`ChunkIndex` (sizes, bytes held,
     the eviction policy choosing victims) under a capacity in bytes; no data."""

@@ -24,7 +24,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Hashable
 
-from kvtier.benchmarks.policy_sim.node import Link, SessionState, SimResult, Store
+from kvtier.benchmarks.policy_sim.node import KeySet, Link, SessionState, SimResult, Store
 from kvtier.benchmarks.policy_sim.staging import StagingMixin
 from kvtier.benchmarks.policy_sim.systems import SystemSpec
 from kvtier.benchmarks.policy_sim.workloads import Turn, Workload
@@ -86,20 +86,20 @@ class Simulator(StagingMixin):
         self._ends: list[tuple[float, Hashable]] = []
         self._owner: dict[Hashable, Hashable] = {}
         """Chunk -> the session that used it last."""
-        self._by_session: dict[Hashable, set[Hashable]] = {}
+        self._by_session: dict[Hashable, KeySet] = {}
         """Session -> the chunks it owns that are in the GPU."""
         self._recent: OrderedDict[Hashable, None] = OrderedDict()
         """Sessions holding GPU chunks, least recently run first: the order in which
         kvtier's GPU lets idle sessions go (its eviction ranks by idle time when tiers
         pay), and so the order in which it stores them ahead of need."""
-        self._unstaged: set[Hashable] = set()
+        self._unstaged: KeySet = KeySet()
         """Idle sessions with GPU chunks that have no copy below yet (what a watermark
         offload may pre-stage)."""
         self._links_busy_until = -math.inf
         self._infos: dict[Hashable, ChunkInfo] = {}
         """What the eviction policies know of each chunk held anywhere (its session and
         position travel with it down the tiers)."""
-        self._unstored: dict[Hashable, set[Hashable]] = {}
+        self._unstored: dict[Hashable, KeySet] = {}
         """Session -> its GPU chunks that no tier holds a copy of (kept as chunks move,
         so stage-ahead need not look every chunk up at every turn)."""
         self._tiers_worth = self._tiers_pay()
@@ -116,7 +116,7 @@ class Simulator(StagingMixin):
             return
         owner = self._owner.get(key)  # a tier let go of the last copy of a GPU chunk
         if key in self._by_session.get(owner, ()):
-            self._unstored.setdefault(owner, set()).add(key)
+            self._unstored.setdefault(owner, KeySet()).add(key)
 
     def _left_gpu(self, key: Hashable) -> None:
         self._forget_if_gone(key)
@@ -124,7 +124,7 @@ class Simulator(StagingMixin):
         held = self._by_session.get(owner)
         if held is not None:
             held.discard(key)
-            self._unstored.get(owner, set()).discard(key)
+            self._unstored.get(owner, KeySet()).discard(key)
             if not held:
                 del self._by_session[owner]
                 self._recent.pop(owner, None)
@@ -162,6 +162,11 @@ class Simulator(StagingMixin):
     def _count(self, d: dict, key: str, n: int = 1) -> None:
         d[key] = d.get(key, 0) + n
 
+    def _in_pool(self, key: Hashable) -> bool:
+        """The GPU holds the chunk: a lower tier's copy of it is dropped, not demoted
+        (``_forget_if_gone`` marks it unstored, so it is written back when it leaves)."""
+        return self.gpu.has(key)
+
     def _where(self, key: Hashable) -> Store | None:
         for st in self.tiers:
             if st.has(key):
@@ -180,7 +185,7 @@ class Simulator(StagingMixin):
         victims = st.add(key, tokens * self.bpt, info, now, _NO_PINS)
         if victims is None:
             return now
-        self._unstored.get(self._owner.get(key), set()).discard(key)
+        self._unstored.get(self._owner.get(key), KeySet()).discard(key)
         cost = self.cost.store_time(st.name, tokens)
         done = self.links[st.name].transfer(now, cost)
         if self.gpu.has(key):
@@ -189,7 +194,8 @@ class Simulator(StagingMixin):
         if self.spec.cascade:
             for vkey, vbytes in victims:
                 # kvtier asks the live policy (worth it below?); the others always demote.
-                below = (self.live.demotion_target(tier_index, vbytes) if self.spec.predictive
+                below = (self.live.demotion_target(tier_index, vbytes, self._in_pool(vkey))
+                         if self.spec.predictive
                          else tier_index + 1 if tier_index + 1 < len(self.tiers) else None)
                 if below is not None:
                     self._write(below, vkey, vbytes // self.bpt, self._infos.get(vkey) or ChunkInfo(vbytes), now)
@@ -370,9 +376,9 @@ class Simulator(StagingMixin):
         if victims is None:
             self.res.overcommits += 1
             return
-        self._by_session.setdefault(t.session, set()).add(key)
+        self._by_session.setdefault(t.session, KeySet()).add(key)
         if self._where(key) is None:
-            self._unstored.setdefault(t.session, set()).add(key)
+            self._unstored.setdefault(t.session, KeySet()).add(key)
         self._recent[t.session] = None
         self._recent.move_to_end(t.session)
         self._infos[key] = info

@@ -13,7 +13,7 @@ from collections.abc import Hashable, Iterator
 from operator import itemgetter
 from typing import TYPE_CHECKING
 
-from kvtier.benchmarks.policy_sim.node import Link, SessionState, SimResult, Store
+from kvtier.benchmarks.policy_sim.node import KeySet, Link, SessionState, SimResult, Store
 from kvtier.benchmarks.policy_sim.workloads import Workload
 from kvtier.policies.cost_model import CostModel
 from kvtier.policies.eviction import ChunkInfo
@@ -36,8 +36,8 @@ class StagingMixin:
     sessions: dict[Hashable, SessionState]
     _pinned: set[Hashable]
     _recent: OrderedDict[Hashable, None]
-    _by_session: dict[Hashable, set[Hashable]]
-    _unstored: dict[Hashable, set[Hashable]]
+    _by_session: dict[Hashable, KeySet]
+    _unstored: dict[Hashable, KeySet]
     _unstaged: set[Hashable]
     _infos: dict[Hashable, ChunkInfo]
     _links_busy_until: float

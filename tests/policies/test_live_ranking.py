@@ -21,6 +21,7 @@ def test_a_victim_goes_down_only_where_reloading_it_beats_recompute():
     assert live.demotion_target(0, chunk) == 1  # disk: 3.6 ms back
     assert live.demotion_target(1, chunk) is None  # redis: 256 s back, dropped
     assert live.demotion_target(2, chunk) is None  # nothing below the last tier
+    assert live.demotion_target(0, chunk, in_pool=True) is None  # the pool still holds it
     unmeasured = LivePolicy(None, names, 256)
     assert [unmeasured.demotion_target(i, chunk) for i in range(3)] == [1, 2, None]
 
