@@ -95,6 +95,8 @@ class Check:
     tokens: int
     published_s: float
     url: str
+    batch: int = 1
+    """Prefill: sequences of ``tokens`` each, in one batch (attention within each)."""
 
 
 @dataclass(frozen=True)
@@ -158,7 +160,8 @@ class Hardware:
     def predicted(self, check: Check) -> float:
         if check.kind == "decode":
             return self.decode_step_s(check.tokens)
-        return self.prefill().time(0, check.tokens)
+        p, n, b = self.prefill(), check.tokens, check.batch
+        return p.overhead_s + p.per_token_s * n * b + p.per_token_ctx_s * b * n * (n / 2)
 
     def document(self) -> dict[str, Any]:
         """The profile file: the cost model, what it was built from, and its checks."""
@@ -203,11 +206,11 @@ SOURCES: dict[str, dict[str, str]] = {
         "value": "L4: 121 TFLOPS dense BF16 (242 with sparsity), 24 GB GDDR6 at 300 GB/s, PCIe Gen4 x16",
         "url": "https://www.nvidia.com/en-us/data-center/l4/"},
     "pcie5-copy": {
-        "value": "pinned host<->device copies over PCIe Gen5 x16 reach about 50-55 GB/s (of 64 GB/s raw)",
-        "url": "https://github.com/NVIDIA/nvbandwidth"},
+        "value": "8 x H100 SXM node, measured: host-to-device 54.8 GB/s (87 % of PCIe Gen5 x16), device-to-host 46.8 GB/s",
+        "url": "https://github.com/aigatech/vpbenchmarking"},
     "pcie4-copy": {
-        "value": "pinned host<->device copies over PCIe Gen4 x16 reach about 24-26 GB/s (of 32 GB/s raw)",
-        "url": "https://github.com/NVIDIA/nvbandwidth"},
+        "value": "A100-SXM4 (PCIe Gen4 x16), nvbandwidth copy-engine copies: about 25-26 GB/s each way, one direction at a time",
+        "url": "https://github.com/NVIDIA/nvbandwidth/issues/11"},
     "llama-3-8b-config": {
         "value": "Llama-3-8B: 8.03 B parameters, 32 layers, 32 query heads, 8 KV heads, head_dim 128",
         "url": "https://huggingface.co/meta-llama/Meta-Llama-3-8B/blob/main/config.json"},
@@ -215,28 +218,41 @@ SOURCES: dict[str, dict[str, str]] = {
         "value": "Llama-3-70B: 70.6 B parameters, 80 layers, 64 query heads, 8 KV heads, head_dim 128",
         "url": "https://huggingface.co/meta-llama/Meta-Llama-3-70B/blob/main/config.json"},
     "nvme-gen4": {
-        "value": "Samsung PM9A3 (PCIe Gen4 U.2): 6.9 GB/s sequential read, 4.1 GB/s sequential write",
-        "url": "https://semiconductor.samsung.com/ssd/datacenter-ssd/pm9a3/"},
+        "value": "Samsung PM9A3 (PCIe Gen4): 6.5 GB/s sequential read, 3.5 GB/s sequential write (vendor specification)",
+        "url": "https://www.computerbase.de/2020-05/samsung-pm9a3-e1.s-pcie-4.0-ssd/"},
     "nvme-gen5": {
-        "value": "Samsung PM1743 (PCIe Gen5): 13.0 GB/s sequential read, 6.6 GB/s sequential write",
-        "url": "https://semiconductor.samsung.com/ssd/enterprise-ssd/pm1743/"},
+        "value": "Samsung PM1743 (PCIe Gen5): 13 GB/s sequential read, 6.6 GB/s write (vendor specification); "
+                 "Micron 9550 (Gen5): typical latency 60 us read, 15 us write",
+        "url": "https://computerbase.de/2021-12/samsung-pm1743-pcie-5.0-ssd-mit-13-gb-s-und-2.5-mio.-iops-fuer-server"},
     "net-25gbe": {
-        "value": "25 GbE: 3.125 GB/s line rate; a TCP store moving MB-sized values reaches ~80 % of it",
-        "url": "https://redis.io/docs/latest/operate/oss_and_stack/management/optimization/benchmarks/"},
+        "value": "25 GbE: 3.125 GB/s line rate, modelled at 80 % for MB-sized values over TCP (no published "
+                 "measurement of Redis over 25 GbE was found; on localhost LMCache measured redis-benchmark "
+                 "32 MiB SET 4.67 GB/s, GET 1.48 GB/s, and redis-py 0.45-0.65 GB/s)",
+        "url": "https://github.com/LMCache/lmcache_redis"},
     "net-100gbe": {
-        "value": "100 GbE: 12.5 GB/s line rate; an RDMA-capable store (Mooncake transfer engine) reaches most of it",
+        "value": "100 GbE: 12.5 GB/s line rate, modelled at 80 % (an RDMA transfer engine: Mooncake moved "
+                 "40 GB at 87 GB/s over 4 x 200 Gbps RoCE, near line rate)",
         "url": "https://github.com/kvcache-ai/Mooncake"},
+    "argonne-bench": {
+        "value": "LLM-Inference-Bench (Argonne): Llama-3-8B, 1024 input tokens x batch 16, vLLM: TTFT 0.426 s "
+                 "(1 x H100), 1.042 s (1 x A100); input = output = 1024 at batch 1: 8.10 s (H100), 14.94 s "
+                 "(A100), 19.61 s (70B, 4 x H100) end to end",
+        "url": "https://github.com/argonne-lcf/LLM-Inference-Bench"},
+    "trtllm-v0.5": {
+        "value": "TensorRT-LLM v0.5 performance: batch 1, Llama-2-70B TP4, first token after 2,048 tokens: "
+                 "377 ms (A100, FP16), 109 ms (H100, FP8)",
+        "url": "https://github.com/NVIDIA/TensorRT-LLM/blob/138f96d45f90b9667426f7c47297d8c06bafac73/docs/source/performance.md"},
 }
 
-H100 = GPU("H100-SXM", 989.0, 3350.0, 80.0, 53.0, 53.0, ("h100-datasheet", "pcie5-copy"))
+H100 = GPU("H100-SXM", 989.0, 3350.0, 80.0, 54.8, 46.8, ("h100-datasheet", "pcie5-copy"))
 A100 = GPU("A100-SXM-80GB", 312.0, 2039.0, 80.0, 25.0, 25.0, ("a100-datasheet", "pcie4-copy"))
 L4 = GPU("L4", 121.0, 300.0, 24.0, 25.0, 25.0, ("l4-datasheet", "pcie4-copy"))
 
 LLAMA3_8B = Model("Llama-3-8B", 8.03e9, 32, 32, 8, 128, "llama-3-8b-config")
 LLAMA3_70B = Model("Llama-3-70B", 70.6e9, 80, 64, 8, 128, "llama-3-70b-config")
 
-NVME_GEN4 = Storage("NVMe Gen4 (PM9A3-class)", 6.9, 4.1, 90e-6, 30e-6, "nvme-gen4")
-NVME_GEN5 = Storage("NVMe Gen5 (PM1743-class)", 13.0, 6.6, 80e-6, 30e-6, "nvme-gen5")
+NVME_GEN4 = Storage("NVMe Gen4 (PM9A3-class)", 6.5, 3.5, 90e-6, 30e-6, "nvme-gen4")
+NVME_GEN5 = Storage("NVMe Gen5 (PM1743-class)", 13.0, 6.6, 60e-6, 15e-6, "nvme-gen5")
 NET_25GBE = Storage("remote store over 25 GbE", 2.5, 2.5, 300e-6, 300e-6, "net-25gbe")
 NET_100GBE = Storage("remote store over 100 GbE", 10.0, 10.0, 150e-6, 150e-6, "net-100gbe")
 NETWORKS = {"25gbe": NET_25GBE, "100gbe": NET_100GBE}
@@ -251,15 +267,47 @@ class _Catalog:
 
 
 CATALOG = _Catalog()
+_ARGONNE = SOURCES["argonne-bench"]["url"]
+_TRT = SOURCES["trtllm-v0.5"]["url"]
+_MFU = {"H100-SXM": 0.6, "A100-SXM-80GB": 0.7}
+"""Prefill MFU, set from the Argonne batch-16 prefill runs (about 62 % on H100 and 81 % on
+A100 with attention ignored): a batch of 16K tokens keeps the tensor cores busy."""
+_CHECKS = {
+    "h100-llama-3-8b": (
+        Check("Llama-3-8B prefill, 16 x 1,024 tokens, vLLM, 1 x H100", "prefill", 1024, 0.426,
+              _ARGONNE, batch=16),
+        Check("Llama-3-8B decode step (upper bound: 1,024 in + 1,024 out at batch 1 / 1,024)",
+              "decode", 1536, 8.10 / 1024, _ARGONNE)),
+    "a100-llama-3-8b": (
+        Check("Llama-3-8B prefill, 16 x 1,024 tokens, vLLM, 1 x A100", "prefill", 1024, 1.042,
+              _ARGONNE, batch=16),
+        Check("Llama-3-8B decode step (upper bound, as above)", "decode", 1536, 14.94 / 1024,
+              _ARGONNE)),
+    "a100-llama-3-70b-tp4": (
+        Check("Llama-2-70B first token after 2,048 tokens, TRT-LLM FP16, 4 x A100", "prefill",
+              2048, 0.377, _TRT),),
+    "h100-llama-3-70b-tp4": (
+        Check("Llama-2-70B first token after 2,048 tokens, TRT-LLM FP8 (BF16 is slower), 4 x H100",
+              "prefill", 2048, 0.109, _TRT),
+        Check("Llama-3-70B decode step (upper bound: 1,024 in + 1,024 out at batch 1 / 1,024)",
+              "decode", 1536, 19.61 / 1024, _ARGONNE)),
+}
 for _gpu, _nvme, _net in ((H100, NVME_GEN5, NET_100GBE), (A100, NVME_GEN4, NET_25GBE)):
     _tag = _gpu.name.split("-")[0].lower()
-    CATALOG.add(Hardware(f"{_tag}-llama-3-8b", _gpu, 1, LLAMA3_8B, _nvme, _net, mfu=0.5))
+    _name = f"{_tag}-llama-3-8b"
+    CATALOG.add(Hardware(_name, _gpu, 1, LLAMA3_8B, _nvme, _net, mfu=_MFU[_gpu.name],
+                         checks=_CHECKS.get(_name, ())))
     for _tp, _eff in ((4, 0.85), (8, 0.75)):
-        CATALOG.add(Hardware(f"{_tag}-llama-3-70b-tp{_tp}", _gpu, _tp, LLAMA3_70B, _nvme, _net,
-                             mfu=0.5, tp_efficiency=_eff))
+        _name = f"{_tag}-llama-3-70b-tp{_tp}"
+        CATALOG.add(Hardware(_name, _gpu, _tp, LLAMA3_70B, _nvme, _net, mfu=_MFU[_gpu.name],
+                             tp_efficiency=_eff, checks=_CHECKS.get(_name, ()),
+                             notes=() if _tp == 4 else ("No published TP8 measurement was found; "
+                                                        "the TP efficiency is assumed.",)))
 CATALOG.add(Hardware("l4-llama-3-8b", L4, 1, LLAMA3_8B, NVME_GEN4, NET_25GBE, mfu=0.45,
                      notes=("Llama-3-8B in BF16 (16 GB) leaves about 6 GB of an L4's 24 GB "
-                            "for KV: about 48k tokens.",)))
+                            "for KV: about 48k tokens.",
+                            "No published L4 prefill or decode measurement was found; the MFU "
+                            "is assumed, lower than the H100's.")))
 
 
 def with_network(cost: CostModel, network: str) -> CostModel:

@@ -75,6 +75,8 @@ def plot_results(results: dict[str, Any], directory: Path) -> list[Path]:
         out.append(path)
 
         rows = entry["budgets"][budgets[0]]
+        if not any(r["timeline"] for r in rows.values()):
+            continue  # a cluster's nodes sample apart: no one memory timeline to draw
         fig, axes = plt.subplots(1, len(rows), figsize=(4 * len(rows), 3.2), squeeze=False,
                                  sharey=True)
         for ax, (name, r) in zip(axes[0], rows.items(), strict=True):
