@@ -133,6 +133,14 @@ class LivePolicy:
             return -1.0
         return self.session_rank(session, now)
 
+    def raises_copies(self) -> bool:
+        """Whether a session leaving the pool is written to the tier picked for it though
+        a slower tier holds it already: when sessions mostly come back (conversations),
+        a copy where a restore is fastest pays; when they mostly do not (one-shot requests
+        sharing prefixes), it only adds writes that reads then queue behind. Decided on
+        what was seen (20 finished turns at least), not on the prior alone."""
+        return self.think.turns_ended >= 20 and self.think.p_continue() >= 0.5
+
     def predicted_next_s(self, session: Hashable, now: float | None = None) -> float:
         """Expected seconds until the session's next turn (0 while it runs)."""
         p = self.prediction(session, now)

@@ -208,7 +208,13 @@ class Simulator(StagingMixin):
         for key, nbytes in victims:
             tokens = nbytes // self.bpt
             landing = self._landing.pop(key, now)
-            if not self.spec.offload_on_evict or not self.tiers or self._where(key) is not None:
+            where = self._where(key) if self.tiers else None
+            if where is not None and self.spec.predictive and self.spec.offload_on_evict:
+                raised = self._raise_copy(key, tokens, where, now)
+                if raised is not None:
+                    done = max(done, raised)
+                    continue
+            if not self.spec.offload_on_evict or not self.tiers or where is not None:
                 self._count(self.res.decisions, "gpu_drop")
                 if self.spec.offload_on_evict:  # written ahead: its blocks go once it is down
                     done = max(done, landing)
@@ -223,6 +229,19 @@ class Simulator(StagingMixin):
             info = self._infos.get(key) or ChunkInfo(nbytes)
             done = max(done, self._write(target, key, tokens, info, now))
         return done
+
+    def _raise_copy(self, key: Hashable, tokens: int, where: Store, now: float) -> float | None:
+        """A GPU victim whose only copy is on a slower tier than the offload policy picks
+        for it now is written to that faster tier too (a restore from there beats one
+        from where it lies); returns when the write is done, None if it wrote nothing."""
+        if not self.live.raises_copies():
+            return None
+        target = self._offload_target(key, tokens, now)
+        if target is None or target >= self.tiers.index(where):
+            return None
+        self._count(self.res.decisions, f"raise_{self.tiers[target].name}")
+        info = self._infos.get(key) or ChunkInfo(tokens * self.bpt)
+        return self._write(target, key, tokens, info, now)
 
     def _offload_target(self, key: Hashable, tokens: int, now: float) -> int | None:
         owner = self._owner.get(key)

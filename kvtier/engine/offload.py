@@ -94,7 +94,7 @@ class OffloadMixin:
         return self.kv
 
     def offload(
-        self, session_id: str, tier: int | str = 0, wait: bool = True
+        self, session_id: str, tier: int | str = 0, wait: bool = True, raise_copies: bool = True
     ) -> OffloadResult | Future[OffloadResult]:
         """Store the session's KV in ``tier`` (index or name), then free its pool blocks —
         only once every chunk is stored; a partial failure keeps the blocks and says which
@@ -103,7 +103,8 @@ class OffloadMixin:
         ``wait=False`` copies the KV out of the pool now and stores it in the background
         (the transfer engine, with a cap on bytes in flight) while the engine keeps serving;
         the blocks are freed when the store has finished, and the returned future gives the
-        :class:`OffloadResult`."""
+        :class:`OffloadResult`. ``raise_copies``: chunks only a slower tier holds are
+        written to ``tier`` too (the session is asked to be there)."""
         kv = self._need_tiers()
         session = self.session(session_id)
         if session_id in self._busy:
@@ -112,12 +113,17 @@ class OffloadMixin:
             kv.manager.tier_index(tier)  # an unknown tier name fails here, before any work
         self._settle_offloads(block=True, only=session_id)
         self.scheduler.settle_loads()  # a restore still streaming in holds blocks it frees
+        # The session leaves the pool for ``tier``: with ``raise_copies``, chunks only a
+        # slower tier holds are written there too (a restore from ``tier`` beats one from
+        # where they lie; the policy's offloads ask LivePolicy.raises_copies, as the
+        # simulator's ``_raise_copy`` does).
         if wait:
-            report = kv.save(session.token_ids, tier, session_id)
+            report = kv.save(session.token_ids, tier, session_id, raise_copies=raise_copies)
             return self._complete_offload(session, report, tier, True)
         assert self.transfers is not None
         out: Future[OffloadResult] = Future()
-        fut = self.transfers.submit_save(session.token_ids, tier, session_id)
+        fut = self.transfers.submit_save(session.token_ids, tier, session_id,
+                                         raise_copies=raise_copies)
         self._pending[session_id] = (fut, tier, out, True)
         return out
 
@@ -351,6 +357,6 @@ class OffloadMixin:
             if d.tier is None:
                 continue  # not worth storing anywhere: the pool's LRU drops it when needed
             try:
-                self.offload(d.session, d.tier, wait=wait)
+                self.offload(d.session, d.tier, wait=wait, raise_copies=self.policy.raises_copies())
             except KVTierError as exc:
                 log.warning("offload of idle session %r failed: %s", d.session, exc)

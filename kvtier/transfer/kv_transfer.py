@@ -184,9 +184,14 @@ class KVTransfer(RestoreMixin):
         return (present[-1] + 1) * self._pool.block_size if present else 0
 
     # -------------------------------------------------------------------- save
-    def _plan(self, token_ids: Sequence[int]) -> tuple[Snapshot, list[tuple[ChunkKey, list[int]]]]:
+    def _plan(
+        self, token_ids: Sequence[int], raise_to: int | None = None
+    ) -> tuple[Snapshot, list[tuple[ChunkKey, list[int]]]]:
         """The chunks of ``token_ids`` to store (not stored yet, wholly in the pool), with
-        their pool blocks, and a snapshot that records what is stored already."""
+        their pool blocks, and a snapshot that records what is stored already. With
+        ``raise_to`` (a tier index), chunks that only slower tiers hold are stored again,
+        into that tier, when the pool still has them: a session leaving the pool goes
+        where the policy picked for it, though an older copy lies deeper."""
         bs = self._pool.block_size
         blocks = self._pool_blocks(token_ids)
         n = self.storable_tokens(token_ids)
@@ -196,11 +201,15 @@ class KVTransfer(RestoreMixin):
             return snap, todo
         have = self.manager.lookup([k.key for k in snap.keys])
         for i, ck in enumerate(snap.keys):
+            ids = blocks[ck.start // bs : ck.end // bs]
             if i < have.length:
-                snap.already += 1
+                deeper = raise_to is not None and have.tiers[i] > raise_to
+                if deeper and all(b is not None for b in ids):
+                    todo.append((ck, ids))  # type: ignore[arg-type]
+                elif not todo:
+                    snap.already += 1  # a leading chunk stored already: not written again
                 snap.end = ck.end
                 continue
-            ids = blocks[ck.start // bs : ck.end // bs]
             if any(b is None for b in ids):
                 break  # a hole: neither stored nor in the pool
             todo.append((ck, ids))  # type: ignore[arg-type]
@@ -209,15 +218,19 @@ class KVTransfer(RestoreMixin):
         return snap, todo
 
     def snapshot(
-        self, token_ids: Sequence[int], reserve: Callable[[int], None] | None = None
+        self,
+        token_ids: Sequence[int],
+        reserve: Callable[[int], None] | None = None,
+        raise_to: int | str | None = None,
     ) -> Snapshot:
-        """Copy the KV of every chunk not stored yet out of the pool (engine thread).
+        """Copy the KV of every chunk not stored yet out of the pool (engine thread);
+        ``raise_to``: also of those only tiers slower than it hold (see :meth:`_plan`).
 
         The copy is what makes storing asynchronous safe: once taken, the pool's blocks may
         be reused. ``reserve(nbytes)`` is called before any copy is made (the transfer
         engine's cap on bytes in flight). On CUDA the gather runs on a side stream into
         pinned host memory and ``ready`` is its completion event."""
-        snap, todo = self._plan(token_ids)
+        snap, todo = self._plan(token_ids, self._tier_index(raise_to))
         if not todo:
             return snap
         if reserve is not None:
@@ -266,16 +279,21 @@ class KVTransfer(RestoreMixin):
         for buf in buffers.values():
             self.manager.staging.release(buf)
 
+    def _tier_index(self, tier: int | str | None) -> int | None:
+        return self.manager.tier_index(tier) if isinstance(tier, str) else tier
+
     def save(
-        self, token_ids: Sequence[int], tier: int | str = 0, owner: Hashable | None = None
+        self, token_ids: Sequence[int], tier: int | str = 0, owner: Hashable | None = None,
+        raise_copies: bool = False,
     ) -> SaveReport:
         """Store the KV of ``token_ids`` up to its last block held in the pool (whole
         blocks; the last chunk is a tail keyed by its length), now, gathering each chunk
         from the pool straight to where it is stored (a CPU arena slot, or a staging
         buffer a lower tier writes from): one copy, checksummed while in cache. Chunks
-        already in a tier are not written again; a chunk that is neither stored nor fully
-        in the pool ends the stored prefix."""
-        snap, todo = self._plan(token_ids)
+        already in a tier are not written again (``raise_copies``: unless only slower tiers
+        than ``tier`` hold them); a chunk that is neither stored nor fully in the pool ends
+        the stored prefix."""
+        snap, todo = self._plan(token_ids, self._tier_index(tier) if raise_copies else None)
         kv = self._pool.storage.kv
         sources = {ck.key: _gather_from(kv, ids, ck.num_tokens) for ck, ids in todo}
         return self._write(snap, sources, tier, owner)

@@ -50,11 +50,13 @@ class StoreQueue:
             self._cond.notify_all()
 
     def submit_save(
-        self, token_ids: Sequence[int], tier: int | str = 0, owner: Hashable | None = None
+        self, token_ids: Sequence[int], tier: int | str = 0, owner: Hashable | None = None,
+        raise_copies: bool = False,
     ) -> Future[SaveReport]:
         """Snapshot now (engine thread), store in the background; the future's result is
-        the :class:`SaveReport`."""
-        snap = self.kv.snapshot(token_ids, reserve=self._reserve)
+        the :class:`SaveReport` (``raise_copies``: see :meth:`KVTransfer.save`)."""
+        snap = self.kv.snapshot(token_ids, reserve=self._reserve,
+                                raise_to=tier if raise_copies else None)
         self.submitted += 1
         copied = bool(snap.tensors)  # (store gives the snapshot's buffers back)
 

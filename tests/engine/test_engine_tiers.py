@@ -295,3 +295,28 @@ def test_a_restore_lost_during_a_step_abandons_the_step_and_recomputes(model_dir
     assert eng.runner.layer_loads == []
     assert result.token_ids == expected.token_ids
     eng.runner.pool.block_pool.check_invariants()
+
+
+def test_a_session_leaving_for_a_faster_tier_is_written_there_though_a_deeper_copy_exists(
+        model_dir, tmp_path):
+    """The policy picked the CPU tier for a session whose chunks only the disk holds: a
+    restore from the CPU beats one from disk, so the offload writes them there too (the
+    policy simulator's raise rule), and the KV still round-trips bit-exact."""
+    eng = _engine(model_dir, tmp_path, TIER_SETUPS["cpu+disk"])
+    try:
+        eng.chat("s", "Tell me about the mountains and the weather there.", GREEDY, system=SYSTEM)
+        kv_before = _session_kv(eng, "s")
+        off = eng.offload("s", "disk")
+        keys = [k.key for k in eng.kv._keys(eng.sessions["s"].token_ids[: off.stored_tokens])]
+        cpu, disk = eng.kv.manager.tiers
+        assert disk.contains_prefix(keys) == len(keys)
+        cpu.delete(keys)  # whatever a restore promoted: only the disk holds the session
+        eng.restore("s")
+        assert cpu.contains_prefix(keys) == 0
+        again = eng.offload("s", "cpu")
+        assert not again.failed and again.freed_blocks > 0
+        assert cpu.contains_prefix(keys) == len(keys)  # raised to the tier the policy chose
+        eng.restore("s")
+        assert torch.equal(_session_kv(eng, "s"), kv_before)
+    finally:
+        eng.close()

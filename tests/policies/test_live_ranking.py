@@ -57,3 +57,18 @@ def test_a_prediction_is_reused_until_the_idle_time_grows_five_percent():
     assert live.prediction("a", 100.0) == first  # never one made for a longer idle time
     live.forget("a")
     assert live.prediction("a", 200.0) is None
+
+
+def test_copies_are_raised_only_once_sessions_are_seen_to_come_back():
+    names = ["cpu", "disk"]
+    convo = LivePolicy(_cost(cpu=(0.0, 1e9), disk=(1e-3, 1e8)), names, 256, clock=lambda: 0.0)
+    assert not convo.raises_copies()  # the prior alone decides nothing
+    for k in range(25):  # one session, turn after turn
+        convo.turn_started("a", now=10.0 * k)
+        convo.turn_ended("a", at=10.0 * k + 1)
+    assert convo.raises_copies()
+    oneshot = LivePolicy(_cost(cpu=(0.0, 1e9), disk=(1e-3, 1e8)), names, 256, clock=lambda: 0.0)
+    for k in range(25):  # every request a new session, none comes back
+        oneshot.turn_started(k, now=float(k))
+        oneshot.turn_ended(k, at=k + 0.5)
+    assert not oneshot.raises_copies()
