@@ -43,16 +43,21 @@ def predicted_ttft(
     prompt_tokens: int,
     cached_tokens: int = 0,
     overlap: bool = True,
+    head_start_s: float = 0.0,
 ) -> float:
-    """TTFT if the first ``k`` stored chunks are loaded and the rest of the prompt computed.
-    ``cached_tokens`` are already in the pool (free); ``chunks`` are the stored ones after
-    them, each with the new tokens it brings."""
+    """TTFT (from when compute can start) if the first ``k`` stored chunks are loaded and
+    the rest of the prompt computed. ``cached_tokens`` are already in the pool (free);
+    ``chunks`` are the stored ones after them, each with the new tokens it brings.
+    ``head_start_s``: the loads began that long before compute can start (a turn waiting
+    in the queue while its KV is fetched): that much of them is already done."""
     loaded = sum(c.tokens for c in chunks[:k])
     have = cached_tokens + loaded
     per_tier: dict[str, int] = {}
     for c in chunks[:k]:
         per_tier[c.tier] = per_tier.get(c.tier, 0) + c.tokens
     load = sum(cost.load_time(tier, tokens) for tier, tokens in per_tier.items())
+    if load > 0:
+        load = max(load - head_start_s, 1e-9)
     compute = cost.prefill.time(have, max(prompt_tokens - have, 1))
     if not overlap or load == 0 or not cost.overlaps(loaded):
         return load + compute
@@ -66,13 +71,15 @@ def plan_restore(
     prompt_tokens: int,
     cached_tokens: int = 0,
     overlap: bool = True,
+    head_start_s: float = 0.0,
 ) -> RestorePlan:
-    """The ``k`` with the lowest predicted TTFT (ties go to loading less)."""
+    """The ``k`` with the lowest predicted TTFT (ties go to loading less); ``head_start_s``
+    as in :func:`predicted_ttft`."""
     best_k = 0
     best = predicted_ttft(cost, chunks, 0, prompt_tokens, cached_tokens, overlap)
     scratch = best
     for k in range(1, len(chunks) + 1):
-        t = predicted_ttft(cost, chunks, k, prompt_tokens, cached_tokens, overlap)
+        t = predicted_ttft(cost, chunks, k, prompt_tokens, cached_tokens, overlap, head_start_s)
         if t < best:
             best_k, best = k, t
     loaded = sum(c.tokens for c in chunks[:best_k])

@@ -264,7 +264,12 @@ class Simulator(StagingMixin):
         its context placed in the GPU; returns when the server is free again."""
         now = t.arrival_s
         sess = self._begin(t, now)
-        gpu_n, lower, k = self._locate(t)
+        head_start = 0.0  # loads that begin before the turn can compute (queue, hints)
+        if self.spec.prefetch_on_arrival:
+            head_start = max(server_free - now, 0.0)
+        if self.spec.prefetch_on_hint and t.hint_lead_s > 0:
+            head_start += t.hint_lead_s
+        gpu_n, lower, k = self._locate(t, head_start)
         gpu_tokens = sum(t.tokens_of(i) for i in range(gpu_n))
         load_tokens = sum(t.tokens_of(i) for i, _ in lower[:k])
         cached = min(gpu_tokens + load_tokens, t.prompt_tokens - 1)  # a full hit computes one
@@ -305,7 +310,7 @@ class Simulator(StagingMixin):
             self._watermark_offload(now)
         return sess
 
-    def _locate(self, t: Turn) -> tuple[int, list[tuple[int, Store]], int]:
+    def _locate(self, t: Turn, head_start: float = 0.0) -> tuple[int, list[tuple[int, Store]], int]:
         """Leading prompt chunks in the GPU, the stored ones after them (index, tier), and
         how many of those the system loads (kvtier: its restore plan)."""
         spec, keys = self.spec, t.chunk_keys
@@ -322,7 +327,7 @@ class Simulator(StagingMixin):
                 lower.append((i, st))
         k = len(lower)
         if spec.restore == "cost" and lower:
-            k = self._plan(t, sum(t.tokens_of(i) for i in range(gpu_n)), lower)
+            k = self._plan(t, sum(t.tokens_of(i) for i in range(gpu_n)), lower, head_start)
             self._count(self.res.decisions, "restore_recompute" if k == 0 else "restore_load")
         return gpu_n, lower, k
 
@@ -449,8 +454,11 @@ class Simulator(StagingMixin):
             s.gpu_keys = []
             self._unstaged.add(sid)
 
-    def _plan(self, t: Turn, gpu_tokens: int, lower: list[tuple[int, Store]]) -> int:
+    def _plan(self, t: Turn, gpu_tokens: int, lower: list[tuple[int, Store]],
+              head_start: float = 0.0) -> int:
         """kvtier's restore plan, as the live engine makes it: the number of stored chunks
-        to load (0 = recompute)."""
+        to load (0 = recompute); loads that start ``head_start`` seconds before the turn
+        can compute are that much done."""
         chunks = [StoredChunk(t.tokens_of(i), st.name) for i, st in lower]
-        return plan_restore(self.cost, chunks, t.prompt_tokens, gpu_tokens).load_chunks
+        return plan_restore(self.cost, chunks, t.prompt_tokens, gpu_tokens,
+                            head_start_s=head_start).load_chunks

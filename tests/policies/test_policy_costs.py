@@ -114,3 +114,16 @@ def test_profile_round_trip_and_bad_profiles():
         CostModel.from_dict({"model": "m"})
     with pytest.raises(InvalidArgumentError, match="no tier 'redis'"):
         cost.load_time("redis", 10)
+
+
+def test_loads_begun_while_the_turn_waits_count_as_done():
+    # Loading a 256-token chunk from "slow" takes 1.28 s, recomputing the whole prompt
+    # 1.025 s: an idle server recomputes. A turn that waits 6 s in the queue while its loads
+    # run (they start at arrival) finds all 5.12 s of them done: loading is then better.
+    cost = _model(slow=(0.0, 100 * KIB / 5e-3))
+    chunks = [StoredChunk(256, "slow")] * 4
+    assert plan_restore(cost, chunks, 1025).load_chunks == 0
+    waited = plan_restore(cost, chunks, 1025, head_start_s=6.0)
+    assert waited.load_chunks == 4 and waited.predicted_ttft_s < 0.01
+    assert predicted_ttft(cost, chunks, 4, 1025, head_start_s=1.0) == pytest.approx(
+        predicted_ttft(cost, chunks, 4, 1025) - 1.0, rel=1e-3)
