@@ -29,7 +29,7 @@ import torch
 from kvtier.chunk_format import byte_view, layer_span, parse_header, slice_chunk
 from kvtier.connectors.tiers.base import Blob, PutResult, Tier
 from kvtier.connectors.tiers.chunk_checks import admission_error, is_valid
-from kvtier.connectors.tiers.chunk_index import ChunkIndex
+from kvtier.connectors.tiers.chunk_index import ChunkIndex, IndexedNamespaces
 from kvtier.connectors.tiers.host_buffers import HostBuffer
 from kvtier.errors import ChunkFormatError, InvalidArgumentError, TierError
 from kvtier.policies.eviction import ChunkInfo, EvictionPolicy, eviction_policy
@@ -44,7 +44,7 @@ def slot_bytes_for(num_layers: int, payload_nbytes: int, key_chars: int = 128) -
     return payload_nbytes + 8 + 256 + key_chars + 64 + 9 * num_layers
 
 
-class CPUTier(Tier):
+class CPUTier(IndexedNamespaces, Tier):
     """Chunk blobs in slots of one host arena of ``capacity_bytes // slot_bytes`` slots."""
 
     name = "cpu"
@@ -384,14 +384,7 @@ class CPUTier(Tier):
     def eviction(self) -> EvictionPolicy:
         return self._index.policy
 
-    # --- tenants ---------------------------------------------------------------------
-    def namespace_held(self, namespace: str, keys: Sequence[str] = ()) -> tuple[int, set[str]]:
-        with self._lock:
-            return self._index.namespaces.held(namespace, keys)
-
-    def namespace_bytes(self) -> dict[str, int]:
-        return self._index.namespaces.snapshot()
-
+    # --- tenants (namespace_held / namespace_bytes: IndexedNamespaces) ----------------
     def evict_namespace(self, namespace: str, need: int, exclude: Collection[str] = ()) -> int:
         """As the arena evicts when full (handed down from the slot, leased chunks kept),
         but only ``namespace``'s coldest chunks."""

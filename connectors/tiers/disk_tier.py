@@ -47,7 +47,7 @@ from kvtier.chunk_format import (
 from kvtier.connectors.tiers import disk_io
 from kvtier.connectors.tiers.base import Blob, PutResult, Tier
 from kvtier.connectors.tiers.chunk_checks import admission_error, is_valid
-from kvtier.connectors.tiers.chunk_index import ChunkIndex
+from kvtier.connectors.tiers.chunk_index import ChunkIndex, IndexedNamespaces
 from kvtier.connectors.tiers.disk_io import failure_reason, fsync_dir, unlink_if_present
 from kvtier.connectors.tiers.host_buffers import StagingPool, round_up
 from kvtier.errors import ChunkFormatError, InvalidArgumentError, TierError
@@ -64,7 +64,7 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
-class DiskTier(Tier):
+class DiskTier(IndexedNamespaces, Tier):
     """Chunk files under ``directory``; ``capacity_bytes=None`` is bounded only by the disk.
 
     ``fsync``: sync data and directories (turn off only for scratch data).
@@ -569,14 +569,7 @@ class DiskTier(Tier):
     def eviction(self) -> EvictionPolicy:
         return self._index.policy
 
-    # --- tenants ---------------------------------------------------------------------
-    def namespace_held(self, namespace: str, keys: Sequence[str] = ()) -> tuple[int, set[str]]:
-        with self._lock:
-            return self._index.namespaces.held(namespace, keys)
-
-    def namespace_bytes(self) -> dict[str, int]:
-        return self._index.namespaces.snapshot()
-
+    # --- tenants (namespace_held / namespace_bytes: IndexedNamespaces) ----------------
     def evict_namespace(self, namespace: str, need: int, exclude: Collection[str] = ()) -> int:
         """As the tier evicts when full (renamed aside under the lock, handed down after
         it), but only ``namespace``'s coldest chunks."""
