@@ -211,8 +211,8 @@ class Simulator(StagingMixin):
             where = self._where(key) if self.tiers else None
             if where is not None and self.spec.predictive and self.spec.offload_on_evict:
                 raised = self._raise_copy(key, tokens, where, now)
-                if raised is not None:
-                    done = max(done, raised)
+                if raised is not None:  # its blocks go once both copies are down
+                    done = max(done, raised, landing)
                     continue
             if not self.spec.offload_on_evict or not self.tiers or where is not None:
                 self._count(self.res.decisions, "gpu_drop")
