@@ -59,3 +59,18 @@ def test_real_mode_refuses_simulator_only_systems(calibrated, capsys):
         replay_real(wl, system("lmcache-like"), model, 1024, {}, profile)
     assert main(["bench", "policies", "--real", "--workloads", "multiturn"]) != 0
     assert "--real needs --model" in capsys.readouterr().err
+
+
+def test_calibration_fits_the_quickest_sample_of_each_size():
+    """Interference only adds time: a round slowed by another process must not bend the
+    fit (pooled least squares over these samples has a negative slope)."""
+    from kvtier.cli.calibrate import fastest_per_size
+    from kvtier.policies.cost_model import LinearCost
+
+    quiet = [(1e6, 0.0011), (4e6, 0.0041), (8e6, 0.0081)]
+    busy = [(1e6, 0.050), (4e6, 0.0045), (8e6, 0.0090)]
+    with pytest.raises(InvalidArgumentError, match="do not grow"):
+        LinearCost.fit(busy + [(1e6, 0.060)])
+    fitted = LinearCost.fit(fastest_per_size(quiet + busy))
+    assert fitted.bandwidth_bps == pytest.approx(1e9, rel=1e-6)
+    assert fitted.latency_s == pytest.approx(1e-4, rel=1e-3)
