@@ -14,7 +14,6 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -22,6 +21,7 @@ import torch
 
 from kvtier.chunk_format import byte_view, chunk_view, validate_chunk
 from kvtier.connectors.tiers.base import Blob, PutResult, Tier
+from kvtier.connectors.tiers.chunk_workers import map_restore
 from kvtier.connectors.tiers.host_buffers import StagingPool
 from kvtier.connectors.tiers.namespace_usage import namespace_of
 from kvtier.errors import ChunkError, ChunkFormatError, ChunkMismatchError, InvalidArgumentError
@@ -76,19 +76,6 @@ def _decoded(blob: Blob, key: str, layers: tuple[int, int] | None) -> torch.Tens
         return chunk_view(byte_view(blob), key, layers=layers, verify=False)[1]
     except ChunkFormatError:
         return None
-
-
-_verify_pool: ThreadPoolExecutor | None = None
-_verify_lock = threading.Lock()
-
-
-def _verifiers() -> ThreadPoolExecutor:
-    """Two threads shared by every manager for checksum verification."""
-    global _verify_pool
-    with _verify_lock:
-        if _verify_pool is None:
-            _verify_pool = ThreadPoolExecutor(2, thread_name_prefix="kvtier-verify")
-        return _verify_pool
 
 
 class TierManager:
@@ -381,6 +368,14 @@ class TierManager:
             tier.stats.count_error(type(del_exc).__name__)
 
     # ---------------------------------------------------------------- in place
+    def lends_memory(self, tier: int, key: str) -> bool:
+        """Whether :meth:`store_in_place` writes ``key`` into ``tier``'s own memory (it
+        lends it, the write policy is write-back, and the key's tenant has no quota there:
+        a quota is enforced by ``put``)."""
+        target = self.tiers[tier]
+        return (hasattr(target, "store_in_place") and self.write_policy == "write_back"
+                and self._quota(namespace_of(key), target) is None)
+
     def store_in_place(
         self, tier: int, key: str, nbytes: int, fill: Callable[[torch.Tensor], int],
         info: ChunkInfo | None = None,
@@ -389,11 +384,9 @@ class TierManager:
         arena, see :meth:`CPUTier.store_in_place`) and the write policy is write-back;
         None when it does not (the caller puts a blob). A failing tier answers ``error``."""
         target = self.tiers[tier]
-        write = getattr(target, "store_in_place", None)
-        if write is None or self.write_policy != "write_back":
+        if not self.lends_memory(tier, key):
             return None
-        if self._quota(namespace_of(key), target) is not None:
-            return None  # a tenant under a quota goes through put, which enforces it
+        write = target.store_in_place  # type: ignore[attr-defined]
         try:
             return write(key, nbytes, fill, info)
         except Exception as exc:  # noqa: BLE001 - reported, the caller falls back
@@ -481,10 +474,7 @@ class TierManager:
             except ChunkError as exc:
                 return exc
 
-        items = list(zip(idxs, views, strict=True))
-        if len(items) < 2:
-            return [check(item) for item in items]
-        return list(_verifiers().map(check, items))
+        return map_restore(check, zip(idxs, views, strict=True))
 
     # ----------------------------------------------------------------- evictions
     def _demoter(self, index: int):

@@ -24,10 +24,11 @@ import torch
 
 from kvtier.chunk_format import chunk_layout, encode_into
 from kvtier.chunk_keys import ChunkKey, chunk_keys
+from kvtier.connectors.tiers.chunk_workers import map_store
 from kvtier.connectors.tiers.manager import PutReport, TierManager
 from kvtier.errors import InvalidArgumentError
 from kvtier.gpu_pool import PagedKVPool
-from kvtier.gpu_pool.kernels import gather_blocks
+from kvtier.gpu_pool.kernels import copy_host, gather_blocks, gather_blocks_host
 from kvtier.hashing import chain_hashes
 from kvtier.policies.eviction import ChunkInfo
 from kvtier.transfer.layer_load import LayerLoad
@@ -94,7 +95,9 @@ def _in_place(part: torch.Tensor, a: int, b: int) -> None:
 
 def _copy_from(t: torch.Tensor) -> Source:
     """A chunk's (shape, dtype, fill) that copies it from a host snapshot."""
-    return tuple(t.shape), t.dtype, lambda part, a, b: part.copy_(t[a:b])
+    if t.is_cuda:
+        return tuple(t.shape), t.dtype, lambda part, a, b: part.copy_(t[a:b])
+    return tuple(t.shape), t.dtype, lambda part, a, b: copy_host(part, t[a:b])
 
 
 def _gather_from(kv: torch.Tensor, ids: list[int], num_tokens: int
@@ -103,8 +106,8 @@ def _gather_from(kv: torch.Tensor, ids: list[int], num_tokens: int
     blocks (on CUDA: gathered on the device, then one copy per group of layers to the
     host, waited for)."""
     shape = (kv.shape[0], 2, num_tokens, kv.shape[4], kv.shape[5])
-    if not kv.is_cuda:
-        return shape, kv.dtype, lambda part, a, b: gather_blocks(kv[a:b], ids, num_tokens=num_tokens, out=part)
+    if not kv.is_cuda:  # on the calling thread (chunks are encoded two at a time)
+        return shape, kv.dtype, lambda part, a, b: gather_blocks_host(kv[a:b], ids, num_tokens, part)
     dev: list[torch.Tensor] = []
 
     def fill(part: torch.Tensor, a: int, b: int) -> None:
@@ -335,15 +338,20 @@ class KVTransfer(RestoreMixin):
         fp = self.runner.fingerprint
         target = self.manager.tier_index(tier) if isinstance(tier, str) else tier
         pending = dict(sources)
-        for key, source in sources.items():
+
+        def store(item: tuple[str, Source]) -> tuple[str, int, str | None]:
+            key, source = item
             shape, dtype, _ = source
             _, total = chunk_layout(key, fp, dtype, shape)
             info = ChunkInfo(total, session=owner, index=index[key])
             done = self.manager.store_in_place(
-                target, key, total, lambda slot, key=key, source=source: self._encode(key, source, slot), info
+                target, key, total, lambda slot: self._encode(key, source, slot), info
             )
-            if done is None:
-                break  # the tier lends no memory: every chunk goes through staging
+            return key, total, done
+
+        if not sources or not self.manager.lends_memory(target, next(iter(sources))):
+            return pending  # every chunk goes through staging
+        for key, total, done in map_store(store, sources.items()):
             if done in ("stored", "present"):
                 del pending[key]
                 report.stored += 1
@@ -366,7 +374,6 @@ class KVTransfer(RestoreMixin):
         (``staged``): only its checksums and header are written."""
         staging = self.manager.staging
         batches: list[tuple[Future[PutReport], list[torch.Tensor], dict[str, memoryview]]] = []
-        blobs: dict[str, memoryview] = {}
         held: list[torch.Tensor] = []
 
         def settle(batch: tuple[Future[PutReport], list[torch.Tensor], dict[str, memoryview]]) -> None:
@@ -380,23 +387,28 @@ class KVTransfer(RestoreMixin):
                 for buf in bufs:
                     staging.release(buf)
 
+        def encode(item: tuple[str, Source, torch.Tensor]) -> memoryview:
+            key, source, buf = item
+            return memoryview(buf[: self._encode(key, source, buf)].numpy())
+
         try:
-            for i, (key, source) in enumerate(pending.items()):
-                shape, dtype, fill = source
-                buf = staged.get(key)
-                if buf is not None:
-                    source = (shape, dtype, _in_place)
-                else:
-                    _, total = chunk_layout(key, self.runner.fingerprint, dtype, shape)
-                    buf = staging.acquire(total)
-                    held.append(buf)
-                n = self._encode(key, source, buf)
-                blobs[key] = memoryview(buf[:n].numpy())
-                if i == len(pending) - 1 or sum(len(b) for b in blobs.values()) >= PUT_BATCH_BYTES:
-                    batches.append((self._put_later(blobs, tier, owner, index), held, blobs))
-                    blobs, held = {}, []
-                    while len(batches) > 1:  # one batch being put while the next is encoded
-                        settle(batches.pop(0))
+            for batch in self._batches(pending):
+                todo: list[tuple[str, Source, torch.Tensor]] = []
+                for key, source in batch:
+                    shape, dtype, _ = source
+                    buf = staged.get(key)
+                    if buf is not None:
+                        source = (shape, dtype, _in_place)
+                    else:
+                        _, total = chunk_layout(key, self.runner.fingerprint, dtype, shape)
+                        buf = staging.acquire(total)
+                        held.append(buf)
+                    todo.append((key, source, buf))
+                blobs = dict(zip([k for k, _, _ in todo], map_store(encode, todo), strict=True))
+                batches.append((self._put_later(blobs, tier, owner, index), held, blobs))
+                held = []
+                while len(batches) > 1:  # one batch being put while the next is encoded
+                    settle(batches.pop(0))
         finally:
             for buf in held:  # encoding failed: these were never handed to a put
                 staging.release(buf)
@@ -408,6 +420,19 @@ class KVTransfer(RestoreMixin):
                     failure = failure or exc
             if failure is not None:
                 raise failure
+
+    def _batches(self, pending: dict[str, Source]) -> list[list[tuple[str, Source]]]:
+        """``pending`` in order, cut into batches of about ``PUT_BATCH_BYTES``."""
+        fp = self.runner.fingerprint
+        out: list[list[tuple[str, Source]]] = [[]]
+        size = 0
+        for key, source in pending.items():
+            if size >= PUT_BATCH_BYTES:
+                out.append([])
+                size = 0
+            out[-1].append((key, source))
+            size += chunk_layout(key, fp, source[1], source[0])[1]
+        return [b for b in out if b]
 
     def _put_later(
         self, blobs: dict[str, memoryview], tier: int | str, owner: Hashable | None, index: dict[str, int]

@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvtier.chunk_keys import ChunkKey
+from kvtier.connectors.tiers.chunk_workers import map_restore
 from kvtier.connectors.tiers.manager import Location, TierManager
 from kvtier.errors import OutOfBlocksError
-from kvtier.gpu_pool.kernels import scatter_blocks
+from kvtier.gpu_pool.kernels import scatter_blocks, scatter_blocks_host
 from kvtier.transfer.layer_load import LayerLoad
 
 if TYPE_CHECKING:
@@ -355,10 +356,14 @@ class RestoreMixin:
     ) -> None:
         kv = self._pool.storage.kv
         dst = kv[layer : (layer if last is None else last) + 1]
-        for part, (off, ids) in zip(parts, spans, strict=False):
-            if ids:
-                src = part[:, :, off:].to(device=kv.device, dtype=kv.dtype, non_blocking=True)
-                scatter_blocks(src.contiguous(), dst, ids)
+        todo = [(part[:, :, off:], ids) for part, (off, ids) in zip(parts, spans, strict=False) if ids]
+        if not kv.is_cuda and all(src.dtype == kv.dtype for src, _ in todo):
+            # Host to host: chunks two at a time, each copy on its worker's own thread.
+            map_restore(lambda item: scatter_blocks_host(item[0], dst, item[1], item[0].shape[2]), todo)
+            return
+        for part, ids in todo:
+            src = part.to(device=kv.device, dtype=kv.dtype, non_blocking=True)
+            scatter_blocks(src.contiguous(), dst, ids)
 
     def _load_layers(
         self,

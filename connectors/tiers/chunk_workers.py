@@ -1,0 +1,55 @@
+"""Process-wide worker threads for per-chunk CPU work: encoding a chunk into its slot
+(gather + checksums) on the way out; verifying one read back, and scattering it into the
+pool, on the way in.
+
+Both are a copy or a checksum pass over tens of MiB with the GIL released (torch copies,
+xxh3), so two chunks at once keep both cores of a small host busy: each thread hashes a
+group of layers while it is still in cache from its own copy, where one thread would run
+the copy and then the checksum pass back to back. Two separate pools, so that a task of
+one never waits on a full pool of the other (a store may evict, and an eviction may read).
+Copies on these threads are numpy's (:mod:`kvtier.gpu_pool.kernels.host_blocks`), not
+torch's, which would start a team of intra-op threads per worker.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+WORKERS = 2
+"""Threads per pool: beyond two, chunks contend for memory bandwidth on the hosts measured
+(docs/performance.md)."""
+
+_pools: dict[str, ThreadPoolExecutor] = {}
+_lock = threading.Lock()
+
+
+def _pool(name: str) -> ThreadPoolExecutor:
+    with _lock:
+        pool = _pools.get(name)
+        if pool is None:
+            pool = _pools[name] = ThreadPoolExecutor(WORKERS, thread_name_prefix=f"kvtier-{name}")
+        return pool
+
+
+def _map(name: str, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
+    items = list(items)
+    if len(items) < 2 or threading.current_thread().name.startswith(f"kvtier-{name}"):
+        return [fn(item) for item in items]  # one item, or already on this pool: inline
+    return list(_pool(name).map(fn, items))
+
+
+def map_store(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
+    """``[fn(item) for item in items]``, chunks encoded two at a time, results in order."""
+    return _map("store", fn, items)
+
+
+def map_restore(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
+    """``[fn(item) for item in items]``, chunks verified or scattered two at a time,
+    results in order."""
+    return _map("restore", fn, items)
