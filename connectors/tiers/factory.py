@@ -41,7 +41,7 @@ def build_tiers(cfg: TiersConfig, slot_bytes: int, fingerprint: bytes) -> TierMa
     from kvtier.connectors.tiers.host_buffers import StagingPool, round_up
 
     tiers: list[Tier] = []
-    staging = StagingPool()  # one pool of reused buffers for the manager's writes and disk reads
+    staging = StagingPool()  # one pool of reused buffers: the manager's writes, disk and Redis reads
     slot_bytes = round_up(slot_bytes)  # page-aligned slots: a demotion writes them with O_DIRECT as they are
     cpu_eviction = configured_eviction(cfg, "cpu_eviction")
     disk_eviction = configured_eviction(cfg, "disk_eviction")
@@ -76,7 +76,7 @@ def build_tiers(cfg: TiersConfig, slot_bytes: int, fingerprint: bytes) -> TierMa
         tiers.append(RedisTier(
             cfg.redis_url, ttl_s=cfg.redis_ttl_s, timeout_s=cfg.redis_timeout_s,
             max_connections=cfg.redis_max_connections,
-            min_bandwidth_Bps=float(cfg.redis_min_bandwidth),
+            min_bandwidth_Bps=float(cfg.redis_min_bandwidth), staging=staging,
         ))
     if not tiers:
         return None

@@ -135,6 +135,12 @@ class StagingPool:
             self.release(buf)
 
     @property
+    def lent(self) -> int:
+        """Buffers handed out and not given back yet."""
+        with self._lock:
+            return len(self._out)
+
+    @property
     def idle_bytes(self) -> int:
         with self._lock:
             return self._idle_bytes

@@ -30,7 +30,9 @@ from redis.utils import HIREDIS_AVAILABLE
 
 from kvtier.chunk_format import byte_view, layer_span, parse_header, slice_chunk, validate_chunk
 from kvtier.connectors.tiers.base import Blob, PutResult, Tier
+from kvtier.connectors.tiers.host_buffers import StagingPool
 from kvtier.connectors.tiers.namespace_usage import NamespaceUsage
+from kvtier.connectors.tiers.redis_bulk import get_into
 from kvtier.connectors.tiers.redis_client import (
     CLUSTER_SCHEME,
     FAULTS,
@@ -73,7 +75,8 @@ class RedisTier(Tier):
     2 s)``) plus the time its bytes take at ``min_bandwidth_Bps`` (default 50 MB/s), so a
     batch of large chunks is not cut short on a loaded machine while a stall is still
     noticed; batches are split into calls of at most ``max_batch_bytes``. Past
-    ``max_connections`` a call waits for a connection instead of failing. ``ttl_s`` gives
+    ``max_connections`` a call waits for a connection instead of failing. ``staging``: the
+    reused buffers whole-chunk leases read into (default: its own). ``ttl_s`` gives
     every chunk an expiry (refreshed when put again).
     """
 
@@ -92,8 +95,11 @@ class RedisTier(Tier):
         capacity_bytes: int | None = None,
         min_bandwidth_Bps: float = 50e6,
         max_batch_bytes: int = 64 << 20,
+        staging: StagingPool | None = None,
     ) -> None:
         super().__init__()
+        self._own_staging = staging is None
+        self._staging = StagingPool() if staging is None else staging
         if timeout_s <= 0:
             raise InvalidArgumentError(f"timeout_s must be > 0, got {timeout_s}")
         if ttl_s is not None and ttl_s <= 0:
@@ -237,10 +243,15 @@ class RedisTier(Tier):
             out, corrupt = await self._get_layers(keys, layers)
         if corrupt:
             await self._drop_corrupt(corrupt)
-        hits = sum(b is not None for b in out)
+        self._account_get(keys, [None if b is None else len(b) for b in out])
+        return out
+
+    def _account_get(self, keys: Sequence[str], sizes: Sequence[int | None]) -> None:
+        """Stats and tenant usage after a read: ``sizes`` per key, None for a miss."""
+        hits = sum(n is not None for n in sizes)
         with self._used_lock:
-            for k, b in zip(keys, out, strict=True):
-                if b is None:
+            for k, n in zip(keys, sizes, strict=True):
+                if n is None:
                     self._namespaces.remove(k)  # expired, evicted by Redis, or corrupt
                 else:
                     self._namespaces.touch(k)
@@ -248,8 +259,7 @@ class RedisTier(Tier):
             self.stats.gets += len(keys)
             self.stats.hits += hits
             self.stats.misses += len(keys) - hits
-            self.stats.bytes_read += sum(len(b) for b in out if b is not None)
-        return out
+            self.stats.bytes_read += sum(n for n in sizes if n is not None)
 
     async def _get_whole(self, keys: Sequence[str]) -> list[bytes | None]:
         if self._sync is not None:
@@ -454,8 +464,42 @@ class RedisTier(Tier):
         verify once (:func:`~kvtier.chunk_format.chunk_view`) and scatter from: whole
         chunks unverified here (one round trip), layer ranges as :meth:`get` reads them."""
         self._check_layers(layers)
-        blobs = self._read(keys, layers, verify=False)
-        yield [None if b is None else byte_view(b) for b in blobs]
+        if layers is not None or self._sync is None or self._closed:
+            blobs = self._read(keys, layers, verify=False)
+            yield [None if b is None else byte_view(b) for b in blobs]
+            return
+        got: list[tuple[torch.Tensor, int] | None] = []
+        try:
+            for batch in self._get_batches(keys):
+                got += self._get_into(batch)
+            yield [None if g is None else g[0][: g[1]] for g in got]
+        finally:
+            for g in got:
+                if g is not None:
+                    self._staging.release(g[0])
+
+    def _get_into(self, keys: Sequence[str]) -> list[tuple[torch.Tensor, int] | None]:
+        """Whole chunks read straight into staging buffers (see :mod:`.redis_bulk`), on
+        the calling thread; a fault is a miss of every key, counted as :meth:`get` does."""
+        assert self._sync is not None
+        self.round_trips += 1
+        try:
+            got = get_into(self._sync.connection_pool, [self._rk(k) for k in keys],
+                           self._staging.acquire, self._staging.release,
+                           self.deadline(self._get_budget(len(keys))))
+        except FAULTS as exc:
+            got = self._fault("get", exc, lambda _: [None] * len(keys))
+        sizes = [None if g is None else g[1] for g in got]
+        for n in sizes:
+            if n is not None:
+                self._chunk_hint = max(self._chunk_hint, n)
+        self._account_get(keys, sizes)
+        return got
+
+    @property
+    def staging(self) -> StagingPool:
+        """The reused buffers whole-chunk reads land in (share it with the manager's writes)."""
+        return self._staging
 
     def contains_prefix(self, keys: Sequence[str]) -> int:
         return self._guarded("contains_prefix", self._contains_prefix(keys), lambda _: 0)
@@ -558,3 +602,5 @@ class RedisTier(Tier):
             return
         self._closed = True
         self._conn.close()
+        if self._own_staging:
+            self._staging.close()
