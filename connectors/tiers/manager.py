@@ -23,6 +23,7 @@ from kvtier.chunk_format import byte_view, chunk_view, validate_chunk
 from kvtier.connectors.tiers.base import Blob, PutResult, Tier
 from kvtier.connectors.tiers.chunk_workers import map_restore
 from kvtier.connectors.tiers.host_buffers import StagingPool
+from kvtier.connectors.tiers.lent_chunk import LentChunk
 from kvtier.connectors.tiers.namespace_usage import namespace_of
 from kvtier.errors import ChunkError, ChunkFormatError, ChunkMismatchError, InvalidArgumentError
 from kvtier.policies.eviction import ChunkInfo
@@ -401,21 +402,29 @@ class TierManager:
         layers: tuple[int, int] | None = None,
         location: Location | None = None,
         raw: bool = False,
-    ) -> Iterator[list[torch.Tensor | None]]:
+        deferred: bool = False,
+    ) -> Iterator[list]:
         """Verified KV of ``keys`` (layers ``layers`` only), each from the tier holding
         it: a view into the tier's memory where it lends it (the CPU arena: no copy; the
         slot is neither evicted nor reused until the block ends), else decoded from its
         ``get``. A chunk that fails its checks is a miss and is dropped from its tier.
         ``raw``: each whole chunk's verified bytes (uint8) instead of its KV, to send on
-        as they are (the sidecar's GET)."""
+        as they are (the sidecar's GET). ``deferred``: whole chunks as
+        :class:`~kvtier.connectors.tiers.lent_chunk.LentChunk` whose per-layer checksums
+        the reader checks group by group right before copying each (key, model and length
+        are checked here); one that fails a check is dropped from its tier after the
+        block, as one that fails here."""
         if raw and layers is not None:
             raise InvalidArgumentError("a raw lease is of whole chunks (layers must be None)")
+        if deferred and (raw or layers is not None):
+            raise InvalidArgumentError("a deferred lease is of whole chunks' KV")
         loc = location or self.lookup(keys)
         out: list[torch.Tensor | None] = [None] * len(keys)
         by_tier: dict[int, list[int]] = {}
         for idx in range(loc.length):
             by_tier.setdefault(loc.tiers[idx], []).append(idx)
         rejected: list[tuple[Tier, str, ChunkError]] = []
+        lent: list[tuple[Tier, str, LentChunk]] = []
         with contextlib.ExitStack() as stack:
             for ti, idxs in by_tier.items():
                 tier = self.tiers[ti]
@@ -426,7 +435,7 @@ class TierManager:
                         tier.stats.count_error(type(exc).__name__)
                         self.stats.misses += len(idxs)
                         continue
-                    checked = self._check_views(keys, idxs, views, layers, raw)
+                    checked = self._check_views(keys, idxs, views, layers, raw, deferred)
                     for i, got in zip(idxs, checked, strict=True):
                         if got is None:
                             self.stats.misses += 1
@@ -439,6 +448,8 @@ class TierManager:
                                     tier.stats.corrupt += 1
                             continue
                         out[i] = got
+                        if isinstance(got, LentChunk):
+                            lent.append((tier, keys[i], got))
                         self.stats.hits_by_tier[tier.name] = self.stats.hits_by_tier.get(tier.name, 0) + 1
                 else:
                     sub = [keys[i] for i in idxs]
@@ -447,8 +458,14 @@ class TierManager:
                         if blob is not None and raw:
                             out[i] = byte_view(blob)
                         elif blob is not None:
-                            out[i] = _decoded(blob, keys[i], layers)
+                            kv = _decoded(blob, keys[i], layers)
+                            out[i] = kv if kv is None or not deferred else LentChunk(kv)
             yield out  # (get() counted the other tiers' misses)
+        for tier, key, chunk in lent:  # checks the reader ran and that failed
+            if chunk.error is not None:
+                with tier.stats.lock:
+                    tier.stats.corrupt += 1
+                rejected.append((tier, key, chunk.error))
         for tier, key, exc in rejected:  # after the lease: a leased slot is freed on release
             self._reject(tier, key, exc)
 
@@ -459,17 +476,20 @@ class TierManager:
         views: Sequence[torch.Tensor | None],
         layers: tuple[int, int] | None,
         raw: bool = False,
-    ) -> list[torch.Tensor | ChunkError | None]:
+        deferred: bool = False,
+    ) -> list[torch.Tensor | LentChunk | ChunkError | None]:
         """Each lent chunk verified (checksums of the layers asked, key, model) into its
         KV view, or the error that rejects it; on two threads where there are several
         (the checksum releases the GIL: a restore's verification takes half the time)."""
 
-        def check(item: tuple[int, torch.Tensor | None]) -> torch.Tensor | ChunkError | None:
+        def check(item: tuple[int, torch.Tensor | None]) -> torch.Tensor | LentChunk | ChunkError | None:
             i, view = item
             if view is None:
                 return None
             try:
-                kv = chunk_view(view, keys[i], self.fingerprint, layers)[1]
+                header, kv = chunk_view(view, keys[i], self.fingerprint, layers, verify=not deferred)
+                if deferred:
+                    return LentChunk(kv, view, header)
                 return view if raw else kv
             except ChunkError as exc:
                 return exc

@@ -25,8 +25,9 @@ import torch
 
 from kvtier.chunk_keys import ChunkKey
 from kvtier.connectors.tiers.chunk_workers import map_restore
+from kvtier.connectors.tiers.lent_chunk import LentChunk
 from kvtier.connectors.tiers.manager import Location, TierManager
-from kvtier.errors import OutOfBlocksError
+from kvtier.errors import ChunkFormatError, OutOfBlocksError
 from kvtier.gpu_pool.kernels import scatter_blocks, scatter_blocks_host
 from kvtier.transfer.layer_load import LayerLoad
 
@@ -66,6 +67,10 @@ class LoadReport:
     """A streamed restore still loading (the pool's forward passes wait on it per layer);
     then ``bytes`` counts only what was read before returning (``pending.bytes`` grows)."""
 
+
+RESTORE_GROUP_BYTES = 4 << 20
+"""A host restore checks and scatters a chunk's layers this many bytes at a time (a group
+is still in cache when it is copied)."""
 
 CPU_STREAM_MIN_TOKENS = 2048
 """On a CPU, restores stream layer by layer only from this many tokens (docs/tiers.md)."""
@@ -177,7 +182,11 @@ class RestoreMixin:
         # Not streaming: every layer in one read per chunk (one lease, one file read, one
         # round trip), layer 0 scattered first as a streamed restore does, then the rest.
         last = None if stream and num_layers > 1 else num_layers - 1
-        with self._reading(usable, where, 0, last) as parts:
+        # On the host a whole-chunk read is checked a group of layers at a time, right
+        # before each group is scattered: the bytes are read from memory once, not twice.
+        deferred = last is not None and not pool.storage.kv.is_cuda
+        with self._reading(usable, where, 0, last, deferred) as lent:
+            parts = self._layer0_checked(lent) if deferred else lent
             chunks: list[ChunkKey] = []
             end = usable[0].start  # <= cached: the first chunk may overlap blocks still pooled
             for ck, part in zip(usable, parts, strict=True):
@@ -187,11 +196,15 @@ class RestoreMixin:
                 end = ck.end
             if end <= cached:
                 return report
-            layer0 = [p if last is None else p[:1] for p in parts[: len(chunks)] if p is not None]
+            kvs = [p.kv if isinstance(p, LentChunk) else p for p in parts[: len(chunks)]]
+            layer0 = [p if last is None else p[:1] for p in kvs if p is not None]
             begun = self._begin_load(prefix, end, chunks, layer0)
             if begun is not None and last is not None:
                 sid, load, spans = begun
-                self._load_rest(load, spans, [p[1:] for p in parts[: len(chunks)] if p is not None])
+                if deferred:
+                    self._load_rest_checked(load, spans, parts[: len(chunks)])
+                else:
+                    self._load_rest(load, spans, [p[1:] for p in kvs if p is not None])
         if begun is None:
             return report
         sid, load, spans = begun
@@ -295,21 +308,24 @@ class RestoreMixin:
 
     @contextlib.contextmanager
     def _reading(
-        self, chunks: Sequence[ChunkKey], where: Location, layer: int, last: int | None = None
-    ) -> Iterator[list[torch.Tensor | None]]:
+        self, chunks: Sequence[ChunkKey], where: Location, layer: int, last: int | None = None,
+        deferred: bool = False,
+    ) -> Iterator[list]:
         """Layers ``layer`` to ``last`` (default: ``layer`` alone) of each chunk, verified
         (None where they could not be read): views into the CPU arena under its lease where
         the chunk lies there, so they must be scattered before the block ends (on CUDA the
-        copies are waited for before the slots are let go)."""
+        copies are waited for before the slots are let go). ``deferred`` (every layer):
+        :class:`LentChunk` s whose layers are checked by the reader, group by group."""
         stop = layer + 1 if last is None else last + 1
         span = None if (layer, stop) == (0, self._pool.storage.num_layers) else (layer, stop)
         kv = self._pool.storage.kv
-        with self.manager.lease([ck.key for ck in chunks], span, where) as parts:
+        with self.manager.lease([ck.key for ck in chunks], span, where, deferred=deferred) as parts:
             for i, (ck, part) in enumerate(zip(chunks, parts, strict=True)):
                 want = (stop - layer, 2, ck.num_tokens, kv.shape[4], kv.shape[5])
-                if part is not None and tuple(part.shape) != want:
+                got = part.kv if isinstance(part, LentChunk) else part
+                if got is not None and tuple(got.shape) != want:
                     log.warning("chunk %s holds KV of shape %s, not %s: not restored",
-                                ck.key, tuple(part.shape), want)
+                                ck.key, tuple(got.shape), want)
                     parts[i] = None  # a chunk another writer shaped otherwise: a miss
             yield parts
             if self._pool.storage.kv.is_cuda:
@@ -332,6 +348,62 @@ class RestoreMixin:
                 self._scatter_layer(1, good, spans[: len(good)], last)
             for layer in range(1, load.num_layers):
                 load.layer_loaded(layer)
+
+    @staticmethod
+    def _layer0_checked(parts: Sequence[LentChunk | None]) -> list[LentChunk | None]:
+        """Layer 0 of each lent chunk checked (two at a time): one that fails is a miss
+        here, and the restore ends before it, as if it had failed up front."""
+
+        def check(part: LentChunk | None) -> LentChunk | None:
+            if part is None:
+                return None
+            try:
+                part.check(0, 1)
+            except ChunkFormatError:
+                return None
+            return part
+
+        return map_restore(check, parts)
+
+    def _load_rest_checked(
+        self,
+        load: LayerLoad,
+        spans: Sequence[tuple[int, list[int]]],
+        parts: Sequence[LentChunk | None],
+    ) -> None:
+        """Layers 1.. of lent chunks, each group of about ``RESTORE_GROUP_BYTES`` checked
+        and then scattered at once, two chunks at a time on the host. A chunk that fails a
+        check poisons itself and every later chunk (their blocks are uncached, their tokens
+        recomputed); the layers of the earlier ones all passed."""
+        kv = self._pool.storage.kv
+        n = load.num_layers
+        good = [p for p in parts if p is not None]
+
+        def one(item: tuple[int, LentChunk, tuple[int, list[int]]]) -> tuple[int, str] | None:
+            i, part, (off, ids) = item
+            layer_bytes = part.kv[0].numel() * part.kv.element_size()
+            per = max(1, RESTORE_GROUP_BYTES // max(layer_bytes, 1))
+            for a in range(1, n, per):
+                b = min(a + per, n)
+                try:
+                    part.check(a, b)
+                except ChunkFormatError as exc:
+                    return i, str(exc)
+                if ids:
+                    src = part.kv[a:b, :, off:]
+                    scatter_blocks_host(src, kv[a:b], ids, src.shape[2])
+            return None
+
+        failed: list[tuple[int, str]] = []
+        with self._finishing(load, "restore"):
+            if n > 1:
+                load.bytes += sum(p.kv[1:].numel() * p.kv.element_size() for p in good)
+                items = list(zip(range(len(good)), good, spans, strict=False))
+                failed = [f for f in map_restore(one, items) if f is not None]
+            for layer in range(1, n):
+                load.layer_loaded(layer)
+        if failed:  # ends the restore at that chunk, as a failed read would have: not a loss
+            load.poison(*min(failed))
 
     @contextlib.contextmanager
     def _finishing(self, load: LayerLoad, what: str) -> Iterator[None]:

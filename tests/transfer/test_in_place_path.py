@@ -17,7 +17,9 @@ from kvtier.engine.model_runner import ModelRunner
 from kvtier.gpu_pool.kernels import gather_blocks
 from kvtier.make_model.writer import make_model
 from kvtier.transfer.kv_transfer import KVTransfer
+from tests import redis_servers
 
+redis_server = redis_servers.redis_server  # shared fixture, used by name
 CHUNK = 256
 
 
@@ -175,6 +177,48 @@ def test_a_large_store_is_put_in_batches_while_the_next_is_encoded(model_dir, tm
         assert xfer.evict(tokens) > 0
         assert xfer.load(tokens, saved.tokens).from_tiers == 8 * CHUNK
         assert torch.equal(_pool_kv(runner, tokens), before)
+    finally:
+        xfer.close()
+        manager.close()
+
+
+def test_redis_stores_from_and_restores_into_reused_buffers(model_dir, redis_server):
+    """Redis as the only tier: a store sends each chunk from its staging buffer (redis-py's
+    Python packer, no copy of the value), a restore reads each value straight into a
+    staging buffer (``recv_into``). Bit-exact, and in steady state neither a chunk-sized
+    Python object nor a new buffer is made (redis-py's own parsers build every reply as a
+    fresh ``bytes``). Chunks of 2 MiB: the tier's asyncio client (its lookups) reads with a
+    fixed 256 KiB ``recv`` buffer, which tracemalloc sees whatever the chunk size."""
+    from kvtier.connectors.tiers.redis_tier import RedisTier
+
+    chunk = 4096
+    runner = ModelRunner(model_dir, dtype="float32", device="cpu", num_blocks=2 * 4 * chunk // 16)
+    chunk_bytes = runner.pool.storage.bytes_per_token * chunk
+    tier = RedisTier(redis_server.url, timeout_s=5.0)
+    manager = TierManager([tier], fingerprint=runner.fingerprint, staging=tier.staging)
+    xfer = KVTransfer(runner, manager, chunk)
+    try:
+        warm, tokens = _tokens(2 * chunk, seed=6), _tokens(2 * chunk, seed=7)
+        for seq in (warm, tokens):  # held in the pool as computed (their KV: whatever it is)
+            sid = str(seq[0])
+            runner.pool.add_sequence(sid, seq, runner.fingerprint)
+            runner.pool.storage.kv.view(-1)[:].uniform_()  # any bits, the same on the way back
+            runner.pool.mark_computed(sid, len(seq))
+            runner.pool.free_sequence(sid)
+        assert xfer.save(warm).stored == 2
+        xfer.evict(warm)
+        assert xfer.load(warm).from_tiers == 2 * chunk
+        before = _pool_kv(runner, tokens)
+        buffers = tier.staging.allocations
+
+        saved, loaded, store_peak, load_peak = _traced_round_trip(xfer, tokens)
+        assert (saved.tokens, saved.stored, loaded.from_tiers) == (2 * chunk, 2, 2 * chunk)
+        assert loaded.tier_hits == {"redis": 2}
+        assert torch.equal(_pool_kv(runner, tokens), before)
+        assert tier.staging.allocations == buffers, "steady state made new buffers"
+        assert tier.staging.lent == 0
+        assert store_peak < chunk_bytes // 2, f"store: {store_peak} B for {chunk_bytes}-B chunks"
+        assert load_peak < chunk_bytes // 2, f"restore: {load_peak} B for {chunk_bytes}-B chunks"
     finally:
         xfer.close()
         manager.close()

@@ -249,6 +249,10 @@ def test_a_chunk_corrupt_in_a_later_layer_ends_a_blocking_load_at_that_chunk(mod
     )
     assert len(runner.pool.manager.match_prefix(tokens, runner.fingerprint)) == 4
     assert xfer.lost_restores == 0
+    # Checked group by group right before its scatter (a lent chunk): the failed check
+    # drops the chunk from its tier, as a chunk that fails up front is.
+    assert saved.keys[1] not in tier and saved.keys[0] in tier
+    assert xfer.manager.stats.rejected == {"corrupt": 1}
 
 
 def test_a_streamed_chunk_lost_mid_forward_stops_the_forward_and_is_uncached(model_dir):
