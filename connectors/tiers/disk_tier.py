@@ -26,7 +26,8 @@ import struct
 import threading
 import uuid
 from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from pathlib import Path
 from typing import TypeVar
 
@@ -50,6 +51,7 @@ from kvtier.connectors.tiers.chunk_checks import admission_error, is_valid
 from kvtier.connectors.tiers.chunk_index import ChunkIndex, IndexedNamespaces
 from kvtier.connectors.tiers.disk_io import failure_reason, fsync_dir, unlink_if_present
 from kvtier.connectors.tiers.host_buffers import StagingPool, round_up
+from kvtier.connectors.tiers.lent_chunk import ReadingBuffer
 from kvtier.errors import ChunkFormatError, InvalidArgumentError, TierError
 from kvtier.policies.eviction import ChunkInfo, EvictionPolicy, eviction_policy
 
@@ -75,6 +77,8 @@ class DiskTier(IndexedNamespaces, Tier):
     """
 
     name = "disk"
+    reads_in_background = True
+    """:meth:`lease` can lend whole chunks while their later layers are still read."""
 
     def __init__(
         self,
@@ -174,12 +178,16 @@ class DiskTier(IndexedNamespaces, Tier):
                 self.directory, exc.strerror,
             )
 
-    def _map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+    def _pool_or_closed(self) -> ThreadPoolExecutor:
         if self._pool is None:
             raise TierError("the disk tier is closed; create a new one")
+        return self._pool
+
+    def _map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+        pool = self._pool_or_closed()
         if len(items) <= 1:
             return [fn(item) for item in items]
-        return list(self._pool.map(fn, items))
+        return list(pool.map(fn, items))
 
     # --- put ---------------------------------------------------------------------------
     def put(
@@ -442,8 +450,8 @@ class DiskTier(IndexedNamespaces, Tier):
     # --- lease -------------------------------------------------------------------------
     @contextlib.contextmanager
     def lease(
-        self, keys: Sequence[str], layers: tuple[int, int] | None = None
-    ) -> Iterator[list[torch.Tensor | None]]:
+        self, keys: Sequence[str], layers: tuple[int, int] | None = None, background: bool = False
+    ) -> Iterator[list[torch.Tensor | ReadingBuffer | None]]:
         """The chunks (or layers ``layers`` of them) read straight into staging buffers,
         several files at once, each a uint8 tensor holding one valid chunk (None: a miss),
         unverified: check them with :func:`~kvtier.chunk_format.chunk_view`. No bytes
@@ -457,22 +465,30 @@ class DiskTier(IndexedNamespaces, Tier):
             raise InvalidArgumentError(f"layer range {layers} is empty or negative")
         with self._lock:
             present = [i for i, key in enumerate(keys) if self._index.get(key) is not None]
-        reads = self._map(lambda i: self._read_into(keys[i], layers), present)
-        out: list[torch.Tensor | None] = [None] * len(keys)
+        if background and layers is None:
+            reads = self._map(lambda i: self._read_head_into(keys[i]), present)
+        else:
+            reads = self._map(lambda i: self._read_into(keys[i], layers), present)
+        out: list[torch.Tensor | ReadingBuffer | None] = [None] * len(keys)
         gone: list[str] = []
         corrupt: list[str] = []
         held: list[torch.Tensor] = []
+        pending: list[Future[bool]] = []
         for i, got in zip(present, reads, strict=True):
             if got is _CORRUPT:
                 corrupt.append(keys[i])
             elif got is None:
                 gone.append(keys[i])
+            elif isinstance(got, ReadingBuffer):
+                held.append(got.buf)
+                pending.append(got.done)
+                out[i] = got
             else:
                 buf, length = got  # type: ignore[misc]
                 held.append(buf)
                 out[i] = buf[:length]
         self._forget(corrupt, gone)
-        hits = [v.numel() for v in out if v is not None]
+        hits = [(v.buf if isinstance(v, ReadingBuffer) else v).numel() for v in out if v is not None]
         with self.stats.lock:
             self.stats.gets += len(keys)
             self.stats.hits += len(hits)
@@ -482,8 +498,59 @@ class DiskTier(IndexedNamespaces, Tier):
         try:
             yield out
         finally:
+            futures_wait(pending)  # no read may land in a buffer handed out again
             for buf in held:
                 self._staging.release(buf)
+
+    def _read_head_into(self, key: str) -> object:
+        """The whole chunk into a staging buffer: its header and first layer now, the rest
+        on the pool (a :class:`ReadingBuffer`); a chunk too small to split (or an older
+        one with an unaligned payload) is read whole, as :meth:`_read_into` does."""
+        try:
+            fd, direct = self._open(key)
+        except FileNotFoundError:
+            return None
+        buf: torch.Tensor | None = None
+        handed_over = False
+        try:
+            size = os.fstat(fd).st_size
+            header, offset = self._read_header(fd, direct)
+            if header is None or size != offset + header.payload_nbytes:
+                return _CORRUPT
+            head = round_up(offset + header.layer_nbytes, disk_io.ALIGN)
+            buf = self._staging.acquire(disk_io.direct_read_room(0, size))
+            view = memoryview(buf.numpy())
+            whole = head >= size or header.num_layers < 2 or offset % 8
+            if not disk_io.read_into(fd, 0, size if whole else head, view, 0, direct):
+                self._staging.release(buf)
+                return _CORRUPT
+            if whole:
+                return buf, size
+            done = self._pool_or_closed().submit(self._read_rest, fd, head, size, view, direct)
+            handed_over = True
+            return ReadingBuffer(buf[:size], head, done)
+        except OSError as exc:
+            if buf is not None:
+                self._staging.release(buf)
+            log.warning("disk tier %s: reading chunk %s failed: %s", self.directory, key, exc)
+            self.stats.count_error("io_error")
+            return _CORRUPT
+        finally:
+            if not handed_over:
+                os.close(fd)
+
+    def _read_rest(self, fd: int, start: int, size: int, view: memoryview, direct: bool) -> bool:
+        """Bytes ``[start, size)`` of an open chunk file into ``view`` at the same offset,
+        then close it; False if the file ended first."""
+        try:
+            ok = disk_io.read_into(fd, start, size - start, view, start, direct)
+        except OSError as exc:
+            log.warning("disk tier %s: background read failed: %s", self.directory, exc)
+            self.stats.count_error("io_error")
+            raise
+        finally:
+            os.close(fd)
+        return ok
 
     def _read_into(self, key: str, layers: tuple[int, int] | None) -> object:
         """(staging buffer, chunk length), None if the file is gone, or _CORRUPT."""

@@ -8,16 +8,33 @@ model and length are checked before the chunk is lent, as for any lease; only th
 per-layer checksums wait for :meth:`LentChunk.check`, and no byte of a layer may be used
 before its check passed. A failed check is remembered: the manager drops the chunk from
 its tier once the lease ends, as it does a chunk that fails up front.
+
+A chunk may also be lent while its tier still reads it (:class:`ReadingBuffer`: the disk
+tier reads the header and layer 0 of every chunk first, the rest in the background), so
+that scattering one chunk overlaps reading the next; :meth:`LentChunk.check` then waits
+for the layers it checks to have landed, and a read that fails is a failed check.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
 from kvtier.chunk_format import ChunkHeader, check_layers
 from kvtier.errors import ChunkFormatError
+
+
+@dataclass
+class ReadingBuffer:
+    """A chunk's buffer whose bytes are still being read into it: the header and the first
+    ``ready_bytes`` bytes are there; the rest are there once ``done`` is True (False or an
+    exception: the read failed, and those bytes must never be used)."""
+
+    buf: torch.Tensor
+    ready_bytes: int
+    done: Future[bool]
 
 
 @dataclass
@@ -30,13 +47,33 @@ class LentChunk:
     header: ChunkHeader | None = None
     error: ChunkFormatError | None = None
     """The first failed check, if any."""
+    reading: ReadingBuffer | None = None
+    """Where the tier still reads the chunk's later layers (None: all read)."""
 
     def check(self, start: int, end: int) -> None:
-        """Verify layers ``[start, end)``; raises :class:`ChunkFormatError` on a mismatch."""
+        """Verify layers ``[start, end)``, once they have been read; raises
+        :class:`ChunkFormatError` on a mismatch or a failed read."""
         if self.buf is None or self.header is None:
             return
         try:
+            self._wait(end)
             check_layers(self.buf, self.header, start, end)
         except ChunkFormatError as exc:
             self.error = self.error or exc
             raise
+
+    def _wait(self, end: int) -> None:
+        """Wait until layers ``[0, end)`` lie in the buffer."""
+        reading, header = self.reading, self.header
+        if reading is None or header is None:
+            return
+        payload_at = self.buf.numel() - header.payload_nbytes  # type: ignore[union-attr]
+        if payload_at + end * header.layer_nbytes <= reading.ready_bytes:
+            return
+        try:
+            ok = reading.done.result()
+        except Exception as exc:  # noqa: BLE001 - an I/O error is a chunk that cannot be used
+            raise ChunkFormatError(f"chunk {header.key}: read failed: {exc}") from exc
+        if not ok:
+            raise ChunkFormatError(f"chunk {header.key}: file ended early (truncated)")
+        self.reading = None

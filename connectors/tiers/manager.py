@@ -23,7 +23,7 @@ from kvtier.chunk_format import byte_view, chunk_view, validate_chunk
 from kvtier.connectors.tiers.base import Blob, PutResult, Tier
 from kvtier.connectors.tiers.chunk_workers import map_restore
 from kvtier.connectors.tiers.host_buffers import StagingPool
-from kvtier.connectors.tiers.lent_chunk import LentChunk
+from kvtier.connectors.tiers.lent_chunk import LentChunk, ReadingBuffer
 from kvtier.connectors.tiers.namespace_usage import namespace_of
 from kvtier.errors import ChunkError, ChunkFormatError, ChunkMismatchError, InvalidArgumentError
 from kvtier.policies.eviction import ChunkInfo
@@ -430,7 +430,12 @@ class TierManager:
                 tier = self.tiers[ti]
                 if hasattr(tier, "lease"):
                     try:
-                        views = stack.enter_context(tier.lease([keys[i] for i in idxs], layers))
+                        sub = [keys[i] for i in idxs]
+                        views = stack.enter_context(
+                            tier.lease(sub, layers, background=True)
+                            if deferred and getattr(tier, "reads_in_background", False)
+                            else tier.lease(sub, layers)
+                        )
                     except Exception as exc:  # noqa: BLE001 - a failing tier is a miss
                         tier.stats.count_error(type(exc).__name__)
                         self.stats.misses += len(idxs)
@@ -473,7 +478,7 @@ class TierManager:
         self,
         keys: Sequence[str],
         idxs: Sequence[int],
-        views: Sequence[torch.Tensor | None],
+        views: Sequence[torch.Tensor | ReadingBuffer | None],
         layers: tuple[int, int] | None,
         raw: bool = False,
         deferred: bool = False,
@@ -482,14 +487,18 @@ class TierManager:
         KV view, or the error that rejects it; on two threads where there are several
         (the checksum releases the GIL: a restore's verification takes half the time)."""
 
-        def check(item: tuple[int, torch.Tensor | None]) -> torch.Tensor | LentChunk | ChunkError | None:
+        def check(item: tuple[int, torch.Tensor | ReadingBuffer | None]
+                  ) -> torch.Tensor | LentChunk | ChunkError | None:
             i, view = item
             if view is None:
                 return None
+            reading = view if isinstance(view, ReadingBuffer) else None
+            if reading is not None:
+                view = reading.buf  # header and first layer read: the rest still landing
             try:
                 header, kv = chunk_view(view, keys[i], self.fingerprint, layers, verify=not deferred)
                 if deferred:
-                    return LentChunk(kv, view, header)
+                    return LentChunk(kv, view, header, reading=reading)
                 return view if raw else kv
             except ChunkError as exc:
                 return exc

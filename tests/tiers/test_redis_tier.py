@@ -210,14 +210,15 @@ def test_batches_are_one_round_trip(tier: RedisTier, redis_server: RedisServer) 
         r0, e0, trips0 = reads(), commands("exists"), tier.round_trips
         assert tier.contains_prefix(keys) == 60
         r1, e1 = reads(), commands("exists")
-        # one INFO read by us between the two samples; the tier's pipeline is the rest
+        # one INFO read by us between the two samples; the tier's pipeline is the rest: a
+        # few socket reads (TCP may segment it on a loaded machine), never one per command
         assert e1 - e0 == 100
-        assert r1 - r0 - 1 <= 2, r1 - r0
+        assert r1 - r0 - 1 <= 8, r1 - r0
         assert tier.round_trips - trips0 == 1
 
         r0 = reads()
         assert sum(b is not None for b in tier.get(keys)) == 60
-        assert reads() - r0 - 1 <= 2
+        assert reads() - r0 - 1 <= 8
         # A put of 100 chunks: one pipeline (100 SETs, one send). How many socket reads the
         # server needs for it depends on TCP segmentation under load, so it is not counted.
         s0, trips0 = commands("set"), tier.round_trips
