@@ -20,6 +20,8 @@ each session its own token ids so no prefix is shared):
   ``open``/``write``: the bytes go to the device, bypassing the page cache, but there
   is no fsync of the file or the directory, nor a device-cache flush). It is on by
   default here (``disk_odirect``) as the closest LMCache gets to kvtier's write + fsync.
+  ``store_fsync_s`` also times the same store made durable: after it, every file and
+  directory LMCache wrote is fsynced (what kvtier's disk tier does before a chunk counts).
   Before the retrieve, ``os.sync()`` then ``POSIX_FADV_DONTNEED`` on every file of the
   disk directory, so the read is cold.
 - ``redis``: its Redis remote backend (``remote_url: redis://...``, ``remote_serde:
@@ -170,6 +172,27 @@ def _drop_page_cache(directory: str) -> int:
     return n
 
 
+def _fsync_tree(directory: str) -> None:
+    """fsync every file under ``directory``, then every directory: what LMCache's disk
+    backend would need to call for its stored chunks to survive a power loss (it never
+    does; kvtier's disk tier syncs each file and directory before a chunk counts)."""
+    dirs = []
+    for root, _, files in os.walk(directory):
+        dirs.append(root)
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    for d in dirs:
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def _delete_redis_keys(redis_url: str, prefix: str) -> None:
     """LMCache's Redis connector has no remove: delete this run's keys (every key starts
     with the model name, unique per call) so repeats and later runs start empty."""
@@ -262,6 +285,7 @@ def lmcache_store_retrieve(kv: torch.Tensor, tokens_per_session: int, sessions: 
         forget([t])
 
     store_s, retrieve_s, exact, cold_files, odirect_used = [], [], True, 0, None
+    durable_s: list[float] = []
     for r in range(repeats):
         toks = [torch.arange(tokens_per_session, dtype=torch.long)
                 + (r * sessions + s) * _TOKEN_STRIDE for s in range(sessions)]  # fmt: skip
@@ -270,6 +294,10 @@ def lmcache_store_retrieve(kv: torch.Tensor, tokens_per_session: int, sessions: 
             engine.store(toks[s], kvcaches=kv[:, :, session(s)])
         _wait_visible(engine, toks, location, stall_s)
         store_s.append(time.perf_counter() - t0)
+        if backend == "disk":  # what the same store costs made durable, as kvtier's is
+            t1 = time.perf_counter()
+            _fsync_tree(backends[location].path)
+            durable_s.append(store_s[-1] + time.perf_counter() - t1)
 
         if backend != "cpu":  # the bytes must come from the backend, not the CPU tier
             for t in toks:
@@ -313,7 +341,8 @@ def lmcache_store_retrieve(kv: torch.Tensor, tokens_per_session: int, sessions: 
     return {"store_s": min(store_s), "retrieve_s": min(retrieve_s), "bytes": nbytes,
             "bit_exact": bool(exact), "notes": "; ".join(notes), "backend": backend,
             "store_runs_s": store_s, "retrieve_runs_s": retrieve_s,
-            "disk_odirect": odirect_used}  # fmt: skip
+            "disk_odirect": odirect_used,
+            "store_fsync_s": min(durable_s) if durable_s else None}  # fmt: skip
 
 
 def _version() -> str:

@@ -25,3 +25,7 @@ def test_lmcache_stores_and_retrieves_the_same_kv_bit_exact(tmp_path, backend):
     assert result["bit_exact"] is True
     assert result["bytes"] == 2 * 2 * 2 * 512 * 2 * 16 * 2  # sessions * K/V * layers * tokens * H*D * bf16
     assert result["store_s"] > 0 and result["retrieve_s"] > 0
+    if backend == "disk":  # the same store made durable (every file and directory synced)
+        assert result["store_fsync_s"] >= result["store_s"]
+    else:
+        assert result["store_fsync_s"] is None
