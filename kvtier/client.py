@@ -13,6 +13,8 @@ tell an unknown session (404) from a bad chunk (400) from a full store (507).
 from __future__ import annotations
 
 import json
+import logging
+import threading
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,9 +23,12 @@ import httpx
 import msgpack
 
 from kvtier.chunk_wire import ChunkWire, ServiceError, error_from
+from kvtier.client_region import RegionLink, RegionUnavailable
 from kvtier.errors import InvalidArgumentError
 
 __all__ = ["AsyncClient", "Client", "Lookup", "ServiceError"]
+
+log = logging.getLogger(__name__)
 
 MSGPACK = "application/x-msgpack"
 OCTETS = "application/octet-stream"
@@ -183,11 +188,22 @@ def _headers(token: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
+def _region_gone(status: int, body: bytes) -> bool:
+    """The server does not know the region (it restarted, or the region was deleted)."""
+    if status != 404:
+        return False
+    try:
+        return json.loads(body)["error"]["type"] == "no_such_region"
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
 class Client:
     """Synchronous client (one connection pool; thread-safe as httpx.Client is)."""
 
     def __init__(
-        self, base_url: str, token: str | None = None, timeout: float = 60.0, **httpx_kwargs: Any
+        self, base_url: str, token: str | None = None, timeout: float = 60.0,
+        shm: bool = False, **httpx_kwargs: Any,
     ) -> None:
         self.http = httpx.Client(
             base_url=base_url, headers=_headers(token), timeout=timeout, **httpx_kwargs
@@ -196,6 +212,37 @@ class Client:
         """Single-chunk PUT/GET bodies over ``http://`` (see :mod:`kvtier.chunk_wire`)."""
         if base_url.startswith("http://") and not httpx_kwargs:
             self.wire = ChunkWire(base_url, _headers(token), timeout)
+        self.shm = shm
+        """Whole chunks move through a shared-memory region (a server on this host, see
+        :mod:`kvtier.client_region`); turned off, with a warning, where none can be used."""
+        self._local = threading.local()
+        self._links: list[RegionLink] = []
+        self._links_lock = threading.Lock()
+
+    # shared-memory regions: one per thread (a region holds one chunk in flight)
+    def _region(self) -> RegionLink | None:
+        if not self.shm:
+            return None
+        link = getattr(self._local, "link", None)
+        if link is None:
+            link = self._local.link = RegionLink(self._region_call)
+            with self._links_lock:
+                self._links.append(link)
+        return link
+
+    def _region_call(self, method: str, path: str, params: dict[str, Any] | None,
+                     body: Any) -> tuple[int, bytes]:
+        if self.wire is not None:
+            data = None if body is None else json.dumps(body).encode()
+            headers = {"Content-Type": "application/json"} if data is not None else None
+            resp = self.wire.request(method, path, params, data, headers)
+            return resp.status, resp.read()
+        r = self.http.request(method, path, params=params, json=body)
+        return r.status_code, r.content
+
+    def _no_region(self, why: RegionUnavailable) -> None:
+        log.warning("shared-memory regions are off for this client: %s", why)
+        self.shm = False
 
     def _send(self, call: _Call) -> httpx.Response:
         resp = self.http.request(
@@ -239,7 +286,23 @@ class Client:
 
     # data plane
     def put_chunk(self, key: str, blob: Blob, tier: str | None = None) -> dict[str, Any]:
-        """Store one chunk; ``blob`` is sent from where it is (bytes or any buffer)."""
+        """Store one chunk; ``blob`` is sent from where it is (bytes or any buffer), or
+        copied into this thread's shared-memory region (``shm``)."""
+        link = self._region()
+        if link is not None:
+            try:
+                n = link.write(blob)
+            except RegionUnavailable as exc:
+                self._no_region(exc)
+            else:
+                params = {"region": link.id, "offset": 0, "length": n, **({"tier": tier} if tier else {})}
+                status, body = self._region_call("PUT", f"/v1/chunks/{key}", params, None)
+                if _region_gone(status, body):  # the server restarted: a new region, once
+                    link.forget()
+                    return self.put_chunk(key, blob, tier)
+                if status not in (200, 201):
+                    raise error_from(status, body)
+                return json.loads(body)
         if self.wire is None:
             return self._send(_Routes.put_chunk(key, blob, tier)).json()
         params = {"tier": tier} if tier else None
@@ -268,6 +331,25 @@ class Client:
         """Read the chunk straight into ``out`` (a writable buffer that holds it): the
         filled part of it, or None when it is not stored. No bytes object is made."""
         mem = memoryview(out).cast("B")
+        link = self._region() if layers is None else None
+        if link is not None:
+            try:
+                link.room(len(mem))
+            except RegionUnavailable as exc:
+                self._no_region(exc)
+            else:
+                params = {"region": link.id, "offset": 0, "room": len(mem)}
+                status, body = self._region_call("GET", f"/v1/chunks/{key}", params, None)
+                if _region_gone(status, body):
+                    link.forget()
+                    return self.get_chunk_into(key, out, layers)
+                if status == 404:
+                    return None
+                if status == 413:
+                    raise InvalidArgumentError(f"chunk {key} does not fit a {len(mem)}-byte buffer")
+                if status != 200:
+                    raise error_from(status, body)
+                return link.read(mem, json.loads(body)["length"])
         if self.wire is None:
             blob = self.get_chunk(key, layers)
             if blob is None:
@@ -325,6 +407,10 @@ class Client:
                     yield event
 
     def close(self) -> None:
+        with self._links_lock:
+            links, self._links = self._links, []
+        for link in links:
+            link.close()
         self.http.close()
         if self.wire is not None:
             self.wire.close()

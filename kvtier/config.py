@@ -267,6 +267,13 @@ class ServerConfig(_Section):
     """Request bodies held at once across all requests; past it a request gets 503 with
     ``Retry-After`` (default: an eighth of the machine's memory, at most 2 GiB, never
     below ``max_body_bytes``)."""
+    shm_dir: str | None = "/dev/shm"
+    """Where same-host clients' shared-memory regions are made (a memory filesystem), so
+    chunk bytes cross no socket (docs/server.md); None, or a missing directory: none."""
+    shm_bytes: ByteSize = ByteSize(1 << 30)
+    """Bytes all shared-memory regions may hold together (0: none offered)."""
+    shm_regions_per_tenant: int = 8
+    """Regions one tenant may hold at once."""
     chunk_slot_bytes: ByteSize = ByteSize(4 << 20)
     """Sidecar mode (no ``--model``): the CPU arena's slot size, the largest chunk it holds
     (bigger chunks go to the disk tier). Engine mode sizes slots from the model."""
@@ -291,7 +298,8 @@ class ServerConfig(_Section):
             raise ValueError(f"port must be in 0..65535, got {v}")
         return v
 
-    @field_validator("max_body_bytes", "chunk_slot_bytes", "max_tokens_default")
+    @field_validator("max_body_bytes", "chunk_slot_bytes", "max_tokens_default",
+                     "shm_regions_per_tenant")
     @classmethod
     def _positive_size(cls, v: int) -> int:
         if v <= 0:

@@ -7,7 +7,7 @@ import os
 from fastapi import FastAPI, Request, Response
 
 from kvtier import __version__
-from kvtier.server import routes_chat, routes_chunks, routes_control
+from kvtier.server import routes_chat, routes_chunks, routes_control, routes_regions
 from kvtier.server.errors import install_error_handlers
 from kvtier.server.identity import identities
 from kvtier.server.middleware import BearerAuth, BodyLimit
@@ -37,6 +37,7 @@ def create_app(state: ServiceState) -> FastAPI:
     install_error_handlers(app, state.metrics.count_error)
     app.include_router(routes_control.router)
     app.include_router(routes_chunks.router)
+    app.include_router(routes_regions.router)
     app.include_router(routes_chat.router)
 
     @app.middleware("http")
@@ -49,8 +50,9 @@ def create_app(state: ServiceState) -> FastAPI:
 
     server = state.config.server
     # Outermost first to run: auth, then the size limit, then the app.
-    app.add_middleware(BodyLimit, limit=server.max_body_bytes,
-                       budget=inflight_budget(server.max_inflight_bytes, server.max_body_bytes))
+    budget = inflight_budget(server.max_inflight_bytes, server.max_body_bytes)
+    app.add_middleware(BodyLimit, limit=server.max_body_bytes, budget=budget)
+    state.regions.inflight_budget = budget  # uploads copied out of regions count alike
     tokens = identities(server)
     if tokens:
         app.add_middleware(BearerAuth, tokens=tokens)

@@ -48,6 +48,8 @@ def required_scope(method: str, path: str) -> str | None:
     """The scope a request needs (None: open, e.g. ``/healthz``)."""
     if path == "/healthz":
         return None
+    if path.startswith("/v1/regions"):
+        return "read"  # a region is memory to move chunks through, no access to any chunk
     if path.startswith("/v1/chunks"):
         reads = method in ("GET", "HEAD") or path in ("/v1/chunks/lookup", "/v1/chunks/batch/get")
         return "read" if reads else "write"

@@ -36,10 +36,12 @@ from kvtier.server.identity import identity_of
 from kvtier.server.schemas import (
     BatchGetRequest,
     BatchPutResponse,
+    GetIntoRegionResponse,
     LookupRequest,
     LookupResponse,
     PutResponse,
 )
+from kvtier.server.shm_regions import Region, copy_in
 from kvtier.server.state import ServiceState
 
 router = APIRouter(prefix="/v1/chunks", tags=["chunks"])
@@ -47,6 +49,9 @@ router = APIRouter(prefix="/v1/chunks", tags=["chunks"])
 MSGPACK = "application/x-msgpack"
 OCTETS = "application/octet-stream"
 Key = Annotated[str, Path(pattern=KEY_PATTERN, description="chunk key")]
+RegionArg = Annotated[str | None, Query(
+    pattern=r"^[0-9a-f]{32}$", description="a shared-memory region of the caller's (POST /v1/regions)")]
+OffsetArg = Annotated[int, Query(ge=0, description="with region: where in it the chunk lies")]
 Layers = Annotated[
     str | None,
     Query(pattern=r"^\d{1,4}:\d{1,4}$", description="read only layers START:END of the chunk"),
@@ -115,14 +120,33 @@ def _put_failed(report: PutReport) -> RouteError:
     responses={200: {"model": PutResponse}, **_ERRORS},
     openapi_extra=_BINARY_BODY,
 )
-async def put_chunk(key: Key, request: Request, tier: str | None = None) -> Response:
+async def put_chunk(key: Key, request: Request, tier: str | None = None,
+                    region: RegionArg = None, offset: OffsetArg = 0,
+                    length: Annotated[int | None, Query(ge=1, description=(
+                        "with region: the chunk's bytes in the region"))] = None) -> Response:
     """Store one chunk (201), or confirm it is already stored (200). A body with a
     ``Content-Length`` streams into a reused staging buffer, is verified there and goes
-    to the tier from it (the CPU tier copies it into its slot; disk writes it out)."""
+    to the tier from it (the CPU tier copies it into its slot; disk writes it out). With
+    ``region`` (a shared-memory region of the caller's, see ``POST /v1/regions``) there is
+    no body: the chunk is ``length`` bytes at ``offset`` of the region, copied out of it
+    before it is verified."""
     state, manager = _manager(request)
     start = _tier_arg(manager, tier)
-    length = declared_length(request)
     where = _stored_as(request, key)
+    if region is not None:
+        if length is None:
+            raise RouteError(400, "a PUT from a region names the chunk's length")
+        if declared_length(request):
+            raise RouteError(400, "a PUT from a region carries no body")
+        limit = state.config.server.max_body_bytes
+        if length > limit:
+            raise RouteError(413, f"chunk of {length} bytes is over server.max_body_bytes ({limit})")
+        tenant = identity_of(request.scope).tenant
+        t0 = time.perf_counter()
+        report = await run_in_threadpool(_put_from_region, state, manager, tenant, region,
+                                         offset, length, key, where, start)
+        return _put_answer(state, request, report, key, where, length, t0)
+    length = declared_length(request)
     t0 = time.perf_counter()
     if length is None:  # chunked upload: the body-limit middleware has it in one piece
         blob = await request.body()
@@ -133,13 +157,19 @@ async def put_chunk(key: Key, request: Request, tier: str | None = None) -> Resp
             report = await run_in_threadpool(
                 _verified_put, manager, key, where, memoryview(body.numpy()), start
             )
+    return _put_answer(state, request, report, key, where,
+                       length if length is not None else len(blob), t0)
+
+
+def _put_answer(state: ServiceState, request: Request, report: PutReport, key: str, where: str,
+                nbytes: int, t0: float) -> Response:
+    """201 stored / 200 present (or the 507 of a failed put), metrics counted."""
     state.metrics.transfer.labels("put").observe(time.perf_counter() - t0)
     if not report.ok:
         raise _put_failed(report)
     stored = [name for name, res in report.per_tier.items() if where in res.stored]
     status = "stored" if stored else "present"
     if stored:
-        nbytes = length if length is not None else len(blob)
         state.metrics.transfer_bytes.labels("put").inc(nbytes)
         state.metrics.tenant_bytes.labels(identity_of(request.scope).tenant, "put").inc(nbytes)
     tiers = stored or [name for name, res in report.per_tier.items() if where in res.present]
@@ -147,6 +177,19 @@ async def put_chunk(key: Key, request: Request, tier: str | None = None) -> Resp
     return Response(
         body_out.model_dump_json(), status_code=201 if stored else 200, media_type="application/json"
     )
+
+
+def _put_from_region(state: ServiceState, manager: TierManager, tenant: str, region_id: str,
+                     offset: int, length: int, key: str, where: str, start: int) -> PutReport:
+    """Copy the chunk out of the region into a staging buffer only the server writes, then
+    check and put it from there: what the client writes into its region afterwards cannot
+    change what was verified (worker thread)."""
+    with (state.regions.using(tenant, region_id) as region, state.regions.staging(length),
+          manager.staging.borrowed(length) as buf):
+        mem = memoryview(buf.numpy())[:length]
+        with region.view(offset, length) as src:
+            copy_in(mem, src)
+        return _verified_put(manager, key, where, mem, start)
 
 
 def _verified_put(manager: TierManager, key: str, where: str, blob: Blob, start: int
@@ -162,15 +205,33 @@ def _verified_put(manager: TierManager, key: str, where: str, blob: Blob, start:
     response_class=Response,
     responses={200: {"content": {OCTETS: {}}}, **_ERRORS},
 )
-async def get_chunk(key: Key, request: Request, layers: Layers = None) -> Response:
+async def get_chunk(key: Key, request: Request, layers: Layers = None,
+                    region: RegionArg = None, offset: OffsetArg = 0,
+                    room: Annotated[int | None, Query(ge=1, description=(
+                        "with region: bytes the chunk may take there (default: to its end)"))] = None,
+                    ) -> Response:
     """The chunk's bytes (verified), from the fastest tier holding it. A whole chunk is
     sent straight from the tier's memory under its lease (no copy into a response body);
-    a layer range, or a chunk the fastest tier holding it failed to give, is read whole."""
+    a layer range, or a chunk the fastest tier holding it failed to give, is read whole.
+    With ``region`` (a shared-memory region of the caller's) the whole chunk is written
+    into the region at ``offset`` instead (at most ``room`` bytes), and the answer is JSON
+    with its length (413, nothing written, when it does not fit)."""
     state, manager = _manager(request)
     span = _parse_layers(layers)
     where = _stored_as(request, key)
     tenant = identity_of(request.scope).tenant
     t0 = time.perf_counter()
+    if region is not None:
+        if span is not None:
+            raise RouteError(400, "a GET into a region is of the whole chunk (no layers)")
+        length, tier = await run_in_threadpool(_get_into_region, state, manager, tenant, region,
+                                               offset, room, key, where)
+        state.metrics.transfer.labels("get").observe(time.perf_counter() - t0)
+        state.metrics.transfer_bytes.labels("get").inc(length)
+        state.metrics.tenant_bytes.labels(tenant, "get").inc(length)
+        body = GetIntoRegionResponse(key=key, length=length, tier=tier)
+        return Response(body.model_dump_json(), media_type="application/json",
+                        headers={"X-KVTier-Tier": tier})
     if span is None:
         leased = await run_in_threadpool(_lease_whole, manager, where)
         if leased == "missing":
@@ -189,6 +250,34 @@ async def get_chunk(key: Key, request: Request, layers: Layers = None) -> Respon
     state.metrics.transfer_bytes.labels("get").inc(len(blob))
     state.metrics.tenant_bytes.labels(tenant, "get").inc(len(blob))
     return Response(blob, media_type=OCTETS, headers={"X-KVTier-Tier": tier or ""})
+
+
+def _get_into_region(state: ServiceState, manager: TierManager, tenant: str, region_id: str,
+                     offset: int, room: int | None, key: str, where: str) -> tuple[int, str]:
+    """Write the verified chunk into the caller's region (worker thread): (length, tier)."""
+    with state.regions.using(tenant, region_id) as region:
+        end = region.size if room is None else min(region.size, offset + room)
+        leased = _lease_whole(manager, where)
+        if leased is not None and leased != "missing":
+            view, lease, tier = leased
+            with lease:
+                _copy_to_region(region, offset, end, key, memoryview(view.numpy()))
+            return view.numel(), tier
+        if leased == "missing":
+            raise RouteError(404, f"chunk {key} is not stored")
+        ((blob, tier),) = manager.get_each([where])
+        if blob is None:
+            raise RouteError(404, f"chunk {key} is not stored")
+        _copy_to_region(region, offset, end, key, memoryview(blob))
+        return len(blob), tier or ""
+
+
+def _copy_to_region(region: Region, offset: int, end: int, key: str, data: memoryview) -> None:
+    if offset + len(data) > end:
+        raise RouteError(413, f"chunk {key} is {len(data)} bytes: it does not fit in the "
+                         f"{max(end - offset, 0)} bytes of region {region.id} at offset {offset}")
+    with region.view(offset, len(data)) as dst:
+        copy_in(dst, data)
 
 
 def _lease_whole(manager: TierManager, key: str):

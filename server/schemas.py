@@ -118,6 +118,22 @@ class PutResponse(_Doc):
     tiers: list[str]
 
 
+class RegionRequest(_Doc):
+    bytes: int = Field(ge=1, description="size of the region: room for the largest chunk it moves")
+
+
+class RegionResponse(_Doc):
+    id: str
+    path: str = Field(description="the file to map (same host, same user)")
+    bytes: int
+
+
+class GetIntoRegionResponse(_Doc):
+    key: str
+    length: int = Field(description="bytes of the chunk, written at the region's offset")
+    tier: str
+
+
 class BatchPutResponse(_Doc):
     stored: list[str]
     present: list[str]

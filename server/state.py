@@ -21,6 +21,7 @@ from kvtier.engine.async_engine import AsyncEngine
 from kvtier.engine.engine import Engine
 from kvtier.engine.session import ChatSession
 from kvtier.server.metrics import ServiceMetrics
+from kvtier.server.shm_regions import RegionTable
 
 
 class ServiceState:
@@ -43,6 +44,9 @@ class ServiceState:
         if manager is not None:
             manager.quotas = {t: q.per_tier() for t, q in config.server.quotas.items()}
         self.metrics = ServiceMetrics()
+        server = config.server
+        self.regions = RegionTable(server.shm_dir, server.shm_bytes, server.shm_regions_per_tenant)
+        """Same-host clients' shared-memory regions (server/shm_regions.py)."""
         self.started = time.monotonic()
         self.created = int(time.time())
 
@@ -65,6 +69,7 @@ class ServiceState:
         return cls(config, engine.tiers, AsyncEngine(engine), Path(model_dir).name)
 
     def close(self) -> None:
+        self.regions.close()
         if self.engine is not None:
             self.engine.close()
             self.engine.engine.close()  # closes its tiers too

@@ -64,6 +64,8 @@ OPERATIONS = [
     "POST /v1/chunks/lookup",
     "POST /v1/chunks/batch/get",
     "POST /v1/chunks/batch/put",
+    "POST /v1/regions",
+    "DELETE /v1/regions/{region_id}",
     "POST /v1/chat/completions",
     "GET /v1/models",
     "GET /v1/models/{model}",

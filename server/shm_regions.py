@@ -1,0 +1,224 @@
+"""Shared-memory regions: a same-host client's chunk bytes cross no socket.
+
+Over loopback HTTP a chunk is copied by the kernel into a socket, out of it in pieces, and
+once more into a staging buffer; the sidecar's PUT runs at a fraction of the memory's speed
+(docs/performance.md). A client on the same host may instead ask for a region: a file in a
+memory filesystem (``server.shm_dir``, ``/dev/shm`` by default) that the server creates
+with mode 0600 under a random name and maps, and that the client maps too. A PUT then names
+``region``, ``offset`` and ``length`` instead of carrying a body, and a GET names a region
+and offset to receive the chunk there.
+
+What keeps the data path's promises:
+
+- The server copies an upload out of the region into memory only it can write *before* it
+  verifies it: a client that changes the region afterwards cannot change what was checked.
+- A region belongs to the tenant that created it; another tenant naming it gets a 404, as
+  for a region that does not exist. The file is the server user's, mode 0600: a process
+  of another user cannot open it (it uses HTTP bodies), one of the same user could anyway
+  read the server's memory.
+- Regions count against ``server.shm_bytes`` in total and ``server.shm_regions_per_tenant``
+  each; they are removed on ``DELETE``, when the server stops, and at start-up when a
+  server that died left them (their names carry its pid).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import re
+import secrets
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from kvtier.server.errors import RouteError
+
+PREFIX = "kvtier-region-"
+_NAME_RE = re.compile(rf"{PREFIX}(\d+)-([0-9a-f]{{32}})")
+_ID_RE = re.compile(r"[0-9a-f]{32}")
+
+
+@dataclass
+class Region:
+    id: str
+    tenant: str
+    path: Path
+    size: int
+    mem: mmap.mmap
+    users: int = 0
+    deleted: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def view(self, offset: int, length: int) -> memoryview:
+        """Bytes ``[offset, offset + length)`` of the region (checked against its size)."""
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise RouteError(400, f"bytes {offset}..{offset + length} lie outside region "
+                             f"{self.id} ({self.size} bytes)")
+        return memoryview(self.mem)[offset : offset + length]
+
+
+class RegionTable:
+    """The regions one server holds (see the module docstring)."""
+
+    def __init__(self, directory: str | os.PathLike[str] | None, max_bytes: int,
+                 per_tenant: int, inflight_budget: int | None = None) -> None:
+        self.directory = None if directory is None else Path(directory)
+        self.max_bytes = max_bytes
+        self.per_tenant = per_tenant
+        self.inflight_budget = inflight_budget
+        """Bytes uploads from regions may stage at once (as request bodies may)."""
+        self._inflight = 0
+        self._regions: dict[str, Region] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()
+        if self.directory is not None and self.directory.is_dir():
+            self.removed_stale = self._remove_stale()
+        else:
+            self.removed_stale = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.directory is not None and self.directory.is_dir() and self.max_bytes > 0
+
+    @property
+    def held_bytes(self) -> int:
+        with self._lock:
+            return self._bytes
+
+    def _remove_stale(self) -> int:
+        """Delete regions whose server (the pid in their name) is gone."""
+        n = 0
+        assert self.directory is not None
+        for path in self.directory.glob(f"{PREFIX}*"):
+            m = _NAME_RE.fullmatch(path.name)
+            if m is None or _alive(int(m.group(1))):
+                continue
+            with contextlib.suppress(OSError):
+                path.unlink()
+                n += 1
+        return n
+
+    def create(self, tenant: str, size: int) -> Region:
+        """A new region of ``size`` bytes for ``tenant`` (zero-filled, mapped)."""
+        if not self.enabled:
+            raise RouteError(404, "this server offers no shared-memory regions "
+                             "(server.shm_dir is unset or missing)", "no_regions")
+        if size < 1:
+            raise RouteError(400, f"a region needs at least 1 byte, not {size}")
+        with self._lock:
+            mine = sum(r.tenant == tenant for r in self._regions.values())
+            if mine >= self.per_tenant:
+                raise RouteError(429, f"tenant {tenant} holds {mine} regions already "
+                                 f"(server.shm_regions_per_tenant); delete one first")
+            if self._bytes + size > self.max_bytes:
+                raise RouteError(507, f"regions would hold {self._bytes + size} bytes, over "
+                                 f"server.shm_bytes ({self.max_bytes})", "regions_full")
+            self._bytes += size
+        try:
+            region = self._map_new(tenant, size)
+        except OSError as exc:
+            with self._lock:
+                self._bytes -= size
+            raise RouteError(507, f"could not create a region of {size} bytes: {exc.strerror}",
+                             "regions_full") from None
+        with self._lock:
+            self._regions[region.id] = region
+        return region
+
+    def _map_new(self, tenant: str, size: int) -> Region:
+        assert self.directory is not None
+        rid = secrets.token_hex(16)
+        path = self.directory / f"{PREFIX}{os.getpid()}-{rid}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        try:
+            os.ftruncate(fd, size)
+            mem = mmap.mmap(fd, size)
+        except OSError:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                path.unlink()
+            raise
+        os.close(fd)
+        return Region(rid, tenant, path, size, mem)
+
+    @contextlib.contextmanager
+    def using(self, tenant: str, region_id: str) -> Iterator[Region]:
+        """``tenant``'s region, held open (not unmapped by a concurrent delete) until the
+        block ends; a 404 when it does not exist or is another tenant's."""
+        with self._lock:
+            region = self._regions.get(region_id) if _ID_RE.fullmatch(region_id) else None
+            if region is None or region.tenant != tenant:
+                raise RouteError(404, f"no region {region_id!r}", "no_such_region")
+            region.users += 1
+        try:
+            yield region
+        finally:
+            with self._lock:
+                region.users -= 1
+                done = region.deleted and region.users == 0
+            if done:
+                _unmap(region)
+
+    @contextlib.contextmanager
+    def staging(self, nbytes: int) -> Iterator[None]:
+        """Room for an upload of ``nbytes`` copied out of a region; 503 past the budget."""
+        with self._lock:
+            if self.inflight_budget is not None and self._inflight + nbytes > self.inflight_budget:
+                raise RouteError(503, f"{self._inflight} bytes of uploads in flight; {nbytes} "
+                                 f"more would pass server.max_inflight_bytes: retry")
+            self._inflight += nbytes
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._inflight -= nbytes
+
+    def delete(self, tenant: str, region_id: str) -> None:
+        with self._lock:
+            region = self._regions.get(region_id) if _ID_RE.fullmatch(region_id) else None
+            if region is None or region.tenant != tenant:
+                raise RouteError(404, f"no region {region_id!r}", "no_such_region")
+            del self._regions[region_id]
+            self._bytes -= region.size
+            region.deleted = True
+            idle = region.users == 0
+        with contextlib.suppress(OSError):
+            region.path.unlink()
+        if idle:
+            _unmap(region)
+
+    def close(self) -> None:
+        with self._lock:
+            regions = list(self._regions.values())
+            self._regions.clear()
+            self._bytes = 0
+        for region in regions:
+            with contextlib.suppress(OSError):
+                region.path.unlink()
+            region.deleted = True
+            if region.users == 0:
+                _unmap(region)
+
+
+def copy_in(dst: memoryview, src: memoryview) -> None:
+    """``dst[:] = src`` with numpy (releases the GIL for the copy)."""
+    np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
+
+
+def _unmap(region: Region) -> None:
+    with contextlib.suppress(BufferError, ValueError):
+        region.mem.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

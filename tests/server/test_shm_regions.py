@@ -1,0 +1,160 @@
+"""Shared-memory regions over real HTTP on loopback: a same-host client moves whole chunks
+through a region instead of request bodies, bit-exact through the CPU and disk tiers; what
+is verified is what is stored, whatever the client writes into its region afterwards; a
+region is its tenant's alone, bounded, and gone when deleted or when the server stops."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import httpx
+import pytest
+
+from kvtier.chunk_format import namespaced_key
+from kvtier.client import Client, ServiceError
+from kvtier.config import TokenConfig
+from kvtier.errors import InvalidArgumentError
+from kvtier.server.state import ServiceState
+from tests.http_server import running
+from tests.server.test_server_chunks import _config, chunk, key
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm on this host")
+
+
+def _state(tmp_path, **server) -> ServiceState:
+    cfg = _config(tmp_path, max_body_bytes=4 << 20, chunk_slot_bytes=1 << 20,
+                  shm_dir=str(tmp_path / "shm"), **server)
+    (tmp_path / "shm").mkdir()
+    cfg.tiers.cpu_bytes = 4 << 20
+    return ServiceState.sidecar(cfg)
+
+
+def _regions(tmp_path) -> list[str]:
+    return sorted(p.name for p in (tmp_path / "shm").iterdir())
+
+
+def test_chunks_round_trip_through_a_region_in_cpu_and_disk_tiers(tmp_path):
+    state = _state(tmp_path)
+    blobs = {key(i): chunk(key(i), seed=i, layers=8, tokens=64 if i % 2 else 1024) for i in range(6)}
+    with running(state) as url, Client(url, shm=True) as kv:
+        for k, b in blobs.items():
+            assert kv.put_chunk(k, b)["status"] == "stored"
+        assert kv.put_chunk(key(5), blobs[key(5)])["status"] == "present"
+        out = bytearray(2 << 20)
+        for k, b in blobs.items():
+            assert bytes(kv.get_chunk_into(k, out)) == b
+            assert kv.get_chunk(k) == b  # the same chunks over HTTP bodies
+        assert kv.shm and len(_regions(tmp_path)) == 1
+        tiers = {r["name"]: r for r in kv.stats()["tiers"]}
+        assert tiers["disk"]["chunks"] >= 1 and tiers["cpu"]["chunks"] >= 1  # both were used
+        assert kv.get_chunk_into(key(99), out) is None
+        with pytest.raises(InvalidArgumentError):
+            kv.get_chunk_into(key(2), bytearray(100))  # does not fit the caller's buffer
+    assert _regions(tmp_path) == []  # the client deleted its region when it closed
+
+
+def test_bytes_changed_in_the_region_after_the_put_do_not_change_what_was_stored(tmp_path):
+    state = _state(tmp_path)
+    blob = chunk(key(1), seed=1, layers=8, tokens=256)
+    with running(state) as url, httpx.Client(base_url=url) as http:
+        reg = http.post("/v1/regions", json={"bytes": 1 << 20}).json()
+        fd = os.open(reg["path"], os.O_RDWR)
+        mem = memoryview(__import__("mmap").mmap(fd, reg["bytes"]))
+        os.close(fd)
+        mem[: len(blob)] = blob
+        stop = threading.Event()
+
+        def scribble() -> None:  # another thread keeps flipping the region's bytes
+            i = 0
+            while not stop.is_set():
+                mem[100 + i % 1000] ^= 0xFF
+                i += 1
+
+        t = threading.Thread(target=scribble)
+        t.start()
+        try:
+            codes = [http.put(f"/v1/chunks/{key(i)}", params={"region": reg["id"], "length": len(blob)}
+                              ).status_code for i in range(1, 30)]
+        finally:
+            stop.set()
+            t.join()
+        # the header names key(1): every other key is refused; key(1) is stored or refused
+        assert set(codes[1:]) == {400} and codes[0] in (201, 400)
+        got = state.manager.get([namespaced_key("default", key(1))])[0]
+        assert got is None or bytes(got) == blob  # never a scribbled chunk
+        mem.release()
+
+
+def test_a_region_is_its_tenants_alone(tmp_path):
+    tokens = [TokenConfig(token="token-alice", tenant="alice", scopes=["read", "write"]),
+              TokenConfig(token="token-bob1", tenant="bob", scopes=["read", "write"]),
+              TokenConfig(token="token-reader", tenant="alice", scopes=["read"])]
+    state = _state(tmp_path, tokens=tokens)
+    blob = chunk(key(1))
+    with running(state) as url, Client(url, token="token-alice", shm=True) as alice:
+        alice.put_chunk(key(1), blob)
+        rid = alice._local.link.id  # noqa: SLF001 - alice's region
+        with httpx.Client(base_url=url, headers={"Authorization": "Bearer token-bob1"}) as bob:
+            r = bob.get(f"/v1/chunks/{key(1)}", params={"region": rid})
+            assert r.status_code == 404 and r.json()["error"]["type"] == "no_such_region"
+            assert bob.put(f"/v1/chunks/{key(1)}", params={"region": rid, "length": len(blob)}
+                           ).status_code == 404
+            assert bob.delete(f"/v1/regions/{rid}").status_code == 404
+        with Client(url, token="token-reader", shm=True) as reader:  # read scope: regions and GETs
+            assert bytes(reader.get_chunk_into(key(1), bytearray(1 << 16))) == blob
+            with pytest.raises(ServiceError) as err:
+                reader.put_chunk(key(2), chunk(key(2)))
+            assert err.value.status == 403
+
+
+def test_region_requests_are_checked(tmp_path):
+    state = _state(tmp_path, shm_bytes=3 << 20, shm_regions_per_tenant=2)
+    blob = chunk(key(1))
+    with running(state) as url, httpx.Client(base_url=url) as http:
+        assert http.post("/v1/regions", json={"bytes": 8 << 20}).status_code == 413  # > max body
+        a = http.post("/v1/regions", json={"bytes": 2 << 20}).json()
+        assert http.post("/v1/regions", json={"bytes": 2 << 20}).status_code == 507  # > shm_bytes
+        b = http.post("/v1/regions", json={"bytes": 4096}).json()
+        assert http.post("/v1/regions", json={"bytes": 4096}).status_code == 429  # per tenant
+        assert http.post("/v1/regions", json={"bytes": 0}).status_code == 422
+        rid = a["id"]
+        put = f"/v1/chunks/{key(1)}"
+        assert http.put(put, params={"region": rid}).status_code == 400  # no length
+        assert http.put(put, params={"region": rid, "length": len(blob), "offset": (2 << 20) - 10}
+                        ).status_code == 400  # past the region's end
+        assert http.put(put, params={"region": rid, "length": 64}).status_code == 400  # zeros
+        assert http.put(put, params={"region": rid, "length": 64}, content=b"x" * 64).status_code == 400
+        assert http.put(put, params={"region": "0" * 32, "length": 64}).status_code == 404
+        assert state.manager.lookup([namespaced_key("default", key(1))]).length == 0  # nothing stored
+        assert http.put(put, content=blob).status_code == 201
+        small = http.get(put, params={"region": b["id"]})
+        assert small.status_code == 413  # 4 KiB region: the chunk does not fit, nothing written
+        assert http.get(put, params={"region": rid, "layers": "0:1"}).status_code == 400
+        assert http.delete(f"/v1/regions/{rid}").status_code == 204
+        assert http.get(put, params={"region": rid}).status_code == 404
+        assert len(_regions(tmp_path)) == 1
+    assert _regions(tmp_path) == []  # the server removed the rest when it stopped
+
+
+def test_a_client_falls_back_to_bodies_where_no_region_can_be_used(tmp_path):
+    state = _state(tmp_path, shm_bytes=0)  # regions off
+    blob = chunk(key(1))
+    with running(state) as url, Client(url, shm=True) as kv:
+        assert kv.put_chunk(key(1), blob)["status"] == "stored"
+        assert not kv.shm  # turned off after the server said no
+        assert bytes(kv.get_chunk_into(key(1), bytearray(1 << 16))) == blob
+
+
+def test_regions_left_by_a_dead_server_are_removed_at_start(tmp_path):
+    (tmp_path / "shm").mkdir()
+    dead = tmp_path / "shm" / ("kvtier-region-999999999-" + "a" * 32)
+    dead.write_bytes(b"x")
+    other = tmp_path / "shm" / "something-else"
+    other.write_bytes(b"y")
+    cfg = _config(tmp_path, shm_dir=str(tmp_path / "shm"))
+    state = ServiceState.sidecar(cfg)
+    try:
+        assert state.regions.removed_stale == 1 and not dead.exists() and other.exists()
+    finally:
+        state.close()
