@@ -38,6 +38,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tier", default="cpu", choices=["cpu", "disk"], help="tier under test")
     p.add_argument("--max-seconds", type=float, default=120.0, help="time bound per phase")
     p.add_argument("--url", default=None, help="an already running server (else one starts)")
+    p.add_argument("--no-shm", dest="shm", action="store_false",
+                   help="skip the one-client run through a shared-memory region")
     p.add_argument("--out", default=None, help="write JSON results here")
     p.set_defaults(func=run)
 
@@ -168,9 +170,10 @@ async def load(url: str, blobs: dict[str, bytes], clients: int, batch: int, max_
     return {"put": put, "get": get, "batch_get": many}
 
 
-def one_client(url: str, blobs: dict[str, bytes]) -> dict:
+def one_client(url: str, blobs: dict[str, bytes], shm: bool = False) -> dict:
     """One synchronous :class:`~kvtier.client.Client`, as a connector calls it: PUT each
-    chunk from its buffer, then GET each into one reused buffer (checked byte for byte)."""
+    chunk from its buffer, then GET each into one reused buffer (checked byte for byte).
+    ``shm``: through a shared-memory region (a same-host client), not request bodies."""
     import numpy as np
 
     from kvtier.client import Client
@@ -178,7 +181,7 @@ def one_client(url: str, blobs: dict[str, bytes]) -> dict:
 
     total = sum(len(b) for b in blobs.values())
     out = bytearray(max(len(b) for b in blobs.values()))
-    with Client(url, timeout=300) as kv:
+    with Client(url, timeout=300, shm=shm) as kv:
         lat: list[float] = []
         for key, blob in blobs.items():
             s = time.perf_counter()
@@ -193,6 +196,8 @@ def one_client(url: str, blobs: dict[str, bytes]) -> dict:
             if got is None or not np.array_equal(np.frombuffer(got, np.uint8), np.frombuffer(blob, np.uint8)):
                 raise KVTierError(f"GET {key} returned other bytes than were put")
         get = _stats(lat, total, sum(lat), len(blobs), len(blobs))  # (checks off the clock)
+        if shm and not kv.shm:
+            raise KVTierError("the server offered no shared-memory region")
     return {"put": put, "get": get}
 
 
@@ -280,6 +285,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             result = asyncio.run(load(url, blobs, args.clients, args.batch, args.max_seconds))
             sync = one_client(url, make_chunks(args.chunks, args.chunk_kib, first=args.chunks))
+            shm = one_client(url, make_chunks(args.chunks, args.chunk_kib, first=2 * args.chunks),
+                             shm=True) if args.shm and os.path.isdir("/dev/shm") else None
         finally:
             if proc is not None:
                 proc.terminate()
@@ -301,11 +308,19 @@ def run(args: argparse.Namespace) -> int:
             "ratio_get_vs_loopback": sync["get"]["gbps"] / wire["gbps"],
         },
     }
+    if shm is not None:
+        payload["one_shm_client"] = {
+            **shm,
+            "ratio_put_vs_raw": shm["put"]["gbps"] / raw["put_gbps"],
+            "ratio_get_vs_raw": shm["get"]["gbps"] / raw["get_gbps"],
+        }
     table = Table(title=f"kvtier serve data plane, {args.clients} clients, {args.tier} tier")
     for col in ("phase", "chunks", "GB/s", "req/s", "p50 ms", "p99 ms", "raw tier GB/s", "loopback GB/s"):
         table.add_column(col, justify="right")
     rows = [(p, result[p], k) for p, k in (("put", "put_gbps"), ("get", "get_gbps"), ("batch_get", "get_gbps"))]
     rows += [(f"sync {p}", sync[p], f"{p}_gbps") for p in ("put", "get")]
+    if shm is not None:
+        rows += [(f"shm {p}", shm[p], f"{p}_gbps") for p in ("put", "get")]
     for phase, r, raw_key in rows:
         table.add_row(phase, str(r["chunks"]), f"{r['gbps']:.3f}", f"{r['requests_per_s']:.0f}",
                       f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}", f"{raw[raw_key]:.3f}", f"{wire['gbps']:.3f}")  # fmt: skip

@@ -264,6 +264,7 @@ def chunk_view(
     fingerprint: bytes | None = None,
     layers: tuple[int, int] | None = None,
     verify: bool = True,
+    as_kv: bool = True,
 ) -> tuple[ChunkHeader, torch.Tensor]:
     """Verify the chunk in ``buf`` (a 1-D uint8 CPU tensor holding exactly one chunk) and
     return its KV, or only the model's layers ``[start, end)`` of it (only their checksums
@@ -272,7 +273,9 @@ def chunk_view(
     as a *view* of ``buf`` (no copy) where the payload is aligned for its dtype, as
     :func:`encode_into` writes it; a copy otherwise. The view is only as stable as ``buf``:
     hold the tier's lease on it while reading. ``verify=False`` skips the checksums, for a
-    chunk its reader verified already (key, model and length are still checked)."""
+    chunk its reader verified already (key, model and length are still checked).
+    ``as_kv=False``: only check; the payload is returned as the bytes it is (uint8, a view
+    even where it is unaligned: for a reader that sends the chunk on as it is)."""
     mem = memoryview(buf.numpy()).cast("B")
     header, offset = parse_header(mem)
     if len(mem) - offset != header.payload_nbytes:
@@ -291,6 +294,8 @@ def chunk_view(
         raise ChunkMismatchError(f"chunk {header.key} was computed by another model")
     dtype = DTYPES[header.dtype]
     payload = buf[offset + span_start : offset + span_start + span_len]
+    if not as_kv:
+        return range_header(header, (start, end)), payload
     if (payload.storage_offset()) % dtype.itemsize:
         payload = payload.clone()  # an older chunk with an unaligned payload
     header = range_header(header, (start, end))

@@ -16,12 +16,13 @@ import contextlib
 import time
 from typing import Annotated, Any
 
+import torch
 from fastapi import APIRouter, Path, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 
 from kvtier.chunk_format import logical_key, namespaced_key, validate_chunk
 from kvtier.chunk_keys import KEY_PATTERN, KEY_RE
-from kvtier.connectors.tiers.base import Blob
+from kvtier.connectors.tiers.base import Blob, PutResult
 from kvtier.connectors.tiers.manager import PutReport, TierManager
 from kvtier.errors import ChunkError
 from kvtier.server.chunk_body import (
@@ -181,15 +182,27 @@ def _put_answer(state: ServiceState, request: Request, report: PutReport, key: s
 
 def _put_from_region(state: ServiceState, manager: TierManager, tenant: str, region_id: str,
                      offset: int, length: int, key: str, where: str, start: int) -> PutReport:
-    """Copy the chunk out of the region into a staging buffer only the server writes, then
-    check and put it from there: what the client writes into its region afterwards cannot
-    change what was verified (worker thread)."""
-    with (state.regions.using(tenant, region_id) as region, state.regions.staging(length),
-          manager.staging.borrowed(length) as buf):
-        mem = memoryview(buf.numpy())[:length]
-        with region.view(offset, length) as src:
+    """Copy the chunk out of the region into memory only the server writes, then check it
+    there: what the client writes into its region afterwards cannot change what was
+    verified (worker thread). Where the tier lends its memory (the CPU arena) that memory
+    is the chunk's slot, which becomes visible only once the checks passed; else a staging
+    buffer the chunk is put from."""
+    with state.regions.using(tenant, region_id) as region, region.view(offset, length) as src:
+
+        def fill(slot: torch.Tensor) -> int:
+            mem = memoryview(slot.numpy())[:length]
             copy_in(mem, src)
-        return _verified_put(manager, key, where, mem, start)
+            _verify(manager, key, mem)
+            return length
+
+        got = manager.store_in_place(start, where, length, fill, reraise=(RouteError,))
+        if got in ("stored", "present"):
+            res = PutResult(stored=[where]) if got == "stored" else PutResult(present=[where])
+            return PutReport(per_tier={manager.tiers[start].name: res})
+        with state.regions.staging(length), manager.staging.borrowed(length) as buf:
+            mem = memoryview(buf.numpy())[:length]
+            copy_in(mem, src)
+            return _verified_put(manager, key, where, mem, start)
 
 
 def _verified_put(manager: TierManager, key: str, where: str, blob: Blob, start: int

@@ -379,17 +379,21 @@ class TierManager:
 
     def store_in_place(
         self, tier: int, key: str, nbytes: int, fill: Callable[[torch.Tensor], int],
-        info: ChunkInfo | None = None,
+        info: ChunkInfo | None = None, reraise: tuple[type[BaseException], ...] = (),
     ) -> str | None:
         """Write one chunk straight into ``tier``'s memory when it lends it (the CPU
         arena, see :meth:`CPUTier.store_in_place`) and the write policy is write-back;
-        None when it does not (the caller puts a blob). A failing tier answers ``error``."""
+        None when it does not (the caller puts a blob). A failing tier answers ``error``;
+        ``reraise``: errors of ``fill`` that are the caller's (a chunk that fails its
+        checks), raised as they are after the slot is freed."""
         target = self.tiers[tier]
         if not self.lends_memory(tier, key):
             return None
         write = target.store_in_place  # type: ignore[attr-defined]
         try:
             return write(key, nbytes, fill, info)
+        except reraise:
+            raise
         except Exception as exc:  # noqa: BLE001 - reported, the caller falls back
             target.stats.count_error(type(exc).__name__)
             log.warning("in-place store of %s in %s failed: %s", key, target.name, exc)
@@ -496,7 +500,8 @@ class TierManager:
             if reading is not None:
                 view = reading.buf  # header and first layer read: the rest still landing
             try:
-                header, kv = chunk_view(view, keys[i], self.fingerprint, layers, verify=not deferred)
+                header, kv = chunk_view(view, keys[i], self.fingerprint, layers,
+                                        verify=not deferred, as_kv=not raw)
                 if deferred:
                     return LentChunk(kv, view, header, reading=reading)
                 return view if raw else kv
