@@ -23,8 +23,9 @@ from fastapi.concurrency import run_in_threadpool
 from kvtier.chunk_format import logical_key, namespaced_key, validate_chunk
 from kvtier.chunk_keys import KEY_PATTERN, KEY_RE
 from kvtier.connectors.tiers.base import Blob, PutResult
+from kvtier.connectors.tiers.lent_chunk import LentChunk
 from kvtier.connectors.tiers.manager import PutReport, TierManager
-from kvtier.errors import ChunkError
+from kvtier.errors import ChunkError, ChunkFormatError
 from kvtier.server.chunk_body import (
     LeasedResponse,
     PiecewiseResponse,
@@ -46,6 +47,8 @@ from kvtier.server.shm_regions import Region, copy_in
 from kvtier.server.state import ServiceState
 
 router = APIRouter(prefix="/v1/chunks", tags=["chunks"])
+GROUP_BYTES = 4 << 20
+"""A GET into a region checks and copies a chunk this many bytes of layers at a time."""
 
 MSGPACK = "application/x-msgpack"
 OCTETS = "application/octet-stream"
@@ -267,17 +270,22 @@ async def get_chunk(key: Key, request: Request, layers: Layers = None,
 
 def _get_into_region(state: ServiceState, manager: TierManager, tenant: str, region_id: str,
                      offset: int, room: int | None, key: str, where: str) -> tuple[int, str]:
-    """Write the verified chunk into the caller's region (worker thread): (length, tier)."""
+    """Write the verified chunk into the caller's region (worker thread): (length, tier).
+    Each group of layers is checked right before it is copied (the bytes are read from
+    memory once); a failed check ends it with a 404 (the chunk is dropped from its tier),
+    and what the region holds then is not a chunk."""
     with state.regions.using(tenant, region_id) as region:
         end = region.size if room is None else min(region.size, offset + room)
-        leased = _lease_whole(manager, where)
-        if leased is not None and leased != "missing":
-            view, lease, tier = leased
-            with lease:
-                _copy_to_region(region, offset, end, key, memoryview(view.numpy()))
-            return view.numel(), tier
-        if leased == "missing":
+        loc = manager.lookup([where])
+        if not loc.length:
+            manager.count_misses()
             raise RouteError(404, f"chunk {key} is not stored")
+        with manager.lease([where], location=loc, raw=True, deferred=True) as (part,):
+            if part is not None:
+                _checked_copy_to_region(region, offset, end, key, part)
+                if loc.tiers[0] > 0:
+                    manager.promote({where: memoryview(part.buf.numpy())})
+                return part.buf.numel(), manager.tiers[loc.tiers[0]].name
         ((blob, tier),) = manager.get_each([where])
         if blob is None:
             raise RouteError(404, f"chunk {key} is not stored")
@@ -285,10 +293,36 @@ def _get_into_region(state: ServiceState, manager: TierManager, tenant: str, reg
         return len(blob), tier or ""
 
 
-def _copy_to_region(region: Region, offset: int, end: int, key: str, data: memoryview) -> None:
-    if offset + len(data) > end:
-        raise RouteError(413, f"chunk {key} is {len(data)} bytes: it does not fit in the "
+def _checked_copy_to_region(region: Region, offset: int, end: int, key: str, part: LentChunk
+                            ) -> None:
+    """A lent chunk's header, then each group of its layers once checked, into the region."""
+    buf, header = part.buf, part.header
+    assert buf is not None and header is not None
+    _check_room(region, offset, end, key, buf.numel())
+    mem = memoryview(buf.numpy())
+    at = buf.numel() - header.payload_nbytes
+    step = header.layer_nbytes
+    per = max(1, GROUP_BYTES // max(step, 1))
+    with region.view(offset, buf.numel()) as dst:
+        copy_in(dst[:at], mem[:at])
+        for a in range(0, header.num_layers, per):
+            b = min(a + per, header.num_layers)
+            try:
+                part.check(a, b)
+            except ChunkFormatError:
+                raise RouteError(404, f"chunk {key} is not stored (it failed its checks and "
+                                 f"was dropped)") from None
+            copy_in(dst[at + a * step : at + b * step], mem[at + a * step : at + b * step])
+
+
+def _check_room(region: Region, offset: int, end: int, key: str, nbytes: int) -> None:
+    if offset + nbytes > end:
+        raise RouteError(413, f"chunk {key} is {nbytes} bytes: it does not fit in the "
                          f"{max(end - offset, 0)} bytes of region {region.id} at offset {offset}")
+
+
+def _copy_to_region(region: Region, offset: int, end: int, key: str, data: memoryview) -> None:
+    _check_room(region, offset, end, key, len(data))
     with region.view(offset, len(data)) as dst:
         copy_in(dst, data)
 

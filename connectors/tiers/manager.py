@@ -416,12 +416,12 @@ class TierManager:
         as they are (the sidecar's GET). ``deferred``: whole chunks as
         :class:`~kvtier.connectors.tiers.lent_chunk.LentChunk` whose per-layer checksums
         the reader checks group by group right before copying each (key, model and length
-        are checked here); one that fails a check is dropped from its tier after the
-        block, as one that fails here."""
+        are checked here; with ``raw`` its ``kv`` is the payload's bytes); one that fails a
+        check is dropped from its tier after the block, as one that fails here."""
         if raw and layers is not None:
             raise InvalidArgumentError("a raw lease is of whole chunks (layers must be None)")
-        if deferred and (raw or layers is not None):
-            raise InvalidArgumentError("a deferred lease is of whole chunks' KV")
+        if deferred and layers is not None:
+            raise InvalidArgumentError("a deferred lease is of whole chunks")
         loc = location or self.lookup(keys)
         out: list[torch.Tensor | None] = [None] * len(keys)
         by_tier: dict[int, list[int]] = {}
@@ -503,7 +503,7 @@ class TierManager:
                 header, kv = chunk_view(view, keys[i], self.fingerprint, layers,
                                         verify=not deferred, as_kv=not raw)
                 if deferred:
-                    return LentChunk(kv, view, header, reading=reading)
+                    return LentChunk(kv, view, header, reading=reading)  # (raw: kv is bytes)
                 return view if raw else kv
             except ChunkError as exc:
                 return exc
