@@ -272,8 +272,8 @@ def _get_into_region(state: ServiceState, manager: TierManager, tenant: str, reg
                      offset: int, room: int | None, key: str, where: str) -> tuple[int, str]:
     """Write the verified chunk into the caller's region (worker thread): (length, tier).
     Each group of layers is checked right before it is copied (the bytes are read from
-    memory once); a failed check ends it with a 404 (the chunk is dropped from its tier),
-    and what the region holds then is not a chunk."""
+    memory once); a copy that fails a check is dropped from its tier and the chunk is read
+    through the slower tiers instead (404 where none holds it)."""
     with state.regions.using(tenant, region_id) as region:
         end = region.size if room is None else min(region.size, offset + room)
         loc = manager.lookup([where])
@@ -281,12 +281,11 @@ def _get_into_region(state: ServiceState, manager: TierManager, tenant: str, reg
             manager.count_misses()
             raise RouteError(404, f"chunk {key} is not stored")
         with manager.lease([where], location=loc, raw=True, deferred=True) as (part,):
-            if part is not None:
-                _checked_copy_to_region(region, offset, end, key, part)
+            if part is not None and _checked_copy_to_region(region, offset, end, key, part):
                 if loc.tiers[0] > 0:
                     manager.promote({where: memoryview(part.buf.numpy())})
                 return part.buf.numel(), manager.tiers[loc.tiers[0]].name
-        ((blob, tier),) = manager.get_each([where])
+        ((blob, tier),) = manager.get_each([where])  # the other tiers, after a failed check
         if blob is None:
             raise RouteError(404, f"chunk {key} is not stored")
         _copy_to_region(region, offset, end, key, memoryview(blob))
@@ -294,8 +293,9 @@ def _get_into_region(state: ServiceState, manager: TierManager, tenant: str, reg
 
 
 def _checked_copy_to_region(region: Region, offset: int, end: int, key: str, part: LentChunk
-                            ) -> None:
-    """A lent chunk's header, then each group of its layers once checked, into the region."""
+                            ) -> bool:
+    """A lent chunk's header, then each group of its layers once checked, into the region;
+    False when a check failed (the region holds no chunk then)."""
     buf, header = part.buf, part.header
     assert buf is not None and header is not None
     _check_room(region, offset, end, key, buf.numel())
@@ -310,9 +310,9 @@ def _checked_copy_to_region(region: Region, offset: int, end: int, key: str, par
             try:
                 part.check(a, b)
             except ChunkFormatError:
-                raise RouteError(404, f"chunk {key} is not stored (it failed its checks and "
-                                 f"was dropped)") from None
+                return False  # dropped from its tier when the lease ends
             copy_in(dst[at + a * step : at + b * step], mem[at + a * step : at + b * step])
+    return True
 
 
 def _check_room(region: Region, offset: int, end: int, key: str, nbytes: int) -> None:

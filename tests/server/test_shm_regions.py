@@ -158,3 +158,23 @@ def test_regions_left_by_a_dead_server_are_removed_at_start(tmp_path):
         assert state.regions.removed_stale == 1 and not dead.exists() and other.exists()
     finally:
         state.close()
+
+
+def test_a_corrupt_copy_is_never_written_to_a_region_and_the_disk_copy_is(tmp_path):
+    state = _state(tmp_path)
+    blob = chunk(key(1), seed=1, layers=8, tokens=512)
+    where = namespaced_key("default", key(1))
+    with running(state) as url, Client(url, shm=True) as kv:
+        kv.put_chunk(key(1), blob, tier="disk")
+        cpu = state.manager.tiers[0]
+        assert cpu.put({where: blob}).stored == [where]
+        slot, _ = cpu._index.get(where, touch=False)  # noqa: SLF001
+        cpu._arena[slot * cpu.slot_bytes + len(blob) - 100] ^= 0xFF  # noqa: SLF001 - a flipped bit at rest
+        out = bytearray(1 << 20)
+        assert bytes(kv.get_chunk_into(key(1), out)) == blob  # from disk
+        assert state.manager.stats.rejected.get("corrupt") == 1
+        state.manager.tiers[1].delete([where])  # now the only copy is the CPU tier's
+        slot, _ = cpu._index.get(where, touch=False)  # noqa: SLF001 - promoted there again
+        cpu._arena[slot * cpu.slot_bytes + 300] ^= 0xFF  # noqa: SLF001
+        assert kv.get_chunk_into(key(1), out) is None  # a miss, never the corrupt bytes
+        assert state.manager.lookup([where]).length == 0
