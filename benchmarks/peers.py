@@ -26,6 +26,7 @@ import json
 import mmap
 import os
 import shutil
+import statistics
 import subprocess
 import tempfile
 import time
@@ -375,19 +376,21 @@ def run(args: argparse.Namespace) -> int:
             # memory and disk speeds drift by minutes, each ratio compares runs minutes apart
             # at most, never a quiet stretch for one against a busy one for another.
             ours = peer = raw = None
+            rounds: list[tuple[dict, dict, dict]] = []
             for r in range(1, max(1, args.repeats) + 1):
                 console.print(f"[bold]{name}[/bold] round {r}: kvtier, LMCache, raw medium ...")
-                ours = _keep_best(ours, _kvtier_run(name, args, owner, expected, workdir, redis_url))
-                peer = _keep_best(peer, _lmcache_run(name, args, workdir, redis_url)
-                                  or {"error": "LMCache environment not found"})
+                k = _kvtier_run(name, args, owner, expected, workdir, redis_url)
+                lm = _lmcache_run(name, args, workdir, redis_url) or {"error": "LMCache environment not found"}
                 if name == "cpu":
-                    raw = _keep_best(raw, _raw_cpu(src))
+                    rw = _raw_cpu(src)
                 elif name == "disk":
-                    raw = _keep_best(raw, _raw_disk(src, chunk_bytes, workdir))
+                    rw = _raw_disk(src, chunk_bytes, workdir)
                 else:
-                    raw = _keep_best(raw, _raw_redis(src, chunk_bytes, redis_url))
+                    rw = _raw_redis(src, chunk_bytes, redis_url)
+                rounds.append((dict(k), dict(lm), dict(rw)))
+                ours, peer, raw = _keep_best(ours, k), _keep_best(peer, lm), _keep_best(raw, rw)
             assert ours is not None and peer is not None and raw is not None
-            rows += _rows(name, ours, peer, raw, src.numel() * src.element_size(), args)
+            rows += _rows(name, ours, peer, raw, src.numel() * src.element_size(), args, rounds)
     finally:
         if started:
             started[0].kill()
@@ -410,20 +413,41 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _round_ratios(rounds: list[tuple[dict, dict, dict]], key: str, nbytes: int
+                  ) -> dict[str, list[float]]:
+    """kvtier's speed over the raw medium's and over LMCache's, round by round (each pair
+    measured minutes apart at most; the drift between rounds cancels)."""
+    vs_raw, vs_lm, vs_lm_fsync = [], [], []
+    for k, lm, rw in rounds:
+        if "error" in k or "error" in rw:
+            continue
+        vs_raw.append(rw[key] / k[key])
+        if "error" not in lm:
+            vs_lm.append(lm[key] / k[key] * nbytes / lm["bytes"])
+            if key == "store_s" and lm.get("store_fsync_s"):
+                vs_lm_fsync.append(lm["store_fsync_s"] / k[key] * nbytes / lm["bytes"])
+    return {"raw": vs_raw, "lmcache": vs_lm, "lmcache_fsync": vs_lm_fsync}
+
+
 def _rows(name: str, ours: dict[str, Any], peer: dict[str, Any], raw: dict[str, Any],
-          nbytes: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+          nbytes: int, args: argparse.Namespace,
+          rounds: list[tuple[dict, dict, dict]] | None = None) -> list[dict[str, Any]]:
     out = []
     for op in ("store", "retrieve"):
         key = f"{op}_s"
         k = nbytes / ours[key] / 1e9
         lm = None if "error" in peer else peer["bytes"] / peer[key] / 1e9
         r = nbytes / raw[key] / 1e9
+        ratios = _round_ratios(rounds or [], key, nbytes)
+        vs_raw = statistics.median(ratios["raw"]) if ratios["raw"] else k / r
+        vs_lm = (statistics.median(ratios["lmcache"]) if ratios["lmcache"] else k / lm) if lm else None
         row: dict[str, Any] = {
             "tier": name, "op": op, "kvtier_GBps": round(k, 3),
             "lmcache_GBps": None if lm is None else round(lm, 3),
             "raw_GBps": round(r, 3), "raw": RAW_WHAT[(name, op)],
-            "kvtier_vs_raw": round(k / r, 3),
-            "kvtier_vs_lmcache": None if lm is None else round(k / lm, 3),
+            "kvtier_vs_raw": round(vs_raw, 3),
+            "kvtier_vs_lmcache": None if vs_lm is None else round(vs_lm, 3),
+            "round_ratios": {w: [round(x, 3) for x in v] for w, v in ratios.items() if v},
             "kvtier_bit_exact": bool(ours["bit_exact"]),
             "lmcache_bit_exact": None if "error" in peer else bool(peer["bit_exact"]),
         }
@@ -440,7 +464,8 @@ def _rows(name: str, ours: dict[str, Any], peer: dict[str, Any], raw: dict[str, 
         if name == "disk" and op == "store" and peer.get("store_fsync_s"):
             durable = peer["bytes"] / peer["store_fsync_s"] / 1e9
             row["lmcache_fsync_GBps"] = round(durable, 3)
-            row["kvtier_vs_lmcache_fsync"] = round(k / durable, 3)
+            fs = ratios["lmcache_fsync"]
+            row["kvtier_vs_lmcache_fsync"] = round(statistics.median(fs) if fs else k / durable, 3)
         out.append(row)
     return out
 
@@ -458,7 +483,8 @@ def _print(console: Any, rows: list[dict[str, Any]], args: argparse.Namespace) -
     from rich.table import Table
 
     table = Table(title=f"kvtier vs LMCache, {args.sessions} x {args.tokens} tokens of "
-                  f"{args.model} (GB/s, end to end KV -> tier -> KV)")
+                  f"{args.model} (GB/s, end to end KV -> tier -> KV; best of the rounds; "
+                  f"ratios: median over rounds of each round's own ratio)")
     for col in ("tier", "op", "kvtier", "LMCache", "raw", "kvtier/raw", "kvtier/LMCache",
                 "bit-exact", "raw is"):
         table.add_column(col)

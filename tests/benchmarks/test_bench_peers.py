@@ -26,7 +26,9 @@ def test_bench_peers_small_run_writes_rows(tmp_path):
     for r in rows.values():
         assert r["kvtier_bit_exact"] is True
         assert r["kvtier_GBps"] > 0 and r["raw_GBps"] > 0 and r["raw"]
+        # one round: the round's own ratio is the ratio of the figures shown
         assert r["kvtier_vs_raw"] == pytest.approx(r["kvtier_GBps"] / r["raw_GBps"], rel=0.02, abs=2e-3)
+        assert r["round_ratios"]["raw"] == [pytest.approx(r["kvtier_vs_raw"], abs=2e-3)]
         assert r["lmcache_GBps"] is None  # no LMCache environment given: nothing made up
         assert "lmcache_fsync_GBps" not in r
     cold = rows[("disk", "retrieve")]  # the reference is the quicker of two cold reads
@@ -36,3 +38,16 @@ def test_bench_peers_small_run_writes_rows(tmp_path):
 def test_bench_peers_rejects_nonsense():
     assert main(["bench", "peers", "--tiers", "cpu,tape"]) == 2
     assert main(["bench", "peers", "--tokens", "300"]) == 2  # not whole chunks
+
+
+def test_ratios_pair_each_round_with_itself():
+    """A medium that drifts between rounds (here 1, 4 and 2 GB/s) must not be compared
+    at its best against kvtier at its worst: each round's ratio, then the median."""
+    from kvtier.benchmarks.peers import _round_ratios
+
+    gb = 1e9
+    rounds = [({"store_s": 2.0}, {"store_s": 1.0, "bytes": gb}, {"store_s": 1.0}),
+              ({"store_s": 0.5}, {"store_s": 0.25, "bytes": gb}, {"store_s": 0.25}),
+              ({"store_s": 1.0}, {"error": "x"}, {"store_s": 0.8})]
+    got = _round_ratios(rounds, "store_s", int(gb))
+    assert got["raw"] == [0.5, 0.5, 0.8] and got["lmcache"] == [0.5, 0.5]
