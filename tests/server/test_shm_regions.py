@@ -19,10 +19,9 @@ from kvtier.server.state import ServiceState
 from tests.http_server import running
 from tests.server.test_server_chunks import _config, chunk, key
 
-pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm on this host")
-
 
 def _state(tmp_path, **server) -> ServiceState:
+    """A sidecar whose regions live in a directory of the test's own (any filesystem maps)."""
     cfg = _config(tmp_path, max_body_bytes=4 << 20, chunk_slot_bytes=1 << 20,
                   shm_dir=str(tmp_path / "shm"), **server)
     (tmp_path / "shm").mkdir()
