@@ -530,14 +530,18 @@ class DiskTier(IndexedNamespaces, Tier):
             handed_over = True
             return ReadingBuffer(buf[:size], head, done)
         except OSError as exc:
-            if buf is not None:
-                self._staging.release(buf)
-            log.warning("disk tier %s: reading chunk %s failed: %s", self.directory, key, exc)
-            self.stats.count_error("io_error")
-            return _CORRUPT
+            return self._read_failed(key, buf, exc)
         finally:
             if not handed_over:
                 os.close(fd)
+
+    def _read_failed(self, key: str, buf: torch.Tensor | None, exc: OSError) -> object:
+        """A read that failed: its buffer back, the error logged and counted, _CORRUPT."""
+        if buf is not None:
+            self._staging.release(buf)
+        log.warning("disk tier %s: reading chunk %s failed: %s", self.directory, key, exc)
+        self.stats.count_error("io_error")
+        return _CORRUPT
 
     def _read_rest(self, fd: int, start: int, size: int, view: memoryview, direct: bool) -> bool:
         """Bytes ``[start, size)`` of an open chunk file into ``view`` at the same offset,
@@ -585,11 +589,7 @@ class DiskTier(IndexedNamespaces, Tier):
                 return _CORRUPT
             return buf, write_header(buf, part, at)
         except OSError as exc:
-            if buf is not None:
-                self._staging.release(buf)
-            log.warning("disk tier %s: reading chunk %s failed: %s", self.directory, key, exc)
-            self.stats.count_error("io_error")
-            return _CORRUPT
+            return self._read_failed(key, buf, exc)
         finally:
             os.close(fd)
 

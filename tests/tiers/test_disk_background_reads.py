@@ -12,30 +12,14 @@ import threading
 import pytest
 import torch
 
-from kvtier.chunk_format import chunk_layout, encode_chunk, encode_into
+from kvtier.chunk_format import encode_chunk
 from kvtier.connectors.tiers.disk_tier import CHUNK_SUFFIX, DiskTier
 from kvtier.connectors.tiers.lent_chunk import LentChunk, ReadingBuffer
 from kvtier.connectors.tiers.manager import TierManager
 from kvtier.errors import ChunkFormatError
+from tests.tiers.test_disk_lease import FP, SHAPE, _in_place, _key, _kv
 
-FP = b"fingerprint-0001"
-SHAPE = (6, 2, 64, 4, 32)  # 32 KiB a layer: the header and layer 0 are read first
-LAYERS = SHAPE[0]
-
-
-def _kv(i: int) -> torch.Tensor:
-    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
-
-
-def _key(i: int) -> str:
-    return f"{i:040x}"
-
-
-def _in_place(i: int) -> bytes:
-    key, kv = _key(i), _kv(i)
-    buf = torch.empty(chunk_layout(key, FP, kv.dtype, SHAPE)[1], dtype=torch.uint8)
-    n = encode_into(buf, key, FP, kv.dtype, SHAPE, lambda p: p.copy_(kv))
-    return bytes(buf[:n].numpy())
+LAYERS = SHAPE[0]  # 32 KiB a layer: the header and layer 0 are read first
 
 
 @pytest.fixture(params=[False, True], ids=["buffered", "o_direct"])
