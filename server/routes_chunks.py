@@ -281,10 +281,15 @@ def _get_into_region(state: ServiceState, manager: TierManager, tenant: str, reg
             manager.count_misses()
             raise RouteError(404, f"chunk {key} is not stored")
         with manager.lease([where], location=loc, raw=True, deferred=True) as (part,):
+            name = manager.tiers[loc.tiers[0]].name
+            if isinstance(part, torch.Tensor):  # a tier that lends nothing: verified bytes
+                _copy_to_region(region, offset, end, key, memoryview(part.numpy()))
+                return part.numel(), name
             if part is not None and _checked_copy_to_region(region, offset, end, key, part):
+                assert part.buf is not None
                 if loc.tiers[0] > 0:
                     manager.promote({where: memoryview(part.buf.numpy())})
-                return part.buf.numel(), manager.tiers[loc.tiers[0]].name
+                return part.buf.numel(), name
         ((blob, tier),) = manager.get_each([where])  # the other tiers, after a failed check
         if blob is None:
             raise RouteError(404, f"chunk {key} is not stored")
