@@ -289,20 +289,20 @@ class Client:
         """Store one chunk; ``blob`` is sent from where it is (bytes or any buffer), or
         copied into this thread's shared-memory region (``shm``)."""
         link = self._region()
-        if link is not None:
+        for attempt in (0, 1) if link is not None else ():
             try:
                 n = link.write(blob)
             except RegionUnavailable as exc:
                 self._no_region(exc)
-            else:
-                params = {"region": link.id, "offset": 0, "length": n, **({"tier": tier} if tier else {})}
-                status, body = self._region_call("PUT", f"/v1/chunks/{key}", params, None)
-                if _region_gone(status, body):  # the server restarted: a new region, once
-                    link.forget()
-                    return self.put_chunk(key, blob, tier)
-                if status not in (200, 201):
-                    raise error_from(status, body)
-                return json.loads(body)
+                break
+            params = {"region": link.id, "offset": 0, "length": n, **({"tier": tier} if tier else {})}
+            status, body = self._region_call("PUT", f"/v1/chunks/{key}", params, None)
+            if _region_gone(status, body) and not attempt:  # the server restarted: a new one
+                link.forget()
+                continue
+            if status not in (200, 201):
+                raise error_from(status, body)
+            return json.loads(body)
         if self.wire is None:
             return self._send(_Routes.put_chunk(key, blob, tier)).json()
         params = {"tier": tier} if tier else None
@@ -332,24 +332,26 @@ class Client:
         filled part of it, or None when it is not stored. No bytes object is made."""
         mem = memoryview(out).cast("B")
         link = self._region() if layers is None else None
-        if link is not None:
+        for attempt in (0, 1) if link is not None else ():
             try:
                 link.room(len(mem))
             except RegionUnavailable as exc:
                 self._no_region(exc)
-            else:
-                params = {"region": link.id, "offset": 0, "room": len(mem)}
-                status, body = self._region_call("GET", f"/v1/chunks/{key}", params, None)
-                if _region_gone(status, body):
+                break
+            params = {"region": link.id, "offset": 0, "room": len(mem)}
+            status, body = self._region_call("GET", f"/v1/chunks/{key}", params, None)
+            if _region_gone(status, body):
+                if not attempt:  # the server restarted: a new region, once
                     link.forget()
-                    return self.get_chunk_into(key, out, layers)
-                if status == 404:
-                    return None
-                if status == 413:
-                    raise InvalidArgumentError(f"chunk {key} does not fit a {len(mem)}-byte buffer")
-                if status != 200:
-                    raise error_from(status, body)
-                return link.read(mem, json.loads(body)["length"])
+                    continue
+                raise error_from(status, body)
+            if status == 404:
+                return None
+            if status == 413:
+                raise InvalidArgumentError(f"chunk {key} does not fit a {len(mem)}-byte buffer")
+            if status != 200:
+                raise error_from(status, body)
+            return link.read(mem, json.loads(body)["length"])
         if self.wire is None:
             blob = self.get_chunk(key, layers)
             if blob is None:

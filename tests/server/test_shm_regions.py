@@ -17,6 +17,7 @@ from kvtier.config import TokenConfig
 from kvtier.errors import InvalidArgumentError
 from kvtier.server.state import ServiceState
 from tests.http_server import running
+from tests.serve_process import free_port
 from tests.server.test_server_chunks import _config, chunk, key
 
 
@@ -177,3 +178,18 @@ def test_a_corrupt_copy_is_never_written_to_a_region_and_the_disk_copy_is(tmp_pa
         cpu._arena[slot * cpu.slot_bytes + 300] ^= 0xFF  # noqa: SLF001
         assert kv.get_chunk_into(key(1), out) is None  # a miss, never the corrupt bytes
         assert state.manager.lookup([where]).length == 0
+
+
+def test_a_client_makes_a_new_region_when_the_server_restarted(tmp_path):
+    port = free_port()
+    blob = chunk(key(1))
+    with Client(f"http://127.0.0.1:{port}", shm=True) as kv:
+        with running(_state(tmp_path), port=port):
+            kv.put_chunk(key(1), blob)
+            first = kv._local.link.id  # noqa: SLF001
+        (tmp_path / "shm").rmdir()  # the first server removed its regions when it stopped
+        with running(_state(tmp_path), port=port) as url:
+            assert kv.put_chunk(key(2), chunk(key(2)))["status"] == "stored"
+            assert kv._local.link.id != first and kv.shm  # noqa: SLF001
+            assert bytes(kv.get_chunk_into(key(2), bytearray(1 << 16))) == chunk(key(2))
+            assert url.endswith(str(port))
