@@ -19,12 +19,13 @@ from kvtier.connectors.tiers.manager import TierManager
 from kvtier.errors import ChunkFormatError
 from tests.tiers.test_disk_lease import FP, SHAPE, _in_place, _key, _kv
 
-LAYERS = SHAPE[0]  # 32 KiB a layer: the header and layer 0 are read first
+LAYERS = SHAPE[0]  # 32 KiB a layer
 
 
 @pytest.fixture(params=[False, True], ids=["buffered", "o_direct"])
 def manager(request, tmp_path):
-    tier = DiskTier(tmp_path / "d", o_direct=request.param, max_workers=1)
+    # the header and layer 0 in the head read, the other 5 layers in the background
+    tier = DiskTier(tmp_path / "d", o_direct=request.param, max_workers=1, head_bytes=64 << 10)
     m = TierManager([tier], fingerprint=FP, staging=tier.staging)
     yield m
     m.close()
@@ -133,3 +134,15 @@ def test_a_lease_ends_only_after_its_reads_landed(manager) -> None:
         held.go.set()
         leaver.join(10)
     assert ended.is_set() and tier.staging.lent == 0
+
+
+def test_a_file_whose_head_is_not_a_chunk_is_a_miss_and_deleted(manager) -> None:
+    tier, key = _tier(manager), _key(5)
+    tier.put({key: _in_place(5)})
+    size = os.path.getsize(_path(tier, key))
+    with open(_path(tier, key), "r+b") as f:  # the header's bytes overwritten
+        f.write(bytes(64))
+    with manager.lease([key], deferred=True) as (part,):
+        assert part is None
+    assert tier.contains_prefix([key]) == 0 and not os.path.exists(_path(tier, key))
+    assert size > 64 << 10  # (the file was longer than the head read)
