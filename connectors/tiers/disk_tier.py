@@ -468,7 +468,13 @@ class DiskTier(IndexedNamespaces, Tier):
         layer range gets a header of its own framed around its payload. The buffers go
         back to the pool when the block ends. A file that is gone is a miss; one that is
         truncated or whose header is unreadable is deleted (a torn file is never handed
-        out)."""
+        out).
+
+        ``background`` (whole chunks): each chunk is lent once its first ``head_bytes`` are
+        read, the rest of its file read on the pool, chunks in order, as a
+        :class:`ReadingBuffer` (the reader waits per layer, see :class:`LentChunk`), so a
+        reader's work on one chunk overlaps the reads of the next. The block's end waits
+        for every read in flight before the buffers are reused."""
         if layers is not None and not 0 <= layers[0] < layers[1]:
             raise InvalidArgumentError(f"layer range {layers} is empty or negative")
         with self._lock:
