@@ -307,16 +307,13 @@ def _checked_copy_to_region(region: Region, offset: int, end: int, key: str, par
     mem = memoryview(buf.numpy())
     at = buf.numel() - header.payload_nbytes
     step = header.layer_nbytes
-    per = max(1, GROUP_BYTES // max(step, 1))
     with region.view(offset, buf.numel()) as dst:
         copy_in(dst[:at], mem[:at])
-        for a in range(0, header.num_layers, per):
-            b = min(a + per, header.num_layers)
-            try:
-                part.check(a, b)
-            except ChunkFormatError:
-                return False  # dropped from its tier when the lease ends
-            copy_in(dst[at + a * step : at + b * step], mem[at + a * step : at + b * step])
+        try:
+            for a, b in part.checked_groups(GROUP_BYTES):
+                copy_in(dst[at + a * step : at + b * step], mem[at + a * step : at + b * step])
+        except ChunkFormatError:
+            return False  # dropped from its tier when the lease ends
     return True
 
 

@@ -10,13 +10,15 @@ before its check passed. A failed check is remembered: the manager drops the chu
 its tier once the lease ends, as it does a chunk that fails up front.
 
 A chunk may also be lent while its tier still reads it (:class:`ReadingBuffer`: the disk
-tier reads the header and layer 0 of every chunk first, the rest in the background), so
+tier reads the head of every chunk first, header and first layer, the rest in the
+background), so
 that scattering one chunk overlaps reading the next; :meth:`LentChunk.check` then waits
 for the layers it checks to have landed, and a read that fails is a failed check.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -61,6 +63,23 @@ class LentChunk:
         except ChunkFormatError as exc:
             self.error = self.error or exc
             raise
+
+    def checked_groups(self, group_bytes: int, start: int = 0, end: int | None = None
+                       ) -> Iterator[tuple[int, int]]:
+        """Layer ranges ``[a, b)`` of about ``group_bytes`` from ``start`` to ``end`` (default:
+        the last layer), each yielded only once :meth:`check` passed on it, so a reader
+        copies each group while it is still in cache; a failed check raises
+        :class:`ChunkFormatError` before its group is yielded."""
+        if self.header is not None:
+            layers, step = self.header.num_layers, self.header.layer_nbytes
+        else:
+            layers, step = self.kv.shape[0], self.kv[0].numel() * self.kv.element_size()
+        end = layers if end is None else end
+        per = max(1, group_bytes // max(step, 1))
+        for a in range(start, end, per):
+            b = min(a + per, end)
+            self.check(a, b)
+            yield a, b
 
     def _wait(self, end: int) -> None:
         """Wait until layers ``[0, end)`` lie in the buffer."""

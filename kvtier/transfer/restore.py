@@ -381,17 +381,13 @@ class RestoreMixin:
 
         def one(item: tuple[int, LentChunk, tuple[int, list[int]]]) -> tuple[int, str] | None:
             i, part, (off, ids) = item
-            layer_bytes = part.kv[0].numel() * part.kv.element_size()
-            per = max(1, RESTORE_GROUP_BYTES // max(layer_bytes, 1))
-            for a in range(1, n, per):
-                b = min(a + per, n)
-                try:
-                    part.check(a, b)
-                except ChunkFormatError as exc:
-                    return i, str(exc)
-                if ids:
-                    src = part.kv[a:b, :, off:]
-                    scatter_blocks_host(src, kv[a:b], ids, src.shape[2])
+            try:
+                for a, b in part.checked_groups(RESTORE_GROUP_BYTES, start=1, end=n):
+                    if ids:
+                        src = part.kv[a:b, :, off:]
+                        scatter_blocks_host(src, kv[a:b], ids, src.shape[2])
+            except ChunkFormatError as exc:
+                return i, str(exc)
             return None
 
         failed: list[tuple[int, str]] = []
