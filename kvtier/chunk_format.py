@@ -224,7 +224,11 @@ def encode_into(
     With ``group_bytes``, the payload is filled a group of layers of about that many
     bytes at a time, ``fill(part, start, end)`` for layers ``[start, end)``, and each
     group is checksummed right after, while it is still in the CPU's cache: the payload
-    crosses memory once, not twice."""
+    crosses memory once, not twice.
+
+    A ``fill`` that checksums the bytes as it writes them (a fused native copy) returns
+    the xxh3 of each layer it wrote as a tuple; after any other (None, the tensor it
+    filled) the checksums are computed here."""
     offset, total = chunk_layout(key, fingerprint, dtype, shape)
     if dest.dtype != torch.uint8 or dest.dim() != 1 or not dest.is_contiguous():
         raise ChunkFormatError("encode_into needs a contiguous 1-D uint8 tensor")
@@ -237,16 +241,19 @@ def encode_into(
     payload = memoryview(region.numpy()).cast("B")
     layers = shape[0]
     if group_bytes is None:
-        fill(kv)
-        sums = _layer_checksums(payload, layers)
+        got = fill(kv)
+        sums = got if isinstance(got, tuple) else _layer_checksums(payload, layers)
     else:
         step = len(payload) // layers if layers else 0
         per = max(1, group_bytes // step) if step else layers
         sums = ()
         for a in range(0, layers, per):
             b = min(a + per, layers)
-            fill(kv[a:b], a, b)
-            sums += _layer_checksums(payload[a * step : b * step], b - a)
+            got = fill(kv[a:b], a, b)
+            sums += got if isinstance(got, tuple) else _layer_checksums(
+                payload[a * step : b * step], b - a)
+    if len(sums) != layers:
+        raise ChunkFormatError(f"chunk {key}: {len(sums)} checksums for {layers} layers")
     header = ChunkHeader(
         key=key,
         fingerprint=bytes(fingerprint),

@@ -70,6 +70,36 @@ class LentChunk:
         the last layer), each yielded only once :meth:`check` passed on it, so a reader
         copies each group while it is still in cache; a failed check raises
         :class:`ChunkFormatError` before its group is yielded."""
+        for a, b in self._groups(group_bytes, start, end):
+            self.check(a, b)
+            yield a, b
+
+    def read_groups(self, group_bytes: int, start: int = 0, end: int | None = None
+                    ) -> Iterator[tuple[int, int, tuple[int, ...] | None]]:
+        """For a reader that checks as it copies (a fused native kernel): layer ranges
+        ``[a, b)`` as :meth:`checked_groups` cuts them, each yielded once its bytes were
+        read but *unchecked*, with the checksums its layers must have (None: verified
+        already). The reader must compare before using a byte and report a mismatch with
+        :meth:`fail`; a failed read raises :class:`ChunkFormatError` here."""
+        for a, b in self._groups(group_bytes, start, end):
+            if self.buf is None or self.header is None:
+                yield a, b, None
+                continue
+            try:
+                self._wait(b)
+            except ChunkFormatError as exc:
+                self.error = self.error or exc
+                raise
+            yield a, b, self.header.layer_checksums[a:b]
+
+    def fail(self, layer: int) -> None:
+        """Record that ``layer`` failed its checksum (found by the reader) and raise."""
+        key = self.header.key if self.header is not None else "?"
+        exc = ChunkFormatError(f"chunk {key}: checksum mismatch in layer {layer} (corrupted bytes)")
+        self.error = self.error or exc
+        raise exc
+
+    def _groups(self, group_bytes: int, start: int, end: int | None) -> Iterator[tuple[int, int]]:
         if self.header is not None:
             layers, step = self.header.num_layers, self.header.layer_nbytes
         else:
@@ -77,9 +107,7 @@ class LentChunk:
         end = layers if end is None else end
         per = max(1, group_bytes // max(step, 1))
         for a in range(start, end, per):
-            b = min(a + per, end)
-            self.check(a, b)
-            yield a, b
+            yield a, min(a + per, end)
 
     def _wait(self, end: int) -> None:
         """Wait until layers ``[0, end)`` lie in the buffer."""

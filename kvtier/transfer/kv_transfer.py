@@ -28,7 +28,8 @@ from kvtier.connectors.tiers.chunk_workers import map_store
 from kvtier.connectors.tiers.manager import PutReport, TierManager
 from kvtier.errors import InvalidArgumentError
 from kvtier.gpu_pool import PagedKVPool
-from kvtier.gpu_pool.kernels import copy_host, gather_blocks, gather_blocks_host
+from kvtier.gpu_pool.kernels import copy_host, gather_blocks, gather_blocks_host, host_native
+from kvtier.gpu_pool.kernels.host_native import gather_blocks_hashed
 from kvtier.hashing import chain_hashes
 from kvtier.policies.eviction import ChunkInfo
 from kvtier.transfer.layer_load import LayerLoad
@@ -100,6 +101,20 @@ def _copy_from(t: torch.Tensor) -> Source:
     return tuple(t.shape), t.dtype, lambda part, a, b: copy_host(part, t[a:b])
 
 
+class _FusedGather:
+    """A fill that gathers a chunk from a host pool and checksums it in one native pass
+    (:func:`gather_blocks_hashed`), returning the checksums. It runs over the whole chunk
+    in one call: it hashes as it copies, so there is no group to keep in cache."""
+
+    whole = True
+
+    def __init__(self, kv: torch.Tensor, ids: list[int], num_tokens: int) -> None:
+        self.kv, self.ids, self.num_tokens = kv, ids, num_tokens
+
+    def __call__(self, part: torch.Tensor, a: int = 0, b: int | None = None) -> tuple[int, ...]:
+        return gather_blocks_hashed(self.kv[a:b], self.ids, self.num_tokens, part)
+
+
 def _gather_from(kv: torch.Tensor, ids: list[int], num_tokens: int
                  ) -> Source:
     """A chunk's (shape, dtype, fill) that gathers its layers straight from the pool's
@@ -107,6 +122,8 @@ def _gather_from(kv: torch.Tensor, ids: list[int], num_tokens: int
     host, waited for)."""
     shape = (kv.shape[0], 2, num_tokens, kv.shape[4], kv.shape[5])
     if not kv.is_cuda:  # on the calling thread (chunks are encoded two at a time)
+        if host_native.AVAILABLE:  # copied and checksummed in one pass
+            return shape, kv.dtype, _FusedGather(kv, ids, num_tokens)
         return shape, kv.dtype, lambda part, a, b: gather_blocks_host(kv[a:b], ids, num_tokens, part)
     dev: list[torch.Tensor] = []
 
@@ -321,7 +338,8 @@ class KVTransfer(RestoreMixin):
 
     def _encode(self, key: str, source: Source, dest: torch.Tensor) -> int:
         shape, dtype, fill = source
-        return encode_into(dest, key, self.runner.fingerprint, dtype, shape, fill, GROUP_BYTES)
+        group = None if getattr(fill, "whole", False) else GROUP_BYTES
+        return encode_into(dest, key, self.runner.fingerprint, dtype, shape, fill, group)
 
     def _store_in_place(
         self,

@@ -28,7 +28,8 @@ from kvtier.connectors.tiers.chunk_workers import map_restore
 from kvtier.connectors.tiers.lent_chunk import LentChunk
 from kvtier.connectors.tiers.manager import Location, TierManager
 from kvtier.errors import ChunkFormatError, OutOfBlocksError
-from kvtier.gpu_pool.kernels import scatter_blocks, scatter_blocks_host
+from kvtier.gpu_pool.kernels import host_native, scatter_blocks, scatter_blocks_host
+from kvtier.gpu_pool.kernels.host_native import scatter_blocks_verified
 from kvtier.transfer.layer_load import LayerLoad
 
 if TYPE_CHECKING:
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from kvtier.transfer.kv_transfer import PoolOwner
 
 log = logging.getLogger(__name__)
+
 
 @dataclass
 class StoredPrefix:
@@ -66,6 +68,13 @@ class LoadReport:
     pending: LayerLoad | None = None
     """A streamed restore still loading (the pool's forward passes wait on it per layer);
     then ``bytes`` counts only what was read before returning (``pending.bytes`` grows)."""
+
+
+def _fused(part: LentChunk, kv: torch.Tensor) -> bool:
+    """Whether a lent chunk is checked and scattered by the fused native kernel (a host
+    pool of its dtype, a contiguous chunk), else checked, then copied with numpy."""
+    return (host_native.AVAILABLE and not kv.is_cuda and part.kv.device.type == "cpu"
+            and part.kv.dtype == kv.dtype and part.kv.is_contiguous())
 
 
 RESTORE_GROUP_BYTES = 4 << 20
@@ -382,10 +391,25 @@ class RestoreMixin:
         def one(item: tuple[int, LentChunk, tuple[int, list[int]]]) -> tuple[int, str] | None:
             i, part, (off, ids) = item
             try:
-                for a, b in part.checked_groups(RESTORE_GROUP_BYTES, start=1, end=n):
-                    if ids:
-                        src = part.kv[a:b, :, off:]
-                        scatter_blocks_host(src, kv[a:b], ids, src.shape[2])
+                if _fused(part, kv):  # each group checked and scattered in one pass
+                    # a chunk in memory goes in one call; one still being read, group by
+                    # group as its layers land
+                    group = RESTORE_GROUP_BYTES if part.reading is not None else 1 << 62
+                    for a, b, sums in part.read_groups(group, start=1, end=n):
+                        src = part.kv[a:b]
+                        at = off if ids else src.shape[2]
+                        if sums is None:
+                            if ids:
+                                scatter_blocks_host(src[:, :, off:], kv[a:b], ids, src.shape[2] - off)
+                            continue
+                        bad = scatter_blocks_verified(src, sums, at, kv[a:b], ids)
+                        if bad >= 0:
+                            part.fail(a + bad)
+                else:
+                    for a, b in part.checked_groups(RESTORE_GROUP_BYTES, start=1, end=n):
+                        if ids:
+                            src = part.kv[a:b, :, off:]
+                            scatter_blocks_host(src, kv[a:b], ids, src.shape[2])
             except ChunkFormatError as exc:
                 return i, str(exc)
             return None
