@@ -195,7 +195,11 @@ class RestoreMixin:
         # before each group is scattered: the bytes are read from memory once, not twice.
         deferred = last is not None and not pool.storage.kv.is_cuda
         with self._reading(usable, where, 0, last, deferred) as lent:
-            parts = self._layer0_checked(lent) if deferred else lent
+            # With the fused kernel, layer 0 is checked and scattered with the others (a
+            # chunk that fails it is poisoned like one failing a later layer); else it is
+            # checked first, and a chunk that fails it ends the restore before it.
+            fused = deferred and all(_fused(p, pool.storage.kv) for p in lent if p is not None)
+            parts = self._layer0_checked(lent) if deferred and not fused else lent
             chunks: list[ChunkKey] = []
             end = usable[0].start  # <= cached: the first chunk may overlap blocks still pooled
             for ck, part in zip(usable, parts, strict=True):
@@ -206,12 +210,12 @@ class RestoreMixin:
             if end <= cached:
                 return report
             kvs = [p.kv if isinstance(p, LentChunk) else p for p in parts[: len(chunks)]]
-            layer0 = [p if last is None else p[:1] for p in kvs if p is not None]
+            layer0 = None if fused else [p if last is None else p[:1] for p in kvs if p is not None]
             begun = self._begin_load(prefix, end, chunks, layer0)
             if begun is not None and last is not None:
                 sid, load, spans = begun
                 if deferred:
-                    self._load_rest_checked(load, spans, parts[: len(chunks)])
+                    self._load_rest_checked(load, spans, parts[: len(chunks)], 0 if fused else 1)
                 else:
                     self._load_rest(load, spans, [p[1:] for p in kvs if p is not None])
         if begun is None:
@@ -268,11 +272,12 @@ class RestoreMixin:
         prefix: list[int],
         end: int,
         chunks: Sequence[ChunkKey],
-        layer0: Sequence[torch.Tensor | None],
+        layer0: Sequence[torch.Tensor | None] | None,
     ) -> tuple[str, LayerLoad, list[tuple[int, list[int]]]] | None:
         """Hold ``prefix[:end]`` in the pool, scatter layer 0 of ``chunks`` into its new
         blocks and mark it computed. Returns the holding sequence, the load (layers 1.. to
-        go) and each chunk's span; None when the prefix does not fit in the pool now."""
+        go; every layer where ``layer0`` is None: the caller loads layer 0 with the rest)
+        and each chunk's span; None when the prefix does not fit in the pool now."""
         pool, fp = self._pool, self.runner.fingerprint
         # The restored prefix is held by one temporary sequence while it loads: cached blocks
         # are shared, new blocks receive the chunks; it is freed once the load is over.
@@ -290,6 +295,9 @@ class RestoreMixin:
             spans.append((lo - ck.start, blocks[lo // bs : ck.end // bs] if lo < ck.end else []))
         load = LayerLoad(pool.storage.num_layers, [ids for _, ids in spans])
         load.release = lambda ld: pool.free_sequence(sid)
+        if layer0 is None:
+            pool.mark_computed(sid, end)
+            return sid, load, spans
         try:
             self._scatter_layer(0, [p for p in layer0[: len(chunks)] if p is not None], spans)
         except BaseException:
@@ -379,8 +387,9 @@ class RestoreMixin:
         load: LayerLoad,
         spans: Sequence[tuple[int, list[int]]],
         parts: Sequence[LentChunk | None],
+        first: int = 1,
     ) -> None:
-        """Layers 1.. of lent chunks, each group of about ``RESTORE_GROUP_BYTES`` checked
+        """Layers ``first``.. of lent chunks, each group of about ``RESTORE_GROUP_BYTES`` checked
         and then scattered at once, two chunks at a time on the host. A chunk that fails a
         check poisons itself and every later chunk (their blocks are uncached, their tokens
         recomputed); the layers of the earlier ones all passed."""
@@ -395,7 +404,7 @@ class RestoreMixin:
                     # a chunk in memory goes in one call; one still being read, group by
                     # group as its layers land
                     group = RESTORE_GROUP_BYTES if part.reading is not None else 1 << 62
-                    for a, b, sums in part.read_groups(group, start=1, end=n):
+                    for a, b, sums in part.read_groups(group, start=first, end=n):
                         src = part.kv[a:b]
                         at = off if ids else src.shape[2]
                         if sums is None:
@@ -406,7 +415,7 @@ class RestoreMixin:
                         if bad >= 0:
                             part.fail(a + bad)
                 else:
-                    for a, b in part.checked_groups(RESTORE_GROUP_BYTES, start=1, end=n):
+                    for a, b in part.checked_groups(RESTORE_GROUP_BYTES, start=first, end=n):
                         if ids:
                             src = part.kv[a:b, :, off:]
                             scatter_blocks_host(src, kv[a:b], ids, src.shape[2])
@@ -416,11 +425,11 @@ class RestoreMixin:
 
         failed: list[tuple[int, str]] = []
         with self._finishing(load, "restore"):
-            if n > 1:
-                load.bytes += sum(p.kv[1:].numel() * p.kv.element_size() for p in good)
+            if n > first:
+                load.bytes += sum(p.kv[first:].numel() * p.kv.element_size() for p in good)
                 items = list(zip(range(len(good)), good, spans, strict=False))
                 failed = [f for f in map_restore(one, items) if f is not None]
-            for layer in range(1, n):
+            for layer in range(first, n):
                 load.layer_loaded(layer)
         if failed:  # ends the restore at that chunk, as a failed read would have: not a loss
             load.poison(*min(failed))
