@@ -489,7 +489,8 @@ class TierManager:
     ) -> list[torch.Tensor | LentChunk | ChunkError | None]:
         """Each lent chunk verified (checksums of the layers asked, key, model) into its
         KV view, or the error that rejects it; on two threads where there are several
-        (the checksum releases the GIL: a restore's verification takes half the time)."""
+        (the checksum releases the GIL: a restore's verification takes half the time),
+        inline where only headers are checked (``deferred``)."""
 
         def check(item: tuple[int, torch.Tensor | ReadingBuffer | None]
                   ) -> torch.Tensor | LentChunk | ChunkError | None:
@@ -508,7 +509,10 @@ class TierManager:
             except ChunkError as exc:
                 return exc
 
-        return map_restore(check, zip(idxs, views, strict=True))
+        items = list(zip(idxs, views, strict=True))
+        if deferred:  # headers only (tens of microseconds each): threads would cost more
+            return [check(item) for item in items]
+        return map_restore(check, items)
 
     # ----------------------------------------------------------------- evictions
     def _demoter(self, index: int):
