@@ -10,7 +10,11 @@ if [ ! -x .venv/bin/python ]; then
 fi
 VPY=.venv/bin/python
 stamp=.venv/.kvtier-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+stale=0
+for f in pyproject.toml setup.py gpu_pool/kernels/native/host_copy.c; do
+  [ "$f" -nt "$stamp" ] && stale=1
+done
+if [ ! -f "$stamp" ] || [ "$stale" = 1 ]; then
   "$VPY" -m pip install -q --upgrade pip
   "$VPY" -m pip install -q "torch==${KVTIER_TORCH_VERSION:-2.13.0}"
   "$VPY" -m pip install -q -e '.[dev]'

@@ -16,7 +16,8 @@ build() {  # build VENV STEP...: create VENV and run the install steps once
   shift
   [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
   local stamp=$venv/.kvtier-installed
-  if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$0" -nt "$stamp" ]; then
+  if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
+      || [ gpu_pool/kernels/native/host_copy.c -nt "$stamp" ] || [ "$0" -nt "$stamp" ]; then
     "$venv/bin/python" -m pip install -q --upgrade pip
     "$venv/bin/python" -m pip install -q "$TORCH"
     "$@"

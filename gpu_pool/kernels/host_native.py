@@ -23,7 +23,7 @@ import torch
 
 try:
     from kvtier.gpu_pool.kernels import _host_copy as _native
-except ImportError:  # built optionally (see pyproject.toml); the numpy path serves instead
+except ImportError:  # built optionally (see setup.py); the numpy path serves instead
     _native = None
 
 AVAILABLE = _native is not None
