@@ -75,16 +75,16 @@ class LentChunk:
             yield a, b
 
     def read_groups(self, group_bytes: int, start: int = 0, end: int | None = None
-                    ) -> Iterator[tuple[int, int, tuple[int, ...] | None]]:
-        """For a reader that checks as it copies (a fused native kernel): layer ranges
-        ``[a, b)`` as :meth:`checked_groups` cuts them, each yielded once its bytes were
-        read but *unchecked*, with the checksums its layers must have (None: verified
-        already). The reader must compare before using a byte and report a mismatch with
-        :meth:`fail`; a failed read raises :class:`ChunkFormatError` here."""
+                    ) -> Iterator[tuple[int, int, tuple[int, ...]]]:
+        """For a reader that checks as it copies (a fused native kernel), of a chunk lent
+        unchecked (``buf`` and ``header`` set): layer ranges ``[a, b)`` as
+        :meth:`checked_groups` cuts them, each yielded once its bytes were read but
+        *unchecked*, with the checksums its layers must have. The reader must compare
+        before using a byte and report a mismatch with :meth:`fail`; a failed read raises
+        :class:`ChunkFormatError` here."""
+        if self.buf is None or self.header is None:
+            raise ValueError("read_groups is for a chunk lent unchecked")
         for a, b in self._groups(group_bytes, start, end):
-            if self.buf is None or self.header is None:
-                yield a, b, None
-                continue
             try:
                 self._wait(b)
             except ChunkFormatError as exc:

@@ -71,9 +71,11 @@ class LoadReport:
 
 
 def _fused(part: LentChunk, kv: torch.Tensor) -> bool:
-    """Whether a lent chunk is checked and scattered by the fused native kernel (a host
-    pool of its dtype, a contiguous chunk), else checked, then copied with numpy."""
-    return (host_native.AVAILABLE and not kv.is_cuda and part.kv.device.type == "cpu"
+    """Whether a lent chunk is checked and scattered by the fused native kernel (one still
+    to check, a host pool of its dtype, a contiguous chunk), else checked, then copied
+    with numpy."""
+    return (host_native.AVAILABLE and part.header is not None and part.buf is not None
+            and not kv.is_cuda and part.kv.device.type == "cpu"
             and part.kv.dtype == kv.dtype and part.kv.is_contiguous())
 
 
@@ -407,10 +409,6 @@ class RestoreMixin:
                     for a, b, sums in part.read_groups(group, start=first, end=n):
                         src = part.kv[a:b]
                         at = off if ids else src.shape[2]
-                        if sums is None:
-                            if ids:
-                                scatter_blocks_host(src[:, :, off:], kv[a:b], ids, src.shape[2] - off)
-                            continue
                         bad = scatter_blocks_verified(src, sums, at, kv[a:b], ids)
                         if bad >= 0:
                             part.fail(a + bad)
