@@ -84,3 +84,14 @@ def smollm2_dir(tmp_path_factory):
     out, _ = get_model(None, tmp_path_factory.mktemp("real") / "smollm2", progress=False,
                        log=lambda _msg: None)
     return out
+
+
+# ------------------------------------------------------------------------------ CUDA marker
+def pytest_collection_modifyitems(config, items):
+    """Every test that runs on a CUDA device carries the ``cuda`` marker, so ``pytest -m cuda``
+    (scripts/gpu_check.sh) selects them all: the ``tests/cuda`` suite and every test
+    parametrized with ``device="cuda"`` (the kernel tests add it when a GPU is present)."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and str(callspec.params.get("device", "")) == "cuda":
+            item.add_marker(pytest.mark.cuda)
