@@ -128,6 +128,16 @@ def copy_bandwidth(timer: Timer, device: Any, nbytes: int) -> dict[str, float]:
     return {"bytes": nbytes, "ms": ms, "gbps": _gbps(2 * nbytes, ms)}
 
 
+def matmul_throughput(timer: Timer, device: Any, dtype: str, n: int) -> dict[str, float]:
+    """An ``n x n x n`` matrix product in the model's dtype: the chip's attainable TFLOP/s,
+    the reference for the prefill kernel (random data: zeros run faster than real data)."""
+    torch = timer.torch
+    a = torch.randn(n, n, device=device).to(getattr(torch, dtype))
+    b = torch.randn(n, n, device=device).to(a.dtype)
+    ms = timer(lambda: a @ b)
+    return {"n": n, "dtype": dtype, "ms": ms, "tflops": 2 * n**3 / ms / 1e9}
+
+
 # ------------------------------------------------------------------------------- cases
 def _sdpa(q: Any, k: Any, v: Any, **kw: Any) -> tuple[Any, str]:
     """SDPA with native GQA when torch has it, else KV heads repeated (noted in the result)."""
@@ -253,16 +263,26 @@ def summarise(payload: dict[str, Any]) -> dict[str, Any]:
             r["paged_over_sdpa"] = r["paged_ms"] / r["sdpa_ms"]
         if "contiguous_ms" in r:
             r["paged_over_contiguous"] = r["paged_ms"] / r["contiguous_ms"]
+    matmul = payload.get("matmul", {}).get("tflops")
     for r in payload["prefill"]:
         if "sdpa_ms" in r:
             r["paged_over_sdpa"] = r["paged_ms"] / r["sdpa_ms"]
+        if matmul:
+            r["tflops_vs_matmul"] = r["paged_tflops"] / matmul
     for r in payload["gather_scatter"]:
         r["gather_vs_copy"] = r["gather_gbps"] / copy
         r["scatter_vs_copy"] = r["scatter_gbps"] / copy
     big = [r for r in payload["decode"] if r["batch"] >= 32 and r["context"] >= 4096]
     attn = [r for r in payload["decode"] + payload["prefill"] if "paged_over_sdpa" in r]
+    longest = max((r["context"] for r in payload["decode"]), default=0)
     checks: dict[str, Any] = {
         "decode_bw_vs_copy_min": min((r["bw_vs_copy"] for r in big), default=None),
+        "decode_bw_vs_copy_longest_context_max": max(
+            (r["bw_vs_copy"] for r in payload["decode"] if r["context"] == longest),
+            default=None),
+        "prefill_tflops_vs_matmul_max": max(
+            (r["tflops_vs_matmul"] for r in payload["prefill"] if "tflops_vs_matmul" in r),
+            default=None),
         "paged_over_sdpa_max": max((r["paged_over_sdpa"] for r in attn), default=None),
         "gather_scatter_vs_copy_min": min(
             (min(r["gather_vs_copy"], r["scatter_vs_copy"]) for r in payload["gather_scatter"]),
@@ -306,13 +326,16 @@ def print_report(payload: dict[str, Any]) -> None:
                   _fmt(r["paged_gbps"], ".1f"), _fmt(r["bw_vs_copy"]), _fmt(r["num_splits"], "d"),
                   _fmt(r.get("paged_over_sdpa")), _fmt(r.get("paged_over_contiguous")))
     console.print(t)
-    t = Table(title="paged prefill attention")
-    for col in ("batch", "prefix", "new", "ms", "TFLOP/s", "vs SDPA"):
+    mm = payload.get("matmul")
+    t = Table(title="paged prefill attention" + (
+        f" (vs matmul: x the {mm['n']}^3 {mm['dtype']} product, {mm['tflops']:.1f} TFLOP/s)"
+        if mm else ""))
+    for col in ("batch", "prefix", "new", "ms", "TFLOP/s", "vs matmul", "vs SDPA"):
         t.add_column(col, justify="right")
     for r in payload["prefill"]:
         t.add_row(str(r["batch"]), str(r["prefix"]), str(r["new_tokens"]),
                   _fmt(r["paged_ms"], ".3f"), _fmt(r["paged_tflops"]),
-                  _fmt(r.get("paged_over_sdpa")))
+                  _fmt(r.get("tflops_vs_matmul")), _fmt(r.get("paged_over_sdpa")))
     console.print(t)
     t = Table(title="block gather / scatter (all layers, one launch)")
     for col in ("tokens", "MiB", "gather GB/s", "vs copy", "scatter GB/s", "vs copy"):
@@ -363,6 +386,7 @@ def run(args: argparse.Namespace) -> int:
                    "statistic": "median", "l2_flush": gpu},
         "targets": TARGETS,
         "copy": copy_bandwidth(timer, device, (1 << 30) if gpu else (64 << 20)),
+        "matmul": matmul_throughput(timer, device, plan["dtype"], 8192 if gpu else 256),
         "decode": bench_decode(timer, plan, device, backend),
         "prefill": bench_prefill(timer, plan, device, backend),
         "gather_scatter": bench_blocks(timer, plan, device, backend),

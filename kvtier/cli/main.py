@@ -33,6 +33,8 @@ COMMANDS: list[tuple[str, str]] = [
     ("kvtier.benchmarks.tiers", "bench"),
     ("kvtier.benchmarks.peers", "bench"),
     ("kvtier.benchmarks.ttft", "bench"),
+    ("kvtier.benchmarks.host_transfer", "bench"),
+    ("kvtier.benchmarks.gpu_kit", "bench"),
     ("kvtier.benchmarks.policy_sim.cli", "bench"),
     ("kvtier.benchmarks.policy_sim.hardware", "bench"),
     ("kvtier.benchmarks.service", "bench"),

@@ -1,0 +1,427 @@
+"""``kvtier bench gpu-kit``: every CUDA path proved and measured in one run (docs/gpu.md).
+
+``scripts/gpu_check.sh`` installs kvtier on a lent GPU machine and runs this. Each step is a
+subprocess with its own time limit, so a hang costs that step, not the lease:
+
+1. the CUDA tests (``pytest -m cuda``, JUnit XML kept);
+2. ``kvtier bench host-transfer``: kvtier's pinned slots against the plain pinned copy;
+3. ``kvtier bench kernels``: paged decode against a device copy (HBM), prefill against a
+   matrix product, gather/scatter against the copy;
+4. ``kvtier bench ttft`` on a Llama-3-8B-shaped random-weight model in bf16 at 2k/8k/32k
+   tokens of history: restore from the CPU and disk tiers against recompute and a pool hit
+   (the checkpoint is written in the background while steps 1-3 run).
+
+Then one JSON (``gpu-kit.json``: the machine with GPU, driver, torch and Triton; every step's
+outcome; every figure as a ratio to its reference and the issue's goal for it) and a table.
+``--dry-run`` runs the same steps on the CPU at toy sizes (the CUDA suite under
+``KVTIER_CUDA_TESTS_ON_CPU=1``): CI runs it so the kit cannot rot between GPU sessions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+TTFT_PRESET = "llama-3-8b"
+CUDA_TEST_PATHS = ("tests/cuda", "tests/gpu_pool")
+TTFT_HISTORIES = (2048, 8192, 32768)
+GOALS = {
+    "decode_vs_copy": 0.7,
+    "transfer_vs_copy": 0.8,
+    "restore_vs_h2d": 0.8,
+    "speedup_8k": 10.0,
+    "speedup_32k": 14.0,
+}
+"""Issue 29's goals for the GPU figures (benchmarks' goals, never test thresholds)."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """One subprocess of the kit: its command, time cap and the JSON it leaves."""
+
+    name: str
+    argv: list[str]
+    cap_s: float
+    result: Path | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Outcome:
+    name: str
+    rc: int | None
+    seconds: float
+    timed_out: bool = False
+    note: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.rc == 0 and not self.timed_out
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One measured figure as a ratio to the reference measured in the same run."""
+
+    group: str
+    name: str
+    value: str
+    reference: str
+    ratio: float | None
+    goal: str = ""
+    met: bool | None = None
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "gpu-kit",
+        help="the CUDA tests and GPU benchmarks in one run (what scripts/gpu_check.sh runs)",
+        description="Run the CUDA test suite, host-transfer, kernels and TTFT (Llama-3-8B "
+        "shape, bf16, 2k/8k/32k) benchmarks within a time budget; write gpu-kit.json and "
+        "print every figure as a ratio to its reference. --dry-run: the same on the CPU at "
+        "toy sizes.",
+    )
+    p.add_argument("--out", type=Path, default=Path("out/gpu-kit"),
+                   help="folder for gpu-kit.json, each benchmark's JSON, the test XML and the log")
+    p.add_argument("--dry-run", action="store_true",
+                   help="CPU, toy sizes, goals not judged (CI runs this)")
+    p.add_argument("--budget-s", type=float, default=540.0,
+                   help="wall-clock budget for all steps (default 9 minutes)")
+    p.add_argument("--work", type=Path, default=None,
+                   help="scratch folder for the model checkpoint and disk tier "
+                   "(default out/gpu-kit-work)")
+    p.add_argument("--results-dir", type=Path, default=None,
+                   help="also copy the results here, named by GPU (gpu_check.sh: "
+                   "benchmarks/results)")
+    p.set_defaults(func=run)
+
+
+# ------------------------------------------------------------------------------- plan
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "kvtier.cli", *args]
+
+
+def model_step(work: Path, dry_run: bool) -> Step:
+    preset, dtype = ("tiny", "float32") if dry_run else (TTFT_PRESET, "bfloat16")
+    return Step("model", _cli("make-model", "--preset", preset, "--dtype", dtype, "--out",
+                              str(work / "models" / preset)), cap_s=300)
+
+
+def plan(out: Path, work: Path, dry_run: bool) -> list[Step]:
+    """The foreground steps, in order (the model checkpoint is made beside them)."""
+    tests_env = {"KVTIER_CUDA_TESTS_ON_CPU": "1"} if dry_run else {}
+    # Only the folders that hold CUDA tests are collected: the rest of the suite imports
+    # test-only packages (schemathesis, openai) that the GPU machines do not have.
+    tests = Step("cuda-tests", [
+        sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider",
+        f"--junitxml={out / 'cuda-tests.xml'}", *(str(REPO / p) for p in CUDA_TEST_PATHS),
+    ], cap_s=240, result=out / "cuda-tests.xml", env=tests_env)
+    device = ["--device", "cpu"] if dry_run else ["--device", "cuda"]
+    host = Step("host-transfer", _cli("bench", "host-transfer", *device, "--out",
+                                      str(out / "host-transfer.json")),
+                cap_s=60, result=out / "host-transfer.json")
+    kernels = Step("kernels", _cli("bench", "kernels", *device, *(["--quick"] if dry_run else []),
+                                   "--out", str(out / "kernels.json")),
+                   cap_s=150, result=out / "kernels.json")
+    preset = "tiny" if dry_run else TTFT_PRESET
+    histories = "128,256" if dry_run else ",".join(map(str, TTFT_HISTORIES))
+    ttft = Step("ttft", _cli(
+        "bench", "ttft", "--model", str(work / "models" / preset), "--histories", histories,
+        "--repeats", "1" if dry_run else "2", "--shared-prefix", "0",
+        "--dtype", "float32" if dry_run else "bfloat16", "--device", "cpu" if dry_run else "cuda",
+        "--disk-dir", str(work / "ttft-disk"), "--out", str(out / "ttft.json"),
+    ), cap_s=600, result=out / "ttft.json")
+    return [tests, host, kernels, ttft]
+
+
+# -------------------------------------------------------------------------------- run
+class _Log:
+    """One log file for every step (the device machine returns at most a few files)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.write_text("")
+
+    def section(self, title: str) -> Any:
+        f = self.path.open("a")
+        f.write(f"\n===== {title} =====\n")
+        f.flush()
+        return f
+
+
+def _start(step: Step, log: _Log) -> tuple[subprocess.Popen, Any]:
+    f = log.section(f"{step.name}: {' '.join(step.argv)}")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **step.env}
+    proc = subprocess.Popen(step.argv, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                            start_new_session=True)
+    return proc, f
+
+
+def _finish(step: Step, proc: subprocess.Popen, f: Any, started: float, limit: float) -> Outcome:
+    timed_out = False
+    try:
+        rc = proc.wait(timeout=max(limit, 1.0))
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        rc = proc.wait()
+    f.close()
+    out = Outcome(step.name, rc, time.monotonic() - started, timed_out)
+    if timed_out:
+        out.note = f"stopped after {limit:.0f} s (its cap or the kit's budget)"
+    elif rc != 0:
+        out.note = f"exit {rc}: see the log"
+    return out
+
+
+def run_steps(steps: list[Step], background: Step | None, log: _Log, budget_s: float,
+              echo: Any = print) -> list[Outcome]:
+    """Run ``steps`` in order within ``budget_s``; ``background`` starts first and the last
+    step (the one that needs it) waits for it."""
+    t0 = time.monotonic()
+    outcomes: list[Outcome] = []
+    bg = None
+    if background is not None:
+        bg = (background, *_start(background, log), time.monotonic())
+    for i, step in enumerate(steps):
+        if bg is not None and i == len(steps) - 1:
+            left = budget_s - (time.monotonic() - t0)
+            outcomes.append(_finish(bg[0], bg[1], bg[2], bg[3], min(bg[0].cap_s, left)))
+            echo(_line(outcomes[-1]))
+            bg = None
+            if not outcomes[-1].ok:
+                outcomes.append(Outcome(step.name, None, 0.0, note="not run: its model failed"))
+                echo(_line(outcomes[-1]))
+                continue
+        left = budget_s - (time.monotonic() - t0)
+        if left < 1:
+            outcomes.append(Outcome(step.name, None, 0.0, note="not run: budget spent"))
+            echo(_line(outcomes[-1]))
+            continue
+        started = time.monotonic()
+        proc, f = _start(step, log)
+        outcomes.append(_finish(step, proc, f, started, min(step.cap_s, left)))
+        echo(_line(outcomes[-1]))
+    return outcomes
+
+
+def _line(o: Outcome) -> str:
+    state = "ok" if o.ok else ("TIMEOUT" if o.timed_out else "FAILED" if o.rc else "SKIPPED")
+    return f"[gpu-kit] {o.name:<14} {state:<8} {o.seconds:7.1f} s  {o.note}"
+
+
+# ---------------------------------------------------------------------------- figures
+def _load(path: Path | None) -> dict[str, Any] | None:
+    if path is None or not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _met(judge: bool, value: float | None, goal: float) -> bool | None:
+    return None if not judge or value is None else value >= goal
+
+
+def cuda_test_figures(xml_path: Path) -> tuple[list[Figure], dict[str, Any]]:
+    """Passed / failed / skipped counts from the JUnit XML, and the failing tests' names."""
+    if not xml_path.is_file():
+        return [Figure("tests", "CUDA tests", "no report", "-", None, "all pass", False)], {}
+    root = ET.parse(xml_path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    counts = {k: sum(int(s.get(k, 0)) for s in suites)
+              for k in ("tests", "failures", "errors", "skipped")}
+    failing = [f"{c.get('classname')}::{c.get('name')}" for c in root.iter("testcase")
+               if c.find("failure") is not None or c.find("error") is not None]
+    passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    ok = passed > 0 and counts["failures"] == 0 and counts["errors"] == 0
+    summary = {**counts, "passed": passed, "failing": failing}
+    value = (f"{passed} passed, {counts['failures'] + counts['errors']} failed, "
+             f"{counts['skipped']} skipped")
+    return [Figure("tests", "CUDA tests", value, f"{counts['tests']} selected",
+                   passed / counts["tests"] if counts["tests"] else None, "all pass", ok)], summary
+
+
+def kernel_figures(doc: dict[str, Any], judge: bool) -> list[Figure]:
+    s = doc["summary"]
+    copy = f"D2D copy {doc['copy']['gbps']:.0f} GB/s"
+    longest = max(r["context"] for r in doc["decode"])
+    best = max((r for r in doc["decode"] if r["context"] == longest), key=lambda r: r["bw_vs_copy"])
+    mm = doc.get("matmul", {})
+    figs = [
+        Figure("kernels", f"paged decode, context {longest}, batch {best['batch']}",
+               f"{best['paged_gbps']:.0f} GB/s", copy, best["bw_vs_copy"],
+               f">= {GOALS['decode_vs_copy']}", _met(judge, best["bw_vs_copy"], GOALS["decode_vs_copy"])),
+    ]
+    if s.get("decode_bw_vs_copy_min") is not None:
+        figs.append(Figure("kernels", "paged decode, worst of batch >= 32, context >= 4K",
+                           "-", copy, s["decode_bw_vs_copy_min"]))
+    if s.get("prefill_tflops_vs_matmul_max") is not None:
+        top = max(doc["prefill"], key=lambda r: r.get("tflops_vs_matmul", 0))
+        figs.append(Figure("kernels", f"paged prefill, best ({top['batch']}x{top['new_tokens']} "
+                           f"over {top['prefix']})", f"{top['paged_tflops']:.1f} TFLOP/s",
+                           f"{mm.get('dtype')} matmul {mm.get('tflops', 0):.1f} TFLOP/s",
+                           top["tflops_vs_matmul"]))
+    if s.get("gather_scatter_vs_copy_min") is not None:
+        figs.append(Figure("kernels", "block gather/scatter, worst", "-", copy,
+                           s["gather_scatter_vs_copy_min"]))
+    return figs
+
+
+def host_figures(doc: dict[str, Any], judge: bool) -> list[Figure]:
+    figs = []
+    pinned = all(r["slots_pinned"] for r in doc["rows"])
+    for way, label in (("h2d", "H2D"), ("d2h", "D2H"), ("both", "both ways at once")):
+        worst = min(doc["rows"], key=lambda r: r[f"{way}_kvtier_vs_copy"])
+        ratio = worst[f"{way}_kvtier_vs_copy"]
+        figs.append(Figure(
+            "host-transfer", f"kvtier slots {label}, worst size ({worst['bytes'] >> 20} MiB)"
+            + ("" if pinned or not judge else ", SLOTS NOT PINNED"),
+            f"{worst[f'{way}_kvtier_GBps']:.1f} GB/s",
+            f"pinned copy_ {worst[f'{way}_copy_GBps']:.1f} GB/s", ratio,
+            f">= {GOALS['transfer_vs_copy']}", _met(judge, ratio, GOALS["transfer_vs_copy"])))
+    return figs
+
+
+def ttft_figures(doc: dict[str, Any], judge: bool) -> list[Figure]:
+    figs = []
+    for r in doc["rows"]:
+        h = r["history_tokens"]
+        rec = r["recompute_s"]
+        goal = GOALS["speedup_32k"] if h >= 32768 else GOALS["speedup_8k"] if h >= 8192 else None
+        for case, label in (("pool_hit", "pool hit (floor)"), ("cpu_stream", "CPU tier restore"),
+                            ("disk_stream", "disk tier restore (page cache warm)"),
+                            ("disk_cold_stream", "disk tier restore (cold)")):
+            if f"{case}_s" not in r:
+                continue
+            speedup = rec / r[f"{case}_s"]
+            g = goal if case == "cpu_stream" else None
+            figs.append(Figure(
+                "ttft", f"{h} tokens: {label}", f"{r[f'{case}_s'] * 1e3:.1f} ms",
+                f"recompute {rec * 1e3:.1f} ms", speedup, f">= {g:g}x" if g else "",
+                _met(judge, speedup, g) if g else None))
+        gbps = r.get("cpu_GBps")
+        if gbps:
+            ratio = gbps / r["copy_GBps"]
+            figs.append(Figure(
+                "ttft", f"{h} tokens: CPU restore bandwidth (blocking)", f"{gbps:.1f} GB/s",
+                f"{r.get('copy_kind', 'copy')} {r['copy_GBps']:.1f} GB/s", ratio,
+                f">= {GOALS['restore_vs_h2d']}", _met(judge, ratio, GOALS["restore_vs_h2d"])))
+    return figs
+
+
+def figures(out: Path, judge: bool) -> tuple[list[Figure], dict[str, Any]]:
+    figs, tests = cuda_test_figures(out / "cuda-tests.xml")
+    for name, fn in (("host-transfer", host_figures), ("kernels", kernel_figures),
+                     ("ttft", ttft_figures)):
+        doc = _load(out / f"{name}.json")
+        if doc is None:
+            figs.append(Figure(name, "(no result)", "-", "-", None, "", False if judge else None))
+            continue
+        figs.extend(fn(doc, judge))
+    return figs, tests
+
+
+def print_table(figs: list[Figure], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console() if Console().is_terminal else Console(width=160)
+    t = Table(title=title, title_justify="left")
+    for col in ("group", "figure", "value", "reference (same run)", "ratio", "goal", "met"):
+        t.add_column(col, justify="right" if col in ("ratio",) else "left")
+    for f in figs:
+        t.add_row(f.group, f.name, f.value, f.reference,
+                  "-" if f.ratio is None else f"{f.ratio:.2f}", f.goal,
+                  "-" if f.met is None else ("yes" if f.met else "NO"))
+    console.print(t)
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "gpu"
+
+
+def gpu_machine() -> dict[str, Any]:
+    """GPU name, memory, SMs, driver and CUDA runtime (beside the host facts)."""
+    import torch
+
+    from kvtier.benchmarks.machine import machine_info
+
+    info = machine_info()
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(gpu_memory_bytes=props.total_memory, gpu_sms=props.multi_processor_count)
+        try:
+            smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
+                                  "--format=csv,noheader"], capture_output=True, text=True,
+                                 timeout=20)
+            info["gpu_driver"] = smi.stdout.strip().splitlines()[0] if smi.stdout.strip() else None
+        except (OSError, subprocess.SubprocessError):
+            info["gpu_driver"] = None
+    return info
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvtier.benchmarks.results import write_result
+
+    out: Path = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    work = (args.work or Path("out/gpu-kit-work")).resolve()
+    if not args.dry_run:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("gpu-kit: no CUDA device here; run with --dry-run on a CPU", file=sys.stderr)
+            return 2
+    for stale in ("cuda-tests.xml", "host-transfer.json", "kernels.json", "ttft.json"):
+        (out / stale).unlink(missing_ok=True)
+    (work / "models").mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(work / "ttft-disk", ignore_errors=True)
+    log = _Log(out / "kit.log")
+    background = model_step(work, args.dry_run)
+    if (Path(background.argv[-1]) / "config.json").is_file():
+        background = None  # made by an earlier run on this machine
+    steps = plan(out, work, args.dry_run)
+    t0 = time.monotonic()
+    outcomes = run_steps(steps, background, log, args.budget_s)
+    judge = not args.dry_run
+    figs, tests = figures(out, judge)
+    machine = gpu_machine()
+    title = (f"gpu-kit on {machine.get('gpu') or 'CPU (dry run: toy sizes, goals not judged)'}"
+             f"; {time.monotonic() - t0:.0f} s")
+    print_table(figs, title)
+    payload = {
+        "machine": machine,
+        "dry_run": bool(args.dry_run),
+        "budget_s": args.budget_s,
+        "seconds": time.monotonic() - t0,
+        "goals": GOALS,
+        "steps": [asdict(o) | {"ok": o.ok} for o in outcomes],
+        "tests": tests,
+        "figures": [asdict(f) for f in figs],
+    }
+    path = write_result(out / "gpu-kit.json", "gpu-kit", payload)
+    print(f"wrote {path}")
+    if args.results_dir is not None and not args.dry_run:
+        slug = _slug(machine.get("gpu") or "gpu")
+        args.results_dir.mkdir(parents=True, exist_ok=True)
+        for name in ("gpu-kit", "host-transfer", "kernels", "ttft"):
+            if (out / f"{name}.json").is_file():
+                shutil.copy2(out / f"{name}.json", args.results_dir / f"{name}-{slug}.json")
+    ok = all(o.ok for o in outcomes) and all(f.met is not False for f in figs if f.group == "tests")
+    return 0 if ok else 1

@@ -1,0 +1,120 @@
+"""The GPU kit kept from rotting: ``scripts/gpu_check.sh --dry-run`` runs every step of the
+kit on the CPU (the CUDA suite under ``KVTIER_CUDA_TESTS_ON_CPU=1``, each benchmark at toy
+sizes) and writes the same JSON a GPU run writes; the kit's own machinery (time budget,
+test report, goals) is checked on real subprocesses and files."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from kvtier.benchmarks.gpu_kit import Step, _Log, cuda_test_figures, figures, run_steps
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _bash(args: list[str], env: dict[str, str] | None = None, timeout: float = 600):
+    return subprocess.run(["bash", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def test_dry_run_runs_every_step_and_writes_the_results(tmp_path):
+    out = tmp_path / "kit"
+    proc = _bash(["scripts/gpu_check.sh", "--dry-run", "--out", str(out), "--work",
+                  str(tmp_path / "work")],
+                 env={"KVTIER_PYTHON": sys.executable})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((out / "gpu-kit.json").read_text())
+    assert doc["suite"] == "gpu-kit" and doc["dry_run"] is True
+    assert [s["name"] for s in doc["steps"]] == ["cuda-tests", "host-transfer", "kernels",
+                                                 "model", "ttft"]
+    assert all(s["ok"] for s in doc["steps"]), doc["steps"]
+    # The CUDA suite ran (on the CPU) and passed: the marker selects it and nothing is skipped.
+    assert doc["tests"]["passed"] >= 20 and doc["tests"]["failures"] == 0
+    assert doc["tests"]["errors"] == 0 and doc["tests"]["skipped"] == 0
+    groups = {f["group"] for f in doc["figures"]}
+    assert groups == {"tests", "host-transfer", "kernels", "ttft"}
+    assert all(f["met"] is None for f in doc["figures"] if f["group"] != "tests")  # not judged
+    assert all(f["ratio"] > 0 for f in doc["figures"] if f["ratio"] is not None)
+    for name in ("host-transfer", "kernels", "ttft"):
+        result = json.loads((out / f"{name}.json").read_text())
+        assert result["machine"]["cpu_count"] >= 1 and "torch" in result["machine"]
+    ttft = json.loads((out / "ttft.json").read_text())
+    assert [r["history_tokens"] for r in ttft["rows"]] == [128, 256]
+    assert all(r["copy_kind"] == "host copy" for r in ttft["rows"])
+    assert "CUDA tests" in proc.stdout and "reference (same run)" in proc.stdout
+    assert (out / "kit.log").read_text().count("=====") >= 5
+
+
+def test_without_a_wheelhouse_the_gpu_run_says_what_to_do(tmp_path):
+    proc = _bash(["scripts/gpu_check.sh", "--out", str(tmp_path)],
+                 env={"KVTIER_GPU_WHEELS": str(tmp_path / "missing")})
+    assert proc.returncode == 2
+    assert "scripts/gpu_wheels.sh" in proc.stderr and "carry .gpu-wheels" in proc.stderr
+
+
+def test_unknown_arguments_are_refused():
+    proc = _bash(["scripts/gpu_check.sh", "--dryrun"])
+    assert proc.returncode == 2 and "unknown argument --dryrun" in proc.stderr
+
+
+def test_the_wheelhouse_carries_kvtiers_dependencies_but_never_torch_triton_or_numpy():
+    proc = subprocess.run([sys.executable, "scripts/gpu_wheels.py", "--list"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    reqs = proc.stdout.split()
+    names = {r.split(">")[0].split("[")[0] for r in reqs}
+    assert {"fastapi", "uvicorn", "pydantic", "pydantic-settings", "redis", "gguf"} <= names
+    assert "setuptools>=77" in reqs and "wheel" in names
+    assert not names & {"torch", "triton", "numpy"}
+
+
+def test_steps_share_one_budget(tmp_path):
+    """A step that outlives the budget is stopped (its whole process group), and the steps
+    after it are reported as not run, not silently dropped."""
+    py = sys.executable
+    steps = [
+        Step("quick", [py, "-c", "print('hi')"], cap_s=30),
+        Step("hang", [py, "-c", "import subprocess, sys, time; "
+                      "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+                      " time.sleep(60)"], cap_s=30),
+        Step("after", [py, "-c", "print('late')"], cap_s=30),
+    ]
+    log = _Log(tmp_path / "kit.log")
+    lines: list[str] = []
+    outcomes = run_steps(steps, None, log, budget_s=4.0, echo=lines.append)
+    assert [o.name for o in outcomes] == ["quick", "hang", "after"]
+    assert outcomes[0].ok and outcomes[1].timed_out and not outcomes[1].ok
+    assert outcomes[1].seconds < 10
+    assert outcomes[2].rc is None and "budget spent" in outcomes[2].note
+    assert "TIMEOUT" in lines[1] and "hi" in log.path.read_text()
+
+
+def test_a_background_step_that_fails_skips_the_step_that_needs_it(tmp_path):
+    py = sys.executable
+    log = _Log(tmp_path / "kit.log")
+    outcomes = run_steps([Step("first", [py, "-c", "pass"], 30), Step("needs", [py, "-c", "pass"], 30)],
+                         Step("model", [py, "-c", "raise SystemExit(3)"], 30), log, 60,
+                         echo=lambda _line: None)
+    assert [(o.name, o.rc) for o in outcomes] == [("first", 0), ("model", 3), ("needs", None)]
+    assert "its model failed" in outcomes[2].note
+
+
+def test_failing_cuda_tests_fail_the_kit(tmp_path):
+    (tmp_path / "cuda-tests.xml").write_text(
+        '<testsuites><testsuite name="pytest" tests="3" failures="1" errors="0" skipped="0">'
+        '<testcase classname="tests.cuda.test_x" name="test_ok"/>'
+        '<testcase classname="tests.cuda.test_x" name="test_bad"><failure message="boom"/></testcase>'
+        '<testcase classname="tests.cuda.test_x" name="test_ok2"/>'
+        '</testsuite></testsuites>')
+    figs, summary = cuda_test_figures(tmp_path / "cuda-tests.xml")
+    assert summary["passed"] == 2 and summary["failing"] == ["tests.cuda.test_x::test_bad"]
+    assert figs[0].met is False and figs[0].value.startswith("2 passed, 1 failed")
+    # Missing benchmark results are listed, judged as failures on a GPU.
+    figs, _ = figures(tmp_path, judge=True)
+    missing = [f for f in figs if f.name == "(no result)"]
+    assert {f.group for f in missing} == {"host-transfer", "kernels", "ttft"}
+    assert all(f.met is False for f in missing)
