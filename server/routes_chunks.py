@@ -43,7 +43,7 @@ from kvtier.server.schemas import (
     LookupResponse,
     PutResponse,
 )
-from kvtier.server.shm_regions import Region, copy_in
+from kvtier.server.shm_regions import Region
 from kvtier.server.state import ServiceState
 
 router = APIRouter(prefix="/v1/chunks", tags=["chunks"])
@@ -190,11 +190,11 @@ def _put_from_region(state: ServiceState, manager: TierManager, tenant: str, reg
     verified (worker thread). Where the tier lends its memory (the CPU arena) that memory
     is the chunk's slot, which becomes visible only once the checks passed; else a staging
     buffer the chunk is put from."""
-    with state.regions.using(tenant, region_id) as region, region.view(offset, length) as src:
+    with state.regions.using(tenant, region_id) as region:
 
         def fill(slot: torch.Tensor) -> int:
             mem = memoryview(slot.numpy())[:length]
-            copy_in(mem, src)
+            region.read_into(offset, mem)
             _verify(manager, key, mem)
             return length
 
@@ -204,7 +204,7 @@ def _put_from_region(state: ServiceState, manager: TierManager, tenant: str, reg
             return PutReport(per_tier={manager.tiers[start].name: res})
         with state.regions.staging(length), manager.staging.borrowed(length) as buf:
             mem = memoryview(buf.numpy())[:length]
-            copy_in(mem, src)
+            region.read_into(offset, mem)
             return _verified_put(manager, key, where, mem, start)
 
 
@@ -307,13 +307,12 @@ def _checked_copy_to_region(region: Region, offset: int, end: int, key: str, par
     mem = memoryview(buf.numpy())
     at = buf.numel() - header.payload_nbytes
     step = header.layer_nbytes
-    with region.view(offset, buf.numel()) as dst:
-        copy_in(dst[:at], mem[:at])
-        try:
-            for a, b in part.checked_groups(GROUP_BYTES):
-                copy_in(dst[at + a * step : at + b * step], mem[at + a * step : at + b * step])
-        except ChunkFormatError:
-            return False  # dropped from its tier when the lease ends
+    region.write_from(offset, mem[:at])
+    try:
+        for a, b in part.checked_groups(GROUP_BYTES):
+            region.write_from(offset + at + a * step, mem[at + a * step : at + b * step])
+    except ChunkFormatError:
+        return False  # dropped from its tier when the lease ends
     return True
 
 
@@ -325,8 +324,7 @@ def _check_room(region: Region, offset: int, end: int, key: str, nbytes: int) ->
 
 def _copy_to_region(region: Region, offset: int, end: int, key: str, data: memoryview) -> None:
     _check_room(region, offset, end, key, len(data))
-    with region.view(offset, len(data)) as dst:
-        copy_in(dst, data)
+    region.write_from(offset, data)
 
 
 def _lease_whole(manager: TierManager, key: str):

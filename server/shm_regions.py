@@ -12,6 +12,14 @@ What keeps the data path's promises:
 
 - The server copies an upload out of the region into memory only it can write *before* it
   verifies it: a client that changes the region afterwards cannot change what was checked.
+- The server never maps a region. A mapping of a file the client can shrink (``ftruncate``)
+  faults with SIGBUS on the first touch past the new end, and a file in a memory
+  filesystem with too little room faults the same way when a page cannot be allocated:
+  either would take the whole service down. Bytes move with ``preadv``/``pwritev`` on the
+  region's descriptor instead (one copy, as through a mapping): a short read is a 400
+  ("the region shrank"), a write the filesystem cannot hold a 507. Region memory is
+  reserved when the region is made (``posix_fallocate``), so a region the filesystem
+  cannot hold is refused with 507 at creation, not found out at the first large GET.
 - A region belongs to the tenant that created it; another tenant naming it gets a 404, as
   for a region that does not exist. The file is the server user's, mode 0600: a process
   of another user cannot open it (it uses HTTP bodies), one of the same user could anyway
@@ -24,7 +32,7 @@ What keeps the data path's promises:
 from __future__ import annotations
 
 import contextlib
-import mmap
+import errno
 import os
 import re
 import secrets
@@ -32,8 +40,6 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import numpy as np
 
 from kvtier.server.errors import RouteError
 
@@ -44,21 +50,48 @@ _ID_RE = re.compile(r"[0-9a-f]{32}")
 
 @dataclass
 class Region:
+    """One region: its file, held open (never mapped) by the server."""
+
     id: str
     tenant: str
     path: Path
     size: int
-    mem: mmap.mmap
+    fd: int
     users: int = 0
     deleted: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def view(self, offset: int, length: int) -> memoryview:
-        """Bytes ``[offset, offset + length)`` of the region (checked against its size)."""
+    def _span(self, offset: int, length: int) -> None:
         if offset < 0 or length < 0 or offset + length > self.size:
             raise RouteError(400, f"bytes {offset}..{offset + length} lie outside region "
                              f"{self.id} ({self.size} bytes)")
-        return memoryview(self.mem)[offset : offset + length]
+
+    def read_into(self, offset: int, dst: memoryview) -> None:
+        """Fill ``dst`` with the region's bytes from ``offset`` (one copy, no mapping); a
+        400 when the client shrank the region under them."""
+        self._span(offset, len(dst))
+        done = 0
+        while done < len(dst):
+            n = os.preadv(self.fd, [dst[done:]], offset + done)
+            if n == 0:
+                raise RouteError(400, f"region {self.id} ends at byte {offset + done}: it was "
+                                 f"shrunk below the {offset + len(dst)} bytes named",
+                                 "region_shrunk")
+            done += n
+
+    def write_from(self, offset: int, src: memoryview) -> None:
+        """Write ``src`` into the region at ``offset`` (no mapping); a 507 when the
+        filesystem under the region cannot hold the bytes."""
+        self._span(offset, len(src))
+        done = 0
+        try:
+            while done < len(src):
+                done += os.pwritev(self.fd, [src[done:]], offset + done)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise RouteError(507, f"region {self.id}: its filesystem cannot hold the "
+                                 f"chunk ({exc.strerror})", "regions_full") from None
+            raise
 
 
 class RegionTable:
@@ -135,15 +168,13 @@ class RegionTable:
         path = self.directory / f"{PREFIX}{os.getpid()}-{rid}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
         try:
-            os.ftruncate(fd, size)
-            mem = mmap.mmap(fd, size)
+            _reserve(fd, size)
         except OSError:
             os.close(fd)
             with contextlib.suppress(OSError):
                 path.unlink()
             raise
-        os.close(fd)
-        return Region(rid, tenant, path, size, mem)
+        return Region(rid, tenant, path, size, fd)
 
     @contextlib.contextmanager
     def using(self, tenant: str, region_id: str) -> Iterator[Region]:
@@ -204,14 +235,24 @@ class RegionTable:
                 _unmap(region)
 
 
-def copy_in(dst: memoryview, src: memoryview) -> None:
-    """``dst[:] = src`` with numpy (releases the GIL for the copy)."""
-    np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
+def _reserve(fd: int, size: int) -> None:
+    """Give the region's file ``size`` bytes of real memory now (zeroed), or fail with
+    ENOSPC: a sparse file would run out of room at the first large write instead."""
+    st = os.fstatvfs(fd)
+    if size > st.f_bavail * st.f_frsize:
+        raise OSError(errno.ENOSPC, f"{st.f_bavail * st.f_frsize} bytes free on its filesystem")
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        os.ftruncate(fd, size)  # a filesystem without fallocate: checked against its free space
 
 
 def _unmap(region: Region) -> None:
-    with contextlib.suppress(BufferError, ValueError):
-        region.mem.close()
+    """Close the region's descriptor (the last user did, or nobody used it)."""
+    with contextlib.suppress(OSError):
+        os.close(region.fd)
 
 
 def _alive(pid: int) -> bool:

@@ -19,11 +19,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_serve(disk_dir: Path, token: str) -> tuple[subprocess.Popen, str, int]:
+def start_serve(disk_dir: Path, token: str, env: dict[str, str] | None = None
+                ) -> tuple[subprocess.Popen, str, int]:
     """A sidecar with its disk tier in ``disk_dir`` and a bearer token, once it answers
-    ``/healthz``; the caller terminates it."""
+    ``/healthz``; the caller terminates it. ``env``: more ``KVTIER_*`` settings."""
     port = free_port()
-    env = dict(os.environ, KVTIER_TIERS__DISK_DIR=str(disk_dir), KVTIER_TIERS__DISK_FSYNC="false")
+    env = dict(os.environ, KVTIER_TIERS__DISK_DIR=str(disk_dir), KVTIER_TIERS__DISK_FSYNC="false",
+               **(env or {}))
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvtier.cli.main", "serve", "--port", str(port),
          "--log-level", "warning", "--auth-token", token],

@@ -1,0 +1,74 @@
+"""Regions cannot take the service down: the server never maps a region, so a client that
+shrinks its region file, or a memory filesystem too small for the regions it was asked for,
+gets an HTTP error while every other client goes on (docs/reliability.md). The server runs
+as its own process here: a fault in it must show as a dead process, not a dead test run."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import httpx
+import pytest
+
+from tests.serve_process import start_serve
+from tests.server.test_server_chunks import chunk, key
+from tests.tiers.test_disk_tier import mounted
+
+TOKEN = "region-faults-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture
+def serve(tmp_path):
+    started = []
+
+    def start(shm_dir):
+        proc, url, _ = start_serve(tmp_path / "disk", TOKEN, env={
+            "KVTIER_SERVER__SHM_DIR": str(shm_dir), "KVTIER_SERVER__MAX_BODY_BYTES": str(8 << 20)})
+        started.append(proc)
+        return proc, httpx.Client(base_url=url, headers=AUTH, timeout=30)
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=30)
+
+
+def test_a_client_that_shrinks_its_region_gets_an_error_and_the_server_lives(serve, tmp_path):
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    proc, http = serve(shm)
+    blob = chunk(key(1), seed=1, layers=8, tokens=512)
+    reg = http.post("/v1/regions", json={"bytes": 4 << 20}).json()
+    with open(reg["path"], "r+b") as f:
+        f.write(blob)
+        f.truncate(4096)  # the client shrinks its region below the chunk it names
+    r = http.put(f"/v1/chunks/{key(1)}", params={"region": reg["id"], "length": len(blob)})
+    assert r.status_code == 400 and "shrunk" in r.json()["error"]["message"]
+    assert proc.poll() is None and http.get("/healthz").status_code == 200
+    assert http.get(f"/v1/chunks/{key(1)}").status_code == 404  # nothing half-stored
+    # A GET into the shrunk region writes the chunk (the file grows back), no fault.
+    assert http.put(f"/v1/chunks/{key(1)}", content=blob).status_code == 201
+    os.truncate(reg["path"], 0)
+    r = http.get(f"/v1/chunks/{key(1)}", params={"region": reg["id"]})
+    assert r.status_code == 200 and r.json()["length"] == len(blob)
+    with open(reg["path"], "rb") as f:
+        assert f.read(len(blob)) == blob
+    assert proc.poll() is None and http.get("/healthz").status_code == 200
+
+
+def test_a_region_the_filesystem_cannot_hold_is_refused_at_creation(serve, tmp_path):
+    with mounted("tmpfs", tmp_path / "small-shm", "size=2m") as shm:
+        proc, http = serve(shm)
+        r = http.post("/v1/regions", json={"bytes": 6 << 20})
+        assert r.status_code == 507, r.text
+        assert list(shm.iterdir()) == []  # nothing left behind
+        reg = http.post("/v1/regions", json={"bytes": 1 << 20}).json()  # this one fits
+        assert os.stat(reg["path"]).st_blocks * 512 >= 1 << 20  # reserved, not sparse
+        blob = chunk(key(2), seed=2, layers=8, tokens=256)
+        assert http.put(f"/v1/chunks/{key(2)}", content=blob).status_code == 201
+        r = http.get(f"/v1/chunks/{key(2)}", params={"region": reg["id"]})
+        assert r.status_code == 200 and proc.poll() is None
+        assert http.get("/healthz").status_code == 200
