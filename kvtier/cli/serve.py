@@ -98,7 +98,28 @@ def check_exposure(host: str, token: str | None, allowed: bool) -> None:
                 host)
 
 
+SHUTDOWN_GRACE_S = 10.0
+"""How long a stop waits for requests in flight before closing their connections."""
+
+
+class _StopSignal(BaseException):
+    """SIGTERM or SIGINT reached ``kvtier serve`` (raised by its handler, caught by run)."""
+
+
+def _stop_on_signal(signum: int, _frame) -> None:
+    raise _StopSignal(signum)
+
+
 def run(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM or SIGINT, then stop cleanly and exit 0.
+
+    uvicorn catches both signals, drains the requests in flight (at most
+    ``SHUTDOWN_GRACE_S``), then raises the signal again for the handler that was there
+    before it, which by default kills the process before ``state.close()`` could run
+    (regions left behind, tiers not closed). Ours is there before uvicorn's: it ends
+    ``uvicorn.run`` with :class:`_StopSignal`, and the ``finally`` closes the state."""
+    import signal
+
     import uvicorn
 
     from kvtier.server.app import create_app
@@ -108,18 +129,30 @@ def run(args: argparse.Namespace) -> int:
                    config.server.auth_token or (config.server.tokens[0].token
                                                 if config.server.tokens else None),
                    getattr(args, "allow_unauthenticated", False))
-    state = build_state(args, config)
-    cfg = state.config.server
+    previous = {sig: signal.signal(sig, _stop_on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        app = create_app(state)
-        log.info(
-            "kvtier serve: %s mode on http://%s:%d (tiers: %s)",
-            state.mode,
-            cfg.host,
-            cfg.port,
-            ", ".join(t.name for t in state.manager.tiers) if state.manager else "none",
-        )
-        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=log_level(state.config, args).lower())
+        state = build_state(args, config)
+        cfg = state.config.server
+        try:
+            app = create_app(state)
+            log.info(
+                "kvtier serve: %s mode on http://%s:%d (tiers: %s)",
+                state.mode,
+                cfg.host,
+                cfg.port,
+                ", ".join(t.name for t in state.manager.tiers) if state.manager else "none",
+            )
+            uvicorn.run(app, host=cfg.host, port=cfg.port,
+                        log_level=log_level(state.config, args).lower(),
+                        timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+        finally:
+            for sig in previous:  # a second signal must not cut the close short
+                signal.signal(sig, signal.SIG_IGN)
+            state.close()
+            log.info("kvtier serve: stopped (tiers closed, regions removed)")
+    except _StopSignal as stop:
+        log.info("kvtier serve: stopped by %s", signal.Signals(stop.args[0]).name)
     finally:
-        state.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0

@@ -72,3 +72,24 @@ def test_a_region_the_filesystem_cannot_hold_is_refused_at_creation(serve, tmp_p
         r = http.get(f"/v1/chunks/{key(2)}", params={"region": reg["id"]})
         assert r.status_code == 200 and proc.poll() is None
         assert http.get("/healthz").status_code == 200
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_stops_the_server_cleanly(serve, tmp_path, sig):
+    """systemd, Docker and Kubernetes stop a service with SIGTERM: it exits 0 within a few
+    seconds, its regions removed, and a restart serves every chunk it acknowledged."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    proc, http = serve(shm)
+    reg = http.post("/v1/regions", json={"bytes": 1 << 20}).json()
+    assert os.path.exists(reg["path"])
+    blobs = {key(i): chunk(key(i), seed=i, layers=4, tokens=64) for i in range(5)}
+    for k, b in blobs.items():
+        assert http.put(f"/v1/chunks/{k}", params={"tier": "disk"}, content=b).status_code == 201
+    proc.send_signal(sig)
+    assert proc.wait(timeout=15) == 0
+    assert list(shm.iterdir()) == []
+    proc, http = serve(shm)
+    for k, b in blobs.items():
+        r = http.get(f"/v1/chunks/{k}")
+        assert r.status_code == 200 and r.content == b
