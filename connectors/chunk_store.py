@@ -65,7 +65,10 @@ class RemoteChunkStore:
         return self.client.get_chunks(keys) if keys else []
 
     def put(self, chunks: Mapping[str, bytes]) -> dict[str, str]:
-        return self.client.put_chunks(chunks)["failed"] if chunks else {}
+        """Keys no tier stored, with why. A ``conflict`` is not among them: another writer
+        stored that key first (one version per key), so its KV is there to load."""
+        failed = self.client.put_chunks(chunks)["failed"] if chunks else {}
+        return {k: why for k, why in failed.items() if not why.startswith("conflict:")}
 
     def close(self) -> None:
         self.client.close()

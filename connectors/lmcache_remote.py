@@ -41,7 +41,7 @@ from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorCont
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from kvtier.chunk_format import encode_chunk, parse_header, validate_chunk
-from kvtier.client import AsyncClient, Client
+from kvtier.client import AsyncClient, Client, ServiceError
 from kvtier.errors import ChunkError
 from kvtier.models.weights_digest import checkpoint_digest
 
@@ -158,7 +158,14 @@ class KVTierRemoteConnector(RemoteConnector):
             memory_obj.get_memory_format(),
         )
         k = self._key(key)
-        await self.client.put_chunk(k, encode(k, data, meta))
+        try:
+            await self.client.put_chunk(k, encode(k, data, meta))
+        except ServiceError as exc:
+            if exc.status != 409:
+                raise
+            # Another writer stored this chunk first (chunks are immutable, one version per
+            # key): KV of the same tokens by the same model, kept as it is.
+            log.debug("chunk %s stored already by another writer: %s", k, exc)
 
     async def list(self) -> list[str]:
         return []  # kvtier keys are hashes of LMCache's: they cannot be listed back

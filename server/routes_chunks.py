@@ -20,7 +20,7 @@ import torch
 from fastapi import APIRouter, Path, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 
-from kvtier.chunk_format import logical_key, namespaced_key, validate_chunk
+from kvtier.chunk_format import ChunkHeader, logical_key, namespaced_key, validate_chunk
 from kvtier.chunk_keys import KEY_PATTERN, KEY_RE
 from kvtier.connectors.tiers.base import Blob, PutResult
 from kvtier.connectors.tiers.lent_chunk import LentChunk
@@ -33,6 +33,7 @@ from kvtier.server.chunk_body import (
     staged_body,
 )
 from kvtier.server.chunk_map import chunk_list_parts, parse_chunk_map
+from kvtier.server.chunk_versions import Settled, Version, settle
 from kvtier.server.errors import RouteError, error_responses
 from kvtier.server.identity import identity_of
 from kvtier.server.schemas import (
@@ -105,11 +106,17 @@ def _parse_layers(layers: str | None) -> tuple[int, int] | None:
     return start, end
 
 
-def _verify(manager: TierManager, key: str, blob: bytes) -> None:
+def _verify(manager: TierManager, key: str, blob: Blob) -> ChunkHeader:
     try:
-        validate_chunk(blob, key, manager.fingerprint)
+        return validate_chunk(blob, key, manager.fingerprint)
     except ChunkError as exc:
         raise RouteError(400, f"chunk {key}: {exc}", "invalid_chunk") from None
+
+
+def _present(settled: Settled, where: str) -> PutReport:
+    """The report of a PUT of a chunk stored already (nothing written)."""
+    return PutReport(per_tier={settled.tier or "": PutResult(present=[where])})
+
 
 
 def _put_failed(report: PutReport) -> RouteError:
@@ -154,12 +161,12 @@ async def put_chunk(key: Key, request: Request, tier: str | None = None,
     t0 = time.perf_counter()
     if length is None:  # chunked upload: the body-limit middleware has it in one piece
         blob = await request.body()
-        report = await run_in_threadpool(_verified_put, manager, key, where, blob, start)
+        report = await run_in_threadpool(_verified_put, state, manager, key, where, blob, start)
     else:
         async with staged_body(request, manager.staging, length) as body:
             t0 = time.perf_counter()
             report = await run_in_threadpool(
-                _verified_put, manager, key, where, memoryview(body.numpy()), start
+                _verified_put, state, manager, key, where, memoryview(body.numpy()), start
             )
     return _put_answer(state, request, report, key, where,
                        length if length is not None else len(blob), t0)
@@ -190,7 +197,7 @@ def _put_from_region(state: ServiceState, manager: TierManager, tenant: str, reg
     verified (worker thread). Where the tier lends its memory (the CPU arena) that memory
     is the chunk's slot, which becomes visible only once the checks passed; else a staging
     buffer the chunk is put from."""
-    with state.regions.using(tenant, region_id) as region:
+    with state.regions.using(tenant, region_id) as region, state.key_locks.holding([where]):
 
         def fill(slot: torch.Tensor) -> int:
             mem = memoryview(slot.numpy())[:length]
@@ -198,22 +205,29 @@ def _put_from_region(state: ServiceState, manager: TierManager, tenant: str, reg
             _verify(manager, key, mem)
             return length
 
-        got = manager.store_in_place(start, where, length, fill, reraise=(RouteError,))
-        if got in ("stored", "present"):
-            res = PutResult(stored=[where]) if got == "stored" else PutResult(present=[where])
-            return PutReport(per_tier={manager.tiers[start].name: res})
+        # A key no tier holds (under its lock) is written in place; one some tier holds is
+        # staged and compared with the stored version first (one version per key).
+        if not manager.lookup([where]).length:
+            got = manager.store_in_place(start, where, length, fill, reraise=(RouteError,))
+            if got == "stored":
+                return PutReport(per_tier={manager.tiers[start].name: PutResult(stored=[where])})
         with state.regions.staging(length), manager.staging.borrowed(length) as buf:
             mem = memoryview(buf.numpy())[:length]
             region.read_into(offset, mem)
-            return _verified_put(manager, key, where, mem, start)
+            return _verified_put(state, manager, key, where, mem, start)
 
 
-def _verified_put(manager: TierManager, key: str, where: str, blob: Blob, start: int
-                  ) -> PutReport:
-    """Check the upload in full (a 400 stores nothing), then put it under ``where`` (worker
-    thread: the checksums and the copy must not hold up the event loop)."""
-    _verify(manager, key, blob)
-    return manager.put({where: blob}, start)
+def _verified_put(state: ServiceState, manager: TierManager, key: str, where: str, blob: Blob,
+                  start: int) -> PutReport:
+    """Check the upload in full (a 400 stores nothing), then put it under ``where`` unless
+    that key holds it already (a 409 where it holds another version; worker thread: the
+    checksums and the copy must not hold up the event loop)."""
+    header = _verify(manager, key, blob)
+    with state.key_locks.holding([where]):
+        settled = settle(manager, where, header)
+        if settled.version is Version.SAME:
+            return _present(settled, where)
+        return manager.put({where: blob}, start)
 
 
 @router.get(
@@ -412,14 +426,40 @@ async def batch_get(body: BatchGetRequest, request: Request) -> Response:
 
 
 def _unpacked_and_verified(manager: TierManager, raw: bytes | memoryview
-                           ) -> dict[str, memoryview]:
-    """The batch's chunks (views of ``raw``), each verified in full; any problem is a 400
-    and nothing stored."""
+                           ) -> tuple[dict[str, memoryview], dict[str, ChunkHeader]]:
+    """The batch's chunks (views of ``raw``) and their headers, each verified in full; any
+    problem is a 400 and nothing stored."""
     chunks = parse_chunk_map(memoryview(raw).cast("B"))
     _check_keys(list(chunks))
-    for key, blob in chunks.items():
-        _verify(manager, key, blob)
-    return chunks
+    headers = {key: _verify(manager, key, blob) for key, blob in chunks.items()}
+    return chunks, headers
+
+
+def _batch_put_new(state: ServiceState, manager: TierManager, tenant: str,
+                   chunks: dict[str, memoryview], headers: dict[str, ChunkHeader], start: int
+                   ) -> PutReport:
+    """Put the batch's chunks not stored yet; those stored already are ``present``, those
+    stored with other content failed with a ``conflict`` reason (one version per key)."""
+    wheres = {namespaced_key(tenant, k): k for k in chunks}
+    with state.key_locks.holding(wheres):
+        new: dict[str, Blob] = {}
+        same: dict[str, list[str]] = {}
+        conflicts: dict[str, str] = {}
+        for where, key in wheres.items():
+            try:
+                settled = settle(manager, where, headers[key])
+            except RouteError as exc:
+                conflicts[where] = f"conflict: {exc}"
+                continue
+            if settled.version is Version.SAME:
+                same.setdefault(settled.tier or "", []).append(where)
+            else:
+                new[where] = chunks[key]
+        report = manager.put(new, start) if new else PutReport()
+    for tier, keys in same.items():
+        report.per_tier.setdefault(tier, PutResult()).present.extend(keys)
+    report.failed.update(conflicts)
+    return report
 
 
 @router.post(
@@ -437,9 +477,9 @@ async def batch_put(request: Request, tier: str | None = None) -> dict[str, Any]
     tenant = identity_of(request.scope).tenant
 
     def verified_put(raw: bytes | memoryview) -> tuple[dict[str, memoryview], PutReport, float]:
-        chunks = _unpacked_and_verified(manager, raw)
+        chunks, headers = _unpacked_and_verified(manager, raw)
         t0 = time.perf_counter()
-        report = manager.put({namespaced_key(tenant, k): v for k, v in chunks.items()}, start)
+        report = _batch_put_new(state, manager, tenant, chunks, headers, start)
         return chunks, report, time.perf_counter() - t0
 
     if length is None:  # chunked upload: the body-limit middleware has it in one piece
@@ -457,6 +497,9 @@ async def batch_put(request: Request, tier: str | None = None) -> dict[str, Any]
     state.metrics.tenant_bytes.labels(tenant, "put").inc(nbytes)
     failed = {logical_key(k): why for k, why in report.failed.items()}
     if chunks and len(failed) == len(chunks):
+        if all(why.startswith("conflict:") for why in failed.values()):
+            raise RouteError(409, "every chunk is stored already with other content; chunks "
+                             "are immutable: DELETE them first to replace them", "chunk_exists")
         raise _put_failed(report)
     return {"stored": stored, "present": present, "failed": failed}
 

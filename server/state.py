@@ -20,6 +20,7 @@ from kvtier.connectors.tiers.manager import TierManager
 from kvtier.engine.async_engine import AsyncEngine
 from kvtier.engine.engine import Engine
 from kvtier.engine.session import ChatSession
+from kvtier.server.chunk_versions import KeyLocks
 from kvtier.server.metrics import ServiceMetrics
 from kvtier.server.shm_regions import RegionTable
 
@@ -46,6 +47,8 @@ class ServiceState:
         self.metrics = ServiceMetrics()
         server = config.server
         self.regions = RegionTable(server.shm_dir, server.shm_bytes, server.shm_regions_per_tenant)
+        self.key_locks = KeyLocks()
+        """PUTs of one key run one at a time (server/chunk_versions.py)."""
         """Same-host clients' shared-memory regions (server/shm_regions.py)."""
         self.started = time.monotonic()
         self.created = int(time.time())
