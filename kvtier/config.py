@@ -266,7 +266,15 @@ class ServerConfig(_Section):
     max_inflight_bytes: ByteSize | None = None
     """Request bodies held at once across all requests; past it a request gets 503 with
     ``Retry-After`` (default: an eighth of the machine's memory, at most 2 GiB, never
-    below ``max_body_bytes``)."""
+    below ``max_body_bytes``). A chunked body counts as its pieces arrive."""
+    tenant_inflight_share: float = 0.5
+    """The part of ``max_inflight_bytes`` one tenant's bodies may hold at once (never less
+    than one largest body), so one tenant cannot starve the others."""
+    body_timeout_s: float = 60.0
+    """A request body must arrive within this many seconds in all (else 408)."""
+    body_idle_timeout_s: float = 10.0
+    """... and with no pause longer than this between its bytes (else 408): a client that
+    declares a body and sends nothing holds budget only this long."""
     shm_dir: str | None = "/dev/shm"
     """Where same-host clients' shared-memory regions are made (a memory filesystem), so
     chunk bytes cross no socket (docs/server.md); None, or a missing directory: none."""
@@ -304,6 +312,20 @@ class ServerConfig(_Section):
     def _positive_size(cls, v: int) -> int:
         if v <= 0:
             raise ValueError(f"must be a positive integer, got {v}")
+        return v
+
+    @field_validator("body_timeout_s", "body_idle_timeout_s")
+    @classmethod
+    def _positive_time(cls, v: float) -> float:
+        if not v > 0:
+            raise ValueError(f"must be a positive number of seconds, got {v}")
+        return v
+
+    @field_validator("tenant_inflight_share")
+    @classmethod
+    def _share(cls, v: float) -> float:
+        if not 0 < v <= 1:
+            raise ValueError(f"must be in (0, 1], got {v}")
         return v
 
 

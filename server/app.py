@@ -51,9 +51,13 @@ def create_app(state: ServiceState) -> FastAPI:
     server = state.config.server
     # Outermost first to run: auth, then the size limit, then the app.
     budget = inflight_budget(server.max_inflight_bytes, server.max_body_bytes)
-    app.add_middleware(BodyLimit, limit=server.max_body_bytes, budget=budget)
-    state.regions.inflight_budget = budget  # uploads copied out of regions count alike
     tokens = identities(server)
+    # A tenant's share matters where there are tenants to share with.
+    share = server.tenant_inflight_share if len({i.tenant for i in tokens.values()}) > 1 else 1.0
+    app.add_middleware(BodyLimit, limit=server.max_body_bytes, budget=budget, tenant_share=share,
+                       body_timeout_s=server.body_timeout_s,
+                       idle_timeout_s=server.body_idle_timeout_s)
+    state.regions.inflight_budget = budget  # uploads copied out of regions count alike
     if tokens:
         app.add_middleware(BearerAuth, tokens=tokens)
     return app

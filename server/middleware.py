@@ -7,6 +7,7 @@ without ever reaching a tier, and a caller without the token learns nothing but 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 
@@ -78,72 +79,200 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
-class BodyTooLarge(Exception):
-    pass
+NO_BODY_METHODS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
+NO_BODY_PATHS = frozenset({"/healthz", "/metrics"})
+"""Requests that take no body: one that comes with a body is refused before any is read."""
 
 
 class BodyLimit:
-    """Refuse request bodies over ``limit`` bytes with 413, before any of it is used; and
-    past ``budget`` bytes of bodies in flight across all requests, answer 503 with
-    ``Retry-After`` instead of taking the memory (a body counts from admission until its
-    request is answered)."""
+    """Every byte of a request body is budgeted before it is held.
 
-    def __init__(self, app: ASGIApp, limit: int, budget: int | None = None) -> None:
+    - A body over ``limit`` is refused with 413 from its ``Content-Length``, or as soon as
+      a chunked body passes it.
+    - Bodies in flight across all requests stay within ``budget``, and one tenant's within
+      ``tenant_share`` of it (never below ``limit``): past either, 503 with
+      ``Retry-After``. A declared body counts from admission; a chunked one piece by piece
+      as it arrives (it is buffered here), not once it is complete. Either counts until its
+      request is answered.
+    - A body must arrive within ``body_timeout_s`` in all, with no pause longer than
+      ``idle_timeout_s`` (a client that declares a large body and sends nothing would hold
+      its share of the budget for as long as it keeps the socket open): 408.
+    - Routes that take no body (:data:`NO_BODY_METHODS`, :data:`NO_BODY_PATHS`, open
+      without a token) refuse one with 400 before reading any of it.
+    """
+
+    def __init__(self, app: ASGIApp, limit: int, budget: int | None = None,
+                 tenant_share: float = 0.5, body_timeout_s: float = 60.0,
+                 idle_timeout_s: float = 10.0) -> None:
         self.app = app
         self.limit = limit
         self.budget = budget
+        self.tenant_budget = (None if budget is None
+                              else max(int(budget * tenant_share), min(limit, budget)))
+        self.body_timeout_s = body_timeout_s
+        self.idle_timeout_s = idle_timeout_s
         self.inflight = 0
         """Bytes of request bodies admitted and not yet answered."""
+        self.by_tenant: dict[str, int] = {}
 
-    async def _admitted(self, scope: Scope, receive: Receive, send: Send, nbytes: int) -> None:
-        if self.budget is not None and nbytes and self.inflight + nbytes > self.budget:
-            await _send_error(
-                send, 503,
-                f"the server holds {self.inflight} bytes of request bodies in flight; "
-                f"{nbytes} more would pass server.max_inflight_bytes ({self.budget}): retry",
-                [(b"retry-after", b"1")],
-            )
-            return
+    # ------------------------------------------------------------------ the budget
+    def _refusal(self, tenant: str, nbytes: int) -> str | None:
+        if self.budget is None or not nbytes:
+            return None
+        if self.inflight + nbytes > self.budget:
+            return (f"the server holds {self.inflight} bytes of request bodies in flight; "
+                    f"{nbytes} more would pass server.max_inflight_bytes ({self.budget}): retry")
+        held = self.by_tenant.get(tenant, 0)
+        assert self.tenant_budget is not None
+        if held + nbytes > self.tenant_budget:
+            return (f"tenant {tenant!r} holds {held} bytes of request bodies in flight; "
+                    f"{nbytes} more would pass its share of server.max_inflight_bytes "
+                    f"({self.tenant_budget}): retry")
+        return None
+
+    def _take(self, tenant: str, nbytes: int) -> None:
         self.inflight += nbytes
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.inflight -= nbytes
+        self.by_tenant[tenant] = self.by_tenant.get(tenant, 0) + nbytes
 
+    def _give(self, tenant: str, nbytes: int) -> None:
+        self.inflight -= nbytes
+        left = self.by_tenant.get(tenant, 0) - nbytes
+        if left > 0:
+            self.by_tenant[tenant] = left
+        else:
+            self.by_tenant.pop(tenant, None)
+
+    async def _busy(self, send: Send, why: str) -> None:
+        await _send_error(send, 503, why, [(b"retry-after", b"1")])
+
+    # ------------------------------------------------------------------ requests
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        length = dict(scope["headers"]).get(b"content-length")
-        message = f"request body is larger than server.max_body_bytes ({self.limit} bytes)"
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length")
+        chunked = b"chunked" in headers.get(b"transfer-encoding", b"").lower()
+        declared = None
         if length is not None:
             try:
                 declared = int(length)
-                too_big = declared > self.limit
+                if declared < 0:
+                    raise ValueError
             except ValueError:
                 await _send_error(send, 400, f"invalid Content-Length {length!r}")
                 return
-            if too_big:
+        if (chunked or declared) and (scope.get("method") in NO_BODY_METHODS
+                                      or scope.get("path") in NO_BODY_PATHS):
+            await _send_error(send, 400, f"{scope.get('method')} {scope.get('path')} takes "
+                              "no request body")
+            return
+        message = f"request body is larger than server.max_body_bytes ({self.limit} bytes)"
+        ident = scope.get(IDENTITY_KEY)
+        tenant = ident.tenant if ident is not None else ""
+        if declared is not None:
+            if declared > self.limit:
                 await _send_error(send, 413, message)
+                return
+            why = self._refusal(tenant, declared)
+            if why is not None:
+                await self._busy(send, why)
                 return
             # The server reads exactly Content-Length bytes: nothing to count or buffer.
-            await self._admitted(scope, receive, send, declared)
+            self._take(tenant, declared)
+            try:
+                await self._run_timed(scope, receive, send, declared > 0)
+            finally:
+                self._give(tenant, declared)
             return
-        # Chunked uploads carry no length: buffer up to the limit, then replay the body.
+        # Chunked uploads carry no length: buffered here up to the limit, each piece charged
+        # as it arrives, then replayed to the app.
         body = bytearray()
-        more = True
-        while more:
-            msg = await receive()
-            if msg["type"] != "http.request":
-                await self.app(scope, _replay([msg]), send)
-                return
-            body += msg.get("body", b"")
-            more = msg.get("more_body", False)
-            if len(body) > self.limit:
-                await _send_error(send, 413, message)
-                return
-        replay = _replay([{"type": "http.request", "body": bytes(body)}], receive)
-        await self._admitted(scope, replay, send, len(body))
+        taken = 0
+        clock = _BodyClock(receive, self.body_timeout_s, self.idle_timeout_s)
+        try:
+            more = True
+            while more:
+                msg = await clock.receive()
+                if clock.timed_out:
+                    await _send_error(send, 408, clock.why)
+                    return
+                if msg["type"] != "http.request":
+                    await self.app(scope, _replay([msg]), send)
+                    return
+                piece = msg.get("body", b"")
+                more = msg.get("more_body", False)
+                if len(body) + len(piece) > self.limit:
+                    await _send_error(send, 413, message)
+                    return
+                why = self._refusal(tenant, len(piece))
+                if why is not None:
+                    await self._busy(send, why)
+                    return
+                self._take(tenant, len(piece))
+                taken += len(piece)
+                body += piece
+            replay = _replay([{"type": "http.request", "body": bytes(body)}], receive)
+            await self.app(scope, replay, send)
+        finally:
+            self._give(tenant, taken)
+
+    async def _run_timed(self, scope: Scope, receive: Receive, send: Send, has_body: bool
+                         ) -> None:
+        """The app, its body under the time limits: a body that stalls is answered 408
+        here (the app sees the client go away; whatever it sends after is dropped)."""
+        if not has_body:
+            await self.app(scope, receive, send)
+            return
+        clock = _BodyClock(receive, self.body_timeout_s, self.idle_timeout_s)
+        started = False
+
+        async def guarded_send(msg: Message) -> None:
+            nonlocal started
+            if clock.timed_out and not started:
+                return  # answered 408 below
+            started = started or msg["type"] == "http.response.start"
+            await send(msg)
+
+        try:
+            await self.app(scope, clock.receive, guarded_send)
+        except Exception:
+            if not clock.timed_out or started:
+                raise
+        if clock.timed_out and not started:
+            await _send_error(send, 408, clock.why)
+
+
+class _BodyClock:
+    """``receive`` with a body's time limits (``total_s`` in all, ``idle_s`` between
+    messages), until the body is complete; after it a route may wait for the client's
+    disconnect as long as it likes. A limit passed reads as the client going away, with
+    ``timed_out`` set (raising here would reach the app wrapped, as a 500)."""
+
+    def __init__(self, receive: Receive, total_s: float, idle_s: float) -> None:
+        self._receive = receive
+        self.total_s, self.idle_s = total_s, idle_s
+        self._deadline = asyncio.get_running_loop().time() + total_s
+        self._done = False
+        self.timed_out = False
+        self.why = (f"the request body did not arrive in time (server.body_timeout_s "
+                    f"{total_s:g} s in all, server.body_idle_timeout_s {idle_s:g} s without "
+                    "a byte)")
+
+    async def receive(self) -> Message:
+        if self._done:
+            return await self._receive()
+        if self.timed_out:
+            return {"type": "http.disconnect"}
+        left = min(self.idle_s, self._deadline - asyncio.get_running_loop().time())
+        try:
+            msg = await asyncio.wait_for(self._receive(), max(left, 0.001))
+        except asyncio.TimeoutError:
+            self.timed_out = True
+            return {"type": "http.disconnect"}
+        if msg["type"] != "http.request" or not msg.get("more_body", False):
+            self._done = True
+        return msg
 
 
 def _replay(messages: list[Message], then: Receive | None = None) -> Receive:
