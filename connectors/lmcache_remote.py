@@ -86,7 +86,7 @@ def encode(key: str, data: bytes, meta: RemoteMetadata) -> bytes:
 
 def decode(key: str, blob: bytes) -> tuple[RemoteMetadata, memoryview]:
     """LMCache's metadata and bytes from a verified chunk (raises ChunkError)."""
-    header = validate_chunk(blob, key)
+    header = validate_chunk(blob, key, any_namespace=True)  # the service checked its tenant
     if not header.fingerprint.startswith(FP_PREFIX):
         raise ChunkError(f"chunk {key} was not stored by LMCache")
     meta = RemoteMetadata.deserialize(header.fingerprint[len(FP_PREFIX) :])

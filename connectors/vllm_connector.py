@@ -239,7 +239,7 @@ class KVTierConnector(KVConnectorBase_V1):
         return encode_chunk(key, self.fingerprint, nominal)
 
     def _decode_into(self, key: str, blob: bytes, block_id: int) -> None:
-        _, t = decode_chunk(blob, key, self.fingerprint)
+        _, t = decode_chunk(blob, key, self.fingerprint, any_namespace=True)
         flat = t.reshape(len(self._layers), -1)
         for li, (_, kv, dim) in enumerate(self._layers):
             dst = kv.narrow(dim, block_id, 1)

@@ -7,7 +7,9 @@ so a layer range is one contiguous byte range. The header carries the format ver
 chunk key, the model fingerprint, dtype, shape, token count, the first layer held (a
 layer-range read is itself a valid chunk) and an xxh3 checksum per layer, so a partial read
 can still be verified. No pickle and no per-element encoding: the payload is the tensor's
-memory.
+memory. A chunk stored for a tenant of the service also names that tenant (``ns``) inside
+the checksummed header (:func:`bind_namespace`), so its bytes are served under that tenant's
+keys only, whatever name a file or value is given.
 
 A chunk can also be written *in place* (:func:`encode_into`) into memory that already
 exists (a tier's slot): the payload is copied (or gathered) straight to its final place,
@@ -57,8 +59,30 @@ def namespaced_key(namespace: str, key: str) -> str:
 def logical_key(storage_key: str) -> str:
     """The chunk key a blob stored under ``storage_key`` must name in its header."""
     return storage_key.rpartition(NAMESPACE_SEP)[2]
+
+
+def storage_namespace(storage_key: str) -> str | None:
+    """The namespace a blob stored under ``storage_key`` must name in its header (None:
+    none, the engine's own chunks)."""
+    ns, sep, _ = storage_key.rpartition(NAMESPACE_SEP)
+    return ns if sep else None
+
+
+NAMESPACE_RE = re.compile(r"[0-9A-Za-z]{1,32}")
+
+
+def check_names(header: ChunkHeader, key: str, any_namespace: bool = False) -> None:
+    """``header`` is the chunk to be found under storage key ``key``: the same chunk key
+    and (unless ``any_namespace``: a reader that got the chunk from a service, which
+    checked it against its own namespace) the same namespace."""
+    if header.key != logical_key(key):
+        raise ChunkMismatchError(f"chunk stored under {key} holds {header.key}")
+    if not any_namespace and header.namespace != storage_namespace(key):
+        raise ChunkMismatchError(
+            f"chunk {header.key} belongs to namespace {header.namespace!r}, not to "
+            f"{storage_namespace(key)!r} (it was stored for another tenant)")
 _HEADER_KEYS = frozenset({"v", "key", "fp", "dtype", "shape", "tokens", "l0", "xxh", "hxh",
-                          "pad", "padd"})
+                          "ns", "pad", "padd"})
 """Every field a header may hold ("pad"/"padd": filler, the only bytes no checksum covers,
 meaningless by construction)."""
 _packer = msgpack.Packer(use_bin_type=True, autoreset=True)
@@ -91,6 +115,8 @@ class ChunkHeader:
     layer_checksums: tuple[int, ...]
     first_layer: int = 0
     version: int = FORMAT_VERSION
+    namespace: str | None = None
+    """The tenant the chunk was stored for (None: none, the engine's own chunks)."""
 
     @property
     def num_layers(self) -> int:
@@ -112,13 +138,14 @@ class ChunkHeader:
         """xxh3 of every field a reader relies on (the payload's checksums included), so
         no byte of a served chunk is outside a checksum: a flipped ``fp`` or ``l0`` is
         caught like a flipped payload byte."""
-        return xxhash.xxh3_64_intdigest(_packb([
-            self.version, self.key, self.fingerprint, self.dtype, list(self.shape),
-            self.num_tokens, self.first_layer, list(self.layer_checksums),
-        ]))
+        fields: list = [self.version, self.key, self.fingerprint, self.dtype, list(self.shape),
+                        self.num_tokens, self.first_layer, list(self.layer_checksums)]
+        if self.namespace is not None:
+            fields.append(self.namespace)
+        return xxhash.xxh3_64_intdigest(_packb(fields))
 
     def fields(self) -> dict:
-        return {
+        out = {
             "v": self.version,
             "key": self.key,
             "fp": self.fingerprint,
@@ -129,6 +156,9 @@ class ChunkHeader:
             "xxh": list(self.layer_checksums),
             "hxh": self.identity_checksum(),
         }
+        if self.namespace is not None:
+            out["ns"] = self.namespace
+        return out
 
     def pack(self) -> bytes:
         return _packb(self.fields())
@@ -272,6 +302,7 @@ def chunk_view(
     layers: tuple[int, int] | None = None,
     verify: bool = True,
     as_kv: bool = True,
+    any_namespace: bool = False,
 ) -> tuple[ChunkHeader, torch.Tensor]:
     """Verify the chunk in ``buf`` (a 1-D uint8 CPU tensor holding exactly one chunk) and
     return its KV, or only the model's layers ``[start, end)`` of it (only their checksums
@@ -295,8 +326,8 @@ def chunk_view(
     span_start, span_len = layer_span(header, (start, end))
     if verify:
         check_layers(buf, header, start, end)
-    if key is not None and header.key != logical_key(key):
-        raise ChunkMismatchError(f"chunk stored under {key} holds {header.key}")
+    if key is not None:
+        check_names(header, key, any_namespace)
     if fingerprint is not None and header.fingerprint != fingerprint:
         raise ChunkMismatchError(f"chunk {header.key} was computed by another model")
     dtype = DTYPES[header.dtype]
@@ -345,8 +376,11 @@ def parse_header(buf: bytes | bytearray | memoryview) -> tuple[ChunkHeader, int]
             layer_checksums=tuple(int(x) for x in raw["xxh"]),
             first_layer=int(raw["l0"]),
             version=int(raw["v"]),
+            namespace=None if raw.get("ns") is None else str(raw["ns"]),
         )
         hxh = int(raw["hxh"]) if header.version == FORMAT_VERSION else None
+        if header.namespace is not None and not NAMESPACE_RE.fullmatch(header.namespace):
+            raise ValueError(f"namespace {header.namespace[:40]!r} is not a tenant name")
         unknown = set(raw) - _HEADER_KEYS
         if unknown:
             raise ValueError(f"unknown fields {sorted(unknown)}")
@@ -376,8 +410,11 @@ def validate_chunk(
     buf: bytes | bytearray | memoryview,
     key: str | None = None,
     fingerprint: bytes | None = None,
+    any_namespace: bool = False,
 ) -> ChunkHeader:
-    """Full check: header, exact length, every layer's checksum, and (if given) key and model."""
+    """Full check: header, exact length, every layer's checksum, and (if given) key and model.
+    ``key`` is a storage key: the chunk must name its namespace too, unless ``any_namespace``
+    (a client reading through the service, which checked that)."""
     header, offset = parse_header(buf)
     payload = memoryview(buf)[offset:]
     if len(payload) != header.payload_nbytes:
@@ -387,8 +424,8 @@ def validate_chunk(
         )
     if _layer_checksums(payload, header.num_layers) != header.layer_checksums:
         raise ChunkFormatError(f"chunk {header.key}: checksum mismatch (corrupted bytes)")
-    if key is not None and header.key != logical_key(key):
-        raise ChunkMismatchError(f"chunk stored under {key} holds {header.key}")
+    if key is not None:
+        check_names(header, key, any_namespace)
     if fingerprint is not None and header.fingerprint != fingerprint:
         raise ChunkMismatchError(f"chunk {header.key} was computed by another model")
     return header
@@ -398,9 +435,10 @@ def decode_chunk(
     buf: bytes | bytearray | memoryview,
     key: str | None = None,
     fingerprint: bytes | None = None,
+    any_namespace: bool = False,
 ) -> tuple[ChunkHeader, torch.Tensor]:
     """Verify and return the tensor (a CPU tensor over a copy of the payload)."""
-    header = validate_chunk(buf, key, fingerprint)
+    header = validate_chunk(buf, key, fingerprint, any_namespace)
     offset = len(buf) - header.payload_nbytes
     data = bytearray(memoryview(buf)[offset:])
     t = torch.frombuffer(data, dtype=DTYPES[header.dtype]) if data else torch.empty(0)
@@ -459,3 +497,52 @@ def slice_chunk(
         raise ChunkFormatError(f"layer range payload is {len(payload_part)} bytes, expected {length}")
     packed = range_header(header, layers).pack()
     return b"".join((_PREFIX.pack(MAGIC, len(packed)), packed, payload_part))
+
+
+BIND_SLACK = 4096
+"""Bytes in front of a chunk that :func:`bind_namespace` may need (a header grows by the
+namespace, rounded to keep the payload's alignment)."""
+
+
+def bind_namespace(buf: memoryview, start: int, length: int, namespace: str,
+                   floor: int = 0) -> tuple[int, int]:
+    """Rewrite the header of the chunk at ``buf[start:start + length]`` to name
+    ``namespace`` (the tenant it is stored for), in place: the payload does not move; the
+    prefix and the new header (padded so the payload keeps its offset modulo
+    :data:`PAYLOAD_ALIGN`) are written in front of it, never below ``floor``. Returns the
+    rebound chunk's (start, length). No checksum over the payload is recomputed: the
+    layer checksums stay, the header checksum covers the namespace. A
+    :class:`ChunkFormatError` where the room in front is too small."""
+    if not NAMESPACE_RE.fullmatch(namespace):
+        raise ChunkFormatError(f"namespace {namespace[:40]!r} is not a tenant name")
+    view = buf[start : start + length]
+    header, offset = parse_header(view)
+    if header.namespace == namespace:
+        return start, length
+    bound = replace(header, namespace=namespace)
+    need = header_room(bound)
+    new_offset = offset
+    while True:
+        if new_offset >= need:
+            try:
+                packed = bound.pack_to(new_offset - _PREFIX.size)
+                break
+            except ChunkFormatError:
+                pass
+        new_offset += PAYLOAD_ALIGN
+    new_start = start + offset - new_offset
+    if new_start < floor:
+        raise ChunkFormatError(f"chunk {header.key}: no room in front of it to name its "
+                               f"namespace ({new_offset - offset} bytes needed)")
+    _PREFIX.pack_into(buf, new_start, MAGIC, len(packed))
+    buf[new_start + _PREFIX.size : start + offset] = packed
+    return new_start, length + new_offset - offset
+
+
+def with_namespace(blob: bytes | bytearray | memoryview, namespace: str) -> bytes:
+    """A copy of the chunk ``blob`` naming ``namespace``: what the service stores, and
+    serves back, for a chunk a tenant uploaded (see :func:`bind_namespace`)."""
+    framed = memoryview(bytearray(BIND_SLACK + len(blob)))
+    framed[BIND_SLACK:] = blob
+    start, length = bind_namespace(framed, BIND_SLACK, len(blob), namespace)
+    return bytes(framed[start : start + length])

@@ -33,15 +33,17 @@ def declared_length(request: Request) -> int | None:
 
 
 @contextlib.asynccontextmanager
-async def staged_body(request: Request, staging: StagingPool, length: int) -> AsyncIterator[torch.Tensor]:
-    """The upload's bytes in a staging buffer (a uint8 view of exactly ``length`` bytes),
-    given back when the block ends. A body that is shorter or longer than it declared is a
-    400 (the connection was cut, or the client lied)."""
+async def staged_body(request: Request, staging: StagingPool, length: int, front: int = 0
+                      ) -> AsyncIterator[torch.Tensor]:
+    """The upload's bytes in a staging buffer (a uint8 view of ``front`` free bytes, then
+    exactly ``length`` bytes of body), given back when the block ends. A body that is
+    shorter or longer than it declared is a 400 (the connection was cut, or the client
+    lied). ``front``: room for a chunk's header to grow (see ``bind_namespace``)."""
     # A new buffer is mapped and pre-faulted (MAP_POPULATE): a second or more for hundreds
     # of MiB, which must not happen on the event loop.
-    buf = await run_in_threadpool(staging.acquire, length)
+    buf = await run_in_threadpool(staging.acquire, front + length)
     try:
-        mem = memoryview(buf.numpy())
+        mem = memoryview(buf.numpy())[front:]
         pos = 0
         async for piece in request.stream():
             end = pos + len(piece)
@@ -51,7 +53,7 @@ async def staged_body(request: Request, staging: StagingPool, length: int) -> As
             pos = end
         if pos != length:
             raise RouteError(400, f"body ended after {pos} of its {length} bytes")
-        yield buf[:length]
+        yield buf[: front + length]
     finally:
         staging.release(buf)
 

@@ -16,11 +16,22 @@ import contextlib
 import time
 from typing import Annotated, Any
 
+import numpy as np
 import torch
 from fastapi import APIRouter, Path, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 
-from kvtier.chunk_format import ChunkHeader, logical_key, namespaced_key, validate_chunk
+from kvtier.chunk_format import (
+    BIND_SLACK,
+    MAX_HEADER_BYTES,
+    ChunkHeader,
+    bind_namespace,
+    logical_key,
+    namespaced_key,
+    parse_header,
+    storage_namespace,
+    validate_chunk,
+)
 from kvtier.chunk_keys import KEY_PATTERN, KEY_RE
 from kvtier.connectors.tiers.base import Blob, PutResult
 from kvtier.connectors.tiers.lent_chunk import LentChunk
@@ -79,6 +90,10 @@ _MSGPACK_BODY = {
         },
     }
 }
+
+
+HEAD_READ_BYTES = 8 + MAX_HEADER_BYTES
+"""Enough of a chunk to hold its prefix and any header."""
 
 
 def _stored_as(request: Request, key: str) -> str:
@@ -161,9 +176,12 @@ async def put_chunk(key: Key, request: Request, tier: str | None = None,
     t0 = time.perf_counter()
     if length is None:  # chunked upload: the body-limit middleware has it in one piece
         blob = await request.body()
-        report = await run_in_threadpool(_verified_put, state, manager, key, where, blob, start)
+        framed = bytearray(BIND_SLACK + len(blob))
+        framed[BIND_SLACK:] = blob
+        report = await run_in_threadpool(_verified_put, state, manager, key, where,
+                                         memoryview(framed), start)
     else:
-        async with staged_body(request, manager.staging, length) as body:
+        async with staged_body(request, manager.staging, length, front=BIND_SLACK) as body:
             t0 = time.perf_counter()
             report = await run_in_threadpool(
                 _verified_put, state, manager, key, where, memoryview(body.numpy()), start
@@ -198,31 +216,75 @@ def _put_from_region(state: ServiceState, manager: TierManager, tenant: str, reg
     is the chunk's slot, which becomes visible only once the checks passed; else a staging
     buffer the chunk is put from."""
     with state.regions.using(tenant, region_id) as region, state.key_locks.holding([where]):
-
-        def fill(slot: torch.Tensor) -> int:
-            mem = memoryview(slot.numpy())[:length]
-            region.read_into(offset, mem)
-            _verify(manager, key, mem)
-            return length
-
-        # A key no tier holds (under its lock) is written in place; one some tier holds is
-        # staged and compared with the stored version first (one version per key).
+        # A key no tier holds (under its lock) is written in place, its header named for
+        # its namespace in front of its payload; one some tier holds is staged and compared
+        # with the stored version first (one version per key).
         if not manager.lookup([where]).length:
-            got = manager.store_in_place(start, where, length, fill, reraise=(RouteError,))
+            head, payload_at = _bound_head(region, offset, length, key, where)
+            total = len(head) + length - payload_at
+
+            def fill(slot: torch.Tensor) -> int:
+                mem = memoryview(slot.numpy())[:total]
+                mem[: len(head)] = head
+                region.read_into(offset + payload_at, mem[len(head) :])
+                try:
+                    validate_chunk(mem, where, manager.fingerprint)
+                except ChunkError as exc:
+                    raise RouteError(400, f"chunk {key}: {exc}", "invalid_chunk") from None
+                return total
+
+            got = manager.store_in_place(start, where, total, fill, reraise=(RouteError,))
             if got == "stored":
                 return PutReport(per_tier={manager.tiers[start].name: PutResult(stored=[where])})
-        with state.regions.staging(length), manager.staging.borrowed(length) as buf:
-            mem = memoryview(buf.numpy())[:length]
-            region.read_into(offset, mem)
+        with state.regions.staging(length), manager.staging.borrowed(BIND_SLACK + length) as buf:
+            mem = memoryview(buf.numpy())[: BIND_SLACK + length]
+            region.read_into(offset, mem[BIND_SLACK:])
             return _verified_put(state, manager, key, where, mem, start)
 
 
-def _verified_put(state: ServiceState, manager: TierManager, key: str, where: str, blob: Blob,
-                  start: int) -> PutReport:
-    """Check the upload in full (a 400 stores nothing), then put it under ``where`` unless
-    that key holds it already (a 409 where it holds another version; worker thread: the
-    checksums and the copy must not hold up the event loop)."""
-    header = _verify(manager, key, blob)
+def _bound_head(region: Region, offset: int, length: int, key: str, where: str
+                ) -> tuple[bytes, int]:
+    """The prefix and header of the chunk at ``offset`` of the region, named for its
+    namespace, and where its payload starts in the region (the payload itself is copied
+    once, straight into the slot, and checked there)."""
+    n = min(length, HEAD_READ_BYTES)
+    buf = bytearray(BIND_SLACK + n)
+    mem = memoryview(buf)
+    region.read_into(offset, mem[BIND_SLACK:])
+    try:
+        header, payload_at = parse_header(mem[BIND_SLACK:])
+        if payload_at + header.payload_nbytes != length:
+            raise ChunkFormatError(f"it is {length} bytes, its header says "
+                                   f"{payload_at + header.payload_nbytes}")
+        ns = storage_namespace(where)
+        start = BIND_SLACK
+        if ns is not None:
+            start, _ = bind_namespace(mem, BIND_SLACK, n, ns)
+    except ChunkError as exc:
+        raise RouteError(400, f"chunk {key}: {exc}", "invalid_chunk") from None
+    return bytes(mem[start : BIND_SLACK + payload_at]), payload_at
+
+
+def _bound(manager: TierManager, key: str, where: str, buf: memoryview, start: int,
+           length: int, floor: int = 0) -> tuple[memoryview, ChunkHeader]:
+    """The upload at ``buf[start:start + length]`` checked in full (a 400 stores nothing),
+    then bound to the namespace it is stored in (its header rewritten in place, in front
+    of the payload, never below ``floor``): the chunk and its new header."""
+    _verify(manager, key, buf[start : start + length])
+    ns = storage_namespace(where)
+    if ns is None:
+        return buf[start : start + length], parse_header(buf[start : start + length])[0]
+    s, n = bind_namespace(buf, start, length, ns, floor)
+    return buf[s : s + n], parse_header(buf[s : s + n])[0]
+
+
+def _verified_put(state: ServiceState, manager: TierManager, key: str, where: str,
+                  framed: memoryview, start: int) -> PutReport:
+    """Check the upload in full (a 400 stores nothing), bind it to its namespace, then put
+    it under ``where`` unless that key holds it already (a 409 where it holds another
+    version; worker thread: the checksums and the copy must not hold up the event loop).
+    ``framed``: :data:`BIND_SLACK` free bytes, then the chunk."""
+    blob, header = _bound(manager, key, where, framed, BIND_SLACK, len(framed) - BIND_SLACK)
     with state.key_locks.holding([where]):
         settled = settle(manager, where, header)
         if settled.version is Version.SAME:
@@ -435,6 +497,31 @@ def _unpacked_and_verified(manager: TierManager, raw: bytes | memoryview
     return chunks, headers
 
 
+def _bound_batch(raw: memoryview, chunks: dict[str, memoryview], tenant: str
+                 ) -> tuple[dict[str, memoryview], dict[str, ChunkHeader]]:
+    """Each chunk of a batch (views of ``raw``) bound to the tenant's namespace: its header
+    rewritten in front of its payload, over the batch's own framing, never over the chunk
+    before it; copied where that room is too small."""
+    base = np.frombuffer(raw, np.uint8).ctypes.data
+    spans = sorted((np.frombuffer(v, np.uint8).ctypes.data - base, k) for k, v in chunks.items())
+    out: dict[str, memoryview] = {}
+    headers: dict[str, ChunkHeader] = {}
+    floor = 0
+    for start, k in spans:
+        n = len(chunks[k])
+        try:
+            s, m = bind_namespace(raw, start, n, tenant, floor)
+            view = raw[s : s + m]
+        except ChunkFormatError:  # no room in front of it: a copy with room
+            framed = memoryview(bytearray(BIND_SLACK + n))
+            framed[BIND_SLACK:] = chunks[k]
+            s, m = bind_namespace(framed, BIND_SLACK, n, tenant)
+            view = framed[s : s + m]
+        out[k], headers[k] = view, parse_header(view)[0]
+        floor = start + n
+    return out, headers
+
+
 def _batch_put_new(state: ServiceState, manager: TierManager, tenant: str,
                    chunks: dict[str, memoryview], headers: dict[str, ChunkHeader], start: int
                    ) -> PutReport:
@@ -476,14 +563,16 @@ async def batch_put(request: Request, tier: str | None = None) -> dict[str, Any]
     length = declared_length(request)
     tenant = identity_of(request.scope).tenant
 
-    def verified_put(raw: bytes | memoryview) -> tuple[dict[str, memoryview], PutReport, float]:
-        chunks, headers = _unpacked_and_verified(manager, raw)
+    def verified_put(raw: memoryview) -> tuple[dict[str, memoryview], PutReport, float]:
+        chunks, _ = _unpacked_and_verified(manager, raw)
+        chunks, headers = _bound_batch(raw, chunks, tenant)
         t0 = time.perf_counter()
         report = _batch_put_new(state, manager, tenant, chunks, headers, start)
         return chunks, report, time.perf_counter() - t0
 
     if length is None:  # chunked upload: the body-limit middleware has it in one piece
-        chunks, report, took = await run_in_threadpool(verified_put, await request.body())
+        body = memoryview(bytearray(await request.body()))  # writable: headers are rebound
+        chunks, report, took = await run_in_threadpool(verified_put, body)
     else:
         async with staged_body(request, manager.staging, length) as body:
             chunks, report, took = await run_in_threadpool(verified_put, memoryview(body.numpy()))

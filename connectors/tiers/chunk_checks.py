@@ -7,8 +7,8 @@ read, so a chunk corrupted at rest is caught and turned into a miss.
 
 from __future__ import annotations
 
-from kvtier.chunk_format import logical_key, parse_header, validate_chunk
-from kvtier.errors import ChunkError, ChunkFormatError
+from kvtier.chunk_format import check_names, parse_header, validate_chunk
+from kvtier.errors import ChunkError, ChunkFormatError, ChunkMismatchError
 
 
 def admission_error(key: str, blob: bytes | bytearray | memoryview) -> str | None:
@@ -17,8 +17,10 @@ def admission_error(key: str, blob: bytes | bytearray | memoryview) -> str | Non
         header, offset = parse_header(blob)
     except ChunkFormatError as exc:
         return f"invalid: {exc}"
-    if header.key != logical_key(key):
-        return f"invalid: blob holds chunk {header.key}, not {key}"
+    try:
+        check_names(header, key)  # its key, and the namespace (tenant) it was stored for
+    except ChunkMismatchError as exc:
+        return f"invalid: {exc}"
     if len(blob) != offset + header.payload_nbytes:
         return (
             f"invalid: blob is {len(blob)} bytes, its header says {offset + header.payload_nbytes}"

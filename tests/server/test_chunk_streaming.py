@@ -18,7 +18,7 @@ from kvtier.errors import InvalidArgumentError
 from kvtier.server.state import ServiceState
 from tests.http_server import running
 from tests.serve_process import free_port
-from tests.server.test_server_chunks import FP, _config, chunk, key
+from tests.server.test_server_chunks import FP, _config, chunk, key, served
 
 
 def stored_as(k: str) -> str:
@@ -68,7 +68,7 @@ def test_streamed_put_and_leased_get_round_trip_reuse_their_buffers(tmp_path):
             assert kv.put_chunk(k, b)["status"] == "stored"
         for _ in range(2):
             for k, b in blobs.items():
-                assert kv.get_chunk(k) == b
+                assert kv.get_chunk(k) == served(b)
         assert staging.allocations == allocated  # steady state: no new buffer per chunk
         cpu = state.manager.tiers[0]
         assert _until(lambda: not cpu._leased_keys)  # every download's lease was released
@@ -88,7 +88,7 @@ def test_a_cut_upload_stores_nothing_and_gives_its_buffer_back(tmp_path):
         assert _until(lambda: staging.idle_bytes > 0)  # its buffer came back
         assert not kv.has_chunk(key(1))
         assert kv.put_chunk(key(1), blob)["status"] == "stored"  # the key is not poisoned
-        assert kv.get_chunk(key(1)) == blob
+        assert kv.get_chunk(key(1)) == served(blob)
 
 
 def test_a_body_longer_than_it_declared_is_400_and_stores_nothing(tmp_path):
@@ -126,12 +126,13 @@ def test_a_corrupt_cpu_copy_is_never_sent_and_the_disk_copy_is(tmp_path):
     with running(state) as url, Client(url) as kv:
         kv.put_chunk(key(1), blob, tier="disk")
         cpu = state.manager.tiers[0]
-        assert cpu.put({stored_as(key(1)): blob}).stored == [stored_as(key(1))]
+        stored = served(blob)
+        assert cpu.put({stored_as(key(1)): stored}).stored == [stored_as(key(1))]
         slot, _ = cpu._index.get(stored_as(key(1)), touch=False)
-        cpu._arena[slot * cpu.slot_bytes + len(blob) - 100] ^= 0xFF  # a flipped bit at rest
+        cpu._arena[slot * cpu.slot_bytes + len(stored) - 100] ^= 0xFF  # a flipped bit at rest
         got = kv.get_chunk(key(1))
-        assert got == blob
-        validate_chunk(got, key(1), FP)
+        assert got == stored
+        validate_chunk(got, stored_as(key(1)), FP)
         assert state.manager.stats.rejected.get("corrupt") == 1
         assert _until(lambda: not cpu._leased_keys)
 
@@ -141,10 +142,10 @@ def test_a_disk_hit_is_sent_from_its_read_buffer_and_promoted(tmp_path):
     blob = _big(1)
     with running(state) as url, Client(url) as kv:
         kv.put_chunk(key(1), blob, tier="disk")
-        assert kv.get_chunk(key(1)) == blob
+        assert kv.get_chunk(key(1)) == served(blob)
         assert state.manager.stats.hits_by_tier["disk"] == 1
         assert kv.lookup([key(1)]).tiers == ["cpu"]  # promoted: the next read is RAM
-        assert kv.get_chunk(key(1)) == blob
+        assert kv.get_chunk(key(1)) == served(blob)
 
 
 def test_the_sync_client_reads_into_a_buffer_and_shares_across_threads(tmp_path):
@@ -158,13 +159,13 @@ def test_the_sync_client_reads_into_a_buffer_and_shares_across_threads(tmp_path)
             def read_back(k: str) -> bool:
                 out = bytearray(1 << 20)
                 got = kv.get_chunk_into(k, out)
-                return got is not None and bytes(got) == blobs[k]
+                return got is not None and bytes(got) == served(blobs[k])
 
             assert all(pool.map(read_back, list(blobs) * 3))
         assert kv.get_chunk_into(key(99), bytearray(16)) is None
         with pytest.raises(InvalidArgumentError, match="does not fit"):
             kv.get_chunk_into(key(1), bytearray(100))
-        assert kv.get_chunk(key(2)) == blobs[key(2)]  # the connection is still usable
+        assert kv.get_chunk(key(2)) == served(blobs[key(2)])  # the connection is still usable
         with pytest.raises(ServiceError) as err:
             kv.put_chunk(key(50), blobs[key(1)])  # a chunk under another key
         assert err.value.status == 400 and err.value.type == "invalid_chunk"
@@ -182,7 +183,7 @@ def test_the_sync_client_survives_a_server_restart_between_calls(tmp_path):
     with running(second, port=port):
         assert kv.get_chunk(key(1)) is None  # a fresh server: the stale connection is redialed
         assert kv.put_chunk(key(1), blob)["status"] == "stored"
-        assert kv.get_chunk(key(1)) == blob
+        assert kv.get_chunk(key(1)) == served(blob)
     kv.close()
 
 
@@ -212,6 +213,6 @@ def test_bodies_past_the_inflight_budget_get_503_with_retry_after(tmp_path):
         # a client that honours Retry-After gets through.
         assert _until(lambda: kv.http.put(f"/v1/chunks/{key(3)}", content=blobs[3])
                       .status_code == 201, timeout=10)
-        assert kv.get_chunk(key(3)) == blobs[3]
+        assert kv.get_chunk(key(3)) == served(blobs[3])
         for sock in held:
             sock.close()

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.serve_process import start_serve
-from tests.server.test_server_chunks import chunk, key
+from tests.server.test_server_chunks import chunk, key, served
 from tests.tiers.test_disk_tier import mounted
 
 TOKEN = "region-faults-token"
@@ -53,9 +53,9 @@ def test_a_client_that_shrinks_its_region_gets_an_error_and_the_server_lives(ser
     assert http.put(f"/v1/chunks/{key(1)}", content=blob).status_code == 201
     os.truncate(reg["path"], 0)
     r = http.get(f"/v1/chunks/{key(1)}", params={"region": reg["id"]})
-    assert r.status_code == 200 and r.json()["length"] == len(blob)
+    assert r.status_code == 200 and r.json()["length"] == len(served(blob))
     with open(reg["path"], "rb") as f:
-        assert f.read(len(blob)) == blob
+        assert f.read(len(served(blob))) == served(blob)
     assert proc.poll() is None and http.get("/healthz").status_code == 200
 
 
@@ -92,4 +92,4 @@ def test_a_signal_stops_the_server_cleanly(serve, tmp_path, sig):
     proc, http = serve(shm)
     for k, b in blobs.items():
         r = http.get(f"/v1/chunks/{k}")
-        assert r.status_code == 200 and r.content == b
+        assert r.status_code == 200 and r.content == served(b)

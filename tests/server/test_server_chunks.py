@@ -11,7 +11,7 @@ import msgpack
 import pytest
 import torch
 
-from kvtier.chunk_format import encode_chunk, validate_chunk
+from kvtier.chunk_format import encode_chunk, validate_chunk, with_namespace
 from kvtier.client import AsyncClient, Client, ServiceError
 from kvtier.config import load_config
 from kvtier.server.state import ServiceState
@@ -28,6 +28,12 @@ def chunk(key: str, seed: int = 0, layers: int = 4, tokens: int = 16) -> bytes:
 
 def key(i: int) -> str:
     return f"{i:032x}"
+
+
+def served(blob: bytes, tenant: str = "default") -> bytes:
+    """What the service stores and serves for ``blob`` uploaded by ``tenant``: the same
+    chunk, its header naming the tenant (open servers: ``default``)."""
+    return with_namespace(blob, tenant)
 
 
 def _config(tmp_path, **server):
@@ -61,10 +67,10 @@ def test_put_get_head_delete_round_trip(sidecar):
         assert put == {"key": key(1), "status": "stored", "tiers": ["cpu"]}
         assert kv.put_chunk(key(1), blob)["status"] == "present"  # content-addressed
         assert kv.has_chunk(key(1)) and not kv.has_chunk(key(2))
-        assert kv.get_chunk(key(1)) == blob
+        assert kv.get_chunk(key(1)) == served(blob)
         assert kv.get_chunk(key(2)) is None
         part = kv.get_chunk(key(1), layers=(1, 3))
-        header = validate_chunk(part, key(1), FP)
+        header = validate_chunk(part, key(1), FP, any_namespace=True)
         assert header.first_layer == 1 and header.num_layers == 2
         assert kv.delete_chunk(key(1)) and not kv.delete_chunk(key(1))
         assert not kv.has_chunk(key(1))
@@ -93,9 +99,9 @@ def test_batch_put_and_get(sidecar):
         again = kv.put_chunks({key(0): blobs[key(0)]})
         assert again["present"] == [key(0)] and again["stored"] == []
         got = kv.get_chunks([key(0), key(99), key(5)])
-        assert got == [blobs[key(0)], None, blobs[key(5)]]
+        assert got == [served(blobs[key(0)]), None, served(blobs[key(5)])]
         parts = kv.get_chunks([key(1)], layers=(0, 1))
-        assert validate_chunk(parts[0], key(1), FP).num_layers == 1
+        assert validate_chunk(parts[0], key(1), FP, any_namespace=True).num_layers == 1
 
 
 def test_async_client_does_the_same(sidecar):
@@ -109,8 +115,8 @@ def test_async_client_does_the_same(sidecar):
             return found, blobs, await kv.has_chunk(key(7)), await kv.get_chunk(key(2))
 
     found, blobs, has, two = asyncio.run(go())
-    assert found.length == 8 and blobs == [chunk(key(3), 3)] and has
-    assert two == chunk(key(2), 2)
+    assert found.length == 8 and blobs == [served(chunk(key(3), 3))] and has
+    assert two == served(chunk(key(2), 2))
 
 
 @pytest.mark.parametrize(
@@ -320,6 +326,6 @@ def test_stats_and_metrics_never_scan_redis(tmp_path):
                 after = int(raw.info("commandstats").get("cmdstat_scan", {}).get("calls", 0))
             assert after == scans
             (redis,) = [t for t in stats["tiers"] if t["name"] == "redis"]
-            assert redis["chunks"] == 1 and redis["used_bytes"] == len(chunk(key(1)))
+            assert redis["chunks"] == 1 and redis["used_bytes"] == len(served(chunk(key(1))))
     finally:
         server.cleanup()

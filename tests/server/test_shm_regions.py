@@ -18,7 +18,7 @@ from kvtier.errors import InvalidArgumentError
 from kvtier.server.state import ServiceState
 from tests.http_server import running
 from tests.serve_process import free_port
-from tests.server.test_server_chunks import _config, chunk, key
+from tests.server.test_server_chunks import _config, chunk, key, served
 
 
 def _state(tmp_path, **server) -> ServiceState:
@@ -43,8 +43,8 @@ def test_chunks_round_trip_through_a_region_in_cpu_and_disk_tiers(tmp_path):
         assert kv.put_chunk(key(5), blobs[key(5)])["status"] == "present"
         out = bytearray(2 << 20)
         for k, b in blobs.items():
-            assert bytes(kv.get_chunk_into(k, out)) == b
-            assert kv.get_chunk(k) == b  # the same chunks over HTTP bodies
+            assert bytes(kv.get_chunk_into(k, out)) == served(b)
+            assert kv.get_chunk(k) == served(b)  # the same chunks over HTTP bodies
         assert kv.shm and len(_regions(tmp_path)) == 1
         tiers = {r["name"]: r for r in kv.stats()["tiers"]}
         assert tiers["disk"]["chunks"] >= 1 and tiers["cpu"]["chunks"] >= 1  # both were used
@@ -102,7 +102,7 @@ def test_a_region_is_its_tenants_alone(tmp_path):
                            ).status_code == 404
             assert bob.delete(f"/v1/regions/{rid}").status_code == 404
         with Client(url, token="token-reader", shm=True) as reader:  # read scope: regions and GETs
-            assert bytes(reader.get_chunk_into(key(1), bytearray(1 << 16))) == blob
+            assert bytes(reader.get_chunk_into(key(1), bytearray(1 << 16))) == served(blob, "alice")
             with pytest.raises(ServiceError) as err:
                 reader.put_chunk(key(2), chunk(key(2)))
             assert err.value.status == 403
@@ -143,7 +143,7 @@ def test_a_client_falls_back_to_bodies_where_no_region_can_be_used(tmp_path):
     with running(state) as url, Client(url, shm=True) as kv:
         assert kv.put_chunk(key(1), blob)["status"] == "stored"
         assert not kv.shm  # turned off after the server said no
-        assert bytes(kv.get_chunk_into(key(1), bytearray(1 << 16))) == blob
+        assert bytes(kv.get_chunk_into(key(1), bytearray(1 << 16))) == served(blob)
 
 
 def test_regions_left_by_a_dead_server_are_removed_at_start(tmp_path):
@@ -167,11 +167,12 @@ def test_a_corrupt_copy_is_never_written_to_a_region_and_the_disk_copy_is(tmp_pa
     with running(state) as url, Client(url, shm=True) as kv:
         kv.put_chunk(key(1), blob, tier="disk")
         cpu = state.manager.tiers[0]
-        assert cpu.put({where: blob}).stored == [where]
+        stored = served(blob)
+        assert cpu.put({where: stored}).stored == [where]
         slot, _ = cpu._index.get(where, touch=False)  # noqa: SLF001
-        cpu._arena[slot * cpu.slot_bytes + len(blob) - 100] ^= 0xFF  # noqa: SLF001 - a flipped bit at rest
+        cpu._arena[slot * cpu.slot_bytes + len(stored) - 100] ^= 0xFF  # noqa: SLF001 - a flipped bit at rest
         out = bytearray(1 << 20)
-        assert bytes(kv.get_chunk_into(key(1), out)) == blob  # from disk
+        assert bytes(kv.get_chunk_into(key(1), out)) == stored  # from disk
         assert state.manager.stats.rejected.get("corrupt") == 1
         state.manager.tiers[1].delete([where])  # now the only copy is the CPU tier's
         slot, _ = cpu._index.get(where, touch=False)  # noqa: SLF001 - promoted there again
@@ -191,5 +192,5 @@ def test_a_client_makes_a_new_region_when_the_server_restarted(tmp_path):
         with running(_state(tmp_path), port=port) as url:
             assert kv.put_chunk(key(2), chunk(key(2)))["status"] == "stored"
             assert kv._local.link.id != first and kv.shm  # noqa: SLF001
-            assert bytes(kv.get_chunk_into(key(2), bytearray(1 << 16))) == chunk(key(2))
+            assert bytes(kv.get_chunk_into(key(2), bytearray(1 << 16))) == served(chunk(key(2)))
             assert url.endswith(str(port))

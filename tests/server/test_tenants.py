@@ -8,6 +8,8 @@ reach, and tokens carry scopes."""
 
 from __future__ import annotations
 
+import shutil
+
 import httpx
 import pytest
 import torch
@@ -18,10 +20,11 @@ from kvtier.config import load_config
 from kvtier.engine.engine import Engine
 from kvtier.engine.sampling import SamplingParams
 from kvtier.server.state import ServiceState
+from tests import redis_servers
 from tests.engine_config import engine_config
 from tests.http_server import running
 from tests.server import test_server_engine
-from tests.server.test_server_chunks import chunk, key
+from tests.server.test_server_chunks import chunk, key, served
 from tests.server.test_server_engine import GREEDY, Q1, Q2, SYSTEM
 
 model_dir = test_server_engine.model_dir  # the same tiny model, used by name
@@ -65,10 +68,12 @@ def test_forged_chunks_under_the_engines_keys_never_reach_a_turn(model_dir, tmp_
         assert r2["kvtier"]["restored_tokens"] == off["stored_tokens"]
         # The client's own chunks are still its own to read back, forged as they are.
         k0 = next(iter(forged))
-        assert kv.get_chunk(k0) == forged[k0]
+        assert kv.get_chunk(k0) == served(forged[k0])
     state.close()
     assert r2["choices"][0]["message"]["content"] == expected.text
 
+
+redis_server = redis_servers.redis_server  # shared fixture, used by name
 
 TOKENS = [
     {"token": "alpha-writer-1", "tenant": "alpha", "scopes": ["read", "write"]},
@@ -96,11 +101,12 @@ def test_tenants_never_see_or_overwrite_each_others_chunks(tenants):
         assert not b.has_chunk(key(1)) and b.lookup([key(1)]).length == 0
         assert b.get_chunk(key(1)) is None  # a 404
         assert b.put_chunk(key(1), theirs)["status"] == "stored"  # not "present": its own
-        assert a.get_chunk(key(1)) == mine and b.get_chunk(key(1)) == theirs
-        assert b.delete_chunk(key(1)) and a.get_chunk(key(1)) == mine
+        assert a.get_chunk(key(1)) == served(mine, "alpha")
+        assert b.get_chunk(key(1)) == served(theirs, "beta")
+        assert b.delete_chunk(key(1)) and a.get_chunk(key(1)) == served(mine, "alpha")
         got = b.put_chunks({key(2): chunk(key(2))})
         assert got["stored"] == [key(2)] and a.get_chunks([key(2)]) == [None]
-        assert b.get_chunks([key(2)]) == [chunk(key(2))]
+        assert b.get_chunks([key(2)]) == [served(chunk(key(2)), "beta")]
 
 
 def test_scopes_limit_what_a_token_may_do(tenants):
@@ -108,7 +114,7 @@ def test_scopes_limit_what_a_token_may_do(tenants):
     with Client(url, token="alpha-writer-1") as a:
         a.put_chunk(key(1), chunk(key(1)))
     with Client(url, token="alpha-reader-1") as r:
-        assert r.get_chunk(key(1)) == chunk(key(1))  # the same tenant's, readable
+        assert r.get_chunk(key(1)) == served(chunk(key(1)), "alpha")  # the same tenant's
         with pytest.raises(ServiceError) as err:
             r.put_chunk(key(3), chunk(key(3)))
         assert err.value.status == 403 and "'write' scope" in err.value.message
@@ -132,7 +138,8 @@ def test_a_tenant_name_or_token_that_cannot_be_used_is_a_config_error():
 
 
 def test_quotas_hold_per_tenant_and_show_in_stats_and_metrics(tmp_path):
-    size = len(chunk(key(0)))
+    size = len(served(chunk(key(0)), "alpha"))  # as stored: naming its tenant
+    assert size == len(served(chunk(key(0)), "beta"))
     cfg = load_config(environ={}, overrides={
         "tiers": {"cpu_bytes": 64 << 20, "disk_dir": str(tmp_path / "c"), "disk_bytes": 64 << 20,
                   "disk_fsync": False},
@@ -143,9 +150,10 @@ def test_quotas_hold_per_tenant_and_show_in_stats_and_metrics(tmp_path):
             for i in range(5):
                 assert a.put_chunk(key(i), chunk(key(i), seed=i))["status"] == "stored"
                 assert b.put_chunk(key(i), chunk(key(i), seed=10 + i))["status"] == "stored"
-            assert [a.get_chunk(key(i)) for i in range(5)] == [chunk(key(i), seed=i) for i in range(5)]
+            assert [a.get_chunk(key(i)) for i in range(5)] == [
+                served(chunk(key(i), seed=i), "alpha") for i in range(5)]
             assert [b.get_chunk(key(i)) for i in range(5)] == [
-                chunk(key(i), seed=10 + i) for i in range(5)]
+                served(chunk(key(i), seed=10 + i), "beta") for i in range(5)]
         with Client(url, token="the-admin-token") as admin:
             rows = {(r["tenant"], r["tier"]): r for r in admin.stats()["tenants"]}
             assert rows[("alpha", "cpu")]["bytes"] <= 2 * size
@@ -156,3 +164,57 @@ def test_quotas_hold_per_tenant_and_show_in_stats_and_metrics(tmp_path):
             text = admin.metrics()
         assert f'kvtier_tenant_quota_bytes{{tenant="alpha",tier="cpu"}} {float(2 * size)}' in text
         assert 'kvtier_tenant_stored_bytes{tenant="beta",tier="cpu"}' in text
+
+
+def test_a_chunk_copied_into_another_tenants_name_is_never_served_to_it(tmp_path):
+    """The namespace is inside the checksummed header: alice's chunk file copied to bob's
+    file name (or her Redis value to his key) is a miss for bob, never alice's KV, and a
+    header edited to name bob fails its checksum."""
+    disk = tmp_path / "c"
+    cfg = load_config(environ={}, overrides={
+        "tiers": {"cpu_bytes": 0, "disk_dir": str(disk), "disk_bytes": 64 << 20,
+                  "disk_fsync": False},
+        "server": {"auth_token": "the-admin-token", "tokens": TOKENS}})
+    blob = chunk(key(1), seed=1)
+    with running(ServiceState.sidecar(cfg)) as url, Client(url, token="alpha-writer-1") as a:
+        assert a.put_chunk(key(1), blob)["status"] == "stored"
+    (alpha_file,) = disk.rglob(f"alpha.{key(1)}.kvc")
+    shutil.copy(alpha_file, alpha_file.with_name(f"beta.{key(1)}.kvc"))
+    forged = bytearray(alpha_file.read_bytes())
+    at = forged.index(b"alpha")  # the namespace, renamed in place: same length
+    forged[at : at + 5] = b"gamma"
+    (alpha_file.with_name(f"gamma.{key(1)}.kvc")).write_bytes(forged)
+    with running(ServiceState.sidecar(cfg)) as url:  # a restart rebuilds the index from files
+        with Client(url, token="beta-writer-01") as b:
+            assert b.get_chunk(key(1)) is None
+            assert b.put_chunk(key(1), chunk(key(1), seed=2))["status"] == "stored"
+            assert b.get_chunk(key(1)) == served(chunk(key(1), seed=2), "beta")
+        with Client(url, token="alpha-writer-1") as a:
+            assert a.get_chunk(key(1)) == served(blob, "alpha")
+
+
+def test_a_chunk_naming_another_tenant_is_refused_by_every_tier(tmp_path, redis_server):
+    from kvtier.chunk_format import namespaced_key
+    from kvtier.connectors.tiers.cpu_tier import CPUTier
+    from kvtier.connectors.tiers.disk_tier import DiskTier
+    from kvtier.connectors.tiers.manager import TierManager
+    from kvtier.connectors.tiers.redis_tier import RedisTier
+
+    alices = served(chunk(key(1)), "alice")
+    bobs_key = namespaced_key("bob", key(1))
+    for tier in (CPUTier(1 << 20, 64 << 10), DiskTier(tmp_path / "d", fsync=False)):
+        try:  # tiers that check what they admit refuse it outright
+            res = tier.put({bobs_key: alices})
+            assert res.stored == [] and "another tenant" in res.failed[bobs_key], tier.name
+            assert not tier.contains_prefix([bobs_key])
+        finally:
+            tier.close()
+    # Redis checks on read (a value can be written by anyone who reaches the server): a miss.
+    manager = TierManager([RedisTier(redis_server.url)])
+    try:
+        assert manager.tiers[0].put({bobs_key: alices}).stored == [bobs_key]
+        assert manager.get_each([bobs_key]) == [(None, None)]
+        with manager.lease([bobs_key], raw=True) as (lent,):
+            assert lent is None
+    finally:
+        manager.close()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.chunk_format import encode_chunk, namespaced_key
+from kvtier.chunk_format import encode_chunk, namespaced_key, with_namespace
 from kvtier.connectors.tiers.cpu_tier import CPUTier
 from kvtier.connectors.tiers.disk_tier import DiskTier
 from kvtier.connectors.tiers.manager import TierManager
@@ -21,12 +21,14 @@ FP = b"f" * 16
 
 
 def _chunk(tenant: str, i: int) -> tuple[str, bytes]:
+    """A tenant's chunk as the service stores it: under its namespace, naming it."""
     key = f"{i:064x}"
     kv = torch.full((2, 2, 16, 1, 8), float(i))
-    return namespaced_key(tenant, key), encode_chunk(key, FP, kv)
+    return namespaced_key(tenant, key), with_namespace(encode_chunk(key, FP, kv), tenant)
 
 
-SIZE = len(_chunk("a", 0)[1])
+SIZE = len(_chunk("alice", 0)[1])
+assert all(len(_chunk(t, 0)[1]) == SIZE for t in ("a", "bob", "carol", "mallory"))
 
 
 def _cpu_disk(tmp_path, cpu_slots: int = 8) -> TierManager:
