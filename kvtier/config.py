@@ -282,6 +282,12 @@ class ServerConfig(_Section):
     """Bytes all shared-memory regions may hold together (0: none offered)."""
     shm_regions_per_tenant: int = 8
     """Regions one tenant may hold at once."""
+    shm_bytes_per_tenant: ByteSize | None = None
+    """Bytes one tenant's regions may hold together (unset: ``shm_bytes``)."""
+    shm_lease_s: float = 600.0
+    """A region no request has used (a chunk PUT or GET through it, or a renewal) for this
+    many seconds is reclaimed: a client that died without deleting its regions does not
+    hold their memory for the life of the server."""
     chunk_slot_bytes: ByteSize = ByteSize(4 << 20)
     """Sidecar mode (no ``--model``): the CPU arena's slot size, the largest chunk it holds
     (bigger chunks go to the disk tier). Engine mode sizes slots from the model."""
@@ -314,7 +320,7 @@ class ServerConfig(_Section):
             raise ValueError(f"must be a positive integer, got {v}")
         return v
 
-    @field_validator("body_timeout_s", "body_idle_timeout_s")
+    @field_validator("body_timeout_s", "body_idle_timeout_s", "shm_lease_s")
     @classmethod
     def _positive_time(cls, v: float) -> float:
         if not v > 0:

@@ -126,6 +126,9 @@ class RegionResponse(_Doc):
     id: str
     path: str = Field(description="the file to map (same host, same user)")
     bytes: int
+    expires_in_s: float = Field(description=(
+        "seconds until the region is reclaimed unless a request uses it (a chunk PUT or GET "
+        "through it, or a renewal) before then: server.shm_lease_s from each use"))
 
 
 class GetIntoRegionResponse(_Doc):

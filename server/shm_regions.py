@@ -24,19 +24,26 @@ What keeps the data path's promises:
   for a region that does not exist. The file is the server user's, mode 0600: a process
   of another user cannot open it (it uses HTTP bodies), one of the same user could anyway
   read the server's memory.
-- Regions count against ``server.shm_bytes`` in total and ``server.shm_regions_per_tenant``
-  each; they are removed on ``DELETE``, when the server stops, and at start-up when a
-  server that died left them (their names carry its pid).
+- Regions count against ``server.shm_bytes`` in total, ``server.shm_bytes_per_tenant`` and
+  ``server.shm_regions_per_tenant`` each. They are removed on ``DELETE``, when the server
+  stops, and when their lease runs out: a region no request used for
+  ``server.shm_lease_s`` is reclaimed (a client that died holds nothing for long); a
+  tenant lists its regions with ``GET /v1/regions``.
+- Every server holds an exclusive ``flock`` on a lock file of its own, and its regions'
+  names carry that lock file's id: at start-up a server removes every region whose server's
+  lock is free (it died), whatever its PID, and the lock files with them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import re
 import secrets
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +51,10 @@ from pathlib import Path
 from kvtier.server.errors import RouteError
 
 PREFIX = "kvtier-region-"
-_NAME_RE = re.compile(rf"{PREFIX}(\d+)-([0-9a-f]{{32}})")
+_NAME_RE = re.compile(rf"{PREFIX}([0-9a-f]{{16}})-([0-9a-f]{{32}})")
+_LOCK_RE = re.compile(rf"{PREFIX}([0-9a-f]{{16}})\.lock")
+_LEGACY_RE = re.compile(rf"{PREFIX}(\d+)-([0-9a-f]{{32}})")
+"""Regions of servers before lock files: named by the server's pid."""
 _ID_RE = re.compile(r"[0-9a-f]{32}")
 
 
@@ -60,6 +70,8 @@ class Region:
     users: int = 0
     deleted: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
+    last_used: float = field(default_factory=time.monotonic)
+    """When a request last used (or renewed) it: its lease runs from here."""
 
     def _span(self, offset: int, length: int) -> None:
         if offset < 0 or length < 0 or offset + length > self.size:
@@ -98,20 +110,27 @@ class RegionTable:
     """The regions one server holds (see the module docstring)."""
 
     def __init__(self, directory: str | os.PathLike[str] | None, max_bytes: int,
-                 per_tenant: int, inflight_budget: int | None = None) -> None:
+                 per_tenant: int, inflight_budget: int | None = None,
+                 per_tenant_bytes: int | None = None, lease_s: float = 600.0) -> None:
         self.directory = None if directory is None else Path(directory)
         self.max_bytes = max_bytes
         self.per_tenant = per_tenant
+        self.per_tenant_bytes = max_bytes if per_tenant_bytes is None else per_tenant_bytes
+        self.lease_s = lease_s
         self.inflight_budget = inflight_budget
         """Bytes uploads from regions may stage at once (as request bodies may)."""
         self._inflight = 0
         self._regions: dict[str, Region] = {}
         self._bytes = 0
         self._lock = threading.Lock()
+        self.reclaimed = 0
+        """Regions reclaimed because their lease ran out."""
+        self.server_id = secrets.token_hex(8)
+        self._server_lock: int | None = None
+        self.removed_stale = 0
         if self.directory is not None and self.directory.is_dir():
             self.removed_stale = self._remove_stale()
-        else:
-            self.removed_stale = 0
+            self._server_lock = self._hold_server_lock()
 
     @property
     def enabled(self) -> bool:
@@ -122,18 +141,69 @@ class RegionTable:
         with self._lock:
             return self._bytes
 
-    def _remove_stale(self) -> int:
-        """Delete regions whose server (the pid in their name) is gone."""
-        n = 0
+    def _lock_path(self, server_id: str) -> Path:
         assert self.directory is not None
-        for path in self.directory.glob(f"{PREFIX}*"):
-            m = _NAME_RE.fullmatch(path.name)
-            if m is None or _alive(int(m.group(1))):
+        return self.directory / f"{PREFIX}{server_id}.lock"
+
+    def _hold_server_lock(self) -> int | None:
+        """This server's lock file, locked for as long as the server runs."""
+        try:
+            fd = os.open(self._lock_path(self.server_id),
+                         os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        except OSError:
+            return None  # a read-only directory: no regions can be made there either
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return fd
+
+    def _remove_stale(self) -> int:
+        """Delete the regions of servers that are gone: those whose server's lock file is
+        not locked (or missing), whatever their PID, and the lock files; regions named by
+        a pid (older servers) whose process is gone."""
+        assert self.directory is not None
+        dead: set[str] = set()
+        live: set[str] = set()
+        for path in self.directory.glob(f"{PREFIX}*.lock"):
+            m = _LOCK_RE.fullmatch(path.name)
+            if m is None:
                 continue
-            with contextlib.suppress(OSError):
-                path.unlink()
-                n += 1
+            (live if _locked(path) else dead).add(m.group(1))
+        n = 0
+        for path in self.directory.glob(f"{PREFIX}*"):
+            m, legacy = _NAME_RE.fullmatch(path.name), _LEGACY_RE.fullmatch(path.name)
+            lock = _LOCK_RE.fullmatch(path.name)
+            stale = ((m is not None and m.group(1) not in live)
+                     or (m is None and legacy is not None and not _alive(int(legacy.group(1))))
+                     or (lock is not None and lock.group(1) in dead))
+            if stale:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                    n += lock is None
         return n
+
+    def _reclaim_expired(self) -> None:
+        """Delete the regions whose lease ran out and that no request is using."""
+        now = time.monotonic()
+        with self._lock:
+            expired = [r for r in self._regions.values()
+                       if r.users == 0 and now - r.last_used > self.lease_s]
+        for region in expired:
+            with contextlib.suppress(RouteError):
+                self.delete(region.tenant, region.id)
+                self.reclaimed += 1
+
+    def list(self, tenant: str) -> list[Region]:
+        """``tenant``'s regions (after reclaiming expired ones)."""
+        self._reclaim_expired()
+        with self._lock:
+            return [r for r in self._regions.values() if r.tenant == tenant]
+
+    def renew(self, tenant: str, region_id: str) -> Region:
+        """Start ``tenant``'s region's lease anew (a 404 when it is gone)."""
+        with self.using(tenant, region_id) as region:
+            return region
+
+    def expires_in(self, region: Region) -> float:
+        return max(0.0, region.last_used + self.lease_s - time.monotonic())
 
     def create(self, tenant: str, size: int) -> Region:
         """A new region of ``size`` bytes for ``tenant`` (zero-filled, mapped)."""
@@ -142,11 +212,17 @@ class RegionTable:
                              "(server.shm_dir is unset or missing)", "no_regions")
         if size < 1:
             raise RouteError(400, f"a region needs at least 1 byte, not {size}")
+        self._reclaim_expired()
         with self._lock:
-            mine = sum(r.tenant == tenant for r in self._regions.values())
-            if mine >= self.per_tenant:
-                raise RouteError(429, f"tenant {tenant} holds {mine} regions already "
+            mine = [r for r in self._regions.values() if r.tenant == tenant]
+            if len(mine) >= self.per_tenant:
+                raise RouteError(429, f"tenant {tenant} holds {len(mine)} regions already "
                                  f"(server.shm_regions_per_tenant); delete one first")
+            held = sum(r.size for r in mine)
+            if held + size > self.per_tenant_bytes:
+                raise RouteError(507, f"tenant {tenant}'s regions would hold {held + size} "
+                                 f"bytes, over server.shm_bytes_per_tenant "
+                                 f"({self.per_tenant_bytes}); delete one first", "regions_full")
             if self._bytes + size > self.max_bytes:
                 raise RouteError(507, f"regions would hold {self._bytes + size} bytes, over "
                                  f"server.shm_bytes ({self.max_bytes})", "regions_full")
@@ -165,7 +241,7 @@ class RegionTable:
     def _map_new(self, tenant: str, size: int) -> Region:
         assert self.directory is not None
         rid = secrets.token_hex(16)
-        path = self.directory / f"{PREFIX}{os.getpid()}-{rid}"
+        path = self.directory / f"{PREFIX}{self.server_id}-{rid}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
         try:
             _reserve(fd, size)
@@ -185,11 +261,13 @@ class RegionTable:
             if region is None or region.tenant != tenant:
                 raise RouteError(404, f"no region {region_id!r}", "no_such_region")
             region.users += 1
+            region.last_used = time.monotonic()
         try:
             yield region
         finally:
             with self._lock:
                 region.users -= 1
+                region.last_used = time.monotonic()
                 done = region.deleted and region.users == 0
             if done:
                 _unmap(region)
@@ -233,6 +311,11 @@ class RegionTable:
             region.deleted = True
             if region.users == 0:
                 _unmap(region)
+        if self._server_lock is not None:
+            with contextlib.suppress(OSError):
+                self._lock_path(self.server_id).unlink()
+            os.close(self._server_lock)
+            self._server_lock = None
 
 
 def _reserve(fd: int, size: int) -> None:
@@ -253,6 +336,23 @@ def _unmap(region: Region) -> None:
     """Close the region's descriptor (the last user did, or nobody used it)."""
     with contextlib.suppress(OSError):
         os.close(region.fd)
+
+
+def _locked(path: Path) -> bool:
+    """Whether a live server holds the lock file at ``path``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return False
 
 
 def _alive(pid: int) -> bool:

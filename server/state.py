@@ -46,7 +46,9 @@ class ServiceState:
             manager.quotas = {t: q.per_tier() for t, q in config.server.quotas.items()}
         self.metrics = ServiceMetrics()
         server = config.server
-        self.regions = RegionTable(server.shm_dir, server.shm_bytes, server.shm_regions_per_tenant)
+        self.regions = RegionTable(server.shm_dir, server.shm_bytes, server.shm_regions_per_tenant,
+                                   per_tenant_bytes=server.shm_bytes_per_tenant,
+                                   lease_s=server.shm_lease_s)
         self.key_locks = KeyLocks()
         """PUTs of one key run one at a time (server/chunk_versions.py)."""
         """Same-host clients' shared-memory regions (server/shm_regions.py)."""

@@ -31,7 +31,8 @@ def _state(tmp_path, **server) -> ServiceState:
 
 
 def _regions(tmp_path) -> list[str]:
-    return sorted(p.name for p in (tmp_path / "shm").iterdir())
+    """The region files in the test's shm directory (a server's lock file is not one)."""
+    return sorted(p.name for p in (tmp_path / "shm").iterdir() if not p.name.endswith(".lock"))
 
 
 def test_chunks_round_trip_through_a_region_in_cpu_and_disk_tiers(tmp_path):
@@ -194,3 +195,82 @@ def test_a_client_makes_a_new_region_when_the_server_restarted(tmp_path):
             assert kv._local.link.id != first and kv.shm  # noqa: SLF001
             assert bytes(kv.get_chunk_into(key(2), bytearray(1 << 16))) == served(chunk(key(2)))
             assert url.endswith(str(port))
+
+
+def test_regions_of_any_dead_server_are_removed_at_start_whatever_its_pid(tmp_path):
+    """A server's regions are named by its lock file, which it holds locked while it runs:
+    a lock nobody holds means its server died (even where its pid now names a live
+    process), a lock held means it runs."""
+    import fcntl
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    dead_lock = shm / "kvtier-region-00000000000000aa.lock"
+    dead_lock.write_bytes(b"")
+    dead = shm / ("kvtier-region-00000000000000aa-" + "b" * 32)
+    orphan = shm / ("kvtier-region-00000000000000cc-" + "c" * 32)  # its lock file is gone
+    pid_named = shm / (f"kvtier-region-{os.getpid()}-" + "d" * 32)  # an old name, live pid
+    live_lock = shm / "kvtier-region-00000000000000bb.lock"
+    live = shm / ("kvtier-region-00000000000000bb-" + "e" * 32)
+    for p in (dead, orphan, pid_named, live):
+        p.write_bytes(b"x")
+    holder = os.open(live_lock, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # another server, still running
+    try:
+        state = ServiceState.sidecar(_config(tmp_path, shm_dir=str(shm)))
+        try:
+            assert not dead.exists() and not dead_lock.exists() and not orphan.exists()
+            assert live.exists() and live_lock.exists() and pid_named.exists()
+            assert state.regions.removed_stale == 2
+        finally:
+            state.close()
+        assert not (shm / f"kvtier-region-{state.regions.server_id}.lock").exists()
+    finally:
+        os.close(holder)
+
+
+def test_an_abandoned_region_is_reclaimed_when_its_lease_ends(tmp_path):
+    """A client that dies without deleting its regions holds their memory only for
+    server.shm_lease_s: then another tenant's request for a region succeeds, and the dead
+    client's region is gone. Use (or a renewal) keeps a region alive."""
+    import time
+
+    tokens = [TokenConfig(token="token-alice", tenant="alice", scopes=["read", "write"]),
+              TokenConfig(token="token-bob1", tenant="bob", scopes=["read", "write"])]
+    state = _state(tmp_path, tokens=tokens, shm_bytes=3 << 20, shm_lease_s=1.0)
+    blob = chunk(key(1))
+    alice = httpx.Client(headers={"Authorization": "Bearer token-alice"})
+    bob = httpx.Client(headers={"Authorization": "Bearer token-bob1"})
+    with running(state) as url:
+        kept = alice.post(f"{url}/v1/regions", json={"bytes": 1 << 20}).json()
+        lost = [alice.post(f"{url}/v1/regions", json={"bytes": 1 << 20}).json() for _ in range(2)]
+        assert 0 < kept["expires_in_s"] <= 1.0
+        r = bob.post(f"{url}/v1/regions", json={"bytes": 1 << 20})
+        assert r.status_code == 507  # all of shm_bytes is alice's
+        assert [x["id"] for x in bob.get(f"{url}/v1/regions").json()] == []
+        assert sorted(x["id"] for x in alice.get(f"{url}/v1/regions").json()) == sorted(
+            x["id"] for x in [kept, *lost])
+        for _ in range(3):  # alice keeps using one region; the other two she abandoned
+            time.sleep(0.45)
+            with open(kept["path"], "r+b") as f:
+                f.write(blob)
+            assert alice.put(f"{url}/v1/chunks/{key(1)}",
+                             params={"region": kept["id"], "length": len(blob)}).status_code in (200, 201)
+        assert alice.post(f"{url}/v1/regions/{kept['id']}/renew").status_code == 200
+        r = bob.post(f"{url}/v1/regions", json={"bytes": 1 << 20})
+        assert r.status_code == 201, r.text
+        assert [x["id"] for x in alice.get(f"{url}/v1/regions").json()] == [kept["id"]]
+        assert not any(os.path.exists(x["path"]) for x in lost)
+        r = alice.put(f"{url}/v1/chunks/{key(1)}", params={"region": lost[0]["id"], "length": len(blob)})
+        assert r.status_code == 404
+        assert state.regions.reclaimed == 2
+    alice.close()
+    bob.close()
+
+
+def test_a_tenants_regions_are_bounded_in_bytes(tmp_path):
+    state = _state(tmp_path, shm_bytes=8 << 20, shm_bytes_per_tenant=2 << 20)
+    with running(state) as url, httpx.Client(base_url=url) as http:
+        assert http.post("/v1/regions", json={"bytes": 2 << 20}).status_code == 201
+        r = http.post("/v1/regions", json={"bytes": 1})
+        assert r.status_code == 507 and "shm_bytes_per_tenant" in r.json()["error"]["message"]
