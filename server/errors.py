@@ -18,7 +18,12 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvtier.engine.engine import EngineStepError, RequestError, UnknownSessionError
+from kvtier.engine.engine import (
+    EngineStepError,
+    RequestError,
+    SessionBusyError,
+    UnknownSessionError,
+)
 from kvtier.errors import ChunkError, InvalidArgumentError, KVTierError, PoolError
 
 log = logging.getLogger(__name__)
@@ -89,6 +94,8 @@ def status_of(exc: BaseException) -> tuple[int, str]:
         return 500, "engine_error"
     if isinstance(exc, UnknownSessionError):
         return 404, "not_found"
+    if isinstance(exc, SessionBusyError):
+        return 409, "session_busy"  # docs/server.md: one turn at a time per session
     if isinstance(exc, ChunkError):
         return 400, "invalid_chunk"
     if isinstance(exc, PoolError):

@@ -280,9 +280,9 @@ async def _sse(
     """The event stream: role, content deltas, the finish (with timings), usage, ``[DONE]``;
     an error after admission is reported in the stream, not raised."""
     state = turn.state
-    yield turn.chunk({"role": "assistant", "content": ""})
     item = first
     try:
+        yield turn.chunk({"role": "assistant", "content": ""})
         while not isinstance(item, TurnResult):
             if item:
                 yield turn.chunk({"content": item})
@@ -294,6 +294,12 @@ async def _sse(
         yield "data: [DONE]\n\n"
         await turn.forget()
         return
+    except BaseException:
+        # The client went away (the response was cancelled or closed): stop generating at
+        # the next step, and a throwaway session goes with its turn. Nothing is awaited
+        # here: a cancelled task cannot wait.
+        turn.eng.cancel(turn.session_id, end_session=turn.ephemeral)
+        raise
     state.metrics.observe_turn(item.stats.as_dict())
     await turn.forget()
     yield turn.chunk({}, item.stats.finish_reason, kvtier=_timings(item))

@@ -152,18 +152,46 @@ class AsyncEngine:
         system: str | None = None,
         prepare: Callable[[Engine], None] | None = None,
     ) -> AsyncIterator[str | TurnResult]:
-        """Yield text deltas as they are generated, then the :class:`TurnResult`."""
+        """Yield text deltas as they are generated, then the :class:`TurnResult`. Closed
+        or cancelled before the result (its reader went away), it aborts the turn at the
+        engine's next step instead of generating every token for nobody."""
         q: asyncio.Queue[Any] = asyncio.Queue()
         task = asyncio.ensure_future(
             self.chat(session_id, message, params, system, q.put_nowait, prepare)
         )
         task.add_done_callback(lambda _t: q.put_nowait(_STOP))
-        while True:
-            item = await q.get()
-            if item is _STOP:
-                break
-            yield item
-        yield task.result()
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if item is _STOP:
+                    break
+                yield item
+            finished = True
+            yield task.result()
+        finally:
+            if not finished:
+                self.cancel(session_id)
+                # The turn's own outcome is of no one's interest now: not "never retrieved".
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    def cancel(self, session_id: str, end_session: bool = False) -> None:
+        """Abort the session's turn in flight at the next step, and with ``end_session``
+        forget the session too (once its turn finished). Returns at once (a disconnect
+        handler cannot wait)."""
+        def make(_: AsyncEngine):
+            try:
+                if end_session:
+                    if session_id in self.engine.sessions or session_id in self.engine.busy_sessions:
+                        self.engine.end_session(session_id)
+                else:
+                    self.engine.abort_turn(session_id)
+            except Exception:  # noqa: BLE001 - best effort: the session may be gone already
+                log.debug("cancel of %s failed", session_id, exc_info=True)
+            return (lambda: None), (lambda: True)
+
+        if not self._closed:
+            self._submit(make)
 
     def close(self) -> None:
         """Stop the loop thread (after the step in flight)."""

@@ -140,6 +140,10 @@ class Engine(OffloadMixin):
         )
         self.sessions: dict[str, ChatSession] = {}
         self._busy: set[str] = set()
+        self._turns: dict[str, PendingTurn] = {}
+        """The turn in flight of each busy session."""
+        self._ended: set[str] = set()
+        """Sessions ended during their turn: gone once the (aborted) turn finishes."""
         self._resident_hashes: dict[str, list[bytes]] = {}
         """Block hashes of each session whose KV is meant to be in the pool."""
         self._resident_count: Counter[bytes] = Counter()
@@ -282,12 +286,16 @@ class Engine(OffloadMixin):
         req = self.scheduler.add(prompt, params, f"{session_id}#{len(session.turns) + 1}", cb,
                                  arrival=arrival)
         self._busy.add(session_id)
-        return PendingTurn(session, message, sys_msg, req, restored)
+        self._turns[session_id] = PendingTurn(session, message, sys_msg, req, restored)
+        return self._turns[session_id]
 
     def finish_turn(self, turn: PendingTurn) -> TurnResult:
         """Record a finished turn in its session (a failed one leaves the session as it was)."""
         sid = turn.session.session_id
         self._busy.discard(sid)
+        self._turns.pop(sid, None)
+        ended = sid in self._ended
+        self._ended.discard(sid)
         if self.policy is not None and (sid in self.sessions or turn.request.finish_reason != "error"):
             self.policy.turn_ended(sid)
         req = turn.request
@@ -295,9 +303,22 @@ class Engine(OffloadMixin):
             failed = ChatSession(sid).record(turn.message, None, req)
             return replace(failed, error=req.error, internal_error=req.internal_error)
         result = turn.session.record(turn.message, turn.system, req, turn.restore)
+        if ended:  # ended while the turn ran: the end wins, the session is not brought back
+            if self.policy is not None:
+                self.policy.forget(sid)
+            return result
         self.sessions[sid] = turn.session
         self._set_resident(turn.session, True)
         return result
+
+    def abort_turn(self, session_id: str) -> bool:
+        """Stop the session's turn in flight at the next step (its client went away): it
+        finishes with ``finish_reason`` ``"abort"`` and the text generated so far, recorded
+        in the session as any turn. False when the session has no turn in flight."""
+        turn = self._turns.get(session_id)
+        if turn is None:
+            return False
+        return self.scheduler.abort(turn.request.request_id)
 
     # ------------------------------------ session upkeep (offload/restore: OffloadMixin)
     def session(self, session_id: str) -> ChatSession:
@@ -343,7 +364,16 @@ class Engine(OffloadMixin):
             self._settle_offloads(block=True)
 
     def end_session(self, session_id: str) -> None:
-        """Forget a session (its KV blocks stay in the prefix cache until evicted)."""
+        """Forget a session (its KV blocks stay in the prefix cache until evicted). A turn
+        in flight is aborted and the end wins: the session is gone when the turn finishes,
+        not brought back by it."""
+        if session_id in self._busy:
+            self._ended.add(session_id)
+            self.abort_turn(session_id)
+            session = self.sessions.pop(session_id, None)
+            if session is not None:
+                self._set_resident(session, False)
+            return
         session = self.sessions.pop(session_id, None)
         if session is None:
             raise UnknownSessionError(f"unknown session {session_id!r}")

@@ -65,6 +65,8 @@ OPERATIONS = [
     "POST /v1/chunks/batch/get",
     "POST /v1/chunks/batch/put",
     "POST /v1/regions",
+    "GET /v1/regions",
+    "POST /v1/regions/{region_id}/renew",
     "DELETE /v1/regions/{region_id}",
     "POST /v1/chat/completions",
     "GET /v1/models",
@@ -87,6 +89,7 @@ NO_INVALID = {
     "POST /v1/sessions/{session_id}/hint",
     "GET /v1/models",
     "GET /v1/models/{model}",
+    "GET /v1/regions",
 }
 """Operations whose only input (if any) is a free-form string path segment: no request to
 them is invalid by the schema, so there is no negative case to generate."""
