@@ -122,6 +122,15 @@ async def _phase(clients: int, jobs: list[Any], work, max_seconds: float) -> tup
     return latencies, time.perf_counter() - t0
 
 
+def _as_served(blobs: dict[str, bytes]) -> dict[str, bytes]:
+    """What the server serves back for each upload: the same chunk naming the uploader's
+    tenant (the benchmark's server runs open: tenant ``default``)."""
+    from kvtier.chunk_format import with_namespace
+    from kvtier.config import DEFAULT_TENANT
+
+    return {k: with_namespace(b, DEFAULT_TENANT) for k, b in blobs.items()}
+
+
 async def load(url: str, blobs: dict[str, bytes], clients: int, batch: int, max_s: float) -> dict:
     import httpx
 
@@ -129,6 +138,7 @@ async def load(url: str, blobs: dict[str, bytes], clients: int, batch: int, max_
     from kvtier.errors import KVTierError
 
     keys = list(blobs)
+    served = _as_served(blobs)
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with AsyncClient(url, timeout=300, limits=limits) as kv:
         for _ in range(600):
@@ -149,7 +159,7 @@ async def load(url: str, blobs: dict[str, bytes], clients: int, batch: int, max_
 
         async def get(key: str) -> None:
             blob = await kv.get_chunk(key)
-            if blob != blobs[key]:
+            if blob != served[key]:
                 raise KVTierError(f"GET {key} returned other bytes than were put")
             got.append(key)
 
@@ -160,7 +170,7 @@ async def load(url: str, blobs: dict[str, bytes], clients: int, batch: int, max_
 
         async def get_many(group: list[str]) -> None:
             out = await kv.get_chunks(group)
-            if out != [blobs[k] for k in group]:
+            if out != [served[k] for k in group]:
                 raise KVTierError("batch get returned other bytes than were put")
             batched.extend(group)
 
@@ -180,7 +190,8 @@ def one_client(url: str, blobs: dict[str, bytes], shm: bool = False) -> dict:
     from kvtier.errors import KVTierError
 
     total = sum(len(b) for b in blobs.values())
-    out = bytearray(max(len(b) for b in blobs.values()))
+    served = _as_served(blobs)
+    out = bytearray(max(len(b) for b in served.values()))
     with Client(url, timeout=300, shm=shm) as kv:
         lat: list[float] = []
         for key, blob in blobs.items():
@@ -189,11 +200,12 @@ def one_client(url: str, blobs: dict[str, bytes], shm: bool = False) -> dict:
             lat.append(time.perf_counter() - s)
         put = _stats(lat, total, sum(lat), len(blobs), len(blobs))  # one request at a time
         lat = []
-        for key, blob in blobs.items():
+        for key in blobs:
             s = time.perf_counter()
             got = kv.get_chunk_into(key, out)
             lat.append(time.perf_counter() - s)
-            if got is None or not np.array_equal(np.frombuffer(got, np.uint8), np.frombuffer(blob, np.uint8)):
+            if got is None or not np.array_equal(np.frombuffer(got, np.uint8),
+                                                 np.frombuffer(served[key], np.uint8)):
                 raise KVTierError(f"GET {key} returned other bytes than were put")
         get = _stats(lat, total, sum(lat), len(blobs), len(blobs))  # (checks off the clock)
         if shm and not kv.shm:

@@ -203,6 +203,8 @@ class PolicyConfig(_Section):
 
 
 SCOPES = ("read", "write", "chat", "admin")
+DEFAULT_TENANT = "default"
+"""The tenant of a caller without a scoped token (``server.auth_token``, or no auth)."""
 
 
 class TokenConfig(_Section):
