@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtier.config import DEFAULT_TENANT, SCOPES, ServerConfig
+
 IDENTITY_KEY = "kvtier.identity"
 """Where the guard leaves the caller's identity in the ASGI scope."""
 
