@@ -274,6 +274,9 @@ class ServerConfig(_Section):
     than one largest body), so one tenant cannot starve the others."""
     body_timeout_s: float = 60.0
     """A request body must arrive within this many seconds in all (else 408)."""
+    reply_write_timeout_s: float = 30.0
+    """A reply's every write must complete within this many seconds: a client that stops
+    reading is cut off and what its reply held (tier leases, budget) is released."""
     body_idle_timeout_s: float = 10.0
     """... and with no pause longer than this between its bytes (else 408): a client that
     declares a body and sends nothing holds budget only this long."""
@@ -322,7 +325,8 @@ class ServerConfig(_Section):
             raise ValueError(f"must be a positive integer, got {v}")
         return v
 
-    @field_validator("body_timeout_s", "body_idle_timeout_s", "shm_lease_s")
+    @field_validator("body_timeout_s", "body_idle_timeout_s", "shm_lease_s",
+                     "reply_write_timeout_s")
     @classmethod
     def _positive_time(cls, v: float) -> float:
         if not v > 0:

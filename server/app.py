@@ -11,6 +11,7 @@ from kvtier.server import routes_chat, routes_chunks, routes_control, routes_reg
 from kvtier.server.errors import install_error_handlers
 from kvtier.server.identity import identities
 from kvtier.server.middleware import BearerAuth, BodyLimit
+from kvtier.server.reply_budget import ReplyBudget
 from kvtier.server.state import ServiceState
 
 DESCRIPTION = """Tiered KV-cache service. Control plane (sessions, stats, metrics), chunk
@@ -58,6 +59,7 @@ def create_app(state: ServiceState) -> FastAPI:
                        body_timeout_s=server.body_timeout_s,
                        idle_timeout_s=server.body_idle_timeout_s)
     state.regions.inflight_budget = budget  # uploads copied out of regions count alike
+    state.replies = ReplyBudget(budget, share, server.reply_write_timeout_s)
     if tokens:
         app.add_middleware(BearerAuth, tokens=tokens)
     return app

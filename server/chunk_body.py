@@ -9,17 +9,22 @@ is sent or the client goes away. Neither joins the body into one ``bytes``.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 
 import torch
 from fastapi import Request
 from fastapi.concurrency import run_in_threadpool
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from kvtier.connectors.tiers.host_buffers import StagingPool
 from kvtier.server.errors import RouteError
+from kvtier.server.reply_budget import Reservation
+
+log = logging.getLogger(__name__)
 
 PIECE = 1 << 20
 """Bytes per write of a download: the socket drains between pieces, so the transport
@@ -58,47 +63,68 @@ async def staged_body(request: Request, staging: StagingPool, length: int, front
         staging.release(buf)
 
 
-class LeasedResponse(Response):
-    """Send ``view`` (uint8, CPU) in pieces, then close ``lease`` (on a worker thread: a
-    tier's release may take its lock); the lease is closed even if the client goes away."""
-
-    def __init__(
-        self, view: torch.Tensor, lease: contextlib.ExitStack, headers: dict[str, str], media_type: str
-    ) -> None:
-        super().__init__(None, headers=headers, media_type=media_type)
-        self.headers["content-length"] = str(view.numel())
-        self._view = view
-        self._lease = lease
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            mem = memoryview(self._view.numpy())
-            n = len(mem)
-            for start in range(0, n, PIECE):
-                end = min(start + PIECE, n)
-                await send({"type": "http.response.body", "body": mem[start:end], "more_body": end < n})
-            if n == 0:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-        finally:
-            await run_in_threadpool(self._lease.close)
-
-
 class PiecewiseResponse(Response):
     """Send a body given as parts (headers and chunks' own bytes), each in pieces of at
     most :data:`PIECE` bytes: no part is joined or copied, and no write is so large that
-    the transport copies hundreds of MiB of unsent tail on the event loop."""
+    the transport copies hundreds of MiB of unsent tail on the event loop.
 
-    def __init__(self, parts: list[bytes | memoryview], media_type: str) -> None:
-        super().__init__(None, media_type=media_type)
+    ``reservation``: what the reply holds against the reply budget, released once it is
+    written or abandoned; ``write_timeout_s``: a write the client does not take within it
+    cuts the reply off (the client stopped reading)."""
+
+    def __init__(self, parts: list[bytes | memoryview], media_type: str,
+                 headers: dict[str, str] | None = None, reservation: Reservation | None = None,
+                 write_timeout_s: float | None = None) -> None:
+        super().__init__(None, headers=headers, media_type=media_type)
         self._parts = [memoryview(p).cast("B") for p in parts]
         self.headers["content-length"] = str(sum(len(p) for p in self._parts))
+        self._reservation = reservation
+        self._timeout = write_timeout_s
+
+    async def _send(self, send: Send, message: Message) -> None:
+        if self._timeout is None:
+            await send(message)
+        else:
+            await asyncio.wait_for(send(message), self._timeout)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code,
-                    "headers": self.raw_headers})
-        for part in self._parts:
-            for start in range(0, len(part), PIECE):
-                await send({"type": "http.response.body", "body": part[start : start + PIECE],
-                            "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        try:
+            await self._send(send, {"type": "http.response.start", "status": self.status_code,
+                                    "headers": self.raw_headers})
+            for part in self._parts:
+                for start in range(0, len(part), PIECE):
+                    await self._send(send, {"type": "http.response.body",
+                                            "body": part[start : start + PIECE],
+                                            "more_body": True})
+            await self._send(send, {"type": "http.response.body", "body": b"",
+                                    "more_body": False})
+        except asyncio.TimeoutError:
+            log.warning("a client stopped reading its reply for %.0f s: cut off", self._timeout)
+        finally:
+            self._parts = []
+            await self._done()
+
+    async def _done(self) -> None:
+        if self._reservation is not None:
+            self._reservation.release()
+
+
+class LeasedResponse(PiecewiseResponse):
+    """Send ``view`` (uint8, CPU) in pieces, then close ``lease`` (on a worker thread: a
+    tier's release may take its lock); the lease is closed even if the client goes away
+    or stops reading."""
+
+    def __init__(
+        self, view: torch.Tensor, lease: contextlib.ExitStack, headers: dict[str, str],
+        media_type: str, reservation: Reservation | None = None,
+        write_timeout_s: float | None = None,
+    ) -> None:
+        super().__init__([memoryview(view.numpy())], media_type, headers, reservation,
+                         write_timeout_s)
+        self._lease = lease
+
+    async def _done(self) -> None:
+        try:
+            await run_in_threadpool(self._lease.close)
+        finally:
+            await super()._done()

@@ -92,6 +92,8 @@ _MSGPACK_BODY = {
 }
 
 
+BATCH_GET_GROUP = 64
+"""Keys of a batch GET read at a time (the reply's size is checked between groups)."""
 HEAD_READ_BYTES = 8 + MAX_HEADER_BYTES
 """Enough of a chunk to hold its prefix and any header."""
 
@@ -330,18 +332,26 @@ async def get_chunk(key: Key, request: Request, layers: Layers = None,
             raise RouteError(404, f"chunk {key} is not stored")
         if leased is not None:
             view, lease, tier = leased
+            try:
+                held = state.replies.reserve(tenant, view.numel())
+            except RouteError:
+                await run_in_threadpool(lease.close)
+                raise
             state.metrics.transfer.labels("get").observe(time.perf_counter() - t0)
             state.metrics.transfer_bytes.labels("get").inc(view.numel())
             state.metrics.tenant_bytes.labels(tenant, "get").inc(view.numel())
-            return LeasedResponse(view, lease, {"X-KVTier-Tier": tier}, OCTETS)
+            return LeasedResponse(view, lease, {"X-KVTier-Tier": tier}, OCTETS, held,
+                                  state.replies.write_timeout_s)
     ((blob, tier),) = await run_in_threadpool(manager.get_each, [where], span)
     if blob is None:
         where = "" if span is None else f" (or layers {layers} lie outside it)"
         raise RouteError(404, f"chunk {key} is not stored{where}")
+    held = state.replies.reserve(tenant, len(blob))
     state.metrics.transfer.labels("get").observe(time.perf_counter() - t0)
     state.metrics.transfer_bytes.labels("get").inc(len(blob))
     state.metrics.tenant_bytes.labels(tenant, "get").inc(len(blob))
-    return Response(blob, media_type=OCTETS, headers={"X-KVTier-Tier": tier or ""})
+    return PiecewiseResponse([blob], OCTETS, {"X-KVTier-Tier": tier or ""}, held,
+                             state.replies.write_timeout_s)
 
 
 def _get_into_region(state: ServiceState, manager: TierManager, tenant: str, region_id: str,
@@ -476,15 +486,30 @@ async def batch_get(body: BatchGetRequest, request: Request) -> Response:
     if span is not None and span[0] < 0:
         raise RouteError(400, "layers must be non-negative")
     t0 = time.perf_counter()
-    found = await run_in_threadpool(
-        manager.get_each, [_stored_as(request, k) for k in body.keys], span
-    )
-    blobs = [blob for blob, _ in found]
-    nbytes = sum(len(b) for b in blobs if b)
+    unique = list(dict.fromkeys(body.keys))  # a key asked for twice is read (and held) once
+    limit = state.replies.budget
+    counts = {k: body.keys.count(k) for k in unique} if len(unique) < len(body.keys) else None
+    by_key: dict[str, bytes | None] = {}
+    nbytes = 0
+    for i in range(0, len(unique), BATCH_GET_GROUP):  # read in groups: stop once too large
+        group = unique[i : i + BATCH_GET_GROUP]
+        found = await run_in_threadpool(
+            manager.get_each, [_stored_as(request, k) for k in group], span)
+        for k, (blob, _) in zip(group, found, strict=True):
+            by_key[k] = blob
+            nbytes += len(blob) * (counts[k] if counts else 1) if blob else 0
+        if nbytes > limit:
+            raise RouteError(413, f"the reply would carry over {nbytes} bytes, over "
+                             f"server.max_inflight_bytes ({limit}): ask in smaller batches")
+    blobs = [by_key[k] for k in body.keys]
+    held_bytes = sum(len(b) for b in by_key.values() if b)
+    tenant = identity_of(request.scope).tenant
+    held = state.replies.reserve(tenant, held_bytes)
     state.metrics.transfer.labels("get").observe(time.perf_counter() - t0)
     state.metrics.transfer_bytes.labels("get").inc(nbytes)
-    state.metrics.tenant_bytes.labels(identity_of(request.scope).tenant, "get").inc(nbytes)
-    return PiecewiseResponse(chunk_list_parts(blobs), MSGPACK)
+    state.metrics.tenant_bytes.labels(tenant, "get").inc(nbytes)
+    return PiecewiseResponse(chunk_list_parts(blobs), MSGPACK, reservation=held,
+                             write_timeout_s=state.replies.write_timeout_s)
 
 
 def _unpacked_and_verified(manager: TierManager, raw: bytes | memoryview

@@ -22,6 +22,7 @@ from kvtier.engine.engine import Engine
 from kvtier.engine.session import ChatSession
 from kvtier.server.chunk_versions import KeyLocks
 from kvtier.server.metrics import ServiceMetrics
+from kvtier.server.reply_budget import ReplyBudget
 from kvtier.server.shm_regions import RegionTable
 
 
@@ -50,6 +51,8 @@ class ServiceState:
                                    per_tenant_bytes=server.shm_bytes_per_tenant,
                                    lease_s=server.shm_lease_s)
         self.key_locks = KeyLocks()
+        self.replies = ReplyBudget(1 << 62, write_timeout_s=server.reply_write_timeout_s)
+        """Bytes replies hold until written (sized by the app: server.max_inflight_bytes)."""
         """PUTs of one key run one at a time (server/chunk_versions.py)."""
         """Same-host clients' shared-memory regions (server/shm_regions.py)."""
         self.started = time.monotonic()
