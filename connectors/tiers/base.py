@@ -22,6 +22,11 @@ The blob may be a view of the tier's memory (the CPU arena's slot), valid only d
 call: a listener that keeps the bytes copies them."""
 
 
+CHUNK_OVERHEAD_BYTES = 512
+"""What a stored chunk costs beyond its bytes in any tier: its index entry, its eviction
+policy's node and its key (Python objects of a few hundred bytes), charged to quotas."""
+
+
 @dataclass
 class PutResult:
     stored: list[str] = field(default_factory=list)
@@ -123,6 +128,12 @@ class Tier(ABC):
         return len(self), self.used_bytes
 
     # --- tenants ----------------------------------------------------------------------
+    def occupancy(self, nbytes: int) -> int:
+        """What a chunk of ``nbytes`` takes in this tier, all told: what a tenant's quota is
+        charged for it (a chunk costs more than its bytes: an index entry, an eviction
+        node, its key; a fixed slot; whole disk blocks). Tiers override it."""
+        return nbytes + CHUNK_OVERHEAD_BYTES
+
     def namespace_held(self, namespace: str, keys: Sequence[str] = ()) -> tuple[int, set[str]]:
         """Bytes ``namespace`` (a tenant) holds here, and which of ``keys`` it holds:
         counters kept as chunks come and go (see :mod:`.namespace_usage`)."""

@@ -74,14 +74,17 @@ class ChunkIndex(Generic[V]):
         size: int,
         info: ChunkInfo | None = None,
         now: float | None = None,
+        charge: int | None = None,
     ) -> None:
+        """Index ``key`` (``size`` bytes of capacity); ``charge``: what its namespace's quota
+        is charged for it (default ``size``: see :meth:`Tier.occupancy`)."""
         old = self._entries.pop(key, None)
         if old is not None:
             self.used_bytes -= old[1]
             self.policy.remove(key)
         self._entries[key] = (value, size)
         self.used_bytes += size
-        self.namespaces.add(key, size)
+        self.namespaces.add(key, size if charge is None else charge)
         info = info if info is not None else ChunkInfo(size)
         self.policy.insert(key, info, self.clock() if now is None else now)
 

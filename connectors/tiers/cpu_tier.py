@@ -27,7 +27,7 @@ from collections.abc import Callable, Collection, Hashable, Iterator, Mapping, S
 import torch
 
 from kvtier.chunk_format import byte_view, layer_span, parse_header, slice_chunk
-from kvtier.connectors.tiers.base import Blob, PutResult, Tier
+from kvtier.connectors.tiers.base import CHUNK_OVERHEAD_BYTES, Blob, PutResult, Tier
 from kvtier.connectors.tiers.chunk_checks import admission_error, is_valid
 from kvtier.connectors.tiers.chunk_index import ChunkIndex, IndexedNamespaces
 from kvtier.connectors.tiers.host_buffers import HostBuffer
@@ -317,7 +317,7 @@ class CPUTier(IndexedNamespaces, Tier):
             if raced:
                 self._free.append(slot)
             else:
-                self._index.add(key, slot, length, info)
+                self._index.add(key, slot, length, info, charge=self.occupancy(length))
         if raced:
             return "present"
         self._account_put(PutResult(stored=[key]), length, [])
@@ -406,7 +406,11 @@ class CPUTier(IndexedNamespaces, Tier):
                 else:
                     self._leased.pop(slot, None)
                     self._free.append(slot)
-        return sum(length for _, _, length in victims)
+        return sum(self.occupancy(length) for _, _, length in victims)
+
+    def occupancy(self, nbytes: int) -> int:
+        """A chunk takes a whole slot, whatever its length."""
+        return self.slot_bytes + CHUNK_OVERHEAD_BYTES
 
     # --- capacity --------------------------------------------------------------------
     @property

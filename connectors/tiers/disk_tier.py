@@ -46,7 +46,7 @@ from kvtier.chunk_format import (
     write_header,
 )
 from kvtier.connectors.tiers import disk_io
-from kvtier.connectors.tiers.base import Blob, PutResult, Tier
+from kvtier.connectors.tiers.base import CHUNK_OVERHEAD_BYTES, Blob, PutResult, Tier
 from kvtier.connectors.tiers.chunk_checks import admission_error, is_valid
 from kvtier.connectors.tiers.chunk_index import ChunkIndex, IndexedNamespaces
 from kvtier.connectors.tiers.disk_io import failure_reason, fsync_dir, unlink_if_present
@@ -62,6 +62,8 @@ TEMP_SUFFIX = ".tmp"
 LOCK_NAME = ".lock"
 _PREFIX = struct.Struct("<4sI")
 _CORRUPT = object()
+DISK_BLOCK = 4096
+"""The filesystem block a chunk file's size is rounded up to when a quota is charged."""
 HEAD_BYTES = 2 << 20
 """A background lease reads this much of each chunk first (header and first layer of a
 Llama-3-8B chunk of 256 tokens, in one read), the rest of the file after."""
@@ -154,7 +156,7 @@ class DiskTier(IndexedNamespaces, Tier):
                     st = entry.stat(follow_symlinks=False)
                     found.append((st.st_mtime, entry.name[: -len(CHUNK_SUFFIX)], st.st_size))
         for _, key, size in sorted(found):
-            self._index.add(key, None, size)
+            self._index.add(key, None, size, charge=self.occupancy(size))
         if removed:
             log.info("disk tier %s: removed %d temp files of interrupted writes", self.directory, removed)
         return removed
@@ -242,7 +244,8 @@ class DiskTier(IndexedNamespaces, Tier):
                 self._reserved -= len(blob)
                 reason = outcomes[key]
                 if reason is None:
-                    self._index.add(key, None, len(blob), info.get(key) if info else None)
+                    self._index.add(key, None, len(blob), info.get(key) if info else None,
+                                    charge=self.occupancy(len(blob)))
                     result.stored.append(key)
                     written += len(blob)
                 else:
@@ -682,10 +685,14 @@ class DiskTier(IndexedNamespaces, Tier):
                 except FileNotFoundError:
                     continue
                 evicted.append((str(victim), doomed))
-                freed += size
+                freed += self.occupancy(size)
         for key, blob in self._discard_evicted(evicted):
             self._notify_evicted(key, blob)
         return freed
+
+    def occupancy(self, nbytes: int) -> int:
+        """A file takes whole filesystem blocks (4 KiB), plus its index entry."""
+        return round_up(max(nbytes, 1), DISK_BLOCK) + CHUNK_OVERHEAD_BYTES
 
     @property
     def capacity_bytes(self) -> int | None:

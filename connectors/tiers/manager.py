@@ -231,7 +231,7 @@ class TierManager:
             for key in keys:
                 if key in present:
                     continue
-                size = len(chunks[key])
+                size = tier.occupancy(len(chunks[key]))  # what it takes there, all told
                 if incoming + size > quota:
                     refused[key] = f"quota: tenant {ns} may hold {quota} bytes in {tier.name}"
                 else:

@@ -222,7 +222,7 @@ class RedisTier(Tier):
         self._add_used(written, len(result.stored))
         with self._used_lock:
             for k in result.stored:
-                self._namespaces.add(k, len(chunks[k]))
+                self._namespaces.add(k, self.occupancy(len(chunks[k])))
         return result
 
     async def _get(

@@ -138,13 +138,20 @@ def test_a_tenant_name_or_token_that_cannot_be_used_is_a_config_error():
 
 
 def test_quotas_hold_per_tenant_and_show_in_stats_and_metrics(tmp_path):
+    """Quotas charge what a chunk takes: a whole CPU slot (64 KiB here) however small the
+    chunk, whole disk blocks, and an index entry each."""
+    from kvtier.connectors.tiers.base import CHUNK_OVERHEAD_BYTES
+
     size = len(served(chunk(key(0)), "alpha"))  # as stored: naming its tenant
     assert size == len(served(chunk(key(0)), "beta"))
+    slot = 64 << 10
+    cpu_charge = slot + CHUNK_OVERHEAD_BYTES
+    disk_charge = -(-size // 4096) * 4096 + CHUNK_OVERHEAD_BYTES
     cfg = load_config(environ={}, overrides={
         "tiers": {"cpu_bytes": 64 << 20, "disk_dir": str(tmp_path / "c"), "disk_bytes": 64 << 20,
                   "disk_fsync": False},
-        "server": {"auth_token": "the-admin-token", "tokens": TOKENS,
-                   "quotas": {"alpha": {"cpu": 2 * size}}}})
+        "server": {"auth_token": "the-admin-token", "tokens": TOKENS, "chunk_slot_bytes": slot,
+                   "quotas": {"alpha": {"cpu": 2 * cpu_charge}}}})
     with running(ServiceState.sidecar(cfg)) as url:
         with Client(url, token="alpha-writer-1") as a, Client(url, token="beta-writer-01") as b:
             for i in range(5):
@@ -156,13 +163,13 @@ def test_quotas_hold_per_tenant_and_show_in_stats_and_metrics(tmp_path):
                 served(chunk(key(i), seed=10 + i), "beta") for i in range(5)]
         with Client(url, token="the-admin-token") as admin:
             rows = {(r["tenant"], r["tier"]): r for r in admin.stats()["tenants"]}
-            assert rows[("alpha", "cpu")]["bytes"] <= 2 * size
-            assert rows[("alpha", "cpu")]["quota_bytes"] == 2 * size
-            assert rows[("alpha", "cpu")]["quota_evicted_bytes"] >= 3 * size
-            assert rows[("alpha", "disk")]["bytes"] >= 3 * size  # pushed down, not lost
-            assert rows[("beta", "cpu")]["bytes"] == 5 * size  # beta never made room for alpha
+            assert rows[("alpha", "cpu")]["bytes"] <= 2 * cpu_charge
+            assert rows[("alpha", "cpu")]["quota_bytes"] == 2 * cpu_charge
+            assert rows[("alpha", "cpu")]["quota_evicted_bytes"] >= 3 * cpu_charge
+            assert rows[("alpha", "disk")]["bytes"] >= 3 * disk_charge  # pushed down, not lost
+            assert rows[("beta", "cpu")]["bytes"] == 5 * cpu_charge  # never made room for alpha
             text = admin.metrics()
-        assert f'kvtier_tenant_quota_bytes{{tenant="alpha",tier="cpu"}} {float(2 * size)}' in text
+        assert f'kvtier_tenant_quota_bytes{{tenant="alpha",tier="cpu"}} {float(2 * cpu_charge)}' in text
         assert 'kvtier_tenant_stored_bytes{tenant="beta",tier="cpu"}' in text
 
 
