@@ -13,20 +13,26 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
-HEALTHZ_GOAL_S = 0.1
+from kvtier.benchmarks import faults_tenants  # noqa: E402 - the hostile-tenant cases
+from kvtier.benchmarks.fault_parts import (
+    HEALTHZ_GOAL_S,
+    HealthProbe,
+    Redis,
+    Row,
+    Serve,
+    make_chunk,
+    row,
+)
+from kvtier.benchmarks.fault_parts import wrong_bytes as _wrong
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -46,191 +52,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-# --- parts: a server process, a Redis, a health probe -------------------------------------
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Serve:
-    """``kvtier serve`` (sidecar) as a child process with its config in the environment."""
-
-    def __init__(self, workdir: Path, **config: Any) -> None:
-        self.workdir = workdir
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.env = dict(os.environ)
-        self.env.update({
-            "KVTIER_TIERS__DISK_DIR": str(workdir / "chunks"),
-            "KVTIER_TIERS__DISK_FSYNC": "true",
-            "KVTIER_SERVER__CHUNK_SLOT_BYTES": str(1 << 20),
-        })
-        self.env.update({f"KVTIER_{k.upper()}": str(v) for k, v in config.items()})
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> Serve:
-        import httpx
-
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvtier.cli.main", "serve", "--port", str(self.port),
-             "--log-level", "error"], env=self.env,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200:
-                    return self
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.1)
-        raise RuntimeError("kvtier serve did not start")
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-    def rss_bytes(self) -> int:
-        try:
-            text = Path(f"/proc/{self.proc.pid}/status").read_text()  # type: ignore[union-attr]
-        except OSError:
-            return 0
-        for line in text.splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        return 0
-
-
-class Redis:
-    """A private ``redis-server`` that can be killed, paused and resumed."""
-
-    def __init__(self, *extra: str) -> None:
-        exe = shutil.which("redis-server")
-        if exe is None:
-            raise RuntimeError("redis-server is not installed")
-        self.port = _free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.dir = Path(tempfile.mkdtemp(prefix="kvtier-faults-redis-"))
-        self.args = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                     "--appendonly", "no", "--dir", str(self.dir), "--protected-mode", "no",
-                     *extra]
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> Redis:
-        import redis
-
-        self.proc = subprocess.Popen(self.args, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, start_new_session=True)
-        for _ in range(200):
-            with contextlib.suppress(redis.ConnectionError):
-                redis.Redis.from_url(self.url).ping()
-                return self
-            time.sleep(0.05)
-        raise RuntimeError("redis-server did not start")
-
-    def signal(self, sig: int) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.signal(signal.SIGCONT)
-            self.proc.kill()
-            self.proc.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-_PROBE = r"""
-import json, sys, threading, time
-import httpx
-url, stop, worst, failures = sys.argv[1], threading.Event(), 0.0, 0
-threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-with httpx.Client(timeout=5) as http:
-    while not stop.is_set():
-        t0 = time.perf_counter()
-        try:
-            ok = http.get(url + "/healthz").status_code == 200
-        except httpx.HTTPError:
-            ok = False
-        worst = max(worst, time.perf_counter() - t0)
-        failures += not ok
-        stop.wait(0.02)
-print(json.dumps({"worst": worst, "failures": failures}))
-"""
-
-
-class HealthProbe:
-    """Asks ``/healthz`` every 20 ms from a process of its own (so the load the case makes
-    in this process cannot delay the probe); ``worst`` is the slowest answer, a request
-    that failed counts as its timeout."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.worst = 0.0
-        self.failures = 0
-        self._proc: subprocess.Popen | None = None
-
-    def __enter__(self) -> HealthProbe:
-        self._proc = subprocess.Popen([sys.executable, "-c", _PROBE, self.url],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        time.sleep(0.2)  # the probe is running before the case starts
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        import json
-
-        assert self._proc is not None
-        out, _ = self._proc.communicate("stop\n", timeout=30)
-        got = json.loads(out.strip().splitlines()[-1])
-        self.worst, self.failures = got["worst"], got["failures"]
-
-
-# --- chunks ------------------------------------------------------------------------------
-
-
-def make_chunk(i: int, tokens: int = 64, layers: int = 4, salt: int = 0) -> tuple[str, bytes]:
-    """A valid chunk under its own key, content determined by (i, salt)."""
-    import torch
-
-    from kvtier.chunk_format import encode_chunk
-
-    key = f"{salt:08x}{i:056x}"
-    g = torch.Generator().manual_seed(i * 7919 + salt)
-    kv = torch.randn(layers, 2, tokens, 2, 16, generator=g).to(torch.float16)
-    return key, encode_chunk(key, b"faults", kv)
-
-
-def _wrong(got: bytes | None, uploaded: bytes) -> int:
-    """Bytes served that are not what was stored (a miss serves none: 0). What is stored
-    for an upload is the same chunk naming the uploader's tenant (the suite's servers run
-    open: tenant ``default``)."""
-    from kvtier.chunk_format import with_namespace
-    from kvtier.config import DEFAULT_TENANT
-
-    want = with_namespace(uploaded, DEFAULT_TENANT)
-    if got is None or got == want:
-        return 0
-    n = min(len(got), len(want))
-    return sum(a != b for a, b in zip(got[:n], want[:n], strict=True)) + abs(len(got) - len(want))
-
-
 # --- the cases ---------------------------------------------------------------------------
-
-Row = dict[str, Any]
 
 
 def case_corrupt_and_truncated_files(work: Path, scale: dict) -> Row:
@@ -257,7 +79,7 @@ def case_corrupt_and_truncated_files(work: Path, scale: dict) -> Row:
                 misses += got is None
                 failed += got is None and k not in bad
         ok = wrong == 0 and failed == 0 and misses == 2
-        return _row("corrupt and truncated files", ok, wrong, failed, probe,
+        return row("corrupt and truncated files", ok, wrong, failed, probe,
                     f"{misses} of {len(chunks)} reads missed (the flipped and the cut file), "
                     "the rest exact")
     finally:
@@ -296,7 +118,7 @@ def case_kill_mid_write(work: Path, scale: dict) -> Row:
                 wrong += _wrong(got, b)
                 lost += k in acked and got is None
         ok = wrong == 0 and lost == 0 and 0 < len(acked) < len(chunks)
-        return _row("kill -9 mid-write, restart", ok, wrong, lost, probe,
+        return row("kill -9 mid-write, restart", ok, wrong, lost, probe,
                     f"killed after {len(acked)} of {len(chunks)} acknowledged writes; every "
                     "acknowledged chunk read back exact, no torn chunk served")
     finally:
@@ -335,7 +157,7 @@ def case_redis_down_and_paused(work: Path, scale: dict) -> Row:
             notes.append(f"killed: {misses} misses, the service answers")
             alive = kv.health()["status"] == "ok"
         ok = wrong == 0 and failed == 0 and misses == len(chunks) and alive
-        return _row("Redis paused, resumed, killed", ok, wrong, failed, probe, "; ".join(notes))
+        return row("Redis paused, resumed, killed", ok, wrong, failed, probe, "; ".join(notes))
     finally:
         srv.stop()
         red.stop()
@@ -361,7 +183,7 @@ def case_redis_full(work: Path, scale: dict) -> Row:
             for k, b in chunks.items():
                 wrong += _wrong(kv.get_chunk(k), b)
         ok = wrong == 0 and failed == 0 and 507 in statuses and 201 in statuses
-        return _row("Redis at maxmemory", ok, wrong, failed, probe,
+        return row("Redis at maxmemory", ok, wrong, failed, probe,
                     f"{statuses.count(201)} stored, {statuses.count(507)} refused as full (507)")
     finally:
         srv.stop()
@@ -402,7 +224,7 @@ def case_concurrent_sessions(work: Path, scale: dict) -> Row:
         with HealthProbe(srv.url) as probe, ThreadPoolExecutor(min(n, 256)) as pool:
             list(pool.map(session, range(n)))
         ok = wrong == 0 and failed == 0
-        return _row(f"{n} concurrent sessions (CPU, disk, Redis)", ok, wrong, failed, probe,
+        return row(f"{n} concurrent sessions (CPU, disk, Redis)", ok, wrong, failed, probe,
                     f"{n} clients x 3 chunks put and read back")
     finally:
         srv.stop()
@@ -446,11 +268,11 @@ def case_body_limits(work: Path, scale: dict) -> Row:
         grown = peak - base
         within = grown <= 1.1 * budget
         ok = failed == 0 and within and any(s in (200, 201) for s in statuses)
-        row = _row("body limits and in-flight budget", ok, 0, failed, probe,
-                   f"4 concurrent {body >> 20} MiB uploads: {sorted(statuses)}; server RSS "
-                   f"grew {grown >> 20} MiB (budget {budget >> 20} MiB); oversize: "
-                   f"{big.status_code}")
-        return {**row, "rss_grown_bytes": grown, "inflight_budget_bytes": budget}
+        out = row("body limits and in-flight budget", ok, 0, failed, probe,
+                  f"4 concurrent {body >> 20} MiB uploads: {sorted(statuses)}; server RSS "
+                  f"grew {grown >> 20} MiB (budget {budget >> 20} MiB); oversize: "
+                  f"{big.status_code}")
+        return {**out, "rss_grown_bytes": grown, "inflight_budget_bytes": budget}
     finally:
         srv.stop()
 
@@ -486,7 +308,7 @@ def case_metrics_and_batches_under_load(work: Path, scale: dict) -> Row:
                 wrong += _wrong(have, want)
                 failed += have is None
         ok = wrong == 0 and failed == 0
-        return _row("metrics with many Redis keys; large batches", ok, wrong, failed, probe,
+        return row("metrics with many Redis keys; large batches", ok, wrong, failed, probe,
                     f"{scale['redis_keys']:,} foreign keys in Redis, 5 scrapes; batch of "
                     f"{nbytes >> 20} MiB put and read back")
     finally:
@@ -502,22 +324,18 @@ CASES: dict[str, Callable[[Path, dict], Row]] = {
     "sessions": case_concurrent_sessions,
     "limits": case_body_limits,
     "load": case_metrics_and_batches_under_load,
+    **faults_tenants.CASES,
 }
-
-
-def _row(case: str, ok: bool, wrong: int, failed: int, probe: HealthProbe, outcome: str) -> Row:
-    return {"case": case, "ok": bool(ok), "outcome": outcome, "wrong_bytes": int(wrong),
-            "failed_requests": int(failed), "healthz_worst_ms": round(probe.worst * 1e3, 1),
-            "healthz_failures": probe.failures,
-            "healthz_goal_met": probe.worst <= HEALTHZ_GOAL_S}
 
 
 def scales(quick: bool, sessions: int | None) -> dict:
     if quick:
         return {"files": 8, "writes": 3000, "kill_after_s": 1.0, "sessions": sessions or 64,
-                "upload_bytes": 32 << 20, "redis_keys": 20_000, "batch_chunks": 8}
+                "upload_bytes": 32 << 20, "redis_keys": 20_000, "batch_chunks": 8,
+                "hostile_budget": 32 << 20, "hostile_sockets": 4}
     return {"files": 32, "writes": 3000, "kill_after_s": 1.5, "sessions": sessions or 1000,
-            "upload_bytes": 250 << 20, "redis_keys": 300_000, "batch_chunks": 200}
+            "upload_bytes": 250 << 20, "redis_keys": 300_000, "batch_chunks": 200,
+            "hostile_budget": 128 << 20, "hostile_sockets": 16}
 
 
 @contextlib.contextmanager
@@ -535,13 +353,13 @@ def run_cases(names: list[str], scale: dict, report: Callable[[Row], None] = lam
     for name in names:
         with _workdir() as work:
             try:
-                row = CASES[name](work, scale)
+                got = CASES[name](work, scale)
             except Exception as exc:  # noqa: BLE001 - a case that crashed is a failed row
-                row = {"case": name, "ok": False, "outcome": f"crashed: {exc!r}",
+                got = {"case": name, "ok": False, "outcome": f"crashed: {exc!r}",
                        "wrong_bytes": None, "failed_requests": None, "healthz_worst_ms": None,
                        "healthz_failures": None, "healthz_goal_met": False}
-        rows.append(row)
-        report(row)
+        rows.append(got)
+        report(got)
     return rows
 
 

@@ -1,5 +1,7 @@
 """The fault and load suite at the sizes its guarantees are stated for (1,000 concurrent
-sessions, four 250 MiB uploads, 300,000 Redis keys, 400 MiB batches), as CI runs it: every
+sessions, four 250 MiB uploads, 300,000 Redis keys, 400 MiB batches; a hostile tenant's 48
+stalled sockets, shrunk and abandoned regions, overwrites, copied files, a SIGTERM), as CI
+runs it: every
 case meets its expectations, no case serves a wrong byte or fails a request, and the
 server's memory during the uploads stays within the in-flight budget plus 10 %. (Its
 /healthz latencies are timings: printed in its table and recorded by the benchmark, not
@@ -22,7 +24,7 @@ def test_every_fault_case_holds_at_full_size_and_serves_no_wrong_byte(tmp_path, 
     doc = json.loads(out.read_text())
     assert doc["config"]["sessions"] == 1000 and doc["config"]["redis_keys"] == 300_000
     rows = {r["case"]: r for r in doc["rows"]}
-    assert len(rows) == 7
+    assert len(rows) == 11
     for case, row in rows.items():
         assert row["ok"], (case, row["outcome"])
         assert row["wrong_bytes"] == 0 and row["failed_requests"] == 0, case
@@ -30,5 +32,10 @@ def test_every_fault_case_holds_at_full_size_and_serves_no_wrong_byte(tmp_path, 
     limits = rows["body limits and in-flight budget"]
     assert 0 < limits["rss_grown_bytes"] <= 1.1 * limits["inflight_budget_bytes"]
     assert "1000 concurrent sessions (CPU, disk, Redis)" in rows
+    hostile = rows["hostile clients (bodies, replies, duplicates)"]
+    assert 0 < hostile["rss_grown_bytes"] <= hostile["rss_bound_bytes"]
+    for case in ("regions shrunk and abandoned", "one version per key; chunks bound to their "
+                 "tenant", "SIGTERM while clients write"):
+        assert rows[case]["ok"], case
     assert rc == 0
     assert "kill -9" in capsys.readouterr().out
