@@ -27,20 +27,35 @@ WORKERS = 2
 
 _pools: dict[str, ThreadPoolExecutor] = {}
 _lock = threading.Lock()
+_here = threading.local()
+"""``pool``: the name of the pool the current thread belongs to (set by its initializer)."""
 
 
 def _pool(name: str) -> ThreadPoolExecutor:
     with _lock:
         pool = _pools.get(name)
         if pool is None:
-            pool = _pools[name] = ThreadPoolExecutor(WORKERS, thread_name_prefix=f"kvtier-{name}")
+            pool = _pools[name] = ThreadPoolExecutor(
+                WORKERS, thread_name_prefix=f"kvtier-chunk-{name}",
+                initializer=_mark, initargs=(name,))
         return pool
+
+
+def _mark(name: str) -> None:
+    _here.pool = name
+
+
+def on_pool(name: str) -> bool:
+    """Whether the calling thread is one of pool ``name``'s workers. Asked of the thread
+    itself, not of its name: other threads (a store queue's, a restore loader's) have
+    names of their own that may look alike, and must get the pool's two workers."""
+    return getattr(_here, "pool", None) == name
 
 
 def _map(name: str, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
     items = list(items)
-    if len(items) < 2 or threading.current_thread().name.startswith(f"kvtier-{name}"):
-        return [fn(item) for item in items]  # one item, or already on this pool: inline
+    if len(items) < 2 or on_pool(name):
+        return [fn(item) for item in items]  # one item, or on this pool already: inline
     return list(_pool(name).map(fn, items))
 
 
