@@ -186,7 +186,8 @@ def _layer_checksums(payload: memoryview, num_layers: int) -> tuple[int, ...]:
 
 
 def encode_chunk(key: str, fingerprint: bytes, kv: torch.Tensor) -> bytes:
-    """Serialise ``kv`` (``[layers, 2, tokens, kv_heads, head_dim]``, any device)."""
+    """Serialise ``kv`` (``[layers, 2, tokens, kv_heads, head_dim]``, any device). ``key``
+    may be a storage key (``tenant.key``): the chunk then names that namespace too."""
     if kv.dim() != 5 or kv.shape[1] != 2:
         raise ChunkFormatError(
             f"a chunk tensor must be [layers, 2, tokens, kv_heads, head_dim], got {tuple(kv.shape)}"
@@ -196,7 +197,8 @@ def encode_chunk(key: str, fingerprint: bytes, kv: torch.Tensor) -> bytes:
     cpu = kv.detach().to("cpu").contiguous()
     payload = memoryview(cpu.view(torch.uint8).numpy()).cast("B")
     header = ChunkHeader(
-        key=key,
+        key=logical_key(key),
+        namespace=storage_namespace(key),
         fingerprint=bytes(fingerprint),
         dtype=_DTYPE_NAMES[kv.dtype],
         shape=tuple(cpu.shape),
@@ -228,8 +230,8 @@ def chunk_layout(
         raise ChunkFormatError(f"a chunk is [layers, 2, tokens, kv_heads, head_dim], got {shape}")
     if dtype not in _DTYPE_NAMES:
         raise ChunkFormatError(f"unsupported chunk dtype {dtype}; use {sorted(DTYPES)}")
-    worst = ChunkHeader(key, bytes(fingerprint), _DTYPE_NAMES[dtype], tuple(shape), shape[2],
-                        (_U64_MAX,) * shape[0])
+    worst = ChunkHeader(logical_key(key), bytes(fingerprint), _DTYPE_NAMES[dtype], tuple(shape),
+                        shape[2], (_U64_MAX,) * shape[0], namespace=storage_namespace(key))
     longest = len(_packb({**worst.fields(), "hxh": _U64_MAX, "padd": bytes(256)}))
     offset = -(-(_PREFIX.size + longest - 256 + 3) // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
     payload = dtype.itemsize * shape[0] * 2 * shape[2] * shape[3] * shape[4]
@@ -285,7 +287,8 @@ def encode_into(
     if len(sums) != layers:
         raise ChunkFormatError(f"chunk {key}: {len(sums)} checksums for {layers} layers")
     header = ChunkHeader(
-        key=key,
+        key=logical_key(key),
+        namespace=storage_namespace(key),
         fingerprint=bytes(fingerprint),
         dtype=_DTYPE_NAMES[dtype],
         shape=tuple(shape),

@@ -17,6 +17,7 @@ it; names that need a registry (eviction policies) are checked where they are us
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -158,6 +159,17 @@ class EngineConfig(_Section):
     """Mixed into the model fingerprint that keys every stored chunk: engines with different
     salts never share KV, even of the same model over shared tiers (as vLLM's
     ``cache_salt``); unset: KV is shared by every engine of the same weights."""
+    system_tenant: str | None = None
+    """The tenant (namespace) the chunks of sessions that belong to no tenant are stored in
+    and charged to (``server.quotas``); a tenant's chat sessions are stored in its own.
+    Unset: in none (the engine's own keys, no quota)."""
+
+    @field_validator("system_tenant")
+    @classmethod
+    def _tenant_name(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[0-9A-Za-z]{1,32}", v):
+            raise ValueError(f"must be 1 to 32 letters or digits (a tenant name), got {v!r}")
+        return v
 
     @field_validator("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_threads")
     @classmethod

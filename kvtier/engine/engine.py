@@ -89,6 +89,7 @@ class Engine(OffloadMixin):
         cfg = config or KVTierConfig()
         self.config = cfg
         pool, opts = cfg.pool, cfg.engine
+        self.system_tenant = opts.system_tenant
         if opts.num_threads:
             torch.set_num_threads(opts.num_threads)
         kv_bytes = pool.memory_bytes

@@ -21,6 +21,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvtier.chunk_format import NAMESPACE_RE as TENANT_RE
 from kvtier.engine.errors import SessionBusyError, UnknownSessionError
 from kvtier.engine.session import ChatSession
 from kvtier.errors import InvalidArgumentError, KVTierError
@@ -63,9 +64,21 @@ class OffloadMixin:
     _resident_hashes: dict[str, list[bytes]]
     _resident_count: Counter[bytes]
 
+    system_tenant: str | None
+    """Where the chunks of sessions of no tenant go (``engine.system_tenant``)."""
+
     if TYPE_CHECKING:
 
         def session(self, session_id: str) -> ChatSession: ...  # provided by Engine
+
+    def kv_namespace(self, session_id: str) -> str | None:
+        """The namespace a session's chunks are stored in (and its tenant's quota charged
+        for): the tenant a service names in the session id (``tenant:id``), else
+        ``engine.system_tenant`` (None: none, the engine's own keys)."""
+        tenant, sep, _ = session_id.partition(":")
+        if sep and TENANT_RE.fullmatch(tenant):
+            return tenant
+        return self.system_tenant
 
     # -------------------------------------------------------------------- residency
     def _set_resident(self, session: ChatSession, resident: bool) -> None:
@@ -118,12 +131,14 @@ class OffloadMixin:
         # where they lie; the policy's offloads ask LivePolicy.raises_copies, as the
         # simulator's ``_raise_copy`` does).
         if wait:
-            report = kv.save(session.token_ids, tier, session_id, raise_copies=raise_copies)
+            report = kv.save(session.token_ids, tier, session_id, raise_copies=raise_copies,
+                             namespace=self.kv_namespace(session_id))
             return self._complete_offload(session, report, tier, True)
         assert self.transfers is not None
         out: Future[OffloadResult] = Future()
         fut = self.transfers.submit_save(session.token_ids, tier, session_id,
-                                         raise_copies=raise_copies)
+                                         raise_copies=raise_copies,
+                                         namespace=self.kv_namespace(session_id))
         self._pending[session_id] = (fut, tier, out, True)
         return out
 
@@ -141,7 +156,8 @@ class OffloadMixin:
         self._settle_offloads(block=True, only=session_id)
         assert self.transfers is not None
         out: Future[OffloadResult] = Future()
-        fut = self.transfers.submit_save(session.token_ids, tier, session_id)
+        fut = self.transfers.submit_save(session.token_ids, tier, session_id,
+                                         namespace=self.kv_namespace(session_id))
         self._pending[session_id] = (fut, tier, out, False)
         return out
 
@@ -221,6 +237,7 @@ class OffloadMixin:
         always computed: its logits start the reply."""
         if self.kv is None:
             return LoadReport(tokens=0)
+        ns = self.kv_namespace(session.session_id)
         if session.stored_tokens:
             tokens, limit = session.token_ids, session.stored_tokens
         elif prompt is not None and len(prompt) > 1:
@@ -229,13 +246,13 @@ class OffloadMixin:
             return LoadReport(tokens=0)
         found = None
         if self.policy is not None and self.policy.cost is not None and prompt is not None:
-            found = self.kv.stored_prefix(tokens, limit)
+            found = self.kv.stored_prefix(tokens, limit, ns)
             k = self.policy.plan_load(found.chunks, len(prompt), found.cached)
             limit = found.cached + sum(n for n, _ in found.chunks[:k])
             if limit <= found.cached:
                 return LoadReport(tokens=found.cached, from_pool=found.cached)
         t0 = time.perf_counter()
-        report = self.kv.load(tokens, limit, found=found)
+        report = self.kv.load(tokens, limit, found=found, namespace=ns)
         if self.policy is not None and report.pending is None and len(report.tier_hits) == 1:
             (tier,) = report.tier_hits
             self.policy.observe_read(tier, report.bytes, time.perf_counter() - t0)
@@ -251,7 +268,8 @@ class OffloadMixin:
         session = self.sessions.get(session_id)
         if self.transfers is None or session is None or not session.offloaded:
             return None
-        return self.transfers.submit_prefetch(session.token_ids[: session.stored_tokens])
+        return self.transfers.submit_prefetch(session.token_ids[: session.stored_tokens],
+                                              self.kv_namespace(session_id))
 
     def hint(self, session_id: str) -> str:
         """The chat backend says the user is typing: bring the session back before the

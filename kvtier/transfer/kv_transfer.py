@@ -17,12 +17,12 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
 
-from kvtier.chunk_format import chunk_layout, encode_into
+from kvtier.chunk_format import chunk_layout, encode_into, namespaced_key
 from kvtier.chunk_keys import ChunkKey, chunk_keys
 from kvtier.connectors.tiers.chunk_workers import map_store
 from kvtier.connectors.tiers.manager import PutReport, TierManager
@@ -183,8 +183,13 @@ class KVTransfer(RestoreMixin):
     def _pool(self):
         return self.runner.pool
 
-    def _keys(self, token_ids: Sequence[int]) -> list[ChunkKey]:
-        return chunk_keys(token_ids, self.chunk_tokens, self.runner.fingerprint)
+    def _keys(self, token_ids: Sequence[int], namespace: str | None = None) -> list[ChunkKey]:
+        """The chunk keys of ``token_ids``, as the tiers store them: in ``namespace`` (a
+        tenant's; chunks written under such a key name it in their header) or in none."""
+        keys = chunk_keys(token_ids, self.chunk_tokens, self.runner.fingerprint)
+        if namespace is None:
+            return keys
+        return [replace(k, key=namespaced_key(namespace, k.key)) for k in keys]
 
     def _pool_blocks(self, token_ids: Sequence[int]) -> list[int | None]:
         """The pool block holding each full block of ``token_ids`` (None where not cached).
@@ -205,7 +210,7 @@ class KVTransfer(RestoreMixin):
 
     # -------------------------------------------------------------------- save
     def _plan(
-        self, token_ids: Sequence[int], raise_to: int | None = None
+        self, token_ids: Sequence[int], raise_to: int | None = None, namespace: str | None = None
     ) -> tuple[Snapshot, list[tuple[ChunkKey, list[int]]]]:
         """The chunks of ``token_ids`` to store (not stored yet, wholly in the pool), with
         their pool blocks, and a snapshot that records what is stored already. With
@@ -215,7 +220,7 @@ class KVTransfer(RestoreMixin):
         bs = self._pool.block_size
         blocks = self._pool_blocks(token_ids)
         n = self.storable_tokens(token_ids)
-        snap = Snapshot(keys=self._keys(list(token_ids[:n])))
+        snap = Snapshot(keys=self._keys(list(token_ids[:n]), namespace))
         todo: list[tuple[ChunkKey, list[int]]] = []
         if not snap.keys:
             return snap, todo
@@ -242,6 +247,7 @@ class KVTransfer(RestoreMixin):
         token_ids: Sequence[int],
         reserve: Callable[[int], None] | None = None,
         raise_to: int | str | None = None,
+        namespace: str | None = None,
     ) -> Snapshot:
         """Copy the KV of every chunk not stored yet out of the pool (engine thread);
         ``raise_to``: also of those only tiers slower than it hold (see :meth:`_plan`).
@@ -250,7 +256,7 @@ class KVTransfer(RestoreMixin):
         be reused. ``reserve(nbytes)`` is called before any copy is made (the transfer
         engine's cap on bytes in flight). On CUDA the gather runs on a side stream into
         pinned host memory and ``ready`` is its completion event."""
-        snap, todo = self._plan(token_ids, self._tier_index(raise_to))
+        snap, todo = self._plan(token_ids, self._tier_index(raise_to), namespace)
         if not todo:
             return snap
         if reserve is not None:
@@ -304,7 +310,7 @@ class KVTransfer(RestoreMixin):
 
     def save(
         self, token_ids: Sequence[int], tier: int | str = 0, owner: Hashable | None = None,
-        raise_copies: bool = False,
+        raise_copies: bool = False, namespace: str | None = None,
     ) -> SaveReport:
         """Store the KV of ``token_ids`` up to its last block held in the pool (whole
         blocks; the last chunk is a tail keyed by its length), now, gathering each chunk
@@ -313,7 +319,8 @@ class KVTransfer(RestoreMixin):
         already in a tier are not written again (``raise_copies``: unless only slower tiers
         than ``tier`` hold them); a chunk that is neither stored nor fully in the pool ends
         the stored prefix."""
-        snap, todo = self._plan(token_ids, self._tier_index(tier) if raise_copies else None)
+        snap, todo = self._plan(token_ids, self._tier_index(tier) if raise_copies else None,
+                                namespace)
         kv = self._pool.storage.kv
         sources = {ck.key: _gather_from(kv, ids, ck.num_tokens) for ck, ids in todo}
         return self._write(snap, sources, tier, owner)

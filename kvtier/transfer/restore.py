@@ -104,13 +104,14 @@ class RestoreMixin:
         @property
         def _pool(self) -> PagedKVPool: ...
 
-        def _keys(self, token_ids: Sequence[int]) -> list[ChunkKey]: ...
+        def _keys(self, token_ids: Sequence[int], namespace: str | None = None
+                  ) -> list[ChunkKey]: ...
 
         def _side_stream(self) -> torch.cuda.Stream: ...
 
     # --------------------------------------------------------- what a restore finds
     def _restorable(
-        self, token_ids: Sequence[int], stored_tokens: int | None
+        self, token_ids: Sequence[int], stored_tokens: int | None, namespace: str | None = None
     ) -> tuple[list[int], int, list[ChunkKey]]:
         """The whole-block prefix a restore may bring back, the tokens of it still cached
         in the pool, and its chunk keys."""
@@ -119,15 +120,17 @@ class RestoreMixin:
         limit -= limit % pool.block_size
         prefix = list(token_ids[:limit])
         cached = len(pool.manager.match_prefix(prefix, self.runner.fingerprint)) * pool.block_size
-        return prefix, cached, self._keys(prefix)
+        return prefix, cached, self._keys(prefix, namespace)
 
     def stored_prefix(
-        self, token_ids: Sequence[int], stored_tokens: int | None = None
+        self, token_ids: Sequence[int], stored_tokens: int | None = None,
+        namespace: str | None = None,
     ) -> StoredPrefix:
         """What a restore of ``token_ids[:stored_tokens]`` would find: the tokens still
         cached in the pool, and the stored chunks after them (new tokens each brings, name
-        of the fastest tier holding it), in order, up to the first gap."""
-        prefix, cached, keys = self._restorable(token_ids, stored_tokens)
+        of the fastest tier holding it), in order, up to the first gap. ``namespace``: the
+        tenant whose chunks are looked for (None: the engine's own)."""
+        prefix, cached, keys = self._restorable(token_ids, stored_tokens, namespace)
         found = StoredPrefix(cached, [], prefix, keys)
         first = next((i for i, k in enumerate(keys) if k.end > cached), len(keys))
         if first == len(keys):
@@ -153,9 +156,10 @@ class RestoreMixin:
         n = min(found.loc.length, len(keys))
         return found.prefix[:limit], min(found.cached, limit), keys, Location(n, found.loc.tiers[:n])
 
-    def keys_below_fastest(self, token_ids: Sequence[int]) -> list[str]:
+    def keys_below_fastest(self, token_ids: Sequence[int], namespace: str | None = None
+                           ) -> list[str]:
         """Keys of the stored prefix of ``token_ids`` that only slower tiers hold."""
-        keys = [k.key for k in self._keys(list(token_ids))]
+        keys = [k.key for k in self._keys(list(token_ids), namespace)]
         loc = self.manager.lookup(keys)
         return [keys[i] for i in range(loc.length) if loc.tiers[i] > 0]
 
@@ -166,6 +170,7 @@ class RestoreMixin:
         stored_tokens: int | None = None,
         stream: bool | None = None,
         found: StoredPrefix | None = None,
+        namespace: str | None = None,
     ) -> LoadReport:
         """Bring the longest stored prefix of ``token_ids[:stored_tokens]`` into the pool.
 
@@ -178,11 +183,13 @@ class RestoreMixin:
         and then a chunk that fails in a later layer ends the restore at that chunk.
 
         ``found``: what :meth:`stored_prefix` returned for the same tokens just before
-        (nothing ran in between), so the tiers are not asked again."""
+        (nothing ran in between), so the tiers are not asked again. ``namespace``: the
+        tenant whose chunks are restored (None: the engine's own)."""
         if stream is None:
             stream = self.stream
         self._reap_if_idle()
-        prefix, cached, usable, where = self._usable_chunks(token_ids, stored_tokens, found)
+        prefix, cached, usable, where = self._usable_chunks(token_ids, stored_tokens, found,
+                                                            namespace)
         report = LoadReport(tokens=cached, from_pool=cached)
         if not usable:
             return report
@@ -249,6 +256,7 @@ class RestoreMixin:
         token_ids: Sequence[int],
         stored_tokens: int | None,
         found: StoredPrefix | None,
+        namespace: str | None = None,
     ) -> tuple[list[int], int, list[ChunkKey], Location]:
         """The prefix a restore may bring back, the tokens of it still cached in the pool,
         and the stored chunks from the first one past the cached blocks on, with the tiers
@@ -258,7 +266,7 @@ class RestoreMixin:
         if seen is not None:
             prefix, cached, keys, loc = seen
         else:
-            prefix, cached, keys = self._restorable(token_ids, stored_tokens)
+            prefix, cached, keys = self._restorable(token_ids, stored_tokens, namespace)
         if not any(k.end > cached for k in keys):
             return prefix, cached, [], Location(0)
         if seen is None:

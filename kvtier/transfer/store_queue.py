@@ -51,12 +51,12 @@ class StoreQueue:
 
     def submit_save(
         self, token_ids: Sequence[int], tier: int | str = 0, owner: Hashable | None = None,
-        raise_copies: bool = False,
+        raise_copies: bool = False, namespace: str | None = None,
     ) -> Future[SaveReport]:
         """Snapshot now (engine thread), store in the background; the future's result is
-        the :class:`SaveReport` (``raise_copies``: see :meth:`KVTransfer.save`)."""
+        the :class:`SaveReport` (``raise_copies``, ``namespace``: see :meth:`KVTransfer.save`)."""
         snap = self.kv.snapshot(token_ids, reserve=self._reserve,
-                                raise_to=tier if raise_copies else None)
+                                raise_to=tier if raise_copies else None, namespace=namespace)
         self.submitted += 1
         copied = bool(snap.tensors)  # (store gives the snapshot's buffers back)
 
@@ -78,10 +78,11 @@ class StoreQueue:
             self._release(snap.nbytes)
             raise
 
-    def submit_prefetch(self, token_ids: Sequence[int]) -> Future[int]:
-        """Raise the stored chunks of ``token_ids`` to the fastest tier in the background
-        (a read that promotes); the future gives how many chunks were read."""
-        keys = self.kv.keys_below_fastest(token_ids)
+    def submit_prefetch(self, token_ids: Sequence[int], namespace: str | None = None
+                        ) -> Future[int]:
+        """Raise the stored chunks of ``token_ids`` (``namespace``'s) to the fastest tier in
+        the background (a read that promotes); the future gives how many chunks were read."""
+        keys = self.kv.keys_below_fastest(token_ids, namespace)
         if not keys:
             done: Future[int] = Future()
             done.set_result(0)

@@ -225,3 +225,44 @@ def test_a_chunk_naming_another_tenant_is_refused_by_every_tier(tmp_path, redis_
             assert lent is None
     finally:
         manager.close()
+
+
+def test_a_chat_tenants_sessions_are_stored_in_and_charged_to_its_namespace(model_dir, tmp_path):
+    """A chat-only tenant's offloaded sessions live in its own namespace, count against its
+    quota and push its own chunks down, never another tenant's (before: stored under the
+    engine's keys, charged to no one, and able to evict a quota-protected tenant's KV)."""
+    cfg = load_config(environ={}, overrides={
+        "pool": {"num_blocks": 128}, "chunk_tokens": 64,
+        "tiers": {"cpu_bytes": 8 << 20, "cpu_eviction": "lru", "disk_dir": str(tmp_path / "c"),
+                  "disk_bytes": 64 << 20, "disk_fsync": False},
+        "server": {"auth_token": "the-admin-token", "tokens": TOKENS}})
+    state = ServiceState.with_engine(cfg, model_dir)
+    slot = state.manager.tiers[0].slot_bytes
+    charge = state.manager.tiers[0].occupancy(1)
+    cfg.server.quotas = {"gamma": {"cpu": 2 * charge}}
+    state.manager.quotas = {"gamma": {"cpu": 2 * charge}}
+    slots = (8 << 20) // slot
+    with running(state) as url:
+        fp = state.engine.engine.runner.fingerprint  # engine mode: chunks of its model only
+        with Client(url, token="alpha-writer-1") as a:  # alpha fills the rest of the RAM tier
+            mine = {key(i): encode_chunk(key(i), fp, torch.randn(2, 2, 16, 2, 16))
+                    for i in range(slots - 2)}
+            for k, b in mine.items():
+                assert a.put_chunk(k, b)["status"] == "stored"
+        with Client(url, token="chat-only-0001") as g, Client(url, token="the-admin-token") as admin:
+            for n in range(3):  # gamma's sessions leave the pool for the RAM tier
+                history = [{"role": "system", "content": SYSTEM * (n + 1)},
+                           {"role": "user", "content": Q1}]
+                g.chat(history, session_id=f"s{n}", **GREEDY)
+                admin.offload(f"gamma:s{n}", tier="cpu")
+            rows = {(r["tenant"], r["tier"]): r for r in admin.stats()["tenants"]}
+        assert 0 < rows[("gamma", "cpu")]["bytes"] <= 2 * charge  # charged, within its quota
+        assert rows[("gamma", "disk")]["bytes"] > 0  # the rest pushed down, not lost
+        with Client(url, token="alpha-writer-1") as a:
+            for k, b in mine.items():  # alpha's chunks all still in RAM
+                r = a.http.get(f"/v1/chunks/{k}")
+                assert r.headers["X-KVTier-Tier"] == "cpu" and r.content == served(b, "alpha")
+        eng = state.engine.engine
+        stored = {k for t in state.manager.tiers for k in t.namespace_bytes()}
+        assert "gamma" in stored and eng.kv_namespace("gamma:s0") == "gamma"
+        assert eng.kv_namespace("s0") is None  # a session of no tenant: the engine's keys
