@@ -15,6 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvtier.server.errors import error_body
 from kvtier.server.identity import IDENTITY_KEY, Identity, required_scope
+from kvtier.server.tenant_budget import TenantBudget
 
 
 async def _send_error(send: Send, status: int, message: str, headers: list | None = None) -> None:
@@ -106,41 +107,11 @@ class BodyLimit:
                  idle_timeout_s: float = 10.0) -> None:
         self.app = app
         self.limit = limit
-        self.budget = budget
-        self.tenant_budget = (None if budget is None
-                              else max(int(budget * tenant_share), min(limit, budget)))
+        share = None if budget is None else max(int(budget * tenant_share), min(limit, budget))
+        self.bodies = TenantBudget("request bodies in flight", budget, share)
+        """Bytes of request bodies admitted and not yet answered."""
         self.body_timeout_s = body_timeout_s
         self.idle_timeout_s = idle_timeout_s
-        self.inflight = 0
-        """Bytes of request bodies admitted and not yet answered."""
-        self.by_tenant: dict[str, int] = {}
-
-    # ------------------------------------------------------------------ the budget
-    def _refusal(self, tenant: str, nbytes: int) -> str | None:
-        if self.budget is None or not nbytes:
-            return None
-        if self.inflight + nbytes > self.budget:
-            return (f"the server holds {self.inflight} bytes of request bodies in flight; "
-                    f"{nbytes} more would pass server.max_inflight_bytes ({self.budget}): retry")
-        held = self.by_tenant.get(tenant, 0)
-        assert self.tenant_budget is not None
-        if held + nbytes > self.tenant_budget:
-            return (f"tenant {tenant!r} holds {held} bytes of request bodies in flight; "
-                    f"{nbytes} more would pass its share of server.max_inflight_bytes "
-                    f"({self.tenant_budget}): retry")
-        return None
-
-    def _take(self, tenant: str, nbytes: int) -> None:
-        self.inflight += nbytes
-        self.by_tenant[tenant] = self.by_tenant.get(tenant, 0) + nbytes
-
-    def _give(self, tenant: str, nbytes: int) -> None:
-        self.inflight -= nbytes
-        left = self.by_tenant.get(tenant, 0) - nbytes
-        if left > 0:
-            self.by_tenant[tenant] = left
-        else:
-            self.by_tenant.pop(tenant, None)
 
     async def _busy(self, send: Send, why: str) -> None:
         await _send_error(send, 503, why, [(b"retry-after", b"1")])
@@ -174,16 +145,15 @@ class BodyLimit:
             if declared > self.limit:
                 await _send_error(send, 413, message)
                 return
-            why = self._refusal(tenant, declared)
+            why = self.bodies.try_take(tenant, declared)
             if why is not None:
                 await self._busy(send, why)
                 return
             # The server reads exactly Content-Length bytes: nothing to count or buffer.
-            self._take(tenant, declared)
             try:
                 await self._run_timed(scope, receive, send, declared > 0)
             finally:
-                self._give(tenant, declared)
+                self.bodies.give(tenant, declared)
             return
         # Chunked uploads carry no length: buffered here up to the limit, each piece charged
         # as it arrives, then replayed to the app.
@@ -205,17 +175,16 @@ class BodyLimit:
                 if len(body) + len(piece) > self.limit:
                     await _send_error(send, 413, message)
                     return
-                why = self._refusal(tenant, len(piece))
+                why = self.bodies.try_take(tenant, len(piece))
                 if why is not None:
                     await self._busy(send, why)
                     return
-                self._take(tenant, len(piece))
                 taken += len(piece)
                 body += piece
             replay = _replay([{"type": "http.request", "body": bytes(body)}], receive)
             await self.app(scope, replay, send)
         finally:
-            self._give(tenant, taken)
+            self.bodies.give(tenant, taken)
 
     async def _run_timed(self, scope: Scope, receive: Receive, send: Send, has_body: bool
                          ) -> None:

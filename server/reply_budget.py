@@ -13,17 +13,17 @@ the CPU tier's slots under its leases) for as long as its socket stays open. So:
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 from kvtier.server.errors import RouteError
+from kvtier.server.tenant_budget import TenantBudget
 
 
 @dataclass
 class Reservation:
     """Bytes one reply holds against the budget (released once, when it is written)."""
 
-    budget: ReplyBudget
+    budget: TenantBudget
     tenant: str
     nbytes: int
     released: bool = False
@@ -31,42 +31,24 @@ class Reservation:
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self.budget._give(self.tenant, self.nbytes)  # noqa: SLF001 - its own budget
+            self.budget.give(self.tenant, self.nbytes)
 
 
 class ReplyBudget:
     def __init__(self, budget: int, tenant_share: float = 1.0, write_timeout_s: float = 30.0
                  ) -> None:
         self.budget = budget
-        self.tenant_budget = max(int(budget * tenant_share), 1)
         self.write_timeout_s = write_timeout_s
-        self.held = 0
-        self.by_tenant: dict[str, int] = {}
-        self._lock = threading.Lock()
+        self._held = TenantBudget("replies not yet read by their clients", budget,
+                                  max(int(budget * tenant_share), 1))
+
+    @property
+    def held(self) -> int:
+        return self._held.held
 
     def reserve(self, tenant: str, nbytes: int) -> Reservation:
-        """Room for a reply of ``nbytes``, or a 503 with ``Retry-After`` (a reply larger
-        than the whole budget is let through alone, so it is never refused for good)."""
-        with self._lock:
-            held = self.by_tenant.get(tenant, 0)
-            alone = self.held == 0
-            if not alone and self.held + nbytes > self.budget:
-                raise RouteError(503, f"the server holds {self.held} bytes of replies not yet "
-                                 f"read by their clients; {nbytes} more would pass "
-                                 f"server.max_inflight_bytes ({self.budget}): retry")
-            if held and held + nbytes > self.tenant_budget:
-                raise RouteError(503, f"tenant {tenant!r} holds {held} bytes of replies not "
-                                 f"yet read; {nbytes} more would pass its share "
-                                 f"({self.tenant_budget}): retry")
-            self.held += nbytes
-            self.by_tenant[tenant] = held + nbytes
-        return Reservation(self, tenant, nbytes)
-
-    def _give(self, tenant: str, nbytes: int) -> None:
-        with self._lock:
-            self.held -= nbytes
-            left = self.by_tenant.get(tenant, 0) - nbytes
-            if left > 0:
-                self.by_tenant[tenant] = left
-            else:
-                self.by_tenant.pop(tenant, None)
+        """Room for a reply of ``nbytes``, or a 503 with ``Retry-After``."""
+        why = self._held.try_take(tenant, nbytes)
+        if why is not None:
+            raise RouteError(503, why)
+        return Reservation(self._held, tenant, nbytes)
