@@ -119,6 +119,27 @@ def case_regions(work: Path, scale: dict) -> Row:
         srv.stop()
 
 
+def _stalled_sockets(url: str, n: int, body: int, big_key: str) -> list[socket.socket]:
+    """Mallory's ``n`` x 3 sockets: a chunked body half sent, a large body declared and
+    never sent, a large reply asked for and never read."""
+    auth = f"Authorization: Bearer {MALLORY}\r\n"
+    held = []
+    for i in range(n):
+        s = _raw(url)
+        s.sendall((f"PUT /v1/chunks/{i:064x} HTTP/1.1\r\nHost: x\r\n{auth}"
+                   "Transfer-Encoding: chunked\r\n\r\n").encode()
+                  + f"{MiB:x}\r\n".encode() + bytes(MiB) + b"\r\n")
+        held.append(s)
+        s = _raw(url)
+        s.sendall((f"PUT /v1/chunks/{i + 1000:064x} HTTP/1.1\r\nHost: x\r\n{auth}"
+                   f"Content-Length: {body}\r\n\r\n").encode())
+        held.append(s)
+        s = _raw(url, rcvbuf=4096)
+        s.sendall(f"GET /v1/chunks/{big_key} HTTP/1.1\r\nHost: x\r\n{auth}\r\n".encode())
+        held.append(s)
+    return held
+
+
 def case_hostile_clients(work: Path, scale: dict) -> Row:
     """Unfinished bodies, idle declared bodies, unread replies and duplicate keys against
     one budget, while alice stores and reads."""
@@ -138,20 +159,7 @@ def case_hostile_clients(work: Path, scale: dict) -> Row:
         with HealthProbe(srv.url) as probe, _http(srv.url, ALICE) as alice, \
                 _http(srv.url, MALLORY) as mallory:
             failed += mallory.put(f"/v1/chunks/{big_key}", content=big).status_code != 201
-            auth = f"Authorization: Bearer {MALLORY}\r\n"
-            for i in range(scale["hostile_sockets"]):
-                s = _raw(srv.url)  # a chunked body, half sent, never finished
-                s.sendall((f"PUT /v1/chunks/{i:064x} HTTP/1.1\r\nHost: x\r\n{auth}"
-                           "Transfer-Encoding: chunked\r\n\r\n").encode()
-                          + f"{MiB:x}\r\n".encode() + bytes(MiB) + b"\r\n")
-                held.append(s)
-                s = _raw(srv.url)  # a large body declared, nothing sent
-                s.sendall((f"PUT /v1/chunks/{i + 1000:064x} HTTP/1.1\r\nHost: x\r\n{auth}"
-                           f"Content-Length: {body}\r\n\r\n").encode())
-                held.append(s)
-                s = _raw(srv.url, rcvbuf=4096)  # a large reply asked for, never read
-                s.sendall(f"GET /v1/chunks/{big_key} HTTP/1.1\r\nHost: x\r\n{auth}\r\n".encode())
-                held.append(s)
+            held += _stalled_sockets(srv.url, scale["hostile_sockets"], body, big_key)
             dup = mallory.post("/v1/chunks/batch/get", json={"keys": [big_key] * 768})
             failed += dup.status_code not in (413, 503)  # too large; or her budget is full
             # Alice goes on: any 503 she meets must end within mallory's timeouts.

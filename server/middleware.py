@@ -155,8 +155,12 @@ class BodyLimit:
             finally:
                 self.bodies.give(tenant, declared)
             return
-        # Chunked uploads carry no length: buffered here up to the limit, each piece charged
-        # as it arrives, then replayed to the app.
+        await self._chunked(scope, receive, send, tenant, message)
+
+    async def _chunked(self, scope: Scope, receive: Receive, send: Send, tenant: str,
+                       too_large: str) -> None:
+        """A chunked upload carries no length: buffered here up to the limit, each piece
+        charged as it arrives, then replayed to the app."""
         body = bytearray()
         taken = 0
         clock = _BodyClock(receive, self.body_timeout_s, self.idle_timeout_s)
@@ -173,7 +177,7 @@ class BodyLimit:
                 piece = msg.get("body", b"")
                 more = msg.get("more_body", False)
                 if len(body) + len(piece) > self.limit:
-                    await _send_error(send, 413, message)
+                    await _send_error(send, 413, too_large)
                     return
                 why = self.bodies.try_take(tenant, len(piece))
                 if why is not None:
