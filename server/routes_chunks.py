@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import Counter
 from typing import Annotated, Any
 
 import numpy as np
@@ -133,7 +134,6 @@ def _verify(manager: TierManager, key: str, blob: Blob) -> ChunkHeader:
 def _present(settled: Settled, where: str) -> PutReport:
     """The report of a PUT of a chunk stored already (nothing written)."""
     return PutReport(per_tier={settled.tier or "": PutResult(present=[where])})
-
 
 
 def _put_failed(report: PutReport) -> RouteError:
@@ -488,7 +488,7 @@ async def batch_get(body: BatchGetRequest, request: Request) -> Response:
     t0 = time.perf_counter()
     unique = list(dict.fromkeys(body.keys))  # a key asked for twice is read (and held) once
     limit = state.replies.budget
-    counts = {k: body.keys.count(k) for k in unique} if len(unique) < len(body.keys) else None
+    counts = Counter(body.keys) if len(unique) < len(body.keys) else None
     by_key: dict[str, bytes | None] = {}
     nbytes = 0
     for i in range(0, len(unique), BATCH_GET_GROUP):  # read in groups: stop once too large
