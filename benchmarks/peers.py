@@ -124,7 +124,8 @@ def _session_kv(owner: _Owner, tokens: list[int]):
 # ------------------------------------------------------------------------ kvtier side
 def _kvtier_tier(name: str, args: argparse.Namespace, workdir: Path, redis_url: str | None,
                  chunk_bytes: int):
-    from kvtier.connectors.tiers.cpu_tier import CPUTier, slot_bytes_for
+    from kvtier.chunk_format import max_chunk_bytes
+    from kvtier.connectors.tiers.cpu_tier import CPUTier
     from kvtier.connectors.tiers.disk_tier import DiskTier
     from kvtier.connectors.tiers.host_buffers import round_up
     from kvtier.connectors.tiers.redis_tier import RedisTier
@@ -132,7 +133,7 @@ def _kvtier_tier(name: str, args: argparse.Namespace, workdir: Path, redis_url: 
     chunks = args.sessions * -(-args.tokens // args.chunk_tokens)
     if name == "cpu":
         layers = MODELS[args.model][0]
-        slot = round_up(slot_bytes_for(layers, chunk_bytes))
+        slot = round_up(max_chunk_bytes(layers, chunk_bytes))
         return CPUTier(slot * chunks, slot)
     if name == "disk":
         return DiskTier(workdir / "kvtier-disk", fsync=True, o_direct=args.o_direct)

@@ -131,9 +131,9 @@ class _Resume:
               args: argparse.Namespace) -> _Resume:
         """A runner sized for the longest history, a CPU arena that holds it, a disk tier
         (in --disk-dir or a temp dir) and a Redis tier when --redis-url is given."""
+        from kvtier.chunk_format import kv_payload_bytes, max_chunk_bytes
         from kvtier.connectors.tiers.cpu_tier import CPUTier
         from kvtier.connectors.tiers.disk_tier import DiskTier
-        from kvtier.connectors.tiers.factory import chunk_blob_bytes
         from kvtier.connectors.tiers.manager import TierManager
         from kvtier.engine.model_runner import ModelRunner
         from kvtier.transfer.kv_transfer import KVTransfer
@@ -142,9 +142,9 @@ class _Resume:
         runner = ModelRunner(model_dir, dtype=dtype, device=device,
                              num_blocks=2 * (longest // 16) + 64, max_model_len=longest)
         cfg = runner.config
-        slot = chunk_blob_bytes(cfg.num_hidden_layers, args.chunk_tokens,
-                                cfg.num_key_value_heads, cfg.head_dim,
-                                runner.pool.storage.kv.element_size())
+        slot = max_chunk_bytes(cfg.num_hidden_layers, kv_payload_bytes(
+            cfg.num_hidden_layers, args.chunk_tokens, cfg.num_key_value_heads, cfg.head_dim,
+            runner.pool.storage.kv.element_size()))
         arena = slot * (max(histories) // args.chunk_tokens + 2)
         disk_dir = args.disk_dir or Path(tempfile.mkdtemp(prefix="kvtier-ttft-"))
         tiers: dict[str, Any] = {

@@ -38,10 +38,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvtier.chunk_format import decode_chunk, encode_chunk
+from kvtier.chunk_format import decode_chunk, encode_chunk, max_chunk_bytes
 from kvtier.chunk_keys import chunk_keys
 from kvtier.connectors.chunk_store import ChunkStore, open_store
-from kvtier.connectors.tiers.factory import HEADER_ALLOWANCE
 from kvtier.errors import ChunkError
 from kvtier.models.weights_digest import checkpoint_digest
 
@@ -133,7 +132,8 @@ class KVTierConnector(KVConnectorBase_V1):
     @property
     def store(self) -> ChunkStore:
         if self._store is None:
-            self._store = open_store(self.extra, self._block_bytes() + HEADER_ALLOWANCE)
+            layers = sum(len(g.layer_names) for g in self._kv_cache_config.kv_cache_groups)
+            self._store = open_store(self.extra, max_chunk_bytes(layers, self._block_bytes()))
         return self._store
 
     def _keys(self, token_ids: list[int]) -> list[str]:

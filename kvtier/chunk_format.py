@@ -21,6 +21,7 @@ payload can be read back as a tensor view (:func:`chunk_view`) with no copy.
 
 from __future__ import annotations
 
+import functools
 import re
 import struct
 import threading
@@ -219,6 +220,35 @@ with warnings.catch_warnings():
 def byte_view(blob: bytes | bytearray | memoryview) -> torch.Tensor:
     """A uint8 tensor over ``blob``'s memory (no copy); read-only buffers are only read."""
     return torch.from_numpy(np.frombuffer(blob, dtype=np.uint8))
+
+
+MAX_KEY_CHARS = 200
+"""The longest chunk key (``[0-9A-Za-z_-]{2,200}``)."""
+MAX_FINGERPRINT_BYTES = 1024
+"""The longest model fingerprint a slot is sized for (kvtier's are 32 bytes; the LMCache
+backend's carry LMCache's metadata)."""
+
+
+@functools.lru_cache(maxsize=64)
+def _max_head_bytes(num_layers: int) -> int:
+    worst = ChunkHeader("k" * MAX_KEY_CHARS, bytes(MAX_FINGERPRINT_BYTES), "bfloat16",
+                        (num_layers, 2, 1 << 30, 1 << 16, 1 << 16), 1 << 30,
+                        (_U64_MAX,) * num_layers, first_layer=1 << 30, namespace="n" * 32)
+    longest = len(_packb({**worst.fields(), "hxh": _U64_MAX, "padd": bytes(256)}))
+    return -(-(_PREFIX.size + longest) // PAYLOAD_ALIGN) * PAYLOAD_ALIGN + PAYLOAD_ALIGN
+
+
+def max_chunk_bytes(num_layers: int, payload_nbytes: int) -> int:
+    """The most bytes a chunk of ``num_layers`` layers and ``payload_nbytes`` of KV takes,
+    header included, however it is encoded (:func:`encode_chunk`, :func:`encode_into`,
+    bound to a tenant): what a tier's slot or a staging buffer for it must hold."""
+    return _max_head_bytes(num_layers) + payload_nbytes
+
+
+def kv_payload_bytes(num_layers: int, tokens: int, kv_heads: int, head_dim: int,
+                     elem_bytes: int) -> int:
+    """Bytes of a chunk's KV: ``[layers, 2, tokens, kv_heads, head_dim]`` elements."""
+    return 2 * num_layers * tokens * kv_heads * head_dim * elem_bytes
 
 
 def chunk_layout(

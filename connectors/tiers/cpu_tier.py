@@ -36,13 +36,6 @@ from kvtier.policies.eviction import ChunkInfo, EvictionPolicy, eviction_policy
 
 log = logging.getLogger(__name__)
 
-def slot_bytes_for(num_layers: int, payload_nbytes: int, key_chars: int = 128) -> int:
-    """A slot size that holds any chunk blob of this payload: the payload plus a bound on
-    its header (fixed prefix, msgpack fields, a 9-byte checksum per layer, the key and a
-    fingerprint of up to 64 bytes). Header sizes vary by a few bytes between chunks, so
-    size slots with this rather than with the length of one encoded blob."""
-    return payload_nbytes + 8 + 256 + key_chars + 64 + 9 * num_layers
-
 
 class CPUTier(IndexedNamespaces, Tier):
     """Chunk blobs in slots of one host arena of ``capacity_bytes // slot_bytes`` slots."""

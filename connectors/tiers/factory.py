@@ -11,20 +11,10 @@ from kvtier.connectors.tiers.manager import TierManager
 from kvtier.errors import ConfigError, InvalidArgumentError
 from kvtier.policies.eviction import EvictionPolicy, eviction_policy
 
-HEADER_ALLOWANCE = 8192
-"""Room for a chunk's msgpack header (key, fingerprint, shape, one checksum per layer)."""
-
 
 def default_disk_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "kvtier" / "chunks"
-
-
-def chunk_blob_bytes(
-    num_layers: int, chunk_tokens: int, kv_heads: int, head_dim: int, elem_bytes: int
-) -> int:
-    """Upper bound of one full chunk's blob: payload plus header allowance."""
-    return 2 * num_layers * chunk_tokens * kv_heads * head_dim * elem_bytes + HEADER_ALLOWANCE
 
 
 def configured_eviction(cfg: TiersConfig, field: str) -> EvictionPolicy:

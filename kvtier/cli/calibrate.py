@@ -139,16 +139,16 @@ def fastest_per_size(samples: list[tuple[float, float]]) -> list[tuple[float, fl
 def calibrate_tiers(runner, args: argparse.Namespace, console, n_chunks: int = 8) -> dict:
     """A fitted ``TierCost`` per tier: CPU, disk (``--disk-dir`` or a temp dir) and Redis
     when ``--redis-url`` is given; every tier is closed (and the temp dir removed) after."""
+    from kvtier.chunk_format import kv_payload_bytes, max_chunk_bytes
     from kvtier.connectors.tiers.cpu_tier import CPUTier
     from kvtier.connectors.tiers.disk_tier import DiskTier
-    from kvtier.connectors.tiers.factory import chunk_blob_bytes
     from kvtier.errors import InvalidArgumentError
     from kvtier.policies.cost_model import LinearCost, TierCost
 
     cfg = runner.config
     elem = runner.pool.storage.kv.element_size()
-    slot = chunk_blob_bytes(cfg.num_hidden_layers, args.chunk_tokens, cfg.num_key_value_heads,
-                            cfg.head_dim, elem)
+    slot = max_chunk_bytes(cfg.num_hidden_layers, kv_payload_bytes(
+        cfg.num_hidden_layers, args.chunk_tokens, cfg.num_key_value_heads, cfg.head_dim, elem))
     tmp = None
     disk_dir = args.disk_dir
     if disk_dir is None:

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
+from kvtier.chunk_format import kv_payload_bytes, max_chunk_bytes
 from kvtier.config import KVTierConfig
-from kvtier.connectors.tiers.factory import build_tiers, chunk_blob_bytes
+from kvtier.connectors.tiers.factory import build_tiers
 from kvtier.engine.errors import (
     EngineStepError,
     RequestError,
@@ -116,13 +117,9 @@ class Engine(OffloadMixin):
         ] = {}
         """Background stores by session: (store, tier, result, whether the blocks go after)."""
         model = self.runner.config
-        slot = chunk_blob_bytes(
-            model.num_hidden_layers,
-            cfg.chunk_tokens,
-            model.num_key_value_heads,
-            model.head_dim,
-            self.runner.pool.storage.kv.element_size(),
-        )
+        slot = max_chunk_bytes(model.num_hidden_layers, kv_payload_bytes(
+            model.num_hidden_layers, cfg.chunk_tokens, model.num_key_value_heads,
+            model.head_dim, self.runner.pool.storage.kv.element_size()))
         self.tiers = build_tiers(cfg.tiers, slot, self.runner.fingerprint)
         if self.tiers is not None:
             self.kv = KVTransfer(

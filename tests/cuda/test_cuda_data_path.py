@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvtier.chunk_format import kv_payload_bytes, max_chunk_bytes
 from kvtier.connectors.tiers.cpu_tier import CPUTier
 from kvtier.connectors.tiers.disk_tier import DiskTier
-from kvtier.connectors.tiers.factory import chunk_blob_bytes
 from kvtier.connectors.tiers.host_buffers import HostBuffer, StagingPool
 from kvtier.connectors.tiers.manager import TierManager
 from kvtier.engine.model_runner import ModelRunner
@@ -46,8 +46,9 @@ def _pool_kv(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
 
 def _tier(kind: str, runner: ModelRunner, chunk_tokens: int, tmp_path):
     cfg = runner.config
-    slot = chunk_blob_bytes(cfg.num_hidden_layers, chunk_tokens, cfg.num_key_value_heads,
-                            cfg.head_dim, runner.pool.storage.kv.element_size())
+    slot = max_chunk_bytes(cfg.num_hidden_layers, kv_payload_bytes(
+        cfg.num_hidden_layers, chunk_tokens, cfg.num_key_value_heads, cfg.head_dim,
+        runner.pool.storage.kv.element_size()))
     if kind == "cpu":
         return CPUTier(16 * slot, slot)
     return DiskTier(tmp_path / "disk", fsync=True)

@@ -7,13 +7,13 @@ import logging
 import pytest
 import torch
 
-from kvtier.chunk_format import encode_chunk, validate_chunk
-from kvtier.connectors.tiers.cpu_tier import CPUTier, slot_bytes_for
+from kvtier.chunk_format import encode_chunk, max_chunk_bytes, validate_chunk
+from kvtier.connectors.tiers.cpu_tier import CPUTier
 from kvtier.errors import InvalidArgumentError, TierError
 
 FP = b"fp"
 LAYERS, TOKENS, HEADS, DIM = 3, 8, 2, 4
-SLOT = slot_bytes_for(LAYERS, LAYERS * 2 * TOKENS * HEADS * DIM * 2)
+SLOT = max_chunk_bytes(LAYERS, LAYERS * 2 * TOKENS * HEADS * DIM * 2)
 
 
 def blob(i: int, tokens: int = TOKENS, layers: int = LAYERS) -> tuple[str, bytes]:
@@ -50,7 +50,7 @@ def test_arena_is_preallocated_and_slots_are_reused() -> None:
 def test_tail_takes_one_slot_and_too_large_is_refused() -> None:
     tier = CPUTier(3 * SLOT, SLOT)
     tail_key, tail = blob(1, tokens=3)
-    big_key, big = blob(2, layers=LAYERS + 2)
+    big_key, big = blob(2, tokens=TOKENS * 8)  # a payload past the slot's header room
     assert len(big) > SLOT
     res = tier.put({tail_key: tail, big_key: big})
     assert res.stored == [tail_key] and res.failed == {big_key: "too_large"}
@@ -77,7 +77,7 @@ def test_delete_frees_slots_and_verify_false_returns_raw_bytes() -> None:
     key, data = blob(0)
     tier.put({key: data})
     assert tier._arena is not None
-    tier._arena[SLOT // 2] ^= 1  # corrupt in place (slot 0)
+    tier._arena[len(data) - 10] ^= 1  # corrupt in place (slot 0, in the payload)
     raw = tier.get([key], verify=False)[0]
     assert raw is not None and raw != data and len(tier) == 1
     assert tier.get([key]) == [None] and len(tier) == 0 and tier.free_slots == 2

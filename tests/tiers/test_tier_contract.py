@@ -16,9 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtier.chunk_format import decode_chunk, encode_chunk, parse_header, validate_chunk
+from kvtier.chunk_format import (
+    decode_chunk,
+    encode_chunk,
+    max_chunk_bytes,
+    parse_header,
+    validate_chunk,
+)
 from kvtier.connectors.tiers.base import Tier
-from kvtier.connectors.tiers.cpu_tier import CPUTier, slot_bytes_for
+from kvtier.connectors.tiers.cpu_tier import CPUTier
 from kvtier.connectors.tiers.disk_tier import DiskTier
 
 FP = b"model-fingerprint"
@@ -34,7 +40,7 @@ def make_blob(i: int, dtype: torch.dtype = torch.float16, tokens: int = TOKENS) 
 
 
 CHUNK_BYTES = len(make_blob(0)[1])
-SLOT = slot_bytes_for(LAYERS, 2 * LAYERS * TOKENS * HEADS * DIM * 4)
+SLOT = max_chunk_bytes(LAYERS, 2 * LAYERS * TOKENS * HEADS * DIM * 4)
 """Room for one chunk of any dtype used here (fp32 is the largest)."""
 
 
