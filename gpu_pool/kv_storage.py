@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from kvtier.chunk_format import DTYPES
 from kvtier.errors import ConfigError, InvalidArgumentError
 from kvtier.gpu_pool.block_pool import is_power_of_two
 
@@ -31,11 +32,6 @@ class PoolSpec(Protocol):
     device: str
     enable_prefix_caching: bool
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
 
 
 def resolve_device(name: str) -> torch.device:

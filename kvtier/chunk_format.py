@@ -102,7 +102,10 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
-_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+"""The KV dtypes kvtier stores and computes in, by name: the one table of them (the pool,
+the kernels, the engine, make-model and the CLI read it from here)."""
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+DTYPE_BYTES: dict[str, int] = {k: v.itemsize for k, v in DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -193,7 +196,7 @@ def encode_chunk(key: str, fingerprint: bytes, kv: torch.Tensor) -> bytes:
         raise ChunkFormatError(
             f"a chunk tensor must be [layers, 2, tokens, kv_heads, head_dim], got {tuple(kv.shape)}"
         )
-    if kv.dtype not in _DTYPE_NAMES:
+    if kv.dtype not in DTYPE_NAMES:
         raise ChunkFormatError(f"unsupported chunk dtype {kv.dtype}; use {sorted(DTYPES)}")
     cpu = kv.detach().to("cpu").contiguous()
     payload = memoryview(cpu.view(torch.uint8).numpy()).cast("B")
@@ -201,7 +204,7 @@ def encode_chunk(key: str, fingerprint: bytes, kv: torch.Tensor) -> bytes:
         key=logical_key(key),
         namespace=storage_namespace(key),
         fingerprint=bytes(fingerprint),
-        dtype=_DTYPE_NAMES[kv.dtype],
+        dtype=DTYPE_NAMES[kv.dtype],
         shape=tuple(cpu.shape),
         num_tokens=int(cpu.shape[2]),
         layer_checksums=_layer_checksums(payload, cpu.shape[0]),
@@ -258,9 +261,9 @@ def chunk_layout(
     must hold, and where the payload goes, before the payload is known."""
     if len(shape) != 5 or shape[1] != 2:
         raise ChunkFormatError(f"a chunk is [layers, 2, tokens, kv_heads, head_dim], got {shape}")
-    if dtype not in _DTYPE_NAMES:
+    if dtype not in DTYPE_NAMES:
         raise ChunkFormatError(f"unsupported chunk dtype {dtype}; use {sorted(DTYPES)}")
-    worst = ChunkHeader(logical_key(key), bytes(fingerprint), _DTYPE_NAMES[dtype], tuple(shape),
+    worst = ChunkHeader(logical_key(key), bytes(fingerprint), DTYPE_NAMES[dtype], tuple(shape),
                         shape[2], (_U64_MAX,) * shape[0], namespace=storage_namespace(key))
     longest = len(_packb({**worst.fields(), "hxh": _U64_MAX, "padd": bytes(256)}))
     offset = -(-(_PREFIX.size + longest - 256 + 3) // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
@@ -320,7 +323,7 @@ def encode_into(
         key=logical_key(key),
         namespace=storage_namespace(key),
         fingerprint=bytes(fingerprint),
-        dtype=_DTYPE_NAMES[dtype],
+        dtype=DTYPE_NAMES[dtype],
         shape=tuple(shape),
         num_tokens=int(shape[2]),
         layer_checksums=sums,

@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 
+from kvtier.chunk_format import DTYPES
+
 TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def _signature(fn: Any, consts: dict[str, Any], types: dict[str, str]) -> dict[str, str]:

@@ -12,9 +12,10 @@ import math
 
 import torch
 
+from kvtier.chunk_format import DTYPES
 from kvtier.errors import KernelInputError
 
-KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+KV_DTYPES = tuple(DTYPES.values())
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 

@@ -8,9 +8,10 @@ import argparse
 import logging
 from typing import Any
 
+from kvtier.chunk_format import DTYPES as KV_DTYPES
 from kvtier.config import KVTierConfig, load_config
 
-DTYPES = ["auto", "float32", "float16", "bfloat16"]
+DTYPES = ["auto", *KV_DTYPES]
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from kvtier.chunk_format import DTYPE_NAMES
 from kvtier.errors import InvalidArgumentError
 from kvtier.gpu_pool import AddResult, KVStorage, PagedKVPool
 from kvtier.gpu_pool.kv_storage import resolve_device, resolve_dtype
@@ -26,7 +27,6 @@ from kvtier.models.weights_digest import state_dict_digest, weights_digest
 from kvtier.transfer.layer_load import LayerLoad
 
 SeqId = Hashable
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 class ModelRunner:
@@ -79,7 +79,7 @@ class ModelRunner:
         self.pool = PagedKVPool(
             self._storage(num_blocks, memory_bytes, block_size), enable_prefix_caching
         )
-        self.kv_dtype_name = _DTYPE_NAMES[self.dtype]
+        self.kv_dtype_name = DTYPE_NAMES[self.dtype]
         self.fingerprint = config.fingerprint(
             self.kv_dtype_name, self.weights_digest, fingerprint_salt
         )

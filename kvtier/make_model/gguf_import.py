@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtier.chunk_format import DTYPE_BYTES
 from kvtier.make_model.writer import (
     check_destination,
     current_umask,
@@ -34,7 +35,6 @@ from kvtier.make_model.writer import (
 from kvtier.models.checkpoint import expected_shapes
 from kvtier.models.config import CheckpointError, ModelConfig
 
-CONVERTED_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DEFAULT_MAX_SHARD_BYTES = 2_000_000_000
 
 _LAYER_NAMES = {
@@ -100,8 +100,8 @@ def convert_gguf(
 
     ``progress(done, total)`` is called after each tensor with parameter counts.
     """
-    if dtype not in CONVERTED_DTYPES:
-        raise CheckpointError(f"unknown dtype {dtype!r}; use one of {', '.join(CONVERTED_DTYPES)}")
+    if dtype not in DTYPE_BYTES:
+        raise CheckpointError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPE_BYTES)}")
     src = Path(gguf_path)
     reader = _open(src)
     meta = _Metadata(reader, src)
@@ -139,7 +139,7 @@ def convert_gguf(
         path=out_path,
         config=config,
         num_parameters=n_params,
-        weight_bytes=n_params * CONVERTED_DTYPES[dtype],
+        weight_bytes=n_params * DTYPE_BYTES[dtype],
         weight_files=files,
         source=source,
     )
@@ -300,7 +300,7 @@ def _write_weights(
     from safetensors.torch import save_file
 
     target = getattr(torch, dtype)
-    width = CONVERTED_DTYPES[dtype]
+    width = DTYPE_BYTES[dtype]
     total = sum(int(np.prod(s)) for s in expected_shapes(cfg).values())
     shards: list[dict[str, Any]] = [{}]
     size = 0

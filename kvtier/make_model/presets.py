@@ -12,9 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.chunk_format import DTYPE_BYTES
 from kvtier.errors import InvalidArgumentError
-
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 @dataclass(frozen=True)
