@@ -151,6 +151,7 @@ def _row(tier: str, op: str, total: int, ours_s: float, ref_s: float, ref: str
 def _bench_cpu(blobs: dict[str, bytes], args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch
 
+    from kvtier.connectors.tiers.blobs import get_blobs, put_blobs
     from kvtier.connectors.tiers.cpu_tier import CPUTier
 
     keys = list(blobs)
@@ -174,8 +175,8 @@ def _bench_cpu(blobs: dict[str, bytes], args: argparse.Namespace) -> list[dict[s
             off += len(s)
         return out
 
-    put_s = _median(lambda: tier.put(blobs), args.repeats, before=lambda: tier.delete(keys))
-    get_s = _median(lambda: tier.get(keys), args.repeats)
+    put_s = _median(lambda: put_blobs(tier, blobs), args.repeats, before=lambda: tier.delete(keys))
+    get_s = _median(lambda: get_blobs(tier, keys), args.repeats)
     rows = [_row("cpu", "put", total, put_s, _median(ref_put, args.repeats),
                  "torch copy into one arena")]
     rows.append(_row("cpu", "get", total, get_s, _median(ref_get, args.repeats),
@@ -192,6 +193,7 @@ def _bench_cpu_in_place(blobs: dict[str, bytes], args: argparse.Namespace) -> li
     import torch
 
     from kvtier.chunk_format import byte_view, chunk_layout, chunk_view, encode_into
+    from kvtier.connectors.tiers.base import ChunkWrite
     from kvtier.connectors.tiers.cpu_tier import CPUTier
 
     kvs = {k: chunk_view(byte_view(b), k)[1].clone() for k, b in blobs.items()}
@@ -206,8 +208,8 @@ def _bench_cpu_in_place(blobs: dict[str, bytes], args: argparse.Namespace) -> li
 
     def put() -> None:
         for k, kv in kvs.items():
-            tier.store_in_place(k, sizes[k], lambda dest, k=k, kv=kv: encode_into(
-                dest, k, fp, kv.dtype, tuple(kv.shape), lambda payload, kv=kv: payload.copy_(kv)))
+            tier.store_in_place([ChunkWrite(k, sizes[k], fill=lambda dest, k=k, kv=kv: encode_into(
+                dest, k, fp, kv.dtype, tuple(kv.shape), lambda payload, kv=kv: payload.copy_(kv)))])
 
     def read() -> None:
         with tier.lease(keys) as views:
@@ -231,6 +233,7 @@ def _bench_cpu_in_place(blobs: dict[str, bytes], args: argparse.Namespace) -> li
 
 
 def _bench_disk(blobs: dict[str, bytes], args: argparse.Namespace) -> list[dict[str, Any]]:
+    from kvtier.connectors.tiers.blobs import get_blobs, put_blobs
     from kvtier.connectors.tiers.disk_tier import DiskTier
 
     keys = list(blobs)
@@ -253,13 +256,13 @@ def _bench_disk(blobs: dict[str, bytes], args: argparse.Namespace) -> list[dict[
 
     tier_files = lambda: [p for p in tdir.rglob("*.kvc")]  # noqa: E731
     rows = []
-    put_s = _median(lambda: tier.put(blobs), args.repeats, before=lambda: tier.delete(keys))
+    put_s = _median(lambda: put_blobs(tier, blobs), args.repeats, before=lambda: tier.delete(keys))
     rows.append(_row("disk", "put", total, put_s, _median(ref_write, args.repeats),
                      "write + fsync per file"))
-    get_s = _median(lambda: tier.get(keys), args.repeats)
+    get_s = _median(lambda: get_blobs(tier, keys), args.repeats)
     rows.append(_row("disk", "get (page cache)", total, get_s, _median(ref_read, args.repeats),
                      "read files"))
-    cold_s = _median(lambda: tier.get(keys), args.repeats,
+    cold_s = _median(lambda: get_blobs(tier, keys), args.repeats,
                      before=lambda: _fadvise_dontneed(tier_files()))
     ref_cold = _median(ref_read, args.repeats, before=lambda: _fadvise_dontneed(raw))
     rows.append(_row("disk", "get (cold)", total, cold_s, ref_cold,
@@ -294,6 +297,7 @@ def _redis_rows(url: str, blobs: dict[str, bytes], args: argparse.Namespace
                 ) -> list[dict[str, Any]]:
     import redis
 
+    from kvtier.connectors.tiers.blobs import get_blobs, put_blobs
     from kvtier.connectors.tiers.redis_tier import RedisTier
 
     keys = list(blobs)
@@ -313,10 +317,10 @@ def _redis_rows(url: str, blobs: dict[str, bytes], args: argparse.Namespace
     def clear() -> None:
         client.delete(*[f"raw:{k}" for k in keys])
 
-    put_s = _median(lambda: tier.put(blobs), args.repeats, before=lambda: tier.delete(keys))
+    put_s = _median(lambda: put_blobs(tier, blobs), args.repeats, before=lambda: tier.delete(keys))
     ref_put_s = _median(ref_set, args.repeats, before=clear)
     rows = [_row("redis", "put", total, put_s, ref_put_s, "redis-py pipelined SET (hiredis)")]
-    get_s = _median(lambda: tier.get(keys), args.repeats)
+    get_s = _median(lambda: get_blobs(tier, keys), args.repeats)
     rows.append(_row("redis", "get", total, get_s, _median(ref_get, args.repeats),
                      "redis-py MGET (hiredis)"))
     tier.close()

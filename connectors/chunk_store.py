@@ -15,6 +15,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+from kvtier.connectors.tiers.blobs import get_blobs, put_blobs
 from kvtier.errors import ConfigError
 
 
@@ -41,10 +42,10 @@ class LocalChunkStore:
         return self.manager.lookup(keys).length
 
     def get(self, keys: Sequence[str]) -> list[bytes | None]:
-        return [blob for blob, _ in self.manager.get_each(keys)]
+        return get_blobs(self.manager, keys)
 
     def put(self, chunks: Mapping[str, bytes]) -> dict[str, str]:
-        return dict(self.manager.put(chunks).failed)
+        return dict(put_blobs(self.manager, chunks).failed)
 
     def close(self) -> None:  # shared: closed when the process exits
         pass

@@ -21,10 +21,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from enum import Enum
 
-import torch
-
-from kvtier.chunk_format import ChunkHeader, logical_key, parse_header
+from kvtier.chunk_format import ChunkHeader, logical_key
+from kvtier.connectors.tiers.lent_chunk import LentChunk
 from kvtier.connectors.tiers.manager import TierManager
+from kvtier.errors import ChunkFormatError
 from kvtier.server.errors import RouteError
 
 
@@ -69,8 +69,8 @@ def settle(manager: TierManager, where: str, upload: ChunkHeader) -> Settled:
     loc = manager.lookup([where])
     if not loc.length:
         return Settled(Version.NEW)
-    with manager.lease([where], location=loc, raw=True) as (stored,):
-        header = None if stored is None else _header(stored)
+    with manager.lease_chunks([where], loc) as (stored,):
+        header = None if stored is None else _verified_header(stored)
     if header is None:  # the copy failed its checks (and was dropped): clear the others too
         manager.delete([where])
         return Settled(Version.NEW)
@@ -80,6 +80,11 @@ def settle(manager: TierManager, where: str, upload: ChunkHeader) -> Settled:
                      "chunks are immutable: DELETE it first to replace it", "chunk_exists")
 
 
-def _header(blob: torch.Tensor) -> ChunkHeader:
-    header, _ = parse_header(memoryview(blob.numpy()))
-    return header
+def _verified_header(stored: LentChunk) -> ChunkHeader | None:
+    """The stored chunk's header once every layer passed its check; None when one failed
+    (the chunk is dropped from its tier when the lease ends)."""
+    try:
+        stored.verify()
+    except ChunkFormatError:
+        return None
+    return stored.header

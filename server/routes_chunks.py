@@ -34,7 +34,8 @@ from kvtier.chunk_format import (
     validate_chunk,
 )
 from kvtier.chunk_keys import KEY_PATTERN, KEY_RE
-from kvtier.connectors.tiers.base import Blob, PutResult
+from kvtier.connectors.tiers.base import Blob, ChunkWrite, PutResult
+from kvtier.connectors.tiers.blobs import get_each, put_blobs
 from kvtier.connectors.tiers.lent_chunk import LentChunk
 from kvtier.connectors.tiers.manager import PutReport, TierManager
 from kvtier.errors import ChunkError, ChunkFormatError
@@ -235,9 +236,8 @@ def _put_from_region(state: ServiceState, manager: TierManager, tenant: str, reg
                     raise RouteError(400, f"chunk {key}: {exc}", "invalid_chunk") from None
                 return total
 
-            got = manager.store_in_place(start, where, total, fill, reraise=(RouteError,))
-            if got == "stored":
-                return PutReport(per_tier={manager.tiers[start].name: PutResult(stored=[where])})
+            return manager.store([ChunkWrite(where, total, fill=fill)], start,
+                                 reraise=(RouteError,))
         with state.regions.staging(length), manager.staging.borrowed(BIND_SLACK + length) as buf:
             mem = memoryview(buf.numpy())[: BIND_SLACK + length]
             region.read_into(offset, mem[BIND_SLACK:])
@@ -291,7 +291,7 @@ def _verified_put(state: ServiceState, manager: TierManager, key: str, where: st
         settled = settle(manager, where, header)
         if settled.version is Version.SAME:
             return _present(settled, where)
-        return manager.put({where: blob}, start)
+        return put_blobs(manager, {where: blob}, tier=start)
 
 
 @router.get(
@@ -342,7 +342,7 @@ async def get_chunk(key: Key, request: Request, layers: Layers = None,
             state.metrics.tenant_bytes.labels(tenant, "get").inc(view.numel())
             return LeasedResponse(view, lease, {"X-KVTier-Tier": tier}, OCTETS, held,
                                   state.replies.write_timeout_s)
-    ((blob, tier),) = await run_in_threadpool(manager.get_each, [where], span)
+    ((blob, tier),) = await run_in_threadpool(get_each, manager, [where], span)
     if blob is None:
         where = "" if span is None else f" (or layers {layers} lie outside it)"
         raise RouteError(404, f"chunk {key} is not stored{where}")
@@ -366,17 +366,13 @@ def _get_into_region(state: ServiceState, manager: TierManager, tenant: str, reg
         if not loc.length:
             manager.count_misses()
             raise RouteError(404, f"chunk {key} is not stored")
-        with manager.lease([where], location=loc, raw=True, deferred=True) as (part,):
+        with manager.lease_chunks([where], loc) as (part,):
             name = manager.tiers[loc.tiers[0]].name
-            if isinstance(part, torch.Tensor):  # a tier that lends nothing: verified bytes
-                _copy_to_region(region, offset, end, key, memoryview(part.numpy()))
-                return part.numel(), name
             if part is not None and _checked_copy_to_region(region, offset, end, key, part):
-                assert part.buf is not None
                 if loc.tiers[0] > 0:
                     manager.promote({where: memoryview(part.buf.numpy())})
                 return part.buf.numel(), name
-        ((blob, tier),) = manager.get_each([where])  # the other tiers, after a failed check
+        ((blob, tier),) = get_each(manager, [where])  # the other tiers, after a failed check
         if blob is None:
             raise RouteError(404, f"chunk {key} is not stored")
         _copy_to_region(region, offset, end, key, memoryview(blob))
@@ -388,7 +384,6 @@ def _checked_copy_to_region(region: Region, offset: int, end: int, key: str, par
     """A lent chunk's header, then each group of its layers once checked, into the region;
     False when a check failed (the region holds no chunk then)."""
     buf, header = part.buf, part.header
-    assert buf is not None and header is not None
     _check_room(region, offset, end, key, buf.numel())
     mem = memoryview(buf.numpy())
     at = buf.numel() - header.payload_nbytes
@@ -424,10 +419,16 @@ def _lease_whole(manager: TierManager, key: str):
         return "missing"
     lease = contextlib.ExitStack()
     try:
-        (view,) = lease.enter_context(manager.lease([key], location=loc, raw=True))
-        if view is None:
+        (part,) = lease.enter_context(manager.lease_chunks([key], loc))
+        if part is not None:
+            try:
+                part.verify()  # the whole chunk goes out: checked first
+            except ChunkFormatError:
+                part = None  # dropped from its tier when the lease ends
+        if part is None:
             lease.close()
             return None
+        view = part.buf
         if loc.tiers[0] > 0:
             manager.promote({key: memoryview(view.numpy())})
     except BaseException:
@@ -494,7 +495,7 @@ async def batch_get(body: BatchGetRequest, request: Request) -> Response:
     for i in range(0, len(unique), BATCH_GET_GROUP):  # read in groups: stop once too large
         group = unique[i : i + BATCH_GET_GROUP]
         found = await run_in_threadpool(
-            manager.get_each, [_stored_as(request, k) for k in group], span)
+            get_each, manager, [_stored_as(request, k) for k in group], span)
         for k, (blob, _) in zip(group, found, strict=True):
             by_key[k] = blob
             nbytes += len(blob) * (counts[k] if counts else 1) if blob else 0
@@ -567,7 +568,7 @@ def _batch_put_new(state: ServiceState, manager: TierManager, tenant: str,
                 same.setdefault(settled.tier or "", []).append(where)
             else:
                 new[where] = chunks[key]
-        report = manager.put(new, start) if new else PutReport()
+        report = put_blobs(manager, new, tier=start) if new else PutReport()
     for tier, keys in same.items():
         report.per_tier.setdefault(tier, PutResult()).present.extend(keys)
     report.failed.update(conflicts)

@@ -1,19 +1,41 @@
 """The one interface every storage tier implements (CPU arena, NVMe directory, Redis).
 
-Tiers store opaque chunk blobs (see ``kvtier.chunk_format``) under hex keys. Every batch
-call is one round trip where the medium allows it. A ``put`` either stores each chunk or
-says, per key, why it did not — nothing is dropped silently. A ``get`` returns ``None`` for
-a miss; a chunk found corrupt is deleted and reported as a miss (the caller recomputes).
-Tiers are thread-safe: the transfer engine calls them from worker threads.
+A tier holds chunks (see ``kvtier.chunk_format``) under storage keys and has one read and
+one write, both in memory it provides:
+
+- :meth:`Tier.lease` lends the stored bytes of each chunk (a view of the CPU arena's slot,
+  a staging buffer a file or a Redis reply was read into), valid until the block ends.
+  They are *unverified*: the tier stack checks them once (:class:`~.lent_chunk.LentChunk`).
+- :meth:`Tier.store_in_place` stores a batch of :class:`ChunkWrite`, each filled straight
+  into the tier's memory (an arena slot) or into a staging buffer the tier writes from, or
+  given as bytes that already exist. Each chunk is stored or said, per key, why not:
+  nothing is dropped silently.
+
+Every batch call is one round trip where the medium allows it. What a tier can do beyond
+that is declared (``lends_memory``, ``reads_in_background``), never probed. Blob reads and
+writes for callers that hold bytes are built on these two in :mod:`.blobs`. Tiers are
+thread-safe: the transfer engine calls them from worker threads.
 """
 
 from __future__ import annotations
 
+import contextlib
+import enum
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvtier.chunk_format import byte_view
+from kvtier.connectors.tiers.chunk_checks import admission_error
+from kvtier.policies.eviction import ChunkInfo
+
+if TYPE_CHECKING:
+    from kvtier.connectors.tiers.host_buffers import StagingPool
+    from kvtier.connectors.tiers.lent_chunk import ReadingBuffer
 
 Blob = bytes | bytearray | memoryview
 EvictionListener = Callable[[str, "Blob | None"], None]
@@ -27,6 +49,74 @@ CHUNK_OVERHEAD_BYTES = 512
 policy's node and its key (Python objects of a few hundred bytes), charged to quotas."""
 
 
+class PutOutcome(enum.StrEnum):
+    """What storing one chunk did (a failure's reason starts with its value)."""
+
+    STORED = "stored"
+    PRESENT = "present"
+    """Already stored (one version per key), not rewritten."""
+    FULL = "full"
+    TOO_LARGE = "too_large"
+    INVALID = "invalid"
+
+
+Fill = Callable[[torch.Tensor], int]
+"""Writes one chunk into a 1-D uint8 host tensor and returns its length."""
+
+
+@dataclass(frozen=True)
+class ChunkWrite:
+    """One chunk to store: its key, at most ``nbytes`` bytes, and where they come from:
+    ``fill`` writes them into memory the tier provides (e.g.
+    :func:`~kvtier.chunk_format.encode_into` gathering KV out of the pool), or ``data``
+    holds them already (a request body, a chunk on its way down a tier). ``info`` (its
+    session and position) feeds the tier's eviction policy."""
+
+    key: str
+    nbytes: int
+    fill: Fill | None = None
+    data: Blob | None = None
+    info: ChunkInfo | None = None
+
+    def __post_init__(self) -> None:
+        if (self.fill is None) == (self.data is None):
+            raise ValueError("a ChunkWrite has either fill or data")
+
+    @classmethod
+    def of_blob(cls, key: str, blob: Blob, info: ChunkInfo | None = None) -> ChunkWrite:
+        return cls(key, memoryview(blob).nbytes, data=blob, info=info)
+
+    def admission_error(self) -> str | None:
+        """Why the given bytes may not be stored under the key (header, names, length:
+        no checksum pass), or None; a fill is checked by its writer."""
+        return None if self.data is None else admission_error(self.key, self.data)
+
+    def write_into(self, dest: torch.Tensor) -> int:
+        """Put the chunk into ``dest`` (uint8, at least ``nbytes``); returns its length."""
+        if self.fill is not None:
+            return self.fill(dest)
+        assert self.data is not None
+        dest[: self.nbytes].copy_(byte_view(self.data))  # torch's copy uses every core
+        return self.nbytes
+
+    @contextlib.contextmanager
+    def bytes_from(self, staging: StagingPool) -> Iterator[memoryview]:
+        """The chunk's bytes for a tier that writes from host memory (a file, a socket):
+        the given bytes as they are, or a staging buffer filled, given back after."""
+        if self.data is not None:
+            view = memoryview(self.data)
+            yield view if view.format == "B" and view.ndim == 1 else view.cast("B")
+            return
+        with staging.borrowed(self.nbytes) as buf:
+            yield memoryview(buf[: self.write_into(buf)].numpy())
+
+
+def blob_writes(chunks: Mapping[str, Blob], info: Mapping[str, ChunkInfo] | None = None
+                ) -> list[ChunkWrite]:
+    """A write for each blob (``info`` per key where given)."""
+    return [ChunkWrite.of_blob(k, b, info.get(k) if info else None) for k, b in chunks.items()]
+
+
 @dataclass
 class PutResult:
     stored: list[str] = field(default_factory=list)
@@ -38,6 +128,12 @@ class PutResult:
     @property
     def ok(self) -> bool:
         return not self.failed
+
+    def outcome(self, key: str) -> PutOutcome | str:
+        """What storing ``key`` did: ``STORED``, ``PRESENT``, or why it failed."""
+        if key in self.failed:
+            return self.failed[key]
+        return PutOutcome.STORED if key in self.stored else PutOutcome.PRESENT
 
 
 @dataclass
@@ -75,9 +171,13 @@ class TierStats:
 
 
 class Tier(ABC):
-    """A key -> chunk-blob store with batch operations."""
+    """A key -> chunk store with batch operations that lend memory (see the module)."""
 
     name: str = "tier"
+    lends_memory: bool = False
+    """``store_in_place`` fills the tier's own memory (no staging buffer in between)."""
+    reads_in_background: bool = False
+    """``lease(background=True)`` lends whole chunks while their later layers are read."""
 
     def __init__(self) -> None:
         self.stats = TierStats()
@@ -85,19 +185,27 @@ class Tier(ABC):
 
     # --- data -----------------------------------------------------------------------
     @abstractmethod
-    def put(self, chunks: Mapping[str, Blob], info: Mapping[str, Any] | None = None) -> PutResult:
-        """Store every chunk, or report per key why not. Existing keys are not rewritten.
-        ``info`` (a :class:`~kvtier.policies.eviction.ChunkInfo` per key: its session and
-        position) feeds the tier's eviction policy where the tier evicts by itself."""
+    def store_in_place(self, writes: Sequence[ChunkWrite]) -> PutResult:
+        """Store every chunk, or report per key why not (``full``, ``too_large``,
+        ``invalid: ...``, ``io_error: ...``, ``unavailable``). A key stored already is
+        ``present``, not rewritten (its recency refreshed, its ``info`` session added).
+        An error a ``fill`` raises is the caller's: whatever it took is given back and the
+        error propagates."""
+
+    @abstractmethod
+    def lease(
+        self, keys: Sequence[str], layers: tuple[int, int] | None = None, background: bool = False
+    ) -> contextlib.AbstractContextManager[list[torch.Tensor | ReadingBuffer | None]]:
+        """Each stored chunk as a 1-D uint8 tensor of exactly one chunk (None: a miss),
+        *unverified*, in memory that stays the chunk's until the block ends. With
+        ``layers`` a tier may lend the whole chunk or one holding only those layers (its
+        own header, the writer's checksums). ``background`` (whole chunks, where
+        ``reads_in_background``): chunks may be lent as :class:`ReadingBuffer` while their
+        later layers are still read."""
 
     def share(self, keys: Sequence[str], session: Hashable) -> None:  # noqa: B027 - optional hook
         """``session``'s chain uses these stored chunks too (they were not written again);
         a tier that evicts by session keeps them for both. Default: nothing to do."""
-
-    @abstractmethod
-    def get(self, keys: Sequence[str], layers: tuple[int, int] | None = None) -> list[bytes | None]:
-        """Blobs in key order (``None`` = miss). With ``layers=(start, end)`` each blob is a
-        valid chunk holding only those layers (read as a byte range where the tier can)."""
 
     @abstractmethod
     def contains_prefix(self, keys: Sequence[str]) -> int:

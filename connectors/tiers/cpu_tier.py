@@ -22,17 +22,22 @@ import contextlib
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable, Collection, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Hashable, Iterator, Sequence
 
 import torch
 
-from kvtier.chunk_format import byte_view, layer_span, parse_header, slice_chunk
-from kvtier.connectors.tiers.base import CHUNK_OVERHEAD_BYTES, Blob, PutResult, Tier
-from kvtier.connectors.tiers.chunk_checks import admission_error, is_valid
+from kvtier.connectors.tiers.base import (
+    CHUNK_OVERHEAD_BYTES,
+    ChunkWrite,
+    PutOutcome,
+    PutResult,
+    Tier,
+)
 from kvtier.connectors.tiers.chunk_index import ChunkIndex, IndexedNamespaces
+from kvtier.connectors.tiers.chunk_workers import map_store
 from kvtier.connectors.tiers.host_buffers import HostBuffer
-from kvtier.errors import ChunkFormatError, InvalidArgumentError, TierError
-from kvtier.policies.eviction import ChunkInfo, EvictionPolicy, eviction_policy
+from kvtier.errors import InvalidArgumentError, TierError
+from kvtier.policies.eviction import EvictionPolicy, eviction_policy
 
 log = logging.getLogger(__name__)
 
@@ -103,33 +108,36 @@ class CPUTier(IndexedNamespaces, Tier):
         return self._view
 
     # --- data ------------------------------------------------------------------------
-    def put(
-        self, chunks: Mapping[str, Blob], info: Mapping[str, ChunkInfo] | None = None
-    ) -> PutResult:
-        """Copy each blob into a slot (one copy: the tier's own memory is the
-        destination); a key stored by this batch is never evicted by a later one of it."""
+    lends_memory = True
+
+    def store_in_place(self, writes: Sequence[ChunkWrite]) -> PutResult:
+        """Write each chunk straight into a free slot (evicting the policy's victims, handed
+        down first): ``write.fill(slot)`` gets a uint8 view of the slot and writes the chunk
+        (e.g. :func:`~kvtier.chunk_format.encode_into`); given bytes are copied in (one copy:
+        the tier's own memory is the destination). Fills run two at a time (a gather and
+        its checksums release the GIL). A key becomes visible only once its chunk is whole,
+        never half-written; one stored by this batch is never evicted by a later one of it.
+        An error in a fill frees its slot and propagates."""
         result = PutResult()
         batch: set[str] = set()
-        for key, blob in chunks.items():
-            reason = None if key in self else admission_error(key, blob)
+        """Keys this batch stored (added under the lock, read by ``_take_slot`` under it)."""
+
+        def one(write: ChunkWrite) -> PutOutcome | str:
+            reason = None if write.key in self else write.admission_error()
             if reason is not None:
-                result.failed[key] = reason
                 self.stats.count_error(reason.split(":")[0])
-                continue
+                return reason
+            return self._store_one(write, batch)
 
-            def fill(slot: torch.Tensor, blob: Blob = blob) -> int:
-                # torch's copy uses every core (a memoryview assignment is one memcpy)
-                slot[: len(blob)].copy_(byte_view(blob))
-                return len(blob)
-
-            outcome = self._store_one(key, len(blob), fill, info.get(key) if info else None, batch)
-            if outcome == "stored":
-                result.stored.append(key)
-                batch.add(key)
-            elif outcome == "present":
-                result.present.append(key)
+        parallel = len(writes) > 1 and all(w.fill is not None for w in writes)
+        outcomes = map_store(one, writes) if parallel else [one(w) for w in writes]
+        for write, outcome in zip(writes, outcomes, strict=True):
+            if outcome is PutOutcome.STORED:
+                result.stored.append(write.key)
+            elif outcome is PutOutcome.PRESENT:
+                result.present.append(write.key)
             else:
-                result.failed[key] = outcome
+                result.failed[write.key] = str(outcome)
         return result
 
     def __contains__(self, key: object) -> bool:
@@ -178,34 +186,6 @@ class CPUTier(IndexedNamespaces, Tier):
             for key in keys:
                 self._index.share(key, session)
 
-    def get(
-        self,
-        keys: Sequence[str],
-        layers: tuple[int, int] | None = None,
-        verify: bool = True,
-    ) -> list[bytes | None]:
-        """Copies of the blobs (or layer-range chunks); with ``verify`` a chunk that fails its
-        checksum is deleted and returned as a miss."""
-        out: list[bytes | None] = []
-        corrupt = 0
-        with self._lock:
-            view = self._arena_view()
-            for key in keys:
-                entry = self._entry(key)
-                if entry is None:
-                    out.append(None)
-                    continue
-                slot, length = entry
-                start = slot * self.slot_bytes
-                blob = self._read(key, view[start : start + length], layers, verify)
-                if blob is None:
-                    self._drop(key)
-                    corrupt += 1
-                    blob = None
-                out.append(blob)
-        self._count_reads(len(keys), [len(b) for b in out if b is not None], corrupt)
-        return out
-
     def _count_reads(self, asked: int, hit_sizes: list[int], corrupt: int = 0) -> None:
         with self.stats.lock:
             self.stats.gets += asked
@@ -213,33 +193,6 @@ class CPUTier(IndexedNamespaces, Tier):
             self.stats.misses += asked - len(hit_sizes)
             self.stats.bytes_read += sum(hit_sizes)
             self.stats.corrupt += corrupt
-
-    @staticmethod
-    def _read(
-        key: str, stored: memoryview, layers: tuple[int, int] | None, verify: bool
-    ) -> bytes | None:
-        """A copy of the stored blob or its layer range; None when the header is unreadable
-        or (with ``verify``) the chunk fails its checks. A whole blob is verified in place
-        (in the arena, under the lock) and then copied once."""
-        if layers is None:
-            if verify and not is_valid(key, stored):
-                return None
-            return bytes(stored)
-        try:
-            header, offset = parse_header(stored)
-        except ChunkFormatError:
-            return None
-        try:
-            start, length = layer_span(header, layers)
-        except ChunkFormatError as exc:
-            raise InvalidArgumentError(f"chunk {key}: {exc}") from None
-        part = stored[offset + start : offset + start + length]
-        if len(part) != length:
-            return None
-        blob = slice_chunk(header, layers, part)
-        if verify and not is_valid(key, blob):
-            return None
-        return blob
 
     def _drop(self, key: str) -> bool:
         entry = self._index.pop(key)
@@ -253,29 +206,8 @@ class CPUTier(IndexedNamespaces, Tier):
         return True
 
     # --- in place --------------------------------------------------------------------
-    def store_in_place(
-        self,
-        key: str,
-        nbytes: int,
-        fill: Callable[[torch.Tensor], int],
-        info: ChunkInfo | None = None,
-    ) -> str:
-        """Write one chunk of at most ``nbytes`` straight into a free slot (evicting as
-        :meth:`put` does): ``fill(slot)`` gets a uint8 view of the slot, writes the chunk
-        (e.g. :func:`~kvtier.chunk_format.encode_into`) and returns its length. The key
-        becomes visible only then: never a half-written chunk. Returns ``stored``,
-        ``present``, ``too_large`` or ``full``; an error in ``fill`` frees the slot and
-        propagates."""
-        return self._store_one(key, nbytes, fill, info, set())
-
-    def _store_one(
-        self,
-        key: str,
-        nbytes: int,
-        fill: Callable[[torch.Tensor], int],
-        info: ChunkInfo | None,
-        exclude: set[str],
-    ) -> str:
+    def _store_one(self, write: ChunkWrite, exclude: set[str]) -> PutOutcome:
+        key, nbytes, info = write.key, write.nbytes, write.info
         while True:
             victims: list[tuple[str, int, int]] = []
             with self._lock:
@@ -286,19 +218,19 @@ class CPUTier(IndexedNamespaces, Tier):
                     self._index.get(key)
                     if info is not None:
                         self._index.share(key, info.session)
-                    return "present"
+                    return PutOutcome.PRESENT
                 slot = None if nbytes > self.slot_bytes else self._take_slot(exclude, victims)
             self._hand_down(victims, arena)  # before the victim's slot is overwritten
             with self._lock:
                 if self._landed(victims, slot):
                     break
         if slot is None:
-            reason = "too_large" if nbytes > self.slot_bytes else "full"
-            self._account_put(PutResult(failed={key: reason}), 0, [])
+            reason = PutOutcome.TOO_LARGE if nbytes > self.slot_bytes else PutOutcome.FULL
+            self._account_put(PutResult(failed={key: reason.value}), 0, [])
             return reason
         start = slot * self.slot_bytes
         try:
-            length = fill(arena[start : start + self.slot_bytes])
+            length = write.write_into(arena[start : start + self.slot_bytes])
         except BaseException:
             with self._lock:
                 self._free.append(slot)
@@ -311,14 +243,15 @@ class CPUTier(IndexedNamespaces, Tier):
                 self._free.append(slot)
             else:
                 self._index.add(key, slot, length, info, charge=self.occupancy(length))
+                exclude.add(key)
         if raced:
-            return "present"
+            return PutOutcome.PRESENT
         self._account_put(PutResult(stored=[key]), length, [])
-        return "stored"
+        return PutOutcome.STORED
 
     @contextlib.contextmanager
     def lease(
-        self, keys: Sequence[str], layers: tuple[int, int] | None = None
+        self, keys: Sequence[str], layers: tuple[int, int] | None = None, background: bool = False
     ) -> Iterator[list[torch.Tensor | None]]:
         """Views of the stored chunks in the arena (uint8, each exactly its whole chunk,
         whatever ``layers`` asks: a view costs nothing; None for a miss), unverified: check them with :func:`~kvtier.chunk_format.chunk_view`.

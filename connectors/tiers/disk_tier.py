@@ -1,15 +1,10 @@
-"""The NVMe tier: a directory of chunk files, written atomically with group commit.
+"""The NVMe tier: a directory of chunk files (:mod:`.disk_layout`), written atomically with
+group commit (:mod:`.disk_writes`), read into staging buffers (:mod:`.disk_reads`).
 
-Layout: ``<dir>/<first 2 key chars>/<key>.kvc``. A put writes every chunk of the batch to a
-temp file (``.<key>.<random>.tmp``) in the chunk's own directory and syncs its data, then
-renames all of them into place, then syncs each touched directory once (group commit): a
-chunk becomes visible only once its bytes are durable, a crash never leaves a torn chunk
-under a chunk name, and the directory sync is paid once per batch, not once per chunk. Temp
-files left by a crash are deleted at start-up, when the index (key -> size, recency) is
-rebuilt by scanning the directory, so chunks survive restarts. Reads go through a bounded
-thread pool (a batch's files are read in parallel); a layer-range read fetches only the
-header and that byte range. Every read is verified by checksum by default: a corrupt or
-truncated file is deleted and reported as a miss. Tiers (in one or several processes) may
+This class keeps the index (key -> size, recency, rebuilt from the directory at start-up,
+so chunks survive restarts), the capacity and its evictions, and runs a batch's reads and
+writes in parallel on a bounded thread pool. A file whose size or header is off is deleted
+and a miss; the stack verifies every chunk lent (a corrupt one is dropped). Tiers (in one or several processes) may
 share a directory: chunks are content-addressed, so they agree on every file; each keeps
 its own index and capacity, and a file another tier evicted is a miss. A shared ``flock``
 on ``<dir>/.lock`` tells a starting tier whether it is alone: only then does it delete temp
@@ -22,10 +17,8 @@ import contextlib
 import fcntl
 import logging
 import os
-import struct
 import threading
-import uuid
-from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from pathlib import Path
@@ -34,34 +27,29 @@ from typing import TypeVar
 import torch
 
 from kvtier.chunk_format import (
-    PAYLOAD_ALIGN,
     STORAGE_KEY_RE,
-    ChunkHeader,
-    header_room,
-    layer_span,
-    logical_key,
-    parse_header,
-    range_header,
-    slice_chunk,
-    write_header,
 )
 from kvtier.connectors.tiers import disk_io
-from kvtier.connectors.tiers.base import CHUNK_OVERHEAD_BYTES, Blob, PutResult, Tier
-from kvtier.connectors.tiers.chunk_checks import admission_error, is_valid
+from kvtier.connectors.tiers.base import (
+    CHUNK_OVERHEAD_BYTES,
+    ChunkWrite,
+    PutOutcome,
+    PutResult,
+    Tier,
+)
+from kvtier.connectors.tiers.chunk_checks import is_valid
 from kvtier.connectors.tiers.chunk_index import ChunkIndex, IndexedNamespaces
-from kvtier.connectors.tiers.disk_io import failure_reason, fsync_dir, unlink_if_present
+from kvtier.connectors.tiers.disk_io import unlink_if_present
+from kvtier.connectors.tiers.disk_layout import ChunkPaths
+from kvtier.connectors.tiers.disk_reads import CORRUPT, ChunkFileReader, FileRead
+from kvtier.connectors.tiers.disk_writes import GroupCommit
 from kvtier.connectors.tiers.host_buffers import StagingPool, round_up
 from kvtier.connectors.tiers.lent_chunk import ReadingBuffer
-from kvtier.errors import ChunkFormatError, InvalidArgumentError, TierError
-from kvtier.policies.eviction import ChunkInfo, EvictionPolicy, eviction_policy
+from kvtier.errors import InvalidArgumentError, TierError
+from kvtier.policies.eviction import EvictionPolicy, eviction_policy
 
 log = logging.getLogger(__name__)
 
-CHUNK_SUFFIX = ".kvc"
-TEMP_SUFFIX = ".tmp"
-LOCK_NAME = ".lock"
-_PREFIX = struct.Struct("<4sI")
-_CORRUPT = object()
 DISK_BLOCK = 4096
 """The filesystem block a chunk file's size is rounded up to when a quota is charged."""
 HEAD_BYTES = 2 << 20
@@ -108,72 +96,29 @@ class DiskTier(IndexedNamespaces, Tier):
             raise InvalidArgumentError(f"max_workers must be >= 1, got {max_workers}")
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
+        self._paths = ChunkPaths(self.directory)
         self._capacity = capacity_bytes
         self.fsync = fsync
         self._o_direct = o_direct
         self.read_evicted = read_evicted
         self._lock = threading.Lock()
         self._lock_fd: int | None
-        self._lock_fd, sole = self._acquire_dir_lock()
+        self._lock_fd, sole = self._paths.acquire_lock()
         self._index: ChunkIndex[None] = ChunkIndex(eviction_policy(eviction))
         self._reserved = 0
-        self.removed_temp_files = self._scan(remove_temps=sole)
+        found, self.removed_temp_files = self._paths.scan(remove_temps=sole)
+        for f in found:  # chunks survive restarts; the oldest are the least recently used
+            self._index.add(f.key, None, f.size, charge=self.occupancy(f.size))
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
             max_workers, thread_name_prefix="kvtier-disk"
         )
         self._own_staging = staging is None
         self._staging = StagingPool() if staging is None else staging
         """Buffers reads land in (:meth:`lease`): reused, so reading allocates nothing."""
-
-    # --- start-up --------------------------------------------------------------------
-    def _acquire_dir_lock(self) -> tuple[int, bool]:
-        """A shared ``flock`` on ``<dir>/.lock`` for the tier's lifetime, and whether this
-        tier is the directory's only user (it got the lock exclusively first). Only the
-        only user may delete temp files at start-up: another live tier may be writing them."""
-        fd = os.open(self.directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            sole = True
-        except BlockingIOError:
-            sole = False
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        return fd, sole
-
-    def _scan(self, remove_temps: bool) -> int:
-        """Rebuild the index from the chunk files (oldest mtime = least recently used) and
-        delete temp files left by a crash. Returns how many temp files were removed."""
-        found: list[tuple[float, str, int]] = []
-        removed = 0
-        for sub in os.scandir(self.directory):
-            if not sub.is_dir(follow_symlinks=False) or len(sub.name) != 2:
-                continue
-            for entry in os.scandir(sub.path):
-                if entry.name.endswith(TEMP_SUFFIX):
-                    if remove_temps:
-                        unlink_if_present(entry.path)
-                        removed += 1
-                elif entry.name.endswith(CHUNK_SUFFIX):
-                    st = entry.stat(follow_symlinks=False)
-                    found.append((st.st_mtime, entry.name[: -len(CHUNK_SUFFIX)], st.st_size))
-        for _, key, size in sorted(found):
-            self._index.add(key, None, size, charge=self.occupancy(size))
-        if removed:
-            log.info("disk tier %s: removed %d temp files of interrupted writes", self.directory, removed)
-        return removed
-
-    # --- paths -------------------------------------------------------------------------
-    @staticmethod
-    def _shard(key: str) -> str:
-        """The subdirectory of ``key``: its chunk key's first two characters (a namespace
-        would put all of a tenant's chunks in one)."""
-        return logical_key(key)[:2]
-
-    def _path(self, key: str) -> str:
-        return os.path.join(self.directory, self._shard(key), key + CHUNK_SUFFIX)
-
-    def _temp_path(self, key: str) -> str:
-        return os.path.join(self.directory, self._shard(key),
-                            f".{key}.{uuid.uuid4().hex[:12]}{TEMP_SUFFIX}")
+        self._reader = ChunkFileReader(self._staging, head_bytes, self._open, self._submit,
+                                       self._read_error)
+        self._commit = GroupCommit(self._paths, fsync, self._staging, self._write_file,
+                                   self._map)
 
     @property
     def o_direct(self) -> bool:
@@ -199,58 +144,74 @@ class DiskTier(IndexedNamespaces, Tier):
             return [fn(item) for item in items]
         return list(pool.map(fn, items))
 
-    # --- put ---------------------------------------------------------------------------
-    def put(
-        self, chunks: Mapping[str, Blob], info: Mapping[str, ChunkInfo] | None = None
-    ) -> PutResult:
+    # --- store -------------------------------------------------------------------------
+    def store_in_place(self, writes: Sequence[ChunkWrite]) -> PutResult:
+        """Write the batch with group commit (see the module): each chunk from its given
+        bytes, or filled into a staging buffer (page-aligned: an ``O_DIRECT`` write goes
+        out of it as it is) and written from there; room is made for ``nbytes`` each."""
         result = PutResult()
-        todo: list[tuple[str, Blob]] = []
+        todo: list[ChunkWrite] = []
         evicted: list[tuple[str, str]] = []
         with self._lock:
             if self._pool is None:
                 raise TierError("the disk tier is closed; create a new one")
-            for key, blob in chunks.items():
-                if key in self._index:
-                    self._index.get(key)
-                    if info and key in info:
-                        self._index.share(key, info[key].session)
-                    result.present.append(key)
+            taken: set[str] = set()
+            for write in writes:
+                if write.key in taken:
+                    result.present.append(write.key)  # twice in one batch: written once
                     continue
-                if not STORAGE_KEY_RE.fullmatch(key):
-                    result.failed[key] = f"invalid: key {key!r} is not a chunk key (hex digest)"
-                    continue
-                reason = admission_error(key, blob)
-                if reason is None and self._capacity is not None:
-                    if len(blob) > self._capacity:
-                        reason = "too_large"
-                    elif not self._make_room(len(blob), evicted):
-                        reason = "full"
-                if reason is not None:
-                    result.failed[key] = reason
-                    continue
-                self._reserved += len(blob)
-                todo.append((key, blob))
+                reason = self._admit(write, evicted)
+                if reason is PutOutcome.STORED:
+                    self._reserved += write.nbytes
+                    todo.append(write)
+                    taken.add(write.key)
+                elif reason is PutOutcome.PRESENT:
+                    result.present.append(write.key)
+                else:
+                    result.failed[write.key] = reason
         evicted_blobs = self._discard_evicted(evicted)
-        outcomes = self._write_batch(todo)
-        full = [(k, b) for k, b in todo if outcomes[k] == "disk_full"]
-        if full:  # the filesystem filled before the tier's capacity: the coldest chunks go
-            freed = self._free_bytes(sum(len(b) for _, b in full))
-            if freed:
-                evicted_blobs += freed
-                outcomes.update(self._write_batch(full))
+        try:
+            outcomes = self._commit.write(todo)
+            full = [w for w in todo if outcomes[w.key].reason == "disk_full"]
+            if full:  # the filesystem filled before the tier's capacity: the coldest go
+                freed = self._free_bytes(sum(w.nbytes for w in full))
+                if freed:
+                    evicted_blobs += freed
+                    outcomes.update(self._commit.write(full))
+        finally:
+            with self._lock:
+                self._reserved -= sum(w.nbytes for w in todo)
         written = 0
         with self._lock:
-            for key, blob in todo:
-                self._reserved -= len(blob)
-                reason = outcomes[key]
+            for write in todo:
+                reason, length = outcomes[write.key].reason, outcomes[write.key].length
                 if reason is None:
-                    self._index.add(key, None, len(blob), info.get(key) if info else None,
-                                    charge=self.occupancy(len(blob)))
-                    result.stored.append(key)
-                    written += len(blob)
+                    self._index.add(write.key, None, length, write.info,
+                                    charge=self.occupancy(length))
+                    result.stored.append(write.key)
+                    written += length
                 else:
-                    result.failed[key] = reason
+                    result.failed[write.key] = reason
         return self._account_put(result, written, evicted_blobs)
+
+    def _admit(self, write: ChunkWrite, evicted: list[tuple[str, str]]) -> PutOutcome | str:
+        """``STORED`` when ``write`` is to be written (room made for it), ``PRESENT``, or
+        why it is not (under the lock)."""
+        key = write.key
+        if key in self._index:
+            self._index.get(key)
+            if write.info is not None:
+                self._index.share(key, write.info.session)
+            return PutOutcome.PRESENT
+        if not STORAGE_KEY_RE.fullmatch(key):
+            return f"invalid: key {key!r} is not a chunk key (hex digest)"
+        reason = write.admission_error()
+        if reason is None and self._capacity is not None:
+            if write.nbytes > self._capacity:
+                reason = PutOutcome.TOO_LARGE.value
+            elif not self._make_room(write.nbytes, evicted):
+                reason = PutOutcome.FULL.value
+        return PutOutcome.STORED if reason is None else reason
 
     def _make_room(self, size: int, evicted: list[tuple[str, str]]) -> bool:
         """Evict LRU chunks until ``size`` more bytes fit (under the lock). Chunks written by
@@ -309,103 +270,17 @@ class DiskTier(IndexedNamespaces, Tier):
             out.append((key, data))
         return out
 
-    def _write_batch(self, todo: list[tuple[str, Blob]]) -> dict[str, str | None]:
-        """Group commit: write + sync every temp file, rename all, sync each directory once.
-        Returns key -> None (stored) or the failure reason; nothing failed stays on disk."""
-        outcomes: dict[str, str | None] = {}
-        if not todo:
-            return outcomes
-        new_dirs = False
-        for sub in {self._shard(key) for key, _ in todo}:
-            path = self.directory / sub
-            if not path.is_dir():
-                try:
-                    path.mkdir(exist_ok=True)
-                    new_dirs = True
-                except OSError as exc:
-                    for key, _ in todo:
-                        if self._shard(key) == sub:
-                            outcomes[key] = failure_reason(exc)
-        pending = [(k, b) for k, b in todo if k not in outcomes]
-        temps = self._map(self._write_temp, pending)
-        renamed: dict[str, list[str]] = {}
-        for (key, _), (temp, reason) in zip(pending, temps, strict=True):
-            if reason is None:
-                try:
-                    os.rename(temp, self._path(key))
-                except OSError as exc:
-                    unlink_if_present(temp)
-                    reason = failure_reason(exc)
-                else:
-                    renamed.setdefault(self._shard(key), []).append(key)
-            outcomes[key] = reason
-        if self.fsync:
-            dirs = [str(self.directory / sub) for sub in renamed]
-            if new_dirs:
-                dirs.append(str(self.directory))
-            for d in dirs:
-                try:
-                    fsync_dir(d)
-                except OSError as exc:
-                    for key in renamed.get(os.path.basename(d), []):
-                        unlink_if_present(self._path(key))
-                        outcomes[key] = failure_reason(exc)
-        return outcomes
-
-    def _write_temp(self, item: tuple[str, Blob]) -> tuple[str, str | None]:
-        key, blob = item
-        temp = self._temp_path(key)
-        try:
-            try:
-                disk_io.write_file(temp, blob, self.fsync, self._o_direct)
-            except disk_io.DirectIOUnsupported as exc:
-                unlink_if_present(temp)
-                self._direct_refused(exc)
-                disk_io.write_file(temp, blob, self.fsync, False)
-        except OSError as exc:
-            unlink_if_present(temp)
-            log.warning("disk tier %s: writing chunk %s failed: %s", self.directory, key, exc)
-            return temp, failure_reason(exc)
-        return temp, None
-
     def share(self, keys: Sequence[str], session: Hashable) -> None:
         with self._lock:
             for key in keys:
                 self._index.share(key, session)
 
-    # --- get ---------------------------------------------------------------------------
-    def get(
-        self,
-        keys: Sequence[str],
-        layers: tuple[int, int] | None = None,
-        verify: bool = True,
-    ) -> list[bytes | None]:
-        """Blobs (or layer-range chunks) read in parallel. With ``verify`` each is checked by
-        checksum; a corrupt or truncated file is deleted and returned as a miss."""
-        if layers is not None and not 0 <= layers[0] < layers[1]:
-            raise InvalidArgumentError(f"layer range {layers} is empty or negative")
-        with self._lock:
-            present = [i for i, key in enumerate(keys) if self._index.get(key) is not None]
-        reads = self._map(lambda i: self._read(keys[i], layers, verify), present)
-        out: list[bytes | None] = [None] * len(keys)
-        gone: list[str] = []
-        corrupt: list[str] = []
-        for i, data in zip(present, reads, strict=True):
-            if data is _CORRUPT:
-                corrupt.append(keys[i])
-            elif data is None:
-                gone.append(keys[i])
-            else:
-                out[i] = data  # type: ignore[assignment]
-        self._forget(corrupt, gone)
-        hits = [b for b in out if b is not None]
-        with self.stats.lock:
-            self.stats.gets += len(keys)
-            self.stats.hits += len(hits)
-            self.stats.misses += len(keys) - len(hits)
-            self.stats.bytes_read += sum(len(b) for b in hits)
-            self.stats.corrupt += len(corrupt)
-        return out
+    # --- lease -------------------------------------------------------------------------
+    def _path(self, key: str) -> str:
+        return self._paths.path(key)
+
+    def _temp_path(self, key: str) -> str:
+        return self._paths.temp_path(key)
 
     def _open(self, key: str) -> tuple[int, bool]:
         direct = self._o_direct
@@ -415,50 +290,26 @@ class DiskTier(IndexedNamespaces, Tier):
             self._direct_refused(exc)
             return disk_io.open_read(self._path(key), False), False
 
-    def _read(self, key: str, layers: tuple[int, int] | None, verify: bool) -> object:
-        """The blob, None if the file is gone, or _CORRUPT."""
+    def _write_file(self, path: str, data: memoryview) -> None:
         try:
-            fd, direct = self._open(key)
-        except FileNotFoundError:
-            return None
-        try:
-            if layers is None:
-                data = disk_io.read_range(fd, 0, os.fstat(fd).st_size, direct)
-            else:
-                data = self._read_layers(key, fd, direct, layers)
-                if data is None:
-                    return _CORRUPT
-        except OSError as exc:
-            log.warning("disk tier %s: reading chunk %s failed: %s", self.directory, key, exc)
-            self.stats.count_error("io_error")
-            return _CORRUPT
-        finally:
-            os.close(fd)
-        if verify and not is_valid(key, data):
-            return _CORRUPT
-        return data
+            disk_io.write_file(path, data, self.fsync, self._o_direct)
+        except disk_io.DirectIOUnsupported as exc:
+            unlink_if_present(path)
+            self._direct_refused(exc)
+            disk_io.write_file(path, data, self.fsync, False)
 
-    @staticmethod
-    def _read_layers(key: str, fd: int, direct: bool, layers: tuple[int, int]) -> bytes | None:
-        """Header + one byte range (two or three preads); None when the file is damaged."""
-        header, offset = DiskTier._read_header(fd, direct)
-        if header is None:
-            return None
-        try:
-            start, length = layer_span(header, layers)
-        except ChunkFormatError as exc:
-            raise InvalidArgumentError(f"chunk {key}: {exc}") from None
-        part = disk_io.read_range(fd, offset + start, length, direct)
-        if len(part) != length:
-            return None
-        return slice_chunk(header, layers, part)
+    def _submit(self, fn: Callable[..., bool], *args: object) -> Future[bool]:
+        return self._pool_or_closed().submit(fn, *args)
+
+    def _read_error(self, key: str, exc: OSError) -> None:
+        log.warning("disk tier %s: reading chunk %s failed: %s", self.directory, key, exc)
+        self.stats.count_error("io_error")
 
     @property
     def staging(self) -> StagingPool:
         """The reused buffers reads land in (share it with the manager's writes)."""
         return self._staging
 
-    # --- lease -------------------------------------------------------------------------
     @contextlib.contextmanager
     def lease(
         self, keys: Sequence[str], layers: tuple[int, int] | None = None, background: bool = False
@@ -482,17 +333,18 @@ class DiskTier(IndexedNamespaces, Tier):
             raise InvalidArgumentError(f"layer range {layers} is empty or negative")
         with self._lock:
             present = [i for i, key in enumerate(keys) if self._index.get(key) is not None]
+        reader = self._reader
         if background and layers is None:
-            reads = self._map(lambda i: self._read_head_into(keys[i]), present)
+            reads = self._map(lambda i: reader.read_head(keys[i]), present)
         else:
-            reads = self._map(lambda i: self._read_into(keys[i], layers), present)
+            reads = self._map(lambda i: reader.read(keys[i], layers), present)
         out: list[torch.Tensor | ReadingBuffer | None] = [None] * len(keys)
         gone: list[str] = []
         corrupt: list[str] = []
         held: list[torch.Tensor] = []
         pending: list[Future[bool]] = []
         for i, got in zip(present, reads, strict=True):
-            if got is _CORRUPT:
+            if got is CORRUPT:
                 corrupt.append(keys[i])
             elif got is None:
                 gone.append(keys[i])
@@ -500,10 +352,9 @@ class DiskTier(IndexedNamespaces, Tier):
                 held.append(got.buf)
                 pending.append(got.done)
                 out[i] = got
-            else:
-                buf, length = got  # type: ignore[misc]
-                held.append(buf)
-                out[i] = buf[:length]
+            elif isinstance(got, FileRead):
+                held.append(got.buf)
+                out[i] = got.buf[: got.length]
         self._forget(corrupt, gone)
         hits = [(v.buf if isinstance(v, ReadingBuffer) else v).numel() for v in out if v is not None]
         with self.stats.lock:
@@ -518,127 +369,6 @@ class DiskTier(IndexedNamespaces, Tier):
             futures_wait(pending)  # no read may land in a buffer handed out again
             for buf in held:
                 self._staging.release(buf)
-
-    def _read_head_into(self, key: str) -> object:
-        """The whole chunk into a staging buffer: its first ``head_bytes`` (the header and,
-        for the chunks of common models, the first layer) in one read now, the rest on the
-        pool (a :class:`ReadingBuffer`); a small chunk, or an older one with an unaligned
-        payload, is read whole, as :meth:`_read_into` does."""
-        try:
-            fd, direct = self._open(key)
-        except FileNotFoundError:
-            return None
-        buf: torch.Tensor | None = None
-        handed_over = False
-        try:
-            size = os.fstat(fd).st_size
-            buf = self._staging.acquire(disk_io.direct_read_room(0, size))
-            view = memoryview(buf.numpy())
-            head = min(size, self.head_bytes)
-            if not disk_io.read_into(fd, 0, head, view, 0, direct):
-                self._staging.release(buf)
-                return _CORRUPT
-            try:
-                header, offset = parse_header(view[:head])
-            except ChunkFormatError:
-                header, offset = None, 0
-            whole = header is None or head == size or offset % 8
-            if whole and head < size:  # a header past the head, or an unaligned payload
-                if not disk_io.read_into(fd, head, size - head, view, head, direct):
-                    self._staging.release(buf)
-                    return _CORRUPT
-                if header is None:
-                    header, offset = self._parsed(view[:size])
-            if header is None or size != offset + header.payload_nbytes:
-                self._staging.release(buf)
-                return _CORRUPT
-            if whole:
-                return buf, size
-            done = self._pool_or_closed().submit(self._read_rest, fd, head, size, view, direct)
-            handed_over = True
-            return ReadingBuffer(buf[:size], head, done)
-        except OSError as exc:
-            return self._read_failed(key, buf, exc)
-        finally:
-            if not handed_over:
-                os.close(fd)
-
-    @staticmethod
-    def _parsed(data: memoryview) -> tuple[ChunkHeader | None, int]:
-        try:
-            return parse_header(data)
-        except ChunkFormatError:
-            return None, 0
-
-    def _read_failed(self, key: str, buf: torch.Tensor | None, exc: OSError) -> object:
-        """A read that failed: its buffer back, the error logged and counted, _CORRUPT."""
-        if buf is not None:
-            self._staging.release(buf)
-        log.warning("disk tier %s: reading chunk %s failed: %s", self.directory, key, exc)
-        self.stats.count_error("io_error")
-        return _CORRUPT
-
-    def _read_rest(self, fd: int, start: int, size: int, view: memoryview, direct: bool) -> bool:
-        """Bytes ``[start, size)`` of an open chunk file into ``view`` at the same offset,
-        then close it; False if the file ended first."""
-        try:
-            ok = disk_io.read_into(fd, start, size - start, view, start, direct)
-        except OSError as exc:
-            log.warning("disk tier %s: background read failed: %s", self.directory, exc)
-            self.stats.count_error("io_error")
-            raise
-        finally:
-            os.close(fd)
-        return ok
-
-    def _read_into(self, key: str, layers: tuple[int, int] | None) -> object:
-        """(staging buffer, chunk length), None if the file is gone, or _CORRUPT."""
-        try:
-            fd, direct = self._open(key)
-        except FileNotFoundError:
-            return None
-        buf: torch.Tensor | None = None
-        try:
-            size = os.fstat(fd).st_size
-            header, offset = self._read_header(fd, direct)
-            if header is None or size != offset + header.payload_nbytes:
-                return _CORRUPT
-            if layers is None:  # the whole file as written: the chunk's own bytes
-                buf = self._staging.acquire(disk_io.direct_read_room(0, size))
-                if not disk_io.read_into(fd, 0, size, memoryview(buf.numpy()), 0, direct):
-                    self._staging.release(buf)
-                    return _CORRUPT
-                return buf, size
-            try:
-                span = layers
-                lo, length = layer_span(header, span)
-            except ChunkFormatError as exc:
-                raise InvalidArgumentError(f"chunk {key}: {exc}") from None
-            part = range_header(header, span)
-            at = round_up(header_room(part), PAYLOAD_ALIGN)
-            if direct:  # the payload lands at the same offset within a page as on disk
-                at += (offset + lo - at) % disk_io.ALIGN
-            buf = self._staging.acquire(at + disk_io.direct_read_room(offset + lo, length))
-            if not disk_io.read_into(fd, offset + lo, length, memoryview(buf.numpy()), at, direct):
-                self._staging.release(buf)
-                return _CORRUPT
-            return buf, write_header(buf, part, at)
-        except OSError as exc:
-            return self._read_failed(key, buf, exc)
-        finally:
-            os.close(fd)
-
-    @staticmethod
-    def _read_header(fd: int, direct: bool) -> tuple[ChunkHeader | None, int]:
-        head = disk_io.read_range(fd, 0, disk_io.HEAD_READ, direct)
-        if len(head) >= _PREFIX.size:
-            need = _PREFIX.size + _PREFIX.unpack_from(head)[1]
-            if len(head) < need <= _PREFIX.size + (1 << 16):
-                head = disk_io.read_range(fd, 0, need, direct)
-        try:
-            return parse_header(head)
-        except ChunkFormatError:
-            return None, 0
 
     def _forget(self, corrupt: Sequence[str], gone: Sequence[str]) -> None:
         """Drop corrupt files (and their index entries) and entries whose file vanished."""

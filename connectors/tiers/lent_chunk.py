@@ -1,5 +1,10 @@
-"""A whole chunk lent before its checksums are read, for a reader that checks each group
-of layers right before it copies them.
+"""A whole chunk lent before its checksums are read: the one place a read is verified.
+
+Every chunk a tier lends reaches its reader as a :class:`LentChunk` whose key, model and
+length were checked; its per-layer checksums are checked by :meth:`LentChunk.check` (or a
+fused kernel that compares as it copies, :meth:`LentChunk.read_groups`), once per read,
+by the reader that uses the bytes: a restore group by group, a blob reader all at once
+(:meth:`LentChunk.verify`).
 
 A restore that verifies a whole chunk and then scatters it reads every byte from memory
 twice; checking a group of layers and copying it at once reads it once, the second pass
@@ -21,10 +26,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
-from kvtier.chunk_format import ChunkHeader, check_layers
+from kvtier.chunk_format import DTYPES, ChunkHeader, check_layers
 from kvtier.errors import ChunkFormatError
 
 
@@ -39,24 +45,39 @@ class ReadingBuffer:
     done: Future[bool]
 
 
-@dataclass
+@dataclass(eq=False)
 class LentChunk:
-    kv: torch.Tensor
-    """The chunk's KV ``[layers, 2, tokens, heads, dim]``, a view of the lent buffer."""
-    buf: torch.Tensor | None = None
-    """The whole chunk's bytes to check against; None: verified already (read through a
-    tier's ``get``, which verifies)."""
-    header: ChunkHeader | None = None
+    buf: torch.Tensor
+    """The whole chunk's bytes (uint8, header and payload), in the tier's lent memory."""
+    header: ChunkHeader
     error: ChunkFormatError | None = None
     """The first failed check, if any."""
     reading: ReadingBuffer | None = None
     """Where the tier still reads the chunk's later layers (None: all read)."""
 
+    @property
+    def payload(self) -> torch.Tensor:
+        """The payload's bytes (uint8, a view of ``buf``)."""
+        return self.buf[self.buf.numel() - self.header.payload_nbytes :]
+
+    @cached_property
+    def kv(self) -> torch.Tensor:
+        """The chunk's KV ``[layers, 2, tokens, heads, dim]``: a view of the lent buffer
+        (a copy for an older chunk whose payload is not aligned for its dtype, taken once
+        every layer was read)."""
+        payload, dtype = self.payload, DTYPES[self.header.dtype]
+        if payload.storage_offset() % dtype.itemsize:
+            self._wait(self.header.num_layers)
+            payload = payload.clone()
+        return payload.view(dtype).view(self.header.shape)
+
+    def verify(self) -> None:
+        """Check every layer (a reader that uses the whole chunk at once)."""
+        self.check(0, self.header.num_layers)
+
     def check(self, start: int, end: int) -> None:
         """Verify layers ``[start, end)``, once they have been read; raises
         :class:`ChunkFormatError` on a mismatch or a failed read."""
-        if self.buf is None or self.header is None:
-            return
         try:
             self._wait(end)
             check_layers(self.buf, self.header, start, end)
@@ -82,8 +103,6 @@ class LentChunk:
         *unchecked*, with the checksums its layers must have. The reader must compare
         before using a byte and report a mismatch with :meth:`fail`; a failed read raises
         :class:`ChunkFormatError` here."""
-        if self.buf is None or self.header is None:
-            raise ValueError("read_groups is for a chunk lent unchecked")
         for a, b in self._groups(group_bytes, start, end):
             try:
                 self._wait(b)
@@ -94,16 +113,13 @@ class LentChunk:
 
     def fail(self, layer: int) -> None:
         """Record that ``layer`` failed its checksum (found by the reader) and raise."""
-        key = self.header.key if self.header is not None else "?"
-        exc = ChunkFormatError(f"chunk {key}: checksum mismatch in layer {layer} (corrupted bytes)")
+        exc = ChunkFormatError(
+            f"chunk {self.header.key}: checksum mismatch in layer {layer} (corrupted bytes)")
         self.error = self.error or exc
         raise exc
 
     def _groups(self, group_bytes: int, start: int, end: int | None) -> Iterator[tuple[int, int]]:
-        if self.header is not None:
-            layers, step = self.header.num_layers, self.header.layer_nbytes
-        else:
-            layers, step = self.kv.shape[0], self.kv[0].numel() * self.kv.element_size()
+        layers, step = self.header.num_layers, self.header.layer_nbytes
         end = layers if end is None else end
         per = max(1, group_bytes // max(step, 1))
         for a in range(start, end, per):
@@ -112,9 +128,9 @@ class LentChunk:
     def _wait(self, end: int) -> None:
         """Wait until layers ``[0, end)`` lie in the buffer."""
         reading, header = self.reading, self.header
-        if reading is None or header is None:
+        if reading is None:
             return
-        payload_at = self.buf.numel() - header.payload_nbytes  # type: ignore[union-attr]
+        payload_at = self.buf.numel() - header.payload_nbytes
         if payload_at + end * header.layer_nbytes <= reading.ready_bytes:
             return
         try:

@@ -1,14 +1,14 @@
 """Redis (or Redis Cluster) as the shared, scale-out tier.
 
-One key per chunk holds the whole blob (header and payload together), so a chunk is
+One key per chunk holds the whole chunk (header and payload together), so a chunk is
 either wholly visible or absent — never the half-written pair of keys LMCache leaves.
-Every batch is one pipelined round trip (per node on a cluster): ``SET NX [EX]`` for put,
-``MGET`` (pipelined ``GET`` on a cluster) for get, ``EXISTS`` per key for
-``contains_prefix``; a layer-range get is two (header probe, then the byte range).
+Every batch is one pipelined round trip (per node on a cluster): ``SET NX [EX]`` for a
+store, ``MGET`` (pipelined ``GET`` on a cluster) for a lease, ``EXISTS`` per key for
+``contains_prefix``; a layer-range lease is two (header probe, then the byte range).
 
-redis-py's asyncio client runs on a private event loop in a daemon thread; the sync Tier
-methods submit to it and wait at most the configured deadline, and the ``a*`` coroutines
-let an asyncio server await the same client from its own loop. A server that is down,
+redis-py's asyncio client runs on a private event loop in a daemon thread; the Tier
+methods submit to it and wait at most the configured deadline (whole-chunk reads go over a
+plain connection straight into staging buffers, see ``redis_bulk``). A server that is down,
 unreachable or stalled never raises out of a call: gets miss, puts report ``unavailable``
 per key, and ``stats.errors`` counts ``unavailable`` / ``timeout``. The pool reconnects by
 itself when the server is back. The connection itself (URLs, clients, the loop, which
@@ -17,7 +17,6 @@ exceptions are faults) lives in ``redis_client``.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import threading
@@ -28,8 +27,8 @@ from urllib.parse import urlsplit
 import torch
 from redis.utils import HIREDIS_AVAILABLE
 
-from kvtier.chunk_format import byte_view, layer_span, parse_header, slice_chunk, validate_chunk
-from kvtier.connectors.tiers.base import Blob, PutResult, Tier
+from kvtier.chunk_format import byte_view, layer_span, parse_header, slice_chunk
+from kvtier.connectors.tiers.base import Blob, ChunkWrite, PutResult, Tier
 from kvtier.connectors.tiers.host_buffers import StagingPool
 from kvtier.connectors.tiers.namespace_usage import NamespaceUsage
 from kvtier.connectors.tiers.redis_bulk import get_into
@@ -155,18 +154,6 @@ class RedisTier(Tier):
             fut.cancel()
             return self._fault(what, exc, fallback)
 
-    async def _aguarded(self, what: str, coro: Coroutine[Any, Any, T], fallback: Callable[[str], T],
-                        nbytes: int = 0) -> T:
-        """The async face: await the tier's loop from the caller's loop."""
-        if self._closed:
-            coro.close()
-            return fallback("unavailable: tier closed")
-        fut = self._conn.submit(coro, self.deadline(nbytes))
-        try:
-            return await asyncio.wrap_future(fut)
-        except FAULTS as exc:
-            return self._fault(what, exc, fallback)
-
     def _fault(self, what: str, exc: BaseException, fallback: Callable[[str], T]) -> T:
         kind = error_kind(exc)
         self.stats.count_error(kind)
@@ -225,24 +212,18 @@ class RedisTier(Tier):
                 self._namespaces.add(k, self.occupancy(len(chunks[k])))
         return result
 
-    async def _get(
-        self, keys: Sequence[str], layers: tuple[int, int] | None, verify: bool = True
-    ) -> list[bytes | None]:
+    async def _get(self, keys: Sequence[str], layers: tuple[int, int] | None
+                   ) -> list[bytes | None]:
+        """The values (or layer ranges framed as chunks), unverified: the stack checks
+        them. One whose header cannot be parsed is dropped here."""
         if not keys:
             return []
         if layers is None:
-            raw = await self._get_whole(keys)
-            out: list[bytes | None] = []
-            corrupt: dict[str, int] = {}
-            for k, blob in zip(keys, raw, strict=True):
-                if verify and blob is not None and not self._valid(k, blob):
-                    corrupt[k] = len(blob)
-                    blob = None
-                out.append(blob)
+            out = await self._get_whole(keys)
         else:
             out, corrupt = await self._get_layers(keys, layers)
-        if corrupt:
-            await self._drop_corrupt(corrupt)
+            if corrupt:
+                await self._drop_corrupt(corrupt)
         self._account_get(keys, [None if b is None else len(b) for b in out])
         return out
 
@@ -324,20 +305,11 @@ class RedisTier(Tier):
                     start, length = layer_span(header, layers)
                     part = part[offset + start : offset + start + length]
                 blob = slice_chunk(header, layers, part)
-                validate_chunk(blob, key=k)
             except ChunkError:
                 corrupt[k] = header.payload_nbytes if header is not None else len(part)
                 continue
             out[i] = blob
         return out, corrupt
-
-    def _valid(self, key: str, blob: bytes) -> bool:
-        try:
-            validate_chunk(blob, key=key)
-        except ChunkError as exc:
-            log.warning("redis tier: dropping corrupt chunk %s: %s", key, exc)
-            return False
-        return True
 
     async def _drop_corrupt(self, corrupt: Mapping[str, int]) -> None:
         pipe = self._pipeline()
@@ -403,21 +375,17 @@ class RedisTier(Tier):
         if layers is not None and not 0 <= layers[0] < layers[1]:
             raise InvalidArgumentError(f"layers must be (start, end) with 0 <= start < end, got {layers}")
 
-    def _put_failed(self, chunks: Mapping[str, Blob]) -> Callable[[str], PutResult]:
-        return lambda why: PutResult(failed={k: why for k in chunks})
-
-    def _put_batches(self, chunks: Mapping[str, Blob]) -> list[dict[str, Blob]]:
-        """``chunks`` in calls of at most ``max_batch_bytes`` (a bigger chunk goes alone)."""
-        batches: list[dict[str, Blob]] = [{}]
+    def _put_batches(self, writes: Sequence[ChunkWrite]) -> list[list[ChunkWrite]]:
+        """``writes`` in calls of at most ``max_batch_bytes`` (a bigger chunk goes alone)."""
+        batches: list[list[ChunkWrite]] = [[]]
         size = 0
-        for k, blob in chunks.items():
-            n = len(blob)
-            self._chunk_hint = max(self._chunk_hint, n)
-            if batches[-1] and size + n > self.max_batch_bytes:
-                batches.append({})
+        for write in writes:
+            self._chunk_hint = max(self._chunk_hint, write.nbytes)
+            if batches[-1] and size + write.nbytes > self.max_batch_bytes:
+                batches.append([])
                 size = 0
-            batches[-1][k] = blob
-            size += n
+            batches[-1].append(write)
+            size += write.nbytes
         return [b for b in batches if b]
 
     def _get_batches(self, keys: Sequence[str]) -> list[Sequence[str]]:
@@ -429,26 +397,36 @@ class RedisTier(Tier):
     def _get_budget(self, n: int) -> int:
         return n * (self._chunk_hint or 1 << 20)
 
-    def put(self, chunks: Mapping[str, Blob], info: Mapping[str, object] | None = None) -> PutResult:
-        """``info`` is ignored: Redis evicts by its own ``maxmemory`` policy."""
+    def store_in_place(self, writes: Sequence[ChunkWrite]) -> PutResult:
+        """``SET NX`` each chunk from its bytes (a fill lands in a staging buffer first, sent
+        from there with no copy), one pipeline per batch of ``max_batch_bytes``. Writes'
+        ``info`` is not used: Redis evicts by its own ``maxmemory`` policy."""
         result = PutResult()
-        for batch in self._put_batches(chunks):
-            part = self._guarded("put", self._put(batch), self._put_failed(batch),
-                                 sum(len(b) for b in batch.values()))
+        todo: list[ChunkWrite] = []
+        for write in writes:
+            reason = write.admission_error()
+            if reason is not None:
+                result.failed[write.key] = reason
+                self.stats.count_error("invalid")
+            else:
+                todo.append(write)
+        for batch in self._put_batches(todo):
+            with contextlib.ExitStack() as held:
+                values = {w.key: held.enter_context(w.bytes_from(self._staging)) for w in batch}
+                part = self._guarded("put", self._put(values),
+                                     lambda why, keys=list(values): PutResult(
+                                         failed={k: why for k in keys}),
+                                     sum(len(v) for v in values.values()))
             result.stored += part.stored
             result.present += part.present
             result.failed.update(part.failed)
         return result
 
-    def get(self, keys: Sequence[str], layers: tuple[int, int] | None = None) -> list[bytes | None]:
-        self._check_layers(layers)
-        return self._read(keys, layers, verify=True)
-
-    def _read(self, keys: Sequence[str], layers: tuple[int, int] | None, verify: bool
-              ) -> list[bytes | None]:
+    def _read(self, keys: Sequence[str], layers: tuple[int, int] | None) -> list[bytes | None]:
+        """Values read as bytes (a layer range, or a cluster's whole chunks)."""
         out: list[bytes | None] = []
         for batch in self._get_batches(keys):
-            blobs = self._guarded("get", self._get(batch, layers, verify=verify),
+            blobs = self._guarded("get", self._get(batch, layers),
                                   self._all_missed(batch), self._get_budget(len(batch)))
             for b in blobs:
                 if b is not None:
@@ -458,14 +436,14 @@ class RedisTier(Tier):
 
     @contextlib.contextmanager
     def lease(
-        self, keys: Sequence[str], layers: tuple[int, int] | None = None
+        self, keys: Sequence[str], layers: tuple[int, int] | None = None, background: bool = False
     ) -> Iterator[list[torch.Tensor | None]]:
-        """The chunks as uint8 tensors over the replies (no copy), for the manager to
-        verify once (:func:`~kvtier.chunk_format.chunk_view`) and scatter from: whole
-        chunks unverified here (one round trip), layer ranges as :meth:`get` reads them."""
+        """The chunks as uint8 tensors, unverified (the stack checks them once): whole
+        chunks read straight into staging buffers (one round trip); layer ranges, and a
+        cluster's chunks, as tensors over the replies (two round trips: header, range)."""
         self._check_layers(layers)
         if layers is not None or self._sync is None or self._closed:
-            blobs = self._read(keys, layers, verify=False)
+            blobs = self._read(keys, layers)
             yield [None if b is None else byte_view(b) for b in blobs]
             return
         got: list[tuple[torch.Tensor, int] | None] = []
@@ -480,7 +458,7 @@ class RedisTier(Tier):
 
     def _get_into(self, keys: Sequence[str]) -> list[tuple[torch.Tensor, int] | None]:
         """Whole chunks read straight into staging buffers (see :mod:`.redis_bulk`), on
-        the calling thread; a fault is a miss of every key, counted as :meth:`get` does."""
+        the calling thread; a fault is a miss of every key, counted as any read's."""
         assert self._sync is not None
         self.round_trips += 1
         try:
@@ -515,33 +493,6 @@ class RedisTier(Tier):
             return [None] * len(keys)
 
         return missed
-
-    # --- the async face (awaitable from any event loop) ---------------------------------
-    async def aput(self, chunks: Mapping[str, Blob]) -> PutResult:
-        result = PutResult()
-        for batch in self._put_batches(chunks):
-            part = await self._aguarded("put", self._put(batch), self._put_failed(batch),
-                                        sum(len(b) for b in batch.values()))
-            result.stored += part.stored
-            result.present += part.present
-            result.failed.update(part.failed)
-        return result
-
-    async def aget(
-        self, keys: Sequence[str], layers: tuple[int, int] | None = None
-    ) -> list[bytes | None]:
-        self._check_layers(layers)
-        out: list[bytes | None] = []
-        for batch in self._get_batches(keys):
-            out += await self._aguarded("get", self._get(batch, layers), self._all_missed(batch),
-                                        self._get_budget(len(batch)))
-        return out
-
-    async def acontains_prefix(self, keys: Sequence[str]) -> int:
-        return await self._aguarded("contains_prefix", self._contains_prefix(keys), lambda _: 0)
-
-    async def adelete(self, keys: Sequence[str]) -> int:
-        return await self._aguarded("delete", self._delete(keys), lambda _: 0)
 
     # --- tenants ---------------------------------------------------------------------
     def namespace_held(self, namespace: str, keys: Sequence[str] = ()) -> tuple[int, set[str]]:

@@ -24,6 +24,7 @@ import torch
 
 from kvtier.chunk_format import chunk_layout, encode_into, namespaced_key
 from kvtier.chunk_keys import ChunkKey, chunk_keys
+from kvtier.connectors.tiers.base import ChunkWrite
 from kvtier.connectors.tiers.chunk_workers import map_store
 from kvtier.connectors.tiers.manager import PutReport, TierManager
 from kvtier.errors import InvalidArgumentError
@@ -357,31 +358,29 @@ class KVTransfer(RestoreMixin):
         report: SaveReport,
     ) -> dict[str, Source]:
         """Write the chunks straight into the target tier's memory where it lends it
-        (the CPU arena: one copy into a slot, header and checksums written in place);
-        returns the chunks left for a staging buffer (a tier that lends no memory, or a
-        full one: put then hands them down)."""
+        (the CPU arena: one copy into a slot, header and checksums written in place; the
+        tier fills two at a time), and on down the stack where it is full; returns the
+        chunks left for staging buffers (every chunk, for a tier that lends no memory)."""
         fp = self.runner.fingerprint
-        target = self.manager.tier_index(tier) if isinstance(tier, str) else tier
-        pending = dict(sources)
-
-        def store(item: tuple[str, Source]) -> tuple[str, int, str | None]:
-            key, source = item
+        target = self._tier_index(tier)
+        assert target is not None
+        if not sources or not self.manager.lends_memory(target):
+            return dict(sources)  # every chunk goes through staging
+        writes: list[ChunkWrite] = []
+        for key, source in sources.items():
             shape, dtype, _ = source
             _, total = chunk_layout(key, fp, dtype, shape)
-            info = ChunkInfo(total, session=owner, index=index[key])
-            done = self.manager.store_in_place(
-                target, key, total, lambda slot: self._encode(key, source, slot), info
-            )
-            return key, total, done
-
-        if not sources or not self.manager.lends_memory(target, next(iter(sources))):
-            return pending  # every chunk goes through staging
-        for key, total, done in map_store(store, sources.items()):
-            if done in ("stored", "present"):
-                del pending[key]
+            writes.append(ChunkWrite(
+                key, total, fill=lambda slot, key=key, source=source: self._encode(key, source, slot),
+                info=ChunkInfo(total, session=owner, index=index[key])))
+        res = self.manager.store(writes, target)
+        for write in writes:
+            if write.key in res.failed:
+                report.failed[write.key] = res.failed[write.key]
+            else:
                 report.stored += 1
-                report.bytes += total
-        return pending
+                report.bytes += write.nbytes
+        return {}
 
     def _put_staged(
         self,
@@ -463,10 +462,11 @@ class KVTransfer(RestoreMixin):
         self, blobs: dict[str, memoryview], tier: int | str, owner: Hashable | None, index: dict[str, int]
     ) -> Future[PutReport]:
         """Put one batch of encoded chunks on the putter thread (batches in order)."""
-        info = {key: ChunkInfo(len(b), session=owner, index=index[key]) for key, b in blobs.items()}
+        writes = [ChunkWrite.of_blob(key, b, ChunkInfo(len(b), session=owner, index=index[key]))
+                  for key, b in blobs.items()]
         if self._putter is None:
             self._putter = ThreadPoolExecutor(1, thread_name_prefix="kvtier-put")
-        return self._putter.submit(self.manager.put, blobs, tier, info)
+        return self._putter.submit(self.manager.store, writes, tier)
 
     def close(self) -> None:
         """Wait for restores and puts in flight and stop their threads."""

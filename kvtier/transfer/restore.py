@@ -346,7 +346,10 @@ class RestoreMixin:
         stop = layer + 1 if last is None else last + 1
         span = None if (layer, stop) == (0, self._pool.storage.num_layers) else (layer, stop)
         kv = self._pool.storage.kv
-        with self.manager.lease([ck.key for ck in chunks], span, where, deferred=deferred) as parts:
+        keys = [ck.key for ck in chunks]
+        lease = (self.manager.lease_chunks(keys, where) if deferred
+                 else self.manager.lease(keys, span, where))
+        with lease as parts:
             for i, (ck, part) in enumerate(zip(chunks, parts, strict=True)):
                 want = (stop - layer, 2, ck.num_tokens, kv.shape[4], kv.shape[5])
                 got = part.kv if isinstance(part, LentChunk) else part

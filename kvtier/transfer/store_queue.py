@@ -89,7 +89,7 @@ class StoreQueue:
             return done
         self.prefetches += 1
         return self._pool.submit(
-            lambda: sum(b is not None for b in self.kv.manager.get(keys))
+            lambda: self.kv.manager.prefetch(keys)
         )
 
     def drain(self) -> None:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvtier.config import TiersConfig
+from kvtier.connectors.tiers.blobs import get_blobs, put_blobs
 from kvtier.engine.engine import Engine, UnknownSessionError
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import InvalidArgumentError
@@ -242,11 +243,11 @@ def test_a_chunk_corrupt_in_a_later_layer_is_recomputed_and_the_reply_unchanged(
         assert off.stored_tokens >= 128
         cpu = eng.tiers.tiers[0]
         key = eng.kv._keys(eng.sessions["s"].token_ids[:128])[1].key
-        blob = bytearray(cpu.get([key])[0])
+        blob = bytearray(get_blobs(cpu, [key])[0])
         header, _ = parse_header(blob)
         blob[len(blob) - header.layer_nbytes + 7] ^= 0xFF  # the last layer
         cpu.delete([key])
-        cpu.put({key: bytes(blob)})
+        put_blobs(cpu, {key: bytes(blob)})
         turn2 = eng.chat("s", "And in winter?", GREEDY)
         assert eng.kv.lost_restores == (1 if stream else 0)
         assert eng.runner.layer_loads == []

@@ -14,6 +14,7 @@ import pytest
 
 from kvtier.chunk_format import namespaced_key, validate_chunk
 from kvtier.client import Client, ServiceError
+from kvtier.connectors.tiers.blobs import put_blobs
 from kvtier.errors import InvalidArgumentError
 from kvtier.server.state import ServiceState
 from tests.http_server import running
@@ -127,7 +128,7 @@ def test_a_corrupt_cpu_copy_is_never_sent_and_the_disk_copy_is(tmp_path):
         kv.put_chunk(key(1), blob, tier="disk")
         cpu = state.manager.tiers[0]
         stored = served(blob)
-        assert cpu.put({stored_as(key(1)): stored}).stored == [stored_as(key(1))]
+        assert put_blobs(cpu, {stored_as(key(1)): stored}).stored == [stored_as(key(1))]
         slot, _ = cpu._index.get(stored_as(key(1)), touch=False)
         cpu._arena[slot * cpu.slot_bytes + len(stored) - 100] ^= 0xFF  # a flipped bit at rest
         got = kv.get_chunk(key(1))

@@ -14,6 +14,7 @@ import pytest
 from kvtier.chunk_format import namespaced_key
 from kvtier.client import Client, ServiceError
 from kvtier.config import TokenConfig
+from kvtier.connectors.tiers.blobs import get_blobs, put_blobs
 from kvtier.errors import InvalidArgumentError
 from kvtier.server.state import ServiceState
 from tests.http_server import running
@@ -82,7 +83,7 @@ def test_bytes_changed_in_the_region_after_the_put_do_not_change_what_was_stored
             t.join()
         # the header names key(1): every other key is refused; key(1) is stored or refused
         assert set(codes[1:]) == {400} and codes[0] in (201, 400)
-        got = state.manager.get([namespaced_key("default", key(1))])[0]
+        got = get_blobs(state.manager, [namespaced_key("default", key(1))])[0]
         assert got is None or bytes(got) == blob  # never a scribbled chunk
         mem.release()
 
@@ -169,7 +170,7 @@ def test_a_corrupt_copy_is_never_written_to_a_region_and_the_disk_copy_is(tmp_pa
         kv.put_chunk(key(1), blob, tier="disk")
         cpu = state.manager.tiers[0]
         stored = served(blob)
-        assert cpu.put({where: stored}).stored == [where]
+        assert put_blobs(cpu, {where: stored}).stored == [where]
         slot, _ = cpu._index.get(where, touch=False)  # noqa: SLF001
         cpu._arena[slot * cpu.slot_bytes + len(stored) - 100] ^= 0xFF  # noqa: SLF001 - a flipped bit at rest
         out = bytearray(1 << 20)

@@ -17,6 +17,7 @@ import torch
 from kvtier.chunk_format import encode_chunk
 from kvtier.client import Client, ServiceError
 from kvtier.config import load_config
+from kvtier.connectors.tiers.blobs import get_each, put_blobs
 from kvtier.engine.engine import Engine
 from kvtier.engine.sampling import SamplingParams
 from kvtier.server.state import ServiceState
@@ -201,6 +202,8 @@ def test_a_chunk_copied_into_another_tenants_name_is_never_served_to_it(tmp_path
 
 
 def test_a_chunk_naming_another_tenant_is_refused_by_every_tier(tmp_path, redis_server):
+    import redis
+
     from kvtier.chunk_format import namespaced_key
     from kvtier.connectors.tiers.cpu_tier import CPUTier
     from kvtier.connectors.tiers.disk_tier import DiskTier
@@ -209,19 +212,22 @@ def test_a_chunk_naming_another_tenant_is_refused_by_every_tier(tmp_path, redis_
 
     alices = served(chunk(key(1)), "alice")
     bobs_key = namespaced_key("bob", key(1))
-    for tier in (CPUTier(1 << 20, 64 << 10), DiskTier(tmp_path / "d", fsync=False)):
-        try:  # tiers that check what they admit refuse it outright
-            res = tier.put({bobs_key: alices})
+    for tier in (CPUTier(1 << 20, 64 << 10), DiskTier(tmp_path / "d", fsync=False),
+                 RedisTier(redis_server.url)):
+        try:  # every tier checks what it admits: refused outright
+            res = put_blobs(tier, {bobs_key: alices})
             assert res.stored == [] and "another tenant" in res.failed[bobs_key], tier.name
             assert not tier.contains_prefix([bobs_key])
         finally:
             tier.close()
-    # Redis checks on read (a value can be written by anyone who reaches the server): a miss.
+    # A Redis value can be written by anyone who reaches the server: checked on read, a miss.
     manager = TierManager([RedisTier(redis_server.url)])
     try:
-        assert manager.tiers[0].put({bobs_key: alices}).stored == [bobs_key]
-        assert manager.get_each([bobs_key]) == [(None, None)]
-        with manager.lease([bobs_key], raw=True) as (lent,):
+        raw = redis.Redis.from_url(redis_server.url)
+        raw.set(manager.tiers[0].prefix + bobs_key, alices)
+        raw.close()
+        assert get_each(manager, [bobs_key]) == [(None, None)]
+        with manager.lease_chunks([bobs_key]) as (lent,):
             assert lent is None
     finally:
         manager.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from kvtier.chunk_format import encode_chunk
+from kvtier.connectors.tiers.blobs import put_blobs
 from kvtier.connectors.tiers.chunk_index import ChunkIndex
 from kvtier.connectors.tiers.cpu_tier import CPUTier
 from kvtier.connectors.tiers.disk_tier import DiskTier
@@ -66,7 +67,7 @@ def test_the_demotion_hook_decides_where_a_victim_goes(tmp_path):
     plain = _stack(tmp_path / "plain", 2)
     try:
         for key, blob in blobs:
-            plain.put({key: blob})
+            put_blobs(plain, {key: blob})
         assert plain.tiers[1].contains_prefix([blobs[0][0]]) == 1  # demoted to disk
         assert (plain.stats.demotions, plain.stats.demotions_skipped) == (1, 0)
     finally:
@@ -76,7 +77,7 @@ def test_the_demotion_hook_decides_where_a_victim_goes(tmp_path):
     dropping.demotion = lambda index, nbytes: asked.append((index, nbytes))  # -> None: drop
     try:
         for key, blob in blobs:
-            dropping.put({key: blob})
+            put_blobs(dropping, {key: blob})
         assert asked == [(0, len(blobs[0][1]))]
         assert dropping.lookup([blobs[0][0]]).length == 0  # gone from every tier
         assert (dropping.stats.demotions, dropping.stats.demotions_skipped) == (0, 1)

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from kvtier.chunk_format import chunk_layout, chunk_view, encode_into
+from kvtier.connectors.tiers.base import ChunkWrite
+from kvtier.connectors.tiers.blobs import get_blobs
 from kvtier.connectors.tiers.cpu_tier import CPUTier
 
 FP = b"fp"
@@ -24,9 +26,12 @@ def _kv(i: int) -> torch.Tensor:
 def _store(tier: CPUTier, i: int) -> str:
     key = _key(i)
     _, total = chunk_layout(key, FP, torch.float32, SHAPE)
-    return tier.store_in_place(
-        key, total, lambda slot: encode_into(slot, key, FP, torch.float32, SHAPE, lambda p: p.copy_(_kv(i)))
-    )
+    return _store_one(tier, key, total, lambda slot: encode_into(
+        slot, key, FP, torch.float32, SHAPE, lambda p: p.copy_(_kv(i))))
+
+
+def _store_one(tier: CPUTier, key: str, nbytes: int, fill) -> str:
+    return tier.store_in_place([ChunkWrite(key, nbytes, fill=fill)]).outcome(key)
 
 
 def _tier(slots: int) -> CPUTier:
@@ -38,7 +43,7 @@ def test_a_chunk_stored_in_place_reads_back_as_a_view_of_the_arena():
     tier = _tier(2)
     try:
         assert _store(tier, 1) == "stored" and _store(tier, 1) == "present"
-        assert tier.get([_key(1)])[0] is not None  # every reader takes it
+        assert get_blobs(tier, [_key(1)])[0] is not None  # every reader takes it
         with tier.lease([_key(1), _key(9)]) as views:
             assert views[1] is None
             _, kv = chunk_view(views[0], _key(1), FP)
@@ -57,9 +62,9 @@ def test_a_failed_fill_leaves_nothing_visible_and_frees_its_slot():
             raise RuntimeError("gather failed")
 
         with pytest.raises(RuntimeError, match="gather failed"):
-            tier.store_in_place(_key(1), 100, broken)
+            _store_one(tier, _key(1), 100, broken)
         assert len(tier) == 0 and tier.free_slots == 1
-        assert tier.store_in_place(_key(2), 10**9, broken) == "too_large"
+        assert _store_one(tier, _key(2), 10**9, broken) == "too_large"
     finally:
         tier.close()
 
@@ -138,7 +143,7 @@ def test_a_chunk_on_its_way_down_stays_readable_and_its_reader_keeps_the_slot():
         if held:
             return
         seen["present"] = key in tier and tier.contains_prefix([key]) == 1
-        seen["copy"] = tier.get([key])[0]
+        seen["copy"] = get_blobs(tier, [key])[0]
         lease = tier.lease([key])
         (view,) = lease.__enter__()
         held.append((lease, view))

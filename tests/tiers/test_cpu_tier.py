@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvtier.chunk_format import encode_chunk, max_chunk_bytes, validate_chunk
+from kvtier.connectors.tiers.blobs import get_blobs, put_blobs
 from kvtier.connectors.tiers.cpu_tier import CPUTier
 from kvtier.errors import InvalidArgumentError, TierError
 
@@ -38,12 +39,12 @@ def test_arena_is_preallocated_and_slots_are_reused() -> None:
     tier.add_eviction_listener(on_evict)
     chunks = dict(blob(i) for i in range(12))
     for key, data in chunks.items():
-        assert tier.put({key: data}).stored == [key]
+        assert put_blobs(tier, {key: data}).stored == [key]
     assert tier._arena.data_ptr() == ptr and tier._arena.numel() == size
     assert len(tier) == 4 and tier.free_slots == 0
     assert [k for k, _ in evicted] == list(chunks)[:8]
     assert all(handed) and all(b == chunks[k] for k, b in evicted)  # whole, unchanged
-    assert tier.get(list(chunks)[8:]) == list(chunks.values())[8:]
+    assert get_blobs(tier, list(chunks)[8:]) == list(chunks.values())[8:]
     tier.close()
 
 
@@ -52,11 +53,11 @@ def test_tail_takes_one_slot_and_too_large_is_refused() -> None:
     tail_key, tail = blob(1, tokens=3)
     big_key, big = blob(2, tokens=TOKENS * 8)  # a payload past the slot's header room
     assert len(big) > SLOT
-    res = tier.put({tail_key: tail, big_key: big})
+    res = put_blobs(tier, {tail_key: tail, big_key: big})
     assert res.stored == [tail_key] and res.failed == {big_key: "too_large"}
     assert tier.free_slots == 2 and tier.used_bytes == len(tail)
-    assert tier.get([tail_key]) == [tail]
-    validate_chunk(tier.get([tail_key], layers=(1, 2))[0], key=tail_key)
+    assert get_blobs(tier, [tail_key]) == [tail]
+    validate_chunk(get_blobs(tier, [tail_key], layers=(1, 2))[0], key=tail_key)
     assert tier.stats.errors == {"too_large": 1}
     tier.close()
 
@@ -66,34 +67,37 @@ def test_bad_arguments() -> None:
         CPUTier(100, 1000)
     tier = CPUTier(2 * SLOT, SLOT)
     key, data = blob(0)
-    tier.put({key: data})
-    with pytest.raises(InvalidArgumentError, match="outside"):
-        tier.get([key], layers=(0, LAYERS + 1))
+    put_blobs(tier, {key: data})
+    with pytest.raises(InvalidArgumentError, match="empty"):
+        get_blobs(tier, [key], layers=(2, 2))
+    assert get_blobs(tier, [key], layers=(0, LAYERS + 1)) == [None]  # more layers than it holds
     tier.close()
 
 
-def test_delete_frees_slots_and_verify_false_returns_raw_bytes() -> None:
+def test_delete_frees_slots_and_a_lease_lends_the_raw_bytes() -> None:
     tier = CPUTier(2 * SLOT, SLOT)
     key, data = blob(0)
-    tier.put({key: data})
+    put_blobs(tier, {key: data})
     assert tier._arena is not None
     tier._arena[len(data) - 10] ^= 1  # corrupt in place (slot 0, in the payload)
-    raw = tier.get([key], verify=False)[0]
-    assert raw is not None and raw != data and len(tier) == 1
-    assert tier.get([key]) == [None] and len(tier) == 0 and tier.free_slots == 2
+    with tier.lease([key]) as (lent,):  # unverified: the bytes as they lie
+        raw = bytes(lent.numpy())
+    assert raw != data and len(raw) == len(data) and len(tier) == 1
+    assert get_blobs(tier, [key]) == [None] and len(tier) == 0 and tier.free_slots == 2
     assert tier.stats.corrupt == 1
     tier.close()
 
 
 def test_close_releases_the_arena() -> None:
     tier = CPUTier(2 * SLOT, SLOT)
-    tier.put(dict([blob(0)]))
+    put_blobs(tier, dict([blob(0)]))
     tier.close()
     assert tier._arena is None and not tier.pinned
     with pytest.raises(TierError, match="closed"):
-        tier.put(dict([blob(1)]))
-    with pytest.raises(TierError, match="closed"):
-        tier.get([blob(0)[0]])
+        put_blobs(tier, dict([blob(1)]))
+    with pytest.raises(TierError, match="closed"), tier.lease([blob(0)[0]]):
+        pass
+    assert get_blobs(tier, [blob(0)[0]]) == [None]  # through the stack: a failing tier misses
     tier.close()  # idempotent
 
 
@@ -109,8 +113,8 @@ def test_arena_is_pinned_exactly_when_cuda_is_present(caplog: pytest.LogCaptureF
     tier = CPUTier(4 * SLOT, SLOT)
     assert tier.pinned and tier._arena is not None and tier._arena.is_pinned()
     key, data = blob(0)
-    tier.put({key: data})
-    assert tier.get([key]) == [data]
+    put_blobs(tier, {key: data})
+    assert get_blobs(tier, [key]) == [data]
     arena = tier._arena
     tier.close()
     assert not arena.is_pinned()

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from kvtier.chunk_format import encode_chunk
-from kvtier.connectors.tiers.disk_tier import CHUNK_SUFFIX, DiskTier
+from kvtier.connectors.tiers.blobs import put_blobs
+from kvtier.connectors.tiers.disk_layout import CHUNK_SUFFIX
+from kvtier.connectors.tiers.disk_tier import DiskTier
 from kvtier.connectors.tiers.lent_chunk import LentChunk, ReadingBuffer
 from kvtier.connectors.tiers.manager import TierManager
 from kvtier.errors import ChunkFormatError
@@ -63,8 +65,8 @@ class _Held:
                          ids=["in_place", "legacy"])
 def test_every_checked_layer_is_the_written_one(manager, encode) -> None:
     keys = [_key(i) for i in range(4)]
-    assert _tier(manager).put({k: encode(i) for i, k in enumerate(keys)}).stored == keys
-    with manager.lease(keys, deferred=True) as parts:
+    assert put_blobs(_tier(manager), {k: encode(i) for i, k in enumerate(keys)}).stored == keys
+    with manager.lease_chunks(keys) as parts:
         assert all(isinstance(p, LentChunk) for p in parts)
         for i, part in enumerate(parts):
             part.check(0, LAYERS)
@@ -74,7 +76,7 @@ def test_every_checked_layer_is_the_written_one(manager, encode) -> None:
 
 def test_the_disk_tier_lends_reading_buffers_for_whole_chunks_only(manager) -> None:
     tier = _tier(manager)
-    tier.put({_key(1): _in_place(1)})
+    put_blobs(tier, {_key(1): _in_place(1)})
     with tier.lease([_key(1)], background=True) as (whole,):
         assert isinstance(whole, ReadingBuffer) and whole.ready_bytes < whole.buf.numel()
         assert whole.done.result(10) is True
@@ -84,8 +86,8 @@ def test_the_disk_tier_lends_reading_buffers_for_whole_chunks_only(manager) -> N
 
 def test_a_file_truncated_while_its_later_layers_are_read_is_never_used(manager) -> None:
     tier, key = _tier(manager), _key(2)
-    tier.put({key: _in_place(2)})
-    with _Held(tier) as held, manager.lease([key], deferred=True) as (part,):
+    put_blobs(tier, {key: _in_place(2)})
+    with _Held(tier) as held, manager.lease_chunks([key]) as (part,):
         assert isinstance(part, LentChunk) and part.reading is not None
         os.truncate(_path(tier, key), os.path.getsize(_path(tier, key)) // 2)
         part.check(0, 1)  # layer 0 was read before the chunk was lent
@@ -98,9 +100,9 @@ def test_a_file_truncated_while_its_later_layers_are_read_is_never_used(manager)
 
 def test_bytes_changed_under_a_background_read_fail_their_check(manager) -> None:
     tier, key = _tier(manager), _key(3)
-    tier.put({key: _in_place(3)})
+    put_blobs(tier, {key: _in_place(3)})
     size = os.path.getsize(_path(tier, key))
-    with _Held(tier) as held, manager.lease([key], deferred=True) as (part,):
+    with _Held(tier) as held, manager.lease_chunks([key]) as (part,):
         with open(_path(tier, key), "r+b") as f:  # a byte of the last layer flipped on disk
             f.seek(size - 100)
             b = f.read(1)
@@ -117,10 +119,10 @@ def test_bytes_changed_under_a_background_read_fail_their_check(manager) -> None
 
 def test_a_lease_ends_only_after_its_reads_landed(manager) -> None:
     tier, key = _tier(manager), _key(4)
-    tier.put({key: _in_place(4)})
+    put_blobs(tier, {key: _in_place(4)})
     ended = threading.Event()
     with _Held(tier) as held:
-        lease = manager.lease([key], deferred=True)
+        lease = manager.lease_chunks([key])
         lease.__enter__()
 
         def leave() -> None:
@@ -138,11 +140,11 @@ def test_a_lease_ends_only_after_its_reads_landed(manager) -> None:
 
 def test_a_file_whose_head_is_not_a_chunk_is_a_miss_and_deleted(manager) -> None:
     tier, key = _tier(manager), _key(5)
-    tier.put({key: _in_place(5)})
+    put_blobs(tier, {key: _in_place(5)})
     size = os.path.getsize(_path(tier, key))
     with open(_path(tier, key), "r+b") as f:  # the header's bytes overwritten
         f.write(bytes(64))
-    with manager.lease([key], deferred=True) as (part,):
+    with manager.lease_chunks([key]) as (part,):
         assert part is None
     assert tier.contains_prefix([key]) == 0 and not os.path.exists(_path(tier, key))
     assert size > 64 << 10  # (the file was longer than the head read)

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from kvtier.chunk_format import chunk_layout, chunk_view, encode_chunk, encode_into
-from kvtier.connectors.tiers.disk_tier import CHUNK_SUFFIX, DiskTier
+from kvtier.connectors.tiers.blobs import get_blobs, put_blobs
+from kvtier.connectors.tiers.disk_layout import CHUNK_SUFFIX
+from kvtier.connectors.tiers.disk_tier import DiskTier
 from kvtier.connectors.tiers.manager import TierManager
 
 FP = b"fingerprint-0001"
@@ -54,7 +56,7 @@ def tier(request, tmp_path):
 @pytest.mark.parametrize("layers", [None, (0, 1), (2, 5), (5, 6)])
 def test_lease_lands_exactly_the_written_layers(tier, encode, layers) -> None:
     keys = [_key(i) for i in range(3)]
-    assert tier.put({k: encode(i) for i, k in enumerate(keys)}).stored == keys
+    assert put_blobs(tier, {k: encode(i) for i, k in enumerate(keys)}).stored == keys
     with tier.lease([keys[0], _key(99), keys[2]], layers) as views:
         assert views[1] is None
         for i, view in ((0, views[0]), (2, views[2])):
@@ -67,7 +69,7 @@ def test_lease_lands_exactly_the_written_layers(tier, encode, layers) -> None:
 
 def test_buffers_are_reused_and_never_shared_between_live_leases(tier) -> None:
     keys = [_key(i) for i in range(2)]
-    tier.put({k: _in_place(i) for i, k in enumerate(keys)})
+    put_blobs(tier, {k: _in_place(i) for i, k in enumerate(keys)})
     with tier.lease(keys) as outer:
         with tier.lease(keys) as inner:
             outer_ptrs = {v.data_ptr() for v in outer if v is not None}
@@ -88,7 +90,7 @@ def test_buffers_are_reused_and_never_shared_between_live_leases(tier) -> None:
 def test_a_torn_file_is_never_handed_out_and_is_deleted(tier, damage) -> None:
     key = _key(1)
     data = _in_place(1)
-    tier.put({key: data})
+    put_blobs(tier, {key: data})
     path = _path(tier, key)
     if damage == "truncated":  # a write cut short by a crash or a full disk
         os.truncate(path, len(data) - 100)
@@ -108,7 +110,7 @@ def test_flipped_payload_bytes_are_rejected_by_the_manager_and_dropped(tier) -> 
     checksum check on the view rejects it, and the chunk is deleted from the disk."""
     key = _key(2)
     data = _in_place(2)
-    tier.put({key: data})
+    put_blobs(tier, {key: data})
     path = _path(tier, key)
     with open(path, "r+b") as f:
         f.seek(len(data) - 10)
@@ -121,9 +123,9 @@ def test_flipped_payload_bytes_are_rejected_by_the_manager_and_dropped(tier) -> 
 
 def test_a_chunk_of_another_model_or_key_is_rejected(tier) -> None:
     key, other = _key(3), _key(4)
-    tier.put({key: _in_place(3)})
+    put_blobs(tier, {key: _in_place(3)})
     os.replace(_path(tier, key), _path(tier, key).with_name(other + CHUNK_SUFFIX))
-    tier.put({key: _in_place(3)})
+    put_blobs(tier, {key: _in_place(3)})
     tier._index.add(other, None, len(_in_place(3)))  # a file under the wrong name
     manager = TierManager([tier], fingerprint=FP)
     with manager.lease([other]) as parts:
@@ -133,11 +135,11 @@ def test_a_chunk_of_another_model_or_key_is_rejected(tier) -> None:
         assert parts == [None]
     # Another model's reader misses, and deletes nothing: the chunk is still its writer's.
     mine = _key(5)
-    tier.put({mine: _in_place(5)})
+    put_blobs(tier, {mine: _in_place(5)})
     foreign = TierManager([tier], fingerprint=b"another model")
     with foreign.lease([mine]) as parts:
         assert parts == [None]
-    assert foreign.get([mine]) == [None]
+    assert get_blobs(foreign, [mine]) == [None]
     assert foreign.stats.rejected == {"mismatch": 2} and _path(tier, mine).exists()
     with TierManager([tier], fingerprint=FP).lease([mine]) as parts:
         assert parts[0] is not None

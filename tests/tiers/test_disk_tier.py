@@ -21,7 +21,9 @@ import pytest
 import torch
 
 from kvtier.chunk_format import encode_chunk, validate_chunk
-from kvtier.connectors.tiers.disk_tier import CHUNK_SUFFIX, TEMP_SUFFIX, DiskTier
+from kvtier.connectors.tiers.blobs import get_blobs, put_blobs
+from kvtier.connectors.tiers.disk_layout import CHUNK_SUFFIX, TEMP_SUFFIX
+from kvtier.connectors.tiers.disk_tier import DiskTier
 
 FP = b"fp"
 
@@ -67,7 +69,7 @@ def test_layout_and_restart_rebuilds_index(tmp_path: Path) -> None:
     root = tmp_path / "d"
     chunks = dict(blob(i) for i in range(5))
     with DiskTier(root) as tier:
-        assert tier.put(chunks).ok
+        assert put_blobs(tier, chunks).ok
         used = tier.used_bytes
     key = next(iter(chunks))
     assert (root / key[:2] / (key + CHUNK_SUFFIX)).read_bytes() == chunks[key]
@@ -77,20 +79,20 @@ def test_layout_and_restart_rebuilds_index(tmp_path: Path) -> None:
         assert tier.removed_temp_files == 1 and not stale.exists()
         assert len(tier) == 5 and tier.used_bytes == used
         assert tier.contains_prefix(list(chunks)) == 5
-        assert tier.get(list(chunks)) == list(chunks.values())
+        assert get_blobs(tier, list(chunks)) == list(chunks.values())
 
 
 def test_tiers_sharing_a_directory_keep_each_others_temp_files(tmp_path: Path) -> None:
     key, data = blob(1)
     with DiskTier(tmp_path) as first:
-        first.put({key: data})
+        put_blobs(first, {key: data})
         in_flight = tmp_path / key[:2] / f".{key}.live{TEMP_SUFFIX}"
         in_flight.write_bytes(b"being written")
         with DiskTier(tmp_path) as second:
             assert second.removed_temp_files == 0 and in_flight.exists()
-            assert second.get([key]) == [data]
+            assert get_blobs(second, [key]) == [data]
             second.delete([key])
-        assert first.get([key]) == [None]  # deleted by the other tier: a miss
+        assert get_blobs(first, [key]) == [None]  # deleted by the other tier: a miss
     with DiskTier(tmp_path) as alone:
         assert alone.removed_temp_files == 1 and not in_flight.exists()
 
@@ -99,21 +101,20 @@ def test_tiers_sharing_a_directory_keep_each_others_temp_files(tmp_path: Path) -
 def test_truncated_file_is_detected_deleted_and_a_miss(tmp_path: Path, layers) -> None:
     with DiskTier(tmp_path) as tier:
         key, data = blob(1)
-        tier.put({key: data})
+        put_blobs(tier, {key: data})
         path = Path(tier._path(key))
         os.truncate(path, len(data) - 10)
-        assert tier.get([key], verify=False) == [data[:-10]]  # raw bytes as read
-        assert tier.get([key], layers=layers) == [None]
+        assert get_blobs(tier, [key], layers=layers) == [None]  # never lent: its size is off
         assert not path.exists() and len(tier) == 0 and tier.stats.corrupt == 1
 
 
 def test_file_removed_behind_the_tiers_back_is_a_miss(tmp_path: Path) -> None:
     with DiskTier(tmp_path) as tier:
         key, data = blob(1)
-        tier.put({key: data})
+        put_blobs(tier, {key: data})
         os.unlink(tier._path(key))
         assert tier.contains_prefix([key]) == 1  # index only, by design
-        assert tier.get([key]) == [None] and len(tier) == 0 and tier.stats.corrupt == 0
+        assert get_blobs(tier, [key]) == [None] and len(tier) == 0 and tier.stats.corrupt == 0
 
 
 def test_read_evicted_hands_bytes_to_listeners(tmp_path: Path) -> None:
@@ -122,8 +123,8 @@ def test_read_evicted_hands_bytes_to_listeners(tmp_path: Path) -> None:
     with DiskTier(tmp_path, capacity_bytes=2 * size, read_evicted=True) as tier:
         got: list[tuple[str, bytes | None]] = []
         tier.add_eviction_listener(lambda k, b: got.append((k, b)))
-        tier.put(dict(chunks[:2]))
-        tier.put(dict(chunks[2:]))
+        put_blobs(tier, dict(chunks[:2]))
+        put_blobs(tier, dict(chunks[2:]))
         assert got == [chunks[0]]
         assert not files(tmp_path, TEMP_SUFFIX) and len(files(tmp_path, CHUNK_SUFFIX)) == 2
 
@@ -131,6 +132,7 @@ def test_read_evicted_hands_bytes_to_listeners(tmp_path: Path) -> None:
 _CRASH_CHILD = """
 import sys, torch
 from kvtier.chunk_format import encode_chunk
+from kvtier.connectors.tiers.blobs import get_blobs, put_blobs
 from kvtier.connectors.tiers.disk_tier import DiskTier
 tier = DiskTier(sys.argv[1])
 kv = torch.randn(4, 2, 256, 8, 128).half()  # 4 MiB: writes dominate the loop
@@ -141,7 +143,7 @@ while True:
         key = f"{n:040x}"
         batch[key] = encode_chunk(key, b"fp", kv)
         n += 1
-    assert tier.put(batch).ok
+    assert put_blobs(tier, batch).ok
     if n == 8:
         print("ready", flush=True)
 """
@@ -170,7 +172,7 @@ def test_killed_mid_write_leaves_only_whole_chunks(tmp_path: Path) -> None:
             assert tier.removed_temp_files == len(temps)
             assert len(tier) == visible
             keys = [p.name[: -len(CHUNK_SUFFIX)] for p in files(root, CHUNK_SUFFIX)]
-            assert all(b is not None for b in tier.get(keys))
+            assert all(b is not None for b in get_blobs(tier, keys))
             assert tier.stats.corrupt == 0
         assert not files(root, TEMP_SUFFIX)
         if temps:
@@ -188,16 +190,16 @@ def test_a_full_filesystem_evicts_the_coldest_chunks_before_refusing(tmp_path: P
         old = dict(big_blob(i) for i in range(3))
         new = dict(big_blob(i) for i in range(10, 12))
         with DiskTier(root, capacity_bytes=16 << 30) as tier:
-            assert tier.put(old).ok
+            assert put_blobs(tier, old).ok
             first = next(iter(old))
-            assert tier.get([first]) == [old[first]]  # the first is now the most recent
+            assert get_blobs(tier, [first]) == [old[first]]  # the first is now the most recent
             gone: list[str] = []
             tier.add_eviction_listener(lambda key, _blob: gone.append(key))
-            res = tier.put(new)
+            res = put_blobs(tier, new)
             assert res.ok, res.failed
             assert first not in gone and len(gone) >= 1  # the coldest went, not the hot one
-            assert tier.get(list(new)) == list(new.values())
-            assert tier.get(gone) == [None] * len(gone)
+            assert get_blobs(tier, list(new)) == list(new.values())
+            assert get_blobs(tier, gone) == [None] * len(gone)
             assert tier.stats.evictions == len(gone) and "disk_full" not in tier.stats.errors
             assert not files(root, TEMP_SUFFIX)
             assert assert_all_visible_chunks_whole(root) == len(tier)
@@ -208,16 +210,16 @@ def test_disk_full_is_reported_and_nothing_torn(tmp_path: Path) -> None:
     with mounted("tmpfs", tmp_path / "small", "size=1m") as root:
         chunks = dict(big_blob(i) for i in range(6))
         with DiskTier(root) as tier:
-            res = tier.put(chunks)
+            res = put_blobs(tier, chunks)
             assert res.stored and res.failed
             assert set(res.failed.values()) == {"disk_full"}
             assert tier.stats.errors == {"disk_full": len(res.failed)}
             assert not files(root, TEMP_SUFFIX)
             assert assert_all_visible_chunks_whole(root) == len(res.stored) == len(tier)
-            assert tier.get(res.stored) == [chunks[k] for k in res.stored]
+            assert get_blobs(tier, res.stored) == [chunks[k] for k in res.stored]
             # space freed by a delete is usable again
             tier.delete(res.stored[:1])
-            assert tier.put({k: chunks[k] for k in list(res.failed)[:1]}).ok
+            assert put_blobs(tier, {k: chunks[k] for k in list(res.failed)[:1]}).ok
         with DiskTier(root) as tier:
             assert len(tier) == len(res.stored)
 
@@ -225,13 +227,14 @@ def test_disk_full_is_reported_and_nothing_torn(tmp_path: Path) -> None:
 _FSIZE_CHILD = """
 import json, resource, signal, sys, torch
 from kvtier.chunk_format import encode_chunk
+from kvtier.connectors.tiers.blobs import get_blobs, put_blobs
 from kvtier.connectors.tiers.disk_tier import DiskTier
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
 tier = DiskTier(sys.argv[1])
 small = encode_chunk("aa" * 20, b"fp", torch.zeros(4, 2, 16, 2, 8).half())
 big = encode_chunk("bb" * 20, b"fp", torch.ones(4, 2, 256, 8, 8).half())
-res = tier.put({"aa" * 20: small, "bb" * 20: big})
+res = put_blobs(tier, {"aa" * 20: small, "bb" * 20: big})
 print(json.dumps({"stored": res.stored, "failed": res.failed, "errors": tier.stats.errors}))
 """
 
@@ -249,15 +252,15 @@ def test_write_error_other_than_full_is_io_error(tmp_path: Path) -> None:
     assert res["errors"] == {"io_error": 1}
     assert not files(root, TEMP_SUFFIX)
     with DiskTier(root) as tier:
-        assert len(tier) == 1 and tier.get(["bb" * 20]) == [None]
+        assert len(tier) == 1 and get_blobs(tier, ["bb" * 20]) == [None]
 
 
 def _round_trip(tier: DiskTier) -> None:
     chunks = dict(blob(i) for i in range(6))
     chunks.update([big_blob(7)])
-    assert tier.put(chunks).ok
-    assert tier.get(list(chunks)) == list(chunks.values())
-    for part, key in zip(tier.get(list(chunks), layers=(1, 3)), chunks, strict=True):
+    assert put_blobs(tier, chunks).ok
+    assert get_blobs(tier, list(chunks)) == list(chunks.values())
+    for part, key in zip(get_blobs(tier, list(chunks), layers=(1, 3)), chunks, strict=True):
         assert part is not None
         assert validate_chunk(part, key=key).first_layer == 1
 

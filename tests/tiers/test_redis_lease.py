@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvtier.chunk_format import encode_chunk
+from kvtier.connectors.tiers.blobs import put_blobs
 from kvtier.connectors.tiers.host_buffers import StagingPool
 from kvtier.connectors.tiers.manager import TierManager
 from kvtier.connectors.tiers.redis_tier import RedisTier
@@ -38,7 +39,7 @@ def test_leased_chunks_are_the_bytes_put_in_reused_buffers(redis_server: RedisSe
     staging = StagingPool()
     with RedisTier(redis_server.url, timeout_s=2.0, staging=staging) as t:
         blobs = {key(i): chunk(i, tokens=16 * (i + 1)) for i in range(4)}
-        assert t.put(blobs).ok
+        assert put_blobs(t, blobs).ok
         keys = [*blobs, key(99)]  # the last one was never stored
         with t.lease(keys) as views:
             assert views[-1] is None
@@ -59,7 +60,7 @@ def test_a_key_of_another_type_is_a_miss_and_the_next_lease_works(redis_server: 
     import redis
 
     with RedisTier(redis_server.url, timeout_s=2.0) as t:
-        t.put({key(1): chunk(1)})
+        put_blobs(t, {key(1): chunk(1)})
         redis.Redis.from_url(redis_server.url).lpush("kvtier:" + key(2), b"x")  # WRONGTYPE
         with t.lease([key(1), key(2)]) as views:
             assert views == [None, None]  # the batch's connection was dropped mid-replies
@@ -75,7 +76,7 @@ def test_a_corrupt_value_leased_is_rejected_by_the_manager(redis_server: RedisSe
         bad = bytearray(chunk(3))
         bad[-5] ^= 0xFF
         redis.Redis.from_url(redis_server.url).set("kvtier:" + key(3), bytes(bad))
-        t.put({key(4): chunk(4)})
+        put_blobs(t, {key(4): chunk(4)})
         manager = TierManager([t], fingerprint=FP)
         with manager.lease([key(3), key(4)]) as parts:
             assert parts[0] is None and parts[1] is not None
@@ -85,7 +86,7 @@ def test_a_corrupt_value_leased_is_rejected_by_the_manager(redis_server: RedisSe
 
 def test_a_hung_server_is_a_bounded_miss(redis_server: RedisServer) -> None:
     with RedisTier(redis_server.url, timeout_s=0.3) as t:
-        t.put({key(5): chunk(5)})
+        put_blobs(t, {key(5): chunk(5)})
         redis_server.pause()
         try:
             start = time.monotonic()

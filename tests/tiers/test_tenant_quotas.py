@@ -9,6 +9,7 @@ import torch
 
 from kvtier.chunk_format import encode_chunk, namespaced_key, with_namespace
 from kvtier.connectors.tiers.base import CHUNK_OVERHEAD_BYTES
+from kvtier.connectors.tiers.blobs import get_blobs, get_each, put_blobs
 from kvtier.connectors.tiers.cpu_tier import CPUTier
 from kvtier.connectors.tiers.disk_tier import DiskTier
 from kvtier.connectors.tiers.manager import TierManager
@@ -45,10 +46,10 @@ def test_a_tenant_past_its_quota_pushes_its_own_coldest_chunks_down(tmp_path):
     m.quotas = {"alice": {"cpu": 3 * CPU}}
     try:
         bob = dict(_chunk("bob", 100 + i) for i in range(4))
-        m.put(bob)
+        put_blobs(m, bob)
         alice = [_chunk("alice", i) for i in range(6)]
         for k, b in alice:
-            assert m.put({k: b}).ok
+            assert put_blobs(m, {k: b}).ok
         cpu, disk = m.tiers
         assert cpu.occupancy(SIZE) == CPU
         assert cpu.namespace_held("alice")[0] == 3 * CPU
@@ -58,7 +59,7 @@ def test_a_tenant_past_its_quota_pushes_its_own_coldest_chunks_down(tmp_path):
         assert disk.contains_prefix(keys[:3]) == 3  # the three oldest went down, not away
         assert m.stats.quota_evicted_bytes[("alice", "cpu")] == 3 * CPU
         assert m.tenant_bytes()[("alice", "disk")] == 3 * disk.occupancy(SIZE)
-        got = m.get_each(keys)
+        got = get_each(m, keys)
         assert [b for b, _ in got] == [b for _, b in alice]  # every chunk reads back intact
     finally:
         m.close()
@@ -69,9 +70,9 @@ def test_recency_decides_which_of_the_tenants_chunks_go(tmp_path):
     m.quotas = {"alice": {"cpu": 2 * CPU}}
     try:
         (a, ab), (b, bb), (c, cb) = (_chunk("alice", i) for i in range(3))
-        m.put({a: ab, b: bb})
-        m.tiers[0].get([a])  # a is now alice's most recently used
-        m.put({c: cb})
+        put_blobs(m, {a: ab, b: bb})
+        get_blobs(m.tiers[0], [a])  # a is now alice's most recently used
+        put_blobs(m, {c: cb})
         assert m.tiers[0].contains_prefix([a]) == 1 and m.tiers[0].contains_prefix([b]) == 0
         assert m.tiers[1].contains_prefix([b]) == 1
     finally:
@@ -84,11 +85,11 @@ def test_a_batch_bigger_than_the_whole_quota_is_refused_past_it(tmp_path):
     m.quotas = {"alice": {"cpu": 2 * CPU}}
     try:
         chunks = dict(_chunk("alice", i) for i in range(3))
-        report = m.put(chunks)
+        report = put_blobs(m, chunks)
         assert len(report.failed) == 1
         assert "quota" in next(iter(report.failed.values()))
         assert cpu.namespace_held("alice")[0] == 2 * CPU
-        again = m.put(dict(list(chunks.items())[:2]))  # present: no room made, none refused
+        again = put_blobs(m, dict(list(chunks.items())[:2]))  # present: no room made, none refused
         assert again.ok and cpu.namespace_held("alice")[0] == 2 * CPU
         assert m.stats.quota_evicted_bytes == {}
     finally:
@@ -101,9 +102,9 @@ def test_a_quota_does_not_touch_the_engines_own_chunks_or_unquoted_tenants(tmp_p
     try:
         bare = {f"{i:064x}": encode_chunk(f"{i:064x}", FP, torch.zeros(2, 2, 16, 1, 8))
                 for i in range(200, 204)}
-        m.put(bare)
-        m.put(dict(_chunk("carol", i) for i in range(4)))
-        m.put(dict(_chunk("alice", i) for i in range(2)))
+        put_blobs(m, bare)
+        put_blobs(m, dict(_chunk("carol", i) for i in range(4)))
+        put_blobs(m, dict(_chunk("alice", i) for i in range(2)))
         cpu = m.tiers[0]
         assert cpu.contains_prefix(list(bare)) == 4
         assert cpu.namespace_held("carol")[0] == 4 * CPU
@@ -119,12 +120,12 @@ def test_redis_quota_deletes_the_tenants_coldest_chunks(redis_server: RedisServe
     m = TierManager([tier], fingerprint=FP)
     m.quotas = {"alice": {"redis": 2 * tier.occupancy(SIZE)}}
     try:
-        m.put(dict(_chunk("bob", 100 + i) for i in range(3)))
+        put_blobs(m, dict(_chunk("bob", 100 + i) for i in range(3)))
         alice = [_chunk("alice", i) for i in range(4)]
         for k, b in alice:
-            assert m.put({k: b}).ok
+            assert put_blobs(m, {k: b}).ok
         keys = [k for k, _ in alice]
-        got = m.get_each(keys)
+        got = get_each(m, keys)
         assert [b is None for b, _ in got] == [True, True, False, False]
         assert [b for b, _ in got[2:]] == [b for _, b in alice[2:]]
         assert tier.namespace_held("alice")[0] == 2 * tier.occupancy(SIZE)
@@ -184,7 +185,7 @@ def test_no_tenant_filling_its_share_ever_evicts_another_tenants_kv(
                 counter += 1
             before = {t: {tier.name: {k for k in held[t] if tier.contains_prefix([k])}
                           for tier in m.tiers} for t in TENANTS if t != tenant}
-            m.put(batch)
+            put_blobs(m, batch)
             held[tenant].update(batch)
             for other, where in before.items():
                 for tier in m.tiers:

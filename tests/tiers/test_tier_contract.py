@@ -24,6 +24,7 @@ from kvtier.chunk_format import (
     validate_chunk,
 )
 from kvtier.connectors.tiers.base import Tier
+from kvtier.connectors.tiers.blobs import get_blobs, put_blobs
 from kvtier.connectors.tiers.cpu_tier import CPUTier
 from kvtier.connectors.tiers.disk_tier import DiskTier
 
@@ -108,9 +109,9 @@ def make_tier(spec: TierSpec, tmp_path: Path):
 def test_round_trip_is_bit_exact(make_tier, dtype: torch.dtype) -> None:
     tier = make_tier()
     chunks = dict(make_blob(i, dtype) for i in range(5))
-    res = tier.put(chunks)
+    res = put_blobs(tier, chunks)
     assert res.ok and sorted(res.stored) == sorted(chunks) and not res.present
-    got = tier.get(list(chunks))
+    got = get_blobs(tier, list(chunks))
     assert got == list(chunks.values())
     for key, blob in zip(chunks, got, strict=True):
         _, kv = decode_chunk(blob, key=key, fingerprint=FP)
@@ -122,13 +123,13 @@ def test_round_trip_is_bit_exact(make_tier, dtype: torch.dtype) -> None:
 def test_batch_put_reports_present_and_misses_are_none(make_tier) -> None:
     tier = make_tier()
     first = dict(make_blob(i) for i in range(3))
-    assert tier.put(first).ok
+    assert put_blobs(tier, first).ok
     second = dict(make_blob(i) for i in range(2, 5))
-    res = tier.put(second)
+    res = put_blobs(tier, second)
     assert res.present == [make_blob(2)[0]]
     assert sorted(res.stored) == sorted(k for k in second if k != make_blob(2)[0])
     missing = make_blob(99)[0]
-    got = tier.get([make_blob(0)[0], missing, make_blob(4)[0]])
+    got = get_blobs(tier, [make_blob(0)[0], missing, make_blob(4)[0]])
     assert got[0] == first[make_blob(0)[0]] and got[1] is None and got[2] == second[make_blob(4)[0]]
     assert tier.stats.misses >= 1 and tier.stats.hits >= 2
 
@@ -137,18 +138,18 @@ def test_invalid_blobs_are_refused_not_stored(make_tier) -> None:
     tier = make_tier()
     key, blob = make_blob(1)
     other, _ = make_blob(2)
-    res = tier.put({key: b"not a chunk", other: blob, make_blob(3)[0]: blob[:-3]})
+    res = put_blobs(tier, {key: b"not a chunk", other: blob, make_blob(3)[0]: blob[:-3]})
     assert set(res.failed) == {key, other, make_blob(3)[0]}
     assert all(r.startswith("invalid") for r in res.failed.values())
-    assert len(tier) == 0 and tier.get([key, other]) == [None, None]
+    assert len(tier) == 0 and get_blobs(tier, [key, other]) == [None, None]
 
 
 @pytest.mark.parametrize("layers", [(0, 1), (1, 3), (0, LAYERS), (3, 4)])
 def test_layer_range_get_equals_slice_of_full_chunk(make_tier, layers: tuple[int, int]) -> None:
     tier = make_tier()
     chunks = dict(make_blob(i, torch.bfloat16) for i in range(3))
-    tier.put(chunks)
-    parts = tier.get(list(chunks), layers=layers)
+    put_blobs(tier, chunks)
+    parts = get_blobs(tier, list(chunks), layers=layers)
     for key, part in zip(chunks, parts, strict=True):
         header = validate_chunk(part, key=key, fingerprint=FP)
         assert header.first_layer == layers[0] and header.num_layers == layers[1] - layers[0]
@@ -160,7 +161,7 @@ def test_layer_range_get_equals_slice_of_full_chunk(make_tier, layers: tuple[int
 def test_contains_prefix_stops_at_first_gap(make_tier) -> None:
     tier = make_tier()
     keys = [make_blob(i)[0] for i in range(6)]
-    tier.put(dict(make_blob(i) for i in (0, 1, 2, 4, 5)))
+    put_blobs(tier, dict(make_blob(i) for i in (0, 1, 2, 4, 5)))
     assert tier.contains_prefix(keys) == 3
     assert tier.contains_prefix(keys[3:]) == 0
     assert tier.contains_prefix(keys[4:]) == 2
@@ -170,12 +171,12 @@ def test_contains_prefix_stops_at_first_gap(make_tier) -> None:
 def test_delete(make_tier) -> None:
     tier = make_tier()
     chunks = dict(make_blob(i) for i in range(4))
-    tier.put(chunks)
+    put_blobs(tier, chunks)
     keys = list(chunks)
     assert tier.delete([keys[0], keys[2], make_blob(77)[0]]) == 2
-    assert tier.get(keys) == [None, chunks[keys[1]], None, chunks[keys[3]]]
+    assert get_blobs(tier, keys) == [None, chunks[keys[1]], None, chunks[keys[3]]]
     assert len(tier) == 2 and tier.used_bytes == len(chunks[keys[1]]) + len(chunks[keys[3]])
-    assert tier.put({keys[0]: chunks[keys[0]]}).stored == [keys[0]]
+    assert put_blobs(tier, {keys[0]: chunks[keys[0]]}).stored == [keys[0]]
 
 
 def test_capacity_evicts_lru_and_tells_listeners(make_tier) -> None:
@@ -184,9 +185,9 @@ def test_capacity_evicts_lru_and_tells_listeners(make_tier) -> None:
     # the bytes are valid during the call (the CPU tier lends a view of the slot)
     tier.add_eviction_listener(lambda k, b: evicted.append((k, None if b is None else bytes(b))))
     chunks = [make_blob(i) for i in range(6)]
-    assert tier.put(dict(chunks[:4])).ok
-    assert tier.get([chunks[0][0]])[0] == chunks[0][1]  # 0 becomes most recently used
-    assert tier.put(dict(chunks[4:6])).ok
+    assert put_blobs(tier, dict(chunks[:4])).ok
+    assert get_blobs(tier, [chunks[0][0]])[0] == chunks[0][1]  # 0 becomes most recently used
+    assert put_blobs(tier, dict(chunks[4:6])).ok
     assert [k for k, _ in evicted] == [chunks[1][0], chunks[2][0]]
     for key, blob in evicted:
         assert blob is None or blob == dict(chunks)[key]
@@ -197,23 +198,23 @@ def test_capacity_evicts_lru_and_tells_listeners(make_tier) -> None:
 
 def test_batch_larger_than_tier_stores_what_fits(make_tier) -> None:
     tier = make_tier(3)
-    res = tier.put(dict(make_blob(i) for i in range(5)))
+    res = put_blobs(tier, dict(make_blob(i) for i in range(5)))
     assert len(res.stored) == 3
     assert res.failed == {make_blob(3)[0]: "full", make_blob(4)[0]: "full"}
-    assert tier.get(res.stored) == [dict([make_blob(i)])[k] for i, k in enumerate(res.stored)]
+    assert get_blobs(tier, res.stored) == [dict([make_blob(i)])[k] for i, k in enumerate(res.stored)]
 
 
 def test_corrupt_chunk_is_a_miss_and_deleted(make_tier, spec: TierSpec) -> None:
     tier = make_tier()
     chunks = dict(make_blob(i) for i in range(3))
-    tier.put(chunks)
+    put_blobs(tier, chunks)
     keys = list(chunks)
     spec.corrupt(tier, keys[1])
-    assert tier.get(keys, layers=(LAYERS - 1, LAYERS))[1] is None  # checksum of the last layer
+    assert get_blobs(tier, keys, layers=(LAYERS - 1, LAYERS))[1] is None  # checksum of the last layer
     assert tier.stats.corrupt == 1
     assert tier.contains_prefix(keys) == 1 and len(tier) == 2
     spec.corrupt(tier, keys[2])
-    assert tier.get(keys) == [chunks[keys[0]], None, None]
+    assert get_blobs(tier, keys) == [chunks[keys[0]], None, None]
     assert tier.stats.corrupt == 2 and len(tier) == 1
 
 
@@ -230,13 +231,13 @@ def test_concurrent_puts_and_gets_verify(make_tier) -> None:
                 pick = [keys[int(j)] for j in torch.randint(0, len(keys), (4,), generator=rng)]
                 pick = list(dict.fromkeys(pick))
                 if int(torch.randint(0, 2, (1,), generator=rng)):
-                    res = tier.put({k: blobs[k] for k in pick})
+                    res = put_blobs(tier, {k: blobs[k] for k in pick})
                     assert not res.failed, res.failed
-                for k, got in zip(pick, tier.get(pick), strict=True):
+                for k, got in zip(pick, get_blobs(tier, pick), strict=True):
                     if got is not None:
                         assert got == blobs[k]
                         validate_chunk(got, key=k, fingerprint=FP)
-                for k, got in zip(pick, tier.get(pick, layers=(1, 2)), strict=True):
+                for k, got in zip(pick, get_blobs(tier, pick, layers=(1, 2)), strict=True):
                     if got is not None:
                         assert parse_header(got)[0].key == k
                         validate_chunk(got, key=k)

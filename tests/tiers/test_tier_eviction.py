@@ -7,6 +7,7 @@ import pytest
 
 from kvtier.chunk_format import encode_chunk
 from kvtier.config import TiersConfig
+from kvtier.connectors.tiers.blobs import get_blobs, put_blobs
 from kvtier.connectors.tiers.cpu_tier import CPUTier
 from kvtier.connectors.tiers.disk_tier import DiskTier
 from kvtier.connectors.tiers.factory import build_tiers
@@ -38,12 +39,12 @@ def test_session_aware_tier_gives_up_the_idle_sessions_tail_first(kind, tmp_path
     try:
         chunks = {s: [_blob(10 * n + i) for i in range(2)] for n, s in enumerate(away, 1)}
         for sid, pairs in chunks.items():
-            tier.put(dict(pairs), {k: ChunkInfo(len(b), sid, i) for i, (k, b) in enumerate(pairs)})
+            put_blobs(tier, dict(pairs), {k: ChunkInfo(len(b), sid, i) for i, (k, b) in enumerate(pairs)})
         assert tier.eviction is policy and len(tier) == 4
-        tier.put(dict([_blob(99)]))  # one more chunk: the idle session's last chunk goes
+        put_blobs(tier, dict([_blob(99)]))  # one more chunk: the idle session's last chunk goes
         idle0, idle1 = (k for k, _ in chunks["idle"])
         assert tier.contains_prefix([idle0, idle1]) == 1
-        tier.put(dict([_blob(98)]))  # then its first
+        put_blobs(tier, dict([_blob(98)]))  # then its first
         assert tier.contains_prefix([idle0]) == 0
         assert tier.contains_prefix([k for k, _ in chunks["active"]]) == 2
     finally:
@@ -54,9 +55,9 @@ def test_tiers_default_to_lru_and_take_any_policy_by_name_or_instance(tmp_path):
     tier = _tier("cpu", tmp_path, 2, "lru")
     try:
         a, b, c = (_blob(i) for i in range(3))
-        tier.put(dict([a, b]))
-        tier.get([a[0]])  # a is now the most recently used
-        tier.put(dict([c]))
+        put_blobs(tier, dict([a, b]))
+        get_blobs(tier, [a[0]])  # a is now the most recently used
+        put_blobs(tier, dict([c]))
         assert tier.contains_prefix([a[0]]) == 1 and tier.contains_prefix([b[0]]) == 0
     finally:
         tier.close()
@@ -85,13 +86,13 @@ def test_a_prefix_two_sessions_share_is_not_lost_with_its_first_owner(kind, tmp_
     try:
         sys_key, sys_blob = _blob(1)
         (a1, a1_blob), (b1, b1_blob) = _blob(2), _blob(3)
-        tier.put({sys_key: sys_blob, a1: a1_blob}, {sys_key: ChunkInfo(len(sys_blob), "a", 0),
+        put_blobs(tier, {sys_key: sys_blob, a1: a1_blob}, {sys_key: ChunkInfo(len(sys_blob), "a", 0),
                                                      a1: ChunkInfo(len(a1_blob), "a", 1)})
-        res = tier.put({sys_key: sys_blob, b1: b1_blob}, {sys_key: ChunkInfo(len(sys_blob), "b", 0),
+        res = put_blobs(tier, {sys_key: sys_blob, b1: b1_blob}, {sys_key: ChunkInfo(len(sys_blob), "b", 0),
                                                           b1: ChunkInfo(len(b1_blob), "b", 1)})
         assert res.present == [sys_key]
-        tier.put(dict([_blob(98)]))  # "a"'s own chunk goes...
-        tier.put(dict([_blob(97)]))  # ...and then "b"'s, not the shared one
+        put_blobs(tier, dict([_blob(98)]))  # "a"'s own chunk goes...
+        put_blobs(tier, dict([_blob(97)]))  # ...and then "b"'s, not the shared one
         assert tier.contains_prefix([sys_key]) == 1 and tier.contains_prefix([a1]) == 0
     finally:
         tier.close()

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvtier.chunk_format import parse_header
+from kvtier.connectors.tiers.blobs import get_blobs, put_blobs
 from kvtier.connectors.tiers.cpu_tier import CPUTier
 from kvtier.connectors.tiers.disk_tier import DiskTier
 from kvtier.connectors.tiers.manager import TierManager
@@ -74,7 +75,7 @@ def test_both_paths_store_the_same_bytes(model_dir, tmp_path, monkeypatch):
     for kind in ("fused", "numpy"):
         monkeypatch.setattr(host_native, "AVAILABLE", kind == "fused")
         _, _, xfer, tier, saved, _ = _saved(model_dir, "cpu", tmp_path, seed=4)
-        blobs[kind] = tier.get(saved.keys)
+        blobs[kind] = get_blobs(tier, saved.keys)
         xfer.close()
     xfer.manager.close()
     assert blobs["fused"] == blobs["numpy"]
@@ -86,11 +87,11 @@ def test_a_chunk_failing_any_layer_ends_the_restore_there(model_dir, tmp_path, p
                                                           bad_layer):
     runner, tokens, xfer, tier, saved, before = _saved(model_dir, tier_kind, tmp_path, seed=5)
     key = saved.keys[1]
-    blob = bytearray(tier.get([key])[0])
+    blob = bytearray(get_blobs(tier, [key])[0])
     header, _ = parse_header(blob)
     blob[len(blob) - header.payload_nbytes + bad_layer * header.layer_nbytes + 7] ^= 0x40
     tier.delete([key])
-    tier.put({key: bytes(blob)})
+    put_blobs(tier, {key: bytes(blob)})
     xfer.evict(tokens)
     loaded = xfer.load(tokens)
     assert loaded.tokens == 64  # the first chunk; the corrupt one and the rest recomputed

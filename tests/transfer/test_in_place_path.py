@@ -121,24 +121,35 @@ def test_disk_stores_from_and_restores_into_reused_buffers(model_dir, tmp_path, 
 
 
 def test_cpu_evictions_are_demoted_to_disk_from_the_slot(model_dir, tmp_path):
-    """A CPU arena of two slots over a disk tier: storing four chunks demotes the two
-    oldest, written to disk from their slots before the slots are reused; every chunk
-    restores bit-exact, from the tier it ended in."""
+    """A CPU arena of two slots over a disk tier: a session of two chunks fills it, a
+    second session's store demotes the first one's chunks, written to disk from their
+    slots before the slots are reused; a store larger than the arena keeps its own first
+    chunks and sends the rest down. Every chunk restores bit-exact, from the tier it ended
+    in."""
     runner = ModelRunner(model_dir, dtype="float32", device="cpu", num_blocks=256)
     slot = runner.pool.storage.bytes_per_token * CHUNK + 4096
     cpu, disk = CPUTier(2 * slot, slot), DiskTier(tmp_path / "disk")
     manager = TierManager([cpu, disk], fingerprint=runner.fingerprint)
     xfer = KVTransfer(runner, manager, CHUNK)
     try:
-        tokens = _tokens(4 * CHUNK, seed=5)
-        _compute(runner, "s", tokens)
-        before = _pool_kv(runner, tokens)
-        assert xfer.save(tokens).stored == 4
+        first, second = _tokens(2 * CHUNK, seed=5), _tokens(2 * CHUNK, seed=6)
+        for tokens in (first, second):
+            _compute(runner, "s", tokens)
+        before = {id(t): _pool_kv(runner, t) for t in (first, second)}
+        assert xfer.save(first).stored == 2 and (len(cpu), len(disk)) == (2, 0)
+        assert xfer.save(second).stored == 2
         assert (len(cpu), len(disk), manager.stats.demotions) == (2, 2, 2)
-        xfer.evict(tokens)
-        loaded = xfer.load(tokens)
-        assert loaded.from_tiers == 4 * CHUNK and loaded.tier_hits == {"disk": 2, "cpu": 2}
-        assert torch.equal(_pool_kv(runner, tokens), before)
+        for tokens, tier in ((first, "disk"), (second, "cpu")):
+            xfer.evict(tokens)
+            loaded = xfer.load(tokens)
+            assert loaded.from_tiers == 2 * CHUNK and loaded.tier_hits == {tier: 2}
+            assert torch.equal(_pool_kv(runner, tokens), before[id(tokens)])
+        big = _tokens(3 * CHUNK, seed=7)
+        _compute(runner, "t", big)
+        assert xfer.save(big).stored == 3
+        assert manager.stats.demotions == 4 and len(disk) == 5  # second's two, big's third
+        keys = [ck.key for ck in xfer._keys(big)]
+        assert manager.lookup(keys).tiers == [0, 0, 1]
     finally:
         xfer.close()
         manager.close()
@@ -158,13 +169,13 @@ def test_a_large_store_is_put_in_batches_while_the_next_is_encoded(model_dir, tm
     manager = TierManager([disk], fingerprint=runner.fingerprint, staging=disk.staging)
     xfer = KVTransfer(runner, manager, CHUNK)
     out_at_put: list[int] = []
-    put = disk.put
+    store = disk.store_in_place
 
-    def counting_put(chunks, info=None):
+    def counting_store(writes):
         out_at_put.append(len(disk.staging._out))
-        return put(chunks, info)
+        return store(writes)
 
-    monkeypatch.setattr(disk, "put", counting_put)
+    monkeypatch.setattr(disk, "store_in_place", counting_store)
     try:
         tokens = _tokens(8 * CHUNK, seed=5)
         _compute(runner, "s", tokens)

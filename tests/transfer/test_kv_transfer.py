@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvtier.chunk_format import encode_chunk
+from kvtier.connectors.tiers.blobs import get_blobs, put_blobs
 from kvtier.connectors.tiers.cpu_tier import CPUTier
 from kvtier.connectors.tiers.manager import TierManager
 from kvtier.engine.model_runner import ModelRunner
@@ -158,7 +159,7 @@ def test_other_models_chunks_are_never_loaded(model_dir):
     xfer, tier = _transfer(runner)
     key = xfer._keys(tokens)[0].key
     # A chunk under the right key but computed by another model (forged or colliding).
-    tier.put({key: encode_chunk(key, b"another-model", torch.zeros(2, 2, 64, 2, 16))})
+    put_blobs(tier, {key: encode_chunk(key, b"another-model", torch.zeros(2, 2, 64, 2, 16))})
     xfer.evict(tokens)
     assert xfer.load(tokens).tokens == 0
     assert xfer.manager.stats.rejected == {"mismatch": 1}
@@ -172,10 +173,10 @@ def test_other_models_chunks_are_never_loaded(model_dir):
 def test_a_corrupt_chunk_is_a_miss_and_the_prefix_before_it_loads(model_dir):
     runner, tokens, xfer, tier, saved = _saved(model_dir, 192, seed=10)
     third = saved.keys[2]
-    blob = bytearray(tier.get([third])[0])
+    blob = bytearray(get_blobs(tier, [third])[0])
     blob[-5] ^= 0xFF
     tier.delete([third])
-    tier.put({third: bytes(blob)})
+    put_blobs(tier, {third: bytes(blob)})
     xfer.evict(tokens)
     loaded = xfer.load(tokens)
     assert loaded.tokens == 128  # the two good chunks; the corrupt one is recomputed
@@ -187,12 +188,12 @@ def _corrupt_layer(tier, key: str, layer: int) -> None:
     """Flip a byte inside ``layer`` of a stored chunk (its checksum then fails)."""
     from kvtier.chunk_format import parse_header
 
-    blob = bytearray(tier.get([key])[0])
+    blob = bytearray(get_blobs(tier, [key])[0])
     header, _ = parse_header(blob)
     offset = len(blob) - header.payload_nbytes + layer * header.layer_nbytes
     blob[offset + 3] ^= 0xFF
     tier.delete([key])
-    tier.put({key: bytes(blob)})
+    put_blobs(tier, {key: bytes(blob)})
 
 
 def test_streamed_load_is_bit_exact_and_releases_its_blocks(model_dir):
@@ -290,7 +291,7 @@ def test_a_chunk_of_another_shape_under_a_right_key_is_a_miss_not_a_crash(model_
     kv = torch.zeros(layers - 1, 2, 64, runner.config.num_key_value_heads, runner.config.head_dim)
     bad = encode_chunk(saved.keys[1], runner.fingerprint, kv.to(runner.pool.storage.kv.dtype))
     tier.delete([saved.keys[1]])
-    assert tier.put({saved.keys[1]: bad}).stored == [saved.keys[1]]
+    assert put_blobs(tier, {saved.keys[1]: bad}).stored == [saved.keys[1]]
     xfer.evict(tokens)
     loaded = xfer.load(tokens, stream=stream)
     if not stream:

@@ -1,0 +1,127 @@
+"""Writing a batch of chunk files with group commit, for the disk tier's store.
+
+Every chunk of the batch goes to a temp file (``.<key>.<random>.tmp``) in the chunk's own
+directory and its data is synced, then all of them are renamed into place, then each
+touched directory is synced once: a chunk becomes visible only once its bytes are durable,
+a crash never leaves a torn chunk under a chunk name, and the directory sync is paid once
+per batch, not once per chunk. Nothing that failed stays on disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.connectors.tiers.base import ChunkWrite
+from kvtier.connectors.tiers.disk_io import failure_reason, fsync_dir, unlink_if_present
+from kvtier.connectors.tiers.disk_layout import ChunkPaths
+from kvtier.connectors.tiers.host_buffers import StagingPool
+
+log = logging.getLogger(__name__)
+
+@dataclass
+class WriteOutcome:
+    """One chunk of a batch: None (stored, ``length`` bytes) or why it failed."""
+
+    reason: str | None
+    length: int = 0
+
+
+@dataclass
+class _TempWrite:
+    path: str
+    reason: str | None
+    length: int = 0
+    error: Exception | None = None
+    """What the chunk's fill raised (the caller's error: the batch re-raises it)."""
+
+
+@dataclass
+class GroupCommit:
+    """Writes batches into ``paths``. ``write_file(path, data)`` writes and syncs one
+    file (with the tier's ``O_DIRECT`` choice); ``map`` runs a function over items on the
+    tier's pool; fills land in ``staging`` buffers."""
+
+    paths: ChunkPaths
+    fsync: bool
+    staging: StagingPool
+    write_file: Callable[[str, Any], None]
+    map: Callable[[Callable[[Any], Any], Sequence[Any]], list[Any]]
+
+    def write(self, todo: Sequence[ChunkWrite]) -> dict[str, WriteOutcome]:
+        """Write + sync every temp file, rename all, sync each directory once. An error a
+        fill raised is raised once the batch's files are gone."""
+        outcomes: dict[str, WriteOutcome] = {}
+        if not todo:
+            return outcomes
+        new_dirs = self._make_dirs(todo, outcomes)
+        pending = [w for w in todo if w.key not in outcomes]
+        temps: list[_TempWrite] = self.map(self._write_temp, pending)
+        failure = next((t.error for t in temps if t.error is not None), None)
+        if failure is not None:  # a fill's error is the caller's: nothing of the batch stays
+            for t in temps:
+                unlink_if_present(t.path)
+            raise failure
+        renamed: dict[str, list[str]] = {}
+        for write, temp in zip(pending, temps, strict=True):
+            reason = temp.reason
+            if reason is None:
+                try:
+                    os.rename(temp.path, self.paths.path(write.key))
+                except OSError as exc:
+                    unlink_if_present(temp.path)
+                    reason = failure_reason(exc)
+                else:
+                    renamed.setdefault(self.paths.shard(write.key), []).append(write.key)
+            outcomes[write.key] = WriteOutcome(reason, temp.length if reason is None else 0)
+        if self.fsync:
+            self._sync_dirs(renamed, new_dirs, outcomes)
+        return outcomes
+
+    def _make_dirs(self, todo: Sequence[ChunkWrite], outcomes: dict[str, WriteOutcome]) -> bool:
+        """Create the batch's missing shard directories; whether any was new."""
+        new_dirs = False
+        for sub in {self.paths.shard(w.key) for w in todo}:
+            path = self.paths.directory / sub
+            if path.is_dir():
+                continue
+            try:
+                path.mkdir(exist_ok=True)
+                new_dirs = True
+            except OSError as exc:
+                for w in todo:
+                    if self.paths.shard(w.key) == sub:
+                        outcomes[w.key] = WriteOutcome(failure_reason(exc))
+        return new_dirs
+
+    def _sync_dirs(self, renamed: dict[str, list[str]], new_dirs: bool,
+                   outcomes: dict[str, WriteOutcome]) -> None:
+        dirs = [str(self.paths.directory / sub) for sub in renamed]
+        if new_dirs:
+            dirs.append(str(self.paths.directory))
+        for d in dirs:
+            try:
+                fsync_dir(d)
+            except OSError as exc:
+                for key in renamed.get(os.path.basename(d), []):
+                    unlink_if_present(self.paths.path(key))
+                    outcomes[key] = WriteOutcome(failure_reason(exc))
+
+    def _write_temp(self, write: ChunkWrite) -> _TempWrite:
+        """The chunk synced to a temp file (on the tier's pool)."""
+        temp = self.paths.temp_path(write.key)
+        try:
+            with write.bytes_from(self.staging) as blob:
+                self.write_file(temp, blob)
+                return _TempWrite(temp, None, len(blob))
+        except OSError as exc:
+            unlink_if_present(temp)
+            log.warning("disk tier %s: writing chunk %s failed: %s",
+                        self.paths.directory, write.key, exc)
+            return _TempWrite(temp, failure_reason(exc))
+        except Exception as exc:  # noqa: BLE001 - a fill's error, raised by the batch
+            unlink_if_present(temp)
+            return _TempWrite(temp, None, error=exc)
