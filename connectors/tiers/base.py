@@ -49,7 +49,7 @@ CHUNK_OVERHEAD_BYTES = 512
 policy's node and its key (Python objects of a few hundred bytes), charged to quotas."""
 
 
-class PutOutcome(enum.StrEnum):
+class PutOutcome(str, enum.Enum):
     """What storing one chunk did (a failure's reason starts with its value)."""
 
     STORED = "stored"

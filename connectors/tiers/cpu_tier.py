@@ -137,7 +137,7 @@ class CPUTier(IndexedNamespaces, Tier):
             elif outcome is PutOutcome.PRESENT:
                 result.present.append(write.key)
             else:
-                result.failed[write.key] = str(outcome)
+                result.failed[write.key] = getattr(outcome, "value", outcome)
         return result
 
     def __contains__(self, key: object) -> bool:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 from collections.abc import Callable, Collection, Coroutine, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -27,10 +26,10 @@ from urllib.parse import urlsplit
 import torch
 from redis.utils import HIREDIS_AVAILABLE
 
-from kvtier.chunk_format import byte_view, layer_span, parse_header, slice_chunk
-from kvtier.connectors.tiers.base import Blob, ChunkWrite, PutResult, Tier
+from kvtier.chunk_format import byte_view
+from kvtier.connectors.tiers.base import ChunkWrite, PutResult, Tier
 from kvtier.connectors.tiers.host_buffers import StagingPool
-from kvtier.connectors.tiers.namespace_usage import NamespaceUsage
+from kvtier.connectors.tiers.redis_batches import BatchSizer
 from kvtier.connectors.tiers.redis_bulk import get_into
 from kvtier.connectors.tiers.redis_client import (
     CLUSTER_SCHEME,
@@ -38,29 +37,15 @@ from kvtier.connectors.tiers.redis_client import (
     RedisConnection,
     error_kind,
     is_fault,
-    parse_cluster_url,
     reply_failure,
 )
-from kvtier.errors import ChunkError, InvalidArgumentError
-
-__all__ = ["CLUSTER_SCHEME", "FAULTS", "HEADER_PROBE_BYTES", "RedisTier", "parse_cluster_url"]
+from kvtier.connectors.tiers.redis_ranges import read_layer_ranges
+from kvtier.connectors.tiers.redis_usage import RedisUsage
+from kvtier.errors import InvalidArgumentError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-HEADER_PROBE_BYTES = 4096
-"""First bytes read by a layer-range get; covers the header of any chunk up to ~400 layers."""
-
-
-def _wire(blob: Blob) -> bytes | memoryview:
-    """A value redis-py sends as it is (a byte memoryview goes out of the caller's buffer,
-    a slot or a staging buffer, with no copy). A put that times out may still be sending
-    when the caller reuses the buffer; the value is then torn, and every read checks key
-    and checksums, so it is rejected, never served."""
-    if isinstance(blob, bytes):
-        return blob
-    view = memoryview(blob)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 class RedisTier(Tier):
@@ -114,17 +99,10 @@ class RedisTier(Tier):
             raise InvalidArgumentError("min_bandwidth_Bps and max_batch_bytes must be > 0")
         self.min_bandwidth_Bps = min_bandwidth_Bps
         self.max_batch_bytes = max_batch_bytes
-        self._chunk_hint = 0
-        """The largest chunk seen: what a get of unknown sizes budgets per key (1 MiB
-        until a chunk was seen, and no split)."""
+        self._batches = BatchSizer(max_batch_bytes)
         self._capacity = capacity_bytes
-        self._used = 0
-        self._count = 0
-        """Chunks this instance stored minus those it deleted (for metrics, no SCAN)."""
-        self._used_lock = threading.Lock()
-        self._namespaces = NamespaceUsage()
-        """Tenants' chunks this instance stored (quotas, per-tenant gauges; under
-        ``_used_lock``): what Redis expired or evicted leaves when a read misses it."""
+        self._usage = RedisUsage()
+        """What this instance stored (bytes, chunks, tenants'), kept as counters."""
         self.round_trips = 0
         """Pipelines (network round trips; one per node on a cluster) sent so far."""
         self._closed = False
@@ -167,31 +145,33 @@ class RedisTier(Tier):
         self.round_trips += 1
         return self._client.pipeline(transaction=False)
 
-    def _set_batch(self, keys: Sequence[str], chunks: Mapping[str, Blob]) -> list[Any]:
-        assert self._sync is not None
-        pipe = self._sync.pipeline(transaction=False)
-        for k in keys:
-            pipe.set(self._rk(k), _wire(chunks[k]), nx=True, px=self.ttl_ms)
+    def _queue_sets(self, pipe: Any, chunks: Mapping[str, memoryview]) -> Any:
+        """``SET NX`` each value into ``pipe``, sent from the caller's buffer as it is (a
+        slot or a staging buffer: no copy). A store that times out may still be sending
+        when the caller reuses the buffer; the value is then torn, and every read checks
+        key and checksums, so it is rejected, never served."""
+        for k, value in chunks.items():
+            pipe.set(self._rk(k), value, nx=True, px=self.ttl_ms)
             if self.ttl_ms is not None:
                 pipe.pexpire(self._rk(k), self.ttl_ms)  # a re-put keeps a live chunk alive
+        return pipe
+
+    def _set_batch(self, chunks: Mapping[str, memoryview]) -> list[Any]:
+        assert self._sync is not None
+        pipe = self._queue_sets(self._sync.pipeline(transaction=False), chunks)
         return pipe.execute(raise_on_error=False)
 
     # --- async operations (run on the tier's loop) --------------------------------------
-    async def _put(self, chunks: Mapping[str, Blob]) -> PutResult:
+    async def _put(self, chunks: Mapping[str, memoryview]) -> PutResult:
         result = PutResult()
         if not chunks:
             return result
         keys = list(chunks)
         if self._sync is not None:
             self.round_trips += 1
-            replies = await self._conn.blocking(self._set_batch, keys, chunks)
+            replies = await self._conn.blocking(self._set_batch, chunks)
         else:
-            pipe = self._pipeline()
-            for k in keys:
-                pipe.set(self._rk(k), _wire(chunks[k]), nx=True, px=self.ttl_ms)
-                if self.ttl_ms is not None:
-                    pipe.pexpire(self._rk(k), self.ttl_ms)  # a re-put keeps a live chunk alive
-            replies = await pipe.execute(raise_on_error=False)
+            replies = await self._queue_sets(self._pipeline(), chunks).execute(raise_on_error=False)
         step = 1 if self.ttl_ms is None else 2
         written = 0
         for i, k in enumerate(keys):
@@ -206,10 +186,8 @@ class RedisTier(Tier):
         with self.stats.lock:
             self.stats.puts += len(result.stored)
             self.stats.bytes_written += written
-        self._add_used(written, len(result.stored))
-        with self._used_lock:
-            for k in result.stored:
-                self._namespaces.add(k, self.occupancy(len(chunks[k])))
+        self._usage.stored({k: len(chunks[k]) for k in result.stored},
+                           {k: self.occupancy(len(chunks[k])) for k in result.stored})
         return result
 
     async def _get(self, keys: Sequence[str], layers: tuple[int, int] | None
@@ -221,21 +199,18 @@ class RedisTier(Tier):
         if layers is None:
             out = await self._get_whole(keys)
         else:
-            out, corrupt = await self._get_layers(keys, layers)
-            if corrupt:
-                await self._drop_corrupt(corrupt)
+            ranges = await read_layer_ranges(self._pipeline, self._rk, keys, layers,
+                                             self._count_reply_faults)
+            out = ranges.chunks
+            if ranges.corrupt:
+                await self._drop_corrupt(ranges.corrupt)
         self._account_get(keys, [None if b is None else len(b) for b in out])
         return out
 
     def _account_get(self, keys: Sequence[str], sizes: Sequence[int | None]) -> None:
         """Stats and tenant usage after a read: ``sizes`` per key, None for a miss."""
         hits = sum(n is not None for n in sizes)
-        with self._used_lock:
-            for k, n in zip(keys, sizes, strict=True):
-                if n is None:
-                    self._namespaces.remove(k)  # expired, evicted by Redis, or corrupt
-                else:
-                    self._namespaces.touch(k)
+        self._usage.read(keys, sizes)
         with self.stats.lock:
             self.stats.gets += len(keys)
             self.stats.hits += hits
@@ -258,59 +233,6 @@ class RedisTier(Tier):
             if is_fault(r):
                 self.stats.count_error(error_kind(r))
 
-    async def _get_layers(
-        self, keys: Sequence[str], layers: tuple[int, int]
-    ) -> tuple[list[bytes | None], dict[str, int]]:
-        """Round 1: the first bytes of each value (header); round 2: each layer span."""
-        pipe = self._pipeline()
-        for k in keys:
-            pipe.getrange(self._rk(k), 0, HEADER_PROBE_BYTES - 1)
-        probes = await pipe.execute(raise_on_error=False)
-        self._count_reply_faults(probes)
-        out: list[bytes | None] = [None] * len(keys)
-        corrupt: dict[str, int] = {}
-        plan: list[tuple[int, Any, int | None]] = []  # (index, header, payload offset or None)
-        for i, (k, probe) in enumerate(zip(keys, probes, strict=True)):
-            if not isinstance(probe, bytes) or not probe:
-                continue  # miss
-            try:
-                header, offset = parse_header(probe)
-            except ChunkError:
-                if len(probe) == HEADER_PROBE_BYTES:  # maybe a header longer than the probe
-                    plan.append((i, None, None))
-                else:
-                    corrupt[k] = len(probe)
-                continue
-            if not 0 <= layers[0] < layers[1] <= header.num_layers:
-                continue  # the chunk holds fewer layers than asked: a miss, not corruption
-            plan.append((i, header, offset))
-        if not plan:
-            return out, corrupt
-        pipe = self._pipeline()
-        for i, header, offset in plan:
-            if header is None:
-                pipe.get(self._rk(keys[i]))
-            else:
-                start, length = layer_span(header, layers)
-                pipe.getrange(self._rk(keys[i]), offset + start, offset + start + length - 1)
-        parts = await pipe.execute(raise_on_error=False)
-        self._count_reply_faults(parts)
-        for (i, header, _), part in zip(plan, parts, strict=True):
-            k = keys[i]
-            if not isinstance(part, bytes):
-                continue  # deleted or expired between the two round trips
-            try:
-                if header is None:
-                    header, offset = parse_header(part)
-                    start, length = layer_span(header, layers)
-                    part = part[offset + start : offset + start + length]
-                blob = slice_chunk(header, layers, part)
-            except ChunkError:
-                corrupt[k] = header.payload_nbytes if header is not None else len(part)
-                continue
-            out[i] = blob
-        return out, corrupt
-
     async def _drop_corrupt(self, corrupt: Mapping[str, int]) -> None:
         pipe = self._pipeline()
         for k in corrupt:
@@ -318,7 +240,7 @@ class RedisTier(Tier):
         await pipe.execute(raise_on_error=False)
         with self.stats.lock:
             self.stats.corrupt += len(corrupt)
-        self._add_used(-sum(corrupt.values()), -len(corrupt))
+        self._usage.removed(sum(corrupt.values()), len(corrupt))
 
     async def _contains_prefix(self, keys: Sequence[str]) -> int:
         if not keys:
@@ -345,13 +267,8 @@ class RedisTier(Tier):
         replies = await pipe.execute(raise_on_error=False)
         sizes, dels = replies[0::2], replies[1::2]
         removed = sum(1 for d in dels if d == 1)
-        with self._used_lock:
-            for k in keys:
-                self._namespaces.remove(k)
-        self._add_used(
-            -sum(s for s, d in zip(sizes, dels, strict=True) if d == 1 and isinstance(s, int)),
-            -removed,
-        )
+        freed = sum(s for s, d in zip(sizes, dels, strict=True) if d == 1 and isinstance(s, int))
+        self._usage.removed(freed, removed, keys)
         return removed
 
     async def _count_keys(self) -> int:
@@ -364,38 +281,11 @@ class RedisTier(Tier):
         escaped = "".join("\\" + c if c in "*?[]\\" else c for c in self.prefix)
         return escaped + "*"
 
-    def _add_used(self, delta: int, chunks: int = 0) -> None:
-        with self._used_lock:
-            self._used = max(0, self._used + delta)
-            self._count = max(0, self._count + chunks)
-
     # --- the Tier interface (sync, from any thread) -------------------------------------
     @staticmethod
     def _check_layers(layers: tuple[int, int] | None) -> None:
         if layers is not None and not 0 <= layers[0] < layers[1]:
             raise InvalidArgumentError(f"layers must be (start, end) with 0 <= start < end, got {layers}")
-
-    def _put_batches(self, writes: Sequence[ChunkWrite]) -> list[list[ChunkWrite]]:
-        """``writes`` in calls of at most ``max_batch_bytes`` (a bigger chunk goes alone)."""
-        batches: list[list[ChunkWrite]] = [[]]
-        size = 0
-        for write in writes:
-            self._chunk_hint = max(self._chunk_hint, write.nbytes)
-            if batches[-1] and size + write.nbytes > self.max_batch_bytes:
-                batches.append([])
-                size = 0
-            batches[-1].append(write)
-            size += write.nbytes
-        return [b for b in batches if b]
-
-    def _get_batches(self, keys: Sequence[str]) -> list[Sequence[str]]:
-        if not self._chunk_hint:
-            return [keys]
-        per = max(1, self.max_batch_bytes // self._chunk_hint)
-        return [keys[i : i + per] for i in range(0, len(keys), per)] or [keys]
-
-    def _get_budget(self, n: int) -> int:
-        return n * (self._chunk_hint or 1 << 20)
 
     def store_in_place(self, writes: Sequence[ChunkWrite]) -> PutResult:
         """``SET NX`` each chunk from its bytes (a fill lands in a staging buffer first, sent
@@ -410,7 +300,7 @@ class RedisTier(Tier):
                 self.stats.count_error("invalid")
             else:
                 todo.append(write)
-        for batch in self._put_batches(todo):
+        for batch in self._batches.writes(todo):
             with contextlib.ExitStack() as held:
                 values = {w.key: held.enter_context(w.bytes_from(self._staging)) for w in batch}
                 part = self._guarded("put", self._put(values),
@@ -425,12 +315,11 @@ class RedisTier(Tier):
     def _read(self, keys: Sequence[str], layers: tuple[int, int] | None) -> list[bytes | None]:
         """Values read as bytes (a layer range, or a cluster's whole chunks)."""
         out: list[bytes | None] = []
-        for batch in self._get_batches(keys):
+        for batch in self._batches.keys(keys):
             blobs = self._guarded("get", self._get(batch, layers),
-                                  self._all_missed(batch), self._get_budget(len(batch)))
+                                  self._all_missed(batch), self._batches.budget(len(batch)))
             for b in blobs:
-                if b is not None:
-                    self._chunk_hint = max(self._chunk_hint, len(b))
+                self._batches.saw(None if b is None else len(b))
             out += blobs
         return out
 
@@ -448,7 +337,7 @@ class RedisTier(Tier):
             return
         got: list[tuple[torch.Tensor, int] | None] = []
         try:
-            for batch in self._get_batches(keys):
+            for batch in self._batches.keys(keys):
                 got += self._get_into(batch)
             yield [None if g is None else g[0][: g[1]] for g in got]
         finally:
@@ -464,13 +353,12 @@ class RedisTier(Tier):
         try:
             got = get_into(self._sync.connection_pool, [self._rk(k) for k in keys],
                            self._staging.acquire, self._staging.release,
-                           self.deadline(self._get_budget(len(keys))))
+                           self.deadline(self._batches.budget(len(keys))))
         except FAULTS as exc:
             got = self._fault("get", exc, lambda _: [None] * len(keys))
         sizes = [None if g is None else g[1] for g in got]
         for n in sizes:
-            if n is not None:
-                self._chunk_hint = max(self._chunk_hint, n)
+            self._batches.saw(n)
         self._account_get(keys, sizes)
         return got
 
@@ -496,18 +384,15 @@ class RedisTier(Tier):
 
     # --- tenants ---------------------------------------------------------------------
     def namespace_held(self, namespace: str, keys: Sequence[str] = ()) -> tuple[int, set[str]]:
-        with self._used_lock:
-            return self._namespaces.held(namespace, keys)
+        return self._usage.held(namespace, keys)
 
     def namespace_bytes(self) -> dict[str, int]:
-        with self._used_lock:
-            return self._namespaces.snapshot()
+        return self._usage.by_namespace()
 
     def evict_namespace(self, namespace: str, need: int, exclude: Collection[str] = ()) -> int:
         """Delete ``namespace``'s least recently used chunks (of those this instance
         stored) until ``need`` bytes are freed: the last tier, nothing to hand down."""
-        with self._used_lock:
-            victims = self._namespaces.coldest(namespace, need, exclude)
+        victims = self._usage.coldest(namespace, need, exclude)
         if not victims:
             return 0
         before = self.namespace_held(namespace)[0]
@@ -526,14 +411,12 @@ class RedisTier(Tier):
     def used_bytes(self) -> int:
         """Bytes this instance stored minus those it deleted (approximate: Redis-side TTL
         expiry, eviction and other writers are not seen)."""
-        with self._used_lock:
-            return self._used
+        return self._usage.gauges()[1]
 
     def gauges(self) -> tuple[int, int]:
         """Chunks and bytes this instance stored minus those it deleted: counters, never a
         SCAN (what Redis expired or evicted, or other writers stored, is not seen)."""
-        with self._used_lock:
-            return self._count, self._used
+        return self._usage.gauges()
 
     def __len__(self) -> int:
         """Keys under ``prefix`` on the server(s), by SCAN: exact but O(keys); 0 if down."""

@@ -236,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.machine import this_machine
     from kvtier.policies.cost_model import CostModel, PrefillCost
     from kvtier.policies.profile import save_profile
-    from kvtier.transfer.kv_transfer import CPU_STREAM_MIN_TOKENS
+    from kvtier.transfer.restore import CPU_STREAM_MIN_TOKENS
 
     console = Console()
     runner, device, dtype = _load_runner(args)

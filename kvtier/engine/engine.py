@@ -40,7 +40,8 @@ from kvtier.models.tokenizer import Tokenizer
 from kvtier.policies.eviction import SessionAware
 from kvtier.policies.live import LivePolicy, load_cost_model
 from kvtier.policies.offload import Watermarks
-from kvtier.transfer.kv_transfer import KVTransfer, LoadReport, SaveReport
+from kvtier.transfer.kv_transfer import KVTransfer, SaveReport
+from kvtier.transfer.restore import LoadReport
 from kvtier.transfer.store_queue import StoreQueue
 
 __all__ = [

@@ -26,7 +26,8 @@ from kvtier.engine.errors import SessionBusyError, UnknownSessionError
 from kvtier.engine.session import ChatSession
 from kvtier.errors import InvalidArgumentError, KVTierError
 from kvtier.hashing import chain_hashes
-from kvtier.transfer.kv_transfer import KVTransfer, LoadReport, SaveReport
+from kvtier.transfer.kv_transfer import KVTransfer, SaveReport
+from kvtier.transfer.restore import LoadReport
 
 if TYPE_CHECKING:
     from kvtier.engine.model_runner import ModelRunner

@@ -8,17 +8,15 @@ computes only the rest. ``evict`` drops a prefix's unreferenced blocks from the 
 offload's second half: only once its chunks are safely stored).
 
 This module holds :class:`KVTransfer` with its save and evict side; the restore side
-(``load``, ``stored_prefix``, the loader thread) is :mod:`kvtier.transfer.restore`, mixed in,
-and its names are re-exported here.
+(``load``, ``stored_prefix``, the loader thread) is a :class:`~kvtier.transfer.restore.Restorer`
+it owns.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Protocol
 
 import torch
 
@@ -28,28 +26,13 @@ from kvtier.connectors.tiers.base import ChunkWrite
 from kvtier.connectors.tiers.chunk_workers import map_store
 from kvtier.connectors.tiers.manager import PutReport, TierManager
 from kvtier.errors import InvalidArgumentError
-from kvtier.gpu_pool import PagedKVPool
 from kvtier.gpu_pool.kernels import copy_host, gather_blocks, gather_blocks_host, host_native
 from kvtier.gpu_pool.kernels.host_native import gather_blocks_hashed
 from kvtier.hashing import chain_hashes
 from kvtier.policies.eviction import ChunkInfo
-from kvtier.transfer.layer_load import LayerLoad
-from kvtier.transfer.restore import (
-    CPU_STREAM_MIN_TOKENS,
-    LoadReport,
-    RestoreMixin,
-    StoredPrefix,
-)
-
-__all__ = [
-    "CPU_STREAM_MIN_TOKENS",
-    "KVTransfer",
-    "LoadReport",
-    "PoolOwner",
-    "SaveReport",
-    "Snapshot",
-    "StoredPrefix",
-]
+from kvtier.transfer.pool_owner import PoolOwner
+from kvtier.transfer.restore import LoadReport, Restorer
+from kvtier.transfer.restore_plan import StoredPrefix
 
 
 @dataclass
@@ -136,21 +119,7 @@ def _gather_from(kv: torch.Tensor, ids: list[int], num_tokens: int
     return shape, kv.dtype, fill
 
 
-class PoolOwner(Protocol):
-    """What the data path needs of the engine's model runner: its pool, the model
-    fingerprint its chains are keyed with, and the layer-wise loads the forward waits on.
-    (A protocol, so that transfer/ sits below engine/ and imports nothing of it.)"""
-
-    pool: PagedKVPool
-    fingerprint: bytes
-    layer_loads: list[LayerLoad]
-
-    def add_layer_load(self, load: LayerLoad) -> None: ...
-
-    def reap_layer_loads(self, wait: bool = False) -> None: ...
-
-
-class KVTransfer(RestoreMixin):
+class KVTransfer:
     def __init__(
         self,
         runner: PoolOwner,
@@ -167,18 +136,30 @@ class KVTransfer(RestoreMixin):
         self.runner = runner
         self.manager = manager
         self.chunk_tokens = chunk_tokens
-        self._tmp_ids = itertools.count()
         self._stream: torch.cuda.Stream | None = None
-        self.stream = stream
-        """Whether restores stream layer by layer; None: on CUDA always, on CPU from
-        ``stream_min_tokens`` restored tokens (below that, on a few shared cores, the
-        loader thread's competition with the forward costs more than the overlap saves:
-        see docs/tiers.md)."""
-        self.stream_min_tokens = CPU_STREAM_MIN_TOKENS
-        self._executor: ThreadPoolExecutor | None = None
         self._putter: ThreadPoolExecutor | None = None
-        self.lost_restores = 0
-        """Restores that lost chunks after they were published (recomputed instead)."""
+        self.restorer = Restorer(runner, manager, self._keys, self._side_stream, stream)
+
+    # ----------------------------------------------------------------- restore
+    def load(self, token_ids: Sequence[int], stored_tokens: int | None = None,
+             stream: bool | None = None, found: StoredPrefix | None = None,
+             namespace: str | None = None) -> LoadReport:
+        """See :meth:`Restorer.load`."""
+        return self.restorer.load(token_ids, stored_tokens, stream, found, namespace)
+
+    def stored_prefix(self, token_ids: Sequence[int], stored_tokens: int | None = None,
+                      namespace: str | None = None) -> StoredPrefix:
+        """See :meth:`RestorePlanner.stored_prefix`."""
+        return self.restorer.plan.stored_prefix(token_ids, stored_tokens, namespace)
+
+    def keys_below_fastest(self, token_ids: Sequence[int], namespace: str | None = None
+                           ) -> list[str]:
+        """See :meth:`RestorePlanner.keys_below_fastest`."""
+        return self.restorer.plan.keys_below_fastest(token_ids, namespace)
+
+    @property
+    def lost_restores(self) -> int:
+        return self.restorer.lost_restores
 
     @property
     def _pool(self):
@@ -470,7 +451,7 @@ class KVTransfer(RestoreMixin):
 
     def close(self) -> None:
         """Wait for restores and puts in flight and stop their threads."""
-        super().close()
+        self.restorer.close()
         if self._putter is not None:
             self._putter.shutdown(wait=True)
             self._putter = None

@@ -7,19 +7,19 @@ follow either at once or streamed on a loader thread while the model already run
 :mod:`kvtier.transfer.layer_load`). ``stored_prefix`` says beforehand what a restore would
 find, for the restore-or-recompute plan.
 
-It is a mixin of :class:`~kvtier.transfer.kv_transfer.KVTransfer`, which keeps the save and
-evict side and the state both share; :mod:`kvtier.transfer.kv_transfer` re-exports the
-names defined here.
+A :class:`Restorer` is owned by :class:`~kvtier.transfer.kv_transfer.KVTransfer` (the save
+and evict side), which hands it what both share: the pool's owner, the tier stack, how a
+prefix's chunk keys are made and the side stream CUDA copies run on.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,30 +28,14 @@ from kvtier.connectors.tiers.chunk_workers import map_restore
 from kvtier.connectors.tiers.lent_chunk import LentChunk
 from kvtier.connectors.tiers.manager import Location, TierManager
 from kvtier.errors import ChunkFormatError, OutOfBlocksError
+from kvtier.gpu_pool import PagedKVPool
 from kvtier.gpu_pool.kernels import host_native, scatter_blocks, scatter_blocks_host
 from kvtier.gpu_pool.kernels.host_native import scatter_blocks_verified
 from kvtier.transfer.layer_load import LayerLoad
-
-if TYPE_CHECKING:
-    from kvtier.gpu_pool import PagedKVPool
-    from kvtier.transfer.kv_transfer import PoolOwner
+from kvtier.transfer.pool_owner import PoolOwner
+from kvtier.transfer.restore_plan import ChunkKeys, RestorePlanner, StoredPrefix
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class StoredPrefix:
-    """What a restore would find (:meth:`KVTransfer.stored_prefix`). Hand it to
-    :meth:`KVTransfer.load` right after, and the restore reads what it saw without asking
-    every tier (a Redis round trip among them) where each chunk lies a second time."""
-
-    cached: int
-    """Leading tokens still cached in the pool."""
-    chunks: list[tuple[int, str]]
-    """The stored chunks after them, in order: new tokens each brings, fastest tier."""
-    prefix: list[int] = field(default_factory=list, repr=False)
-    keys: list[ChunkKey] = field(default_factory=list, repr=False)
-    loc: Location | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -74,8 +58,7 @@ def _fused(part: LentChunk, kv: torch.Tensor) -> bool:
     """Whether a lent chunk is checked and scattered by the fused native kernel (one still
     to check, a host pool of its dtype, a contiguous chunk), else checked, then copied
     with numpy."""
-    return (host_native.AVAILABLE and part.header is not None and part.buf is not None
-            and not kv.is_cuda and part.kv.device.type == "cpu"
+    return (host_native.AVAILABLE and not kv.is_cuda and part.kv.device.type == "cpu"
             and part.kv.dtype == kv.dtype and part.kv.is_contiguous())
 
 
@@ -87,83 +70,38 @@ CPU_STREAM_MIN_TOKENS = 2048
 """On a CPU, restores stream layer by layer only from this many tokens (docs/tiers.md)."""
 
 
-class RestoreMixin:
-    """The restore side of :class:`~kvtier.transfer.kv_transfer.KVTransfer`; the state below
-    is set up by ``KVTransfer.__init__``."""
+class Restorer:
+    """Restores of one pool from one tier stack. ``keys`` makes a prefix's chunk keys as
+    the save side stores them; ``side_stream`` is the CUDA stream copies run on."""
 
-    runner: PoolOwner
-    manager: TierManager
-    stream: bool | None
-    stream_min_tokens: int
-    lost_restores: int
-    _tmp_ids: Iterator[int]
-    _executor: ThreadPoolExecutor | None
+    def __init__(
+        self,
+        runner: PoolOwner,
+        manager: TierManager,
+        keys: ChunkKeys,
+        side_stream: Callable[[], torch.cuda.Stream],
+        stream: bool | None = False,
+    ) -> None:
+        self.runner = runner
+        self.manager = manager
+        self.plan = RestorePlanner(runner, manager, keys)
+        self._side_stream = side_stream
+        self.stream = stream
+        """Whether restores stream layer by layer; None: on CUDA always, on CPU from
+        ``stream_min_tokens`` restored tokens (below that, on a few shared cores, the
+        loader thread's competition with the forward costs more than the overlap saves:
+        see docs/tiers.md)."""
+        self.stream_min_tokens = CPU_STREAM_MIN_TOKENS
+        self.lost_restores = 0
+        """Restores that lost chunks after they were published (recomputed instead)."""
+        self._tmp_ids = itertools.count()
+        self._executor: ThreadPoolExecutor | None = None
 
-    if TYPE_CHECKING:  # provided by KVTransfer
-
-        @property
-        def _pool(self) -> PagedKVPool: ...
-
-        def _keys(self, token_ids: Sequence[int], namespace: str | None = None
-                  ) -> list[ChunkKey]: ...
-
-        def _side_stream(self) -> torch.cuda.Stream: ...
+    @property
+    def _pool(self) -> PagedKVPool:
+        return self.runner.pool
 
     # --------------------------------------------------------- what a restore finds
-    def _restorable(
-        self, token_ids: Sequence[int], stored_tokens: int | None, namespace: str | None = None
-    ) -> tuple[list[int], int, list[ChunkKey]]:
-        """The whole-block prefix a restore may bring back, the tokens of it still cached
-        in the pool, and its chunk keys."""
-        pool = self._pool
-        limit = len(token_ids) if stored_tokens is None else min(stored_tokens, len(token_ids))
-        limit -= limit % pool.block_size
-        prefix = list(token_ids[:limit])
-        cached = len(pool.manager.match_prefix(prefix, self.runner.fingerprint)) * pool.block_size
-        return prefix, cached, self._keys(prefix, namespace)
-
-    def stored_prefix(
-        self, token_ids: Sequence[int], stored_tokens: int | None = None,
-        namespace: str | None = None,
-    ) -> StoredPrefix:
-        """What a restore of ``token_ids[:stored_tokens]`` would find: the tokens still
-        cached in the pool, and the stored chunks after them (new tokens each brings, name
-        of the fastest tier holding it), in order, up to the first gap. ``namespace``: the
-        tenant whose chunks are looked for (None: the engine's own)."""
-        prefix, cached, keys = self._restorable(token_ids, stored_tokens, namespace)
-        found = StoredPrefix(cached, [], prefix, keys)
-        first = next((i for i, k in enumerate(keys) if k.end > cached), len(keys))
-        if first == len(keys):
-            return found
-        found.loc = loc = self.manager.lookup([k.key for k in keys])
-        end = cached
-        for i in range(first, loc.length):
-            if keys[i].start > end:
-                break
-            found.chunks.append((keys[i].end - end, self.manager.tiers[loc.tiers[i]].name))
-            end = keys[i].end
-        return found
-
-    def _seen(self, found: StoredPrefix, stored_tokens: int | None) -> tuple | None:
-        """``found`` cut to ``stored_tokens`` (prefix, cached, keys, location) when the cut
-        falls on a chunk boundary it knows; else None (look again)."""
-        if found.loc is None:
-            return None
-        limit = len(found.prefix) if stored_tokens is None else min(stored_tokens, len(found.prefix))
-        keys = [k for k in found.keys if k.end <= limit]
-        if limit != (keys[-1].end if keys else 0):
-            return None
-        n = min(found.loc.length, len(keys))
-        return found.prefix[:limit], min(found.cached, limit), keys, Location(n, found.loc.tiers[:n])
-
-    def keys_below_fastest(self, token_ids: Sequence[int], namespace: str | None = None
-                           ) -> list[str]:
-        """Keys of the stored prefix of ``token_ids`` that only slower tiers hold."""
-        keys = [k.key for k in self._keys(list(token_ids), namespace)]
-        loc = self.manager.lookup(keys)
-        return [keys[i] for i in range(loc.length) if loc.tiers[i] > 0]
-
-    # ------------------------------------------------------------------------- load
     def load(
         self,
         token_ids: Sequence[int],
@@ -188,8 +126,8 @@ class RestoreMixin:
         if stream is None:
             stream = self.stream
         self._reap_if_idle()
-        prefix, cached, usable, where = self._usable_chunks(token_ids, stored_tokens, found,
-                                                            namespace)
+        plan = self.plan.usable_chunks(token_ids, stored_tokens, found, namespace)
+        prefix, cached, usable, where = plan.prefix, plan.cached, plan.chunks, plan.where
         report = LoadReport(tokens=cached, from_pool=cached)
         if not usable:
             return report
@@ -204,37 +142,57 @@ class RestoreMixin:
         # before each group is scattered: the bytes are read from memory once, not twice.
         deferred = last is not None and not pool.storage.kv.is_cuda
         with self._reading(usable, where, 0, last, deferred) as lent:
-            # With the fused kernel, layer 0 is checked and scattered with the others (a
-            # chunk that fails it is poisoned like one failing a later layer); else it is
-            # checked first, and a chunk that fails it ends the restore before it.
-            fused = deferred and all(_fused(p, pool.storage.kv) for p in lent if p is not None)
-            parts = self._layer0_checked(lent) if deferred and not fused else lent
-            chunks: list[ChunkKey] = []
-            end = usable[0].start  # <= cached: the first chunk may overlap blocks still pooled
-            for ck, part in zip(usable, parts, strict=True):
-                if part is None or ck.start != end:
-                    break
-                chunks.append(ck)
-                end = ck.end
-            if end <= cached:
-                return report
-            kvs = [p.kv if isinstance(p, LentChunk) else p for p in parts[: len(chunks)]]
-            layer0 = None if fused else [p if last is None else p[:1] for p in kvs if p is not None]
-            begun = self._begin_load(prefix, end, chunks, layer0)
-            if begun is not None and last is not None:
-                sid, load, spans = begun
-                if deferred:
-                    self._load_rest_checked(load, spans, parts[: len(chunks)], 0 if fused else 1)
-                else:
-                    self._load_rest(load, spans, [p[1:] for p in kvs if p is not None])
+            chunks, begun = self._first_layers(prefix, cached, usable, lent, last, deferred)
         if begun is None:
             return report
+        return self._finish_load(report, begun, chunks, where, last, cached)
+
+    def _first_layers(
+        self, prefix: list[int], cached: int, usable: list[ChunkKey], lent: list,
+        last: int | None, deferred: bool,
+    ) -> tuple[list[ChunkKey], tuple[str, LayerLoad, list[tuple[int, list[int]]]] | None]:
+        """The leading chunks read whole (up to the first one missing), held in the pool
+        with layer 0 scattered (every layer, where ``last`` says the read holds them all);
+        no load when they bring nothing new or do not fit."""
+        kv = self._pool.storage.kv
+        # With the fused kernel, layer 0 is checked and scattered with the others (a
+        # chunk that fails it is poisoned like one failing a later layer); else it is
+        # checked first, and a chunk that fails it ends the restore before it.
+        fused = deferred and all(_fused(p, kv) for p in lent if p is not None)
+        parts = self._layer0_checked(lent) if deferred and not fused else lent
+        chunks: list[ChunkKey] = []
+        end = usable[0].start  # <= cached: the first chunk may overlap blocks still pooled
+        for ck, part in zip(usable, parts, strict=True):
+            if part is None or ck.start != end:
+                break
+            chunks.append(ck)
+            end = ck.end
+        if end <= cached:
+            return chunks, None
+        kvs = [p.kv if isinstance(p, LentChunk) else p for p in parts[: len(chunks)]]
+        layer0 = None if fused else [p if last is None else p[:1] for p in kvs if p is not None]
+        begun = self._begin_load(prefix, end, chunks, layer0)
+        if begun is not None and last is not None:
+            _, load, spans = begun
+            if deferred:
+                self._load_rest_checked(load, spans, parts[: len(chunks)], 0 if fused else 1)
+            else:
+                self._load_rest(load, spans, [p[1:] for p in kvs if p is not None])
+        return chunks, begun
+
+    def _finish_load(
+        self, report: LoadReport, begun: tuple[str, LayerLoad, list[tuple[int, list[int]]]],
+        chunks: list[ChunkKey], where: Location, last: int | None, cached: int,
+    ) -> LoadReport:
+        """Stream the other layers (``last`` None) or settle a load done now; the report."""
+        pool = self._pool
         sid, load, spans = begun
         where = Location(len(chunks), where.tiers[: len(chunks)])
         if last is None:
             self._stream_rest(load, chunks, spans, where)
             report.pending = load
             loaded = chunks
+            end = chunks[-1].end
         else:
             for b in load.take_poisoned_blocks():
                 pool.block_pool.uncache_block(b)
@@ -250,32 +208,6 @@ class RestoreMixin:
             new = ck.end - max(ck.start, cached)
             report.tier_tokens[name] = report.tier_tokens.get(name, 0) + new
         return report
-
-    def _usable_chunks(
-        self,
-        token_ids: Sequence[int],
-        stored_tokens: int | None,
-        found: StoredPrefix | None,
-        namespace: str | None = None,
-    ) -> tuple[list[int], int, list[ChunkKey], Location]:
-        """The prefix a restore may bring back, the tokens of it still cached in the pool,
-        and the stored chunks from the first one past the cached blocks on, with the tiers
-        they lie in (none, ``Location(0)``, when the chunk right after the cached blocks is
-        not stored). ``found`` saves asking the tiers again (see :meth:`load`)."""
-        seen = self._seen(found, stored_tokens) if found is not None else None
-        if seen is not None:
-            prefix, cached, keys, loc = seen
-        else:
-            prefix, cached, keys = self._restorable(token_ids, stored_tokens, namespace)
-        if not any(k.end > cached for k in keys):
-            return prefix, cached, [], Location(0)
-        if seen is None:
-            loc = self.manager.lookup([k.key for k in keys])
-        first = next((i for i, k in enumerate(keys) if k.end > cached), len(keys))
-        usable = keys[first : loc.length]
-        if not usable or usable[0].start > cached:
-            return prefix, cached, [], Location(0)  # the next chunk is not stored anywhere
-        return prefix, cached, usable, Location(len(usable), loc.tiers[first : loc.length])
 
     def _begin_load(
         self,

@@ -15,7 +15,8 @@ import torch
 
 from kvtier.chunk_format import decode_chunk, encode_chunk, validate_chunk
 from kvtier.connectors.tiers.blobs import get_blobs, put_blobs
-from kvtier.connectors.tiers.redis_tier import RedisTier, parse_cluster_url
+from kvtier.connectors.tiers.redis_client import parse_cluster_url
+from kvtier.connectors.tiers.redis_tier import RedisTier
 from kvtier.errors import InvalidArgumentError
 from tests import redis_servers  # noqa: E402
 from tests.redis_servers import RedisClusterProcs, RedisServer  # noqa: E402
