@@ -4,14 +4,13 @@
 prompt extends the session's exact token ids, so the KV of earlier turns still in the
 pool is reused and only the new message is computed. ``chat_many`` and ``generate`` run many
 requests together through continuous batching. Moving idle sessions' KV to the tiers and
-back is :mod:`kvtier.engine.offload`'s part of the Engine.
+back is an :class:`~kvtier.engine.offload.Offloader`'s, which the Engine owns.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
@@ -30,7 +29,8 @@ from kvtier.engine.errors import (
     turn_error,
 )
 from kvtier.engine.model_runner import ModelRunner
-from kvtier.engine.offload import OffloadMixin, OffloadResult
+from kvtier.engine.offload import Offloader, OffloadResult
+from kvtier.engine.residency import Residency
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.scheduler import Request, Scheduler
 from kvtier.engine.session import ChatSession, TurnResult
@@ -40,7 +40,7 @@ from kvtier.models.tokenizer import Tokenizer
 from kvtier.policies.eviction import SessionAware
 from kvtier.policies.live import LivePolicy, load_cost_model
 from kvtier.policies.offload import Watermarks
-from kvtier.transfer.kv_transfer import KVTransfer, SaveReport
+from kvtier.transfer.kv_transfer import KVTransfer
 from kvtier.transfer.restore import LoadReport
 from kvtier.transfer.store_queue import StoreQueue
 
@@ -78,7 +78,7 @@ class PendingTurn:
         return self.request.finished
 
 
-class Engine(OffloadMixin):
+class Engine:
     def __init__(
         self,
         model_dir: str | Path,
@@ -91,7 +91,6 @@ class Engine(OffloadMixin):
         cfg = config or KVTierConfig()
         self.config = cfg
         pool, opts = cfg.pool, cfg.engine
-        self.system_tenant = opts.system_tenant
         if opts.num_threads:
             torch.set_num_threads(opts.num_threads)
         kv_bytes = pool.memory_bytes
@@ -113,10 +112,6 @@ class Engine(OffloadMixin):
         self.tiers = None
         self.kv: KVTransfer | None = None
         self.transfers: StoreQueue | None = None
-        self._pending: dict[
-            str, tuple[Future[SaveReport], int | str, Future[OffloadResult], bool]
-        ] = {}
-        """Background stores by session: (store, tier, result, whether the blocks go after)."""
         model = self.runner.config
         slot = max_chunk_bytes(model.num_hidden_layers, kv_payload_bytes(
             model.num_hidden_layers, cfg.chunk_tokens, model.num_key_value_heads,
@@ -143,10 +138,11 @@ class Engine(OffloadMixin):
         """The turn in flight of each busy session."""
         self._ended: set[str] = set()
         """Sessions ended during their turn: gone once the (aborted) turn finishes."""
-        self._resident_hashes: dict[str, list[bytes]] = {}
-        """Block hashes of each session whose KV is meant to be in the pool."""
-        self._resident_count: Counter[bytes] = Counter()
-        """How many resident sessions hold each block (an offload keeps shared ones)."""
+        self.residency = Residency(self.runner.pool.block_size, self.runner.fingerprint,
+                                   None if self.policy is None else self.policy.left_pool)
+        self.offloader = Offloader(self.runner, self.scheduler, self.kv, self.transfers,
+                                   self.policy, self.sessions, self._busy, self.residency,
+                                   self.session, opts.system_tenant)
 
     def _live_policy(
         self, cfg: KVTierConfig, kv: KVTransfer, clock: Callable[[], float]
@@ -188,10 +184,7 @@ class Engine(OffloadMixin):
         return self.scheduler.add(self.encode(prompt), params, request_id, on_token)
 
     def step(self) -> list[Request]:
-        if self._pending:
-            self._settle_offloads()
-        if self.policy is not None and self.policy.due():
-            self._auto_offload()
+        self.tick()
         try:
             return self.scheduler.step()
         except Exception as exc:  # noqa: BLE001 - fail the batch, keep the engine alive
@@ -272,15 +265,15 @@ class Engine(OffloadMixin):
             raise SessionBusyError(
                 f"session {session_id!r} already has a turn in flight; wait for its reply"
             )
-        self._settle_offloads(block=True, only=session_id, evict=False)  # active again
+        self.offloader.settle(block=True, only=session_id, evict=False)  # active again
         session = self.sessions.get(session_id) or ChatSession(session_id)
         sys_msg = system if not session.messages else None
         prompt = session.next_prompt(self.tokenizer, message, sys_msg)
         if self.policy is not None:
             self.policy.turn_started(session_id)
-        restored = self._restore_if_needed(session, prompt)
+        restored = self.offloader.restore_if_needed(session, prompt)
         if self.policy is not None and self.policy.auto_offload:
-            self._make_room(len(prompt) - len(session.token_ids), exclude=session_id)
+            self.offloader.make_room(len(prompt) - len(session.token_ids), exclude=session_id)
         cb = (lambda _r, _t, delta: on_text(delta) if delta else None) if on_text else None
         req = self.scheduler.add(prompt, params, f"{session_id}#{len(session.turns) + 1}", cb,
                                  arrival=arrival)
@@ -307,7 +300,7 @@ class Engine(OffloadMixin):
                 self.policy.forget(sid)
             return result
         self.sessions[sid] = turn.session
-        self._set_resident(turn.session, True)
+        self.residency.set(turn.session, True)
         return result
 
     def abort_turn(self, session_id: str) -> bool:
@@ -319,7 +312,33 @@ class Engine(OffloadMixin):
             return False
         return self.scheduler.abort(turn.request.request_id)
 
-    # ------------------------------------ session upkeep (offload/restore: OffloadMixin)
+    # ------------------------------------------- offload / restore (the Offloader's)
+    def offload(self, session_id: str, tier: int | str = 0, wait: bool = True,
+                raise_copies: bool = True) -> OffloadResult | Future[OffloadResult]:
+        """See :meth:`Offloader.offload`."""
+        return self.offloader.offload(session_id, tier, wait, raise_copies)
+
+    def stage(self, session_id: str, tier: int | str = 0) -> Future[OffloadResult]:
+        """See :meth:`Offloader.stage`."""
+        return self.offloader.stage(session_id, tier)
+
+    def restore(self, session_id: str, wait: bool = True) -> LoadReport:
+        """See :meth:`Offloader.restore`."""
+        return self.offloader.restore(session_id, wait)
+
+    def prefetch(self, session_id: str) -> Future[int] | None:
+        """See :meth:`Offloader.prefetch`."""
+        return self.offloader.prefetch(session_id)
+
+    def hint(self, session_id: str) -> str:
+        """See :meth:`Offloader.hint`."""
+        return self.offloader.hint(session_id)
+
+    def kv_namespace(self, session_id: str) -> str | None:
+        """See :meth:`Offloader.kv_namespace`."""
+        return self.offloader.kv_namespace(session_id)
+
+    # ---------------------------------------------------------- session upkeep
     def session(self, session_id: str) -> ChatSession:
         try:
             return self.sessions[session_id]
@@ -334,10 +353,10 @@ class Engine(OffloadMixin):
     def tick(self) -> None:
         """Upkeep for an idle moment without blocking: settle finished background offloads
         and let the offload policy act (a server calls this while no request runs)."""
-        if self._pending:
-            self._settle_offloads()
+        if self.offloader.pending:
+            self.offloader.settle()
         if self.policy is not None and self.policy.due():
-            self._auto_offload()
+            self.offloader.auto_offload()
 
     def open_session(self, session_id: str, history: Sequence[Message]) -> ChatSession:
         """Start (or restart) a session from a conversation the engine has not seen, such
@@ -349,7 +368,7 @@ class Engine(OffloadMixin):
             )
         old = self.sessions.pop(session_id, None)
         if old is not None:
-            self._set_resident(old, False)
+            self.residency.set(old, False)
         session = ChatSession(session_id, messages=[dict(m) for m in history])
         self.sessions[session_id] = session
         return session
@@ -357,10 +376,10 @@ class Engine(OffloadMixin):
     def drain(self) -> None:
         """Finish every background offload and streaming restore (an idle moment)."""
         self.scheduler.settle_loads()
-        self._settle_offloads(block=True)
+        self.offloader.settle(block=True)
         if self.policy is not None and self.policy.due():
-            self._auto_offload()
-            self._settle_offloads(block=True)
+            self.offloader.auto_offload()
+            self.offloader.settle(block=True)
 
     def end_session(self, session_id: str) -> None:
         """Forget a session (its KV blocks stay in the prefix cache until evicted). A turn
@@ -371,12 +390,12 @@ class Engine(OffloadMixin):
             self.abort_turn(session_id)
             session = self.sessions.pop(session_id, None)
             if session is not None:
-                self._set_resident(session, False)
+                self.residency.set(session, False)
             return
         session = self.sessions.pop(session_id, None)
         if session is None:
             raise UnknownSessionError(f"unknown session {session_id!r}")
-        self._set_resident(session, False)
+        self.residency.set(session, False)
         if self.policy is not None:
             self.policy.forget(session_id)
 
@@ -386,7 +405,7 @@ class Engine(OffloadMixin):
             self.scheduler.settle_loads()
             self.kv.close()
         if self.transfers is not None:
-            self._settle_offloads(block=True)
+            self.offloader.settle(block=True)
             self.transfers.close()
             self.transfers = None
         if self.tiers is not None:

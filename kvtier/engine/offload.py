@@ -6,8 +6,9 @@ returns: restored into the pool, or raised to the fastest tier ahead of the turn
 policy decides when and where; this module carries its decisions out, and keeps the
 bookkeeping they need (which sessions' blocks are resident, which stores are in flight).
 
-It is a mixin of :class:`~kvtier.engine.engine.Engine`, so that the engine loop reads on its
-own while ``engine.offload(...)``, ``engine.restore(...)`` and the rest stay Engine methods.
+An :class:`Offloader` is owned by :class:`~kvtier.engine.engine.Engine`, which shares with it
+the sessions, the set of sessions with a turn in flight and the :class:`Residency`; the
+Engine's ``offload``, ``restore`` and the rest hand over to it.
 """
 
 from __future__ import annotations
@@ -15,14 +16,14 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvtier.chunk_format import NAMESPACE_RE as TENANT_RE
 from kvtier.engine.errors import SessionBusyError, UnknownSessionError
+from kvtier.engine.residency import Residency
 from kvtier.engine.session import ChatSession
 from kvtier.errors import InvalidArgumentError, KVTierError
 from kvtier.hashing import chain_hashes
@@ -50,27 +51,49 @@ class OffloadResult:
     failed: dict[str, str]
 
 
-class OffloadMixin:
-    """Offload, stage, restore, prefetch and hint for :class:`~kvtier.engine.engine.Engine`,
-    and the policy's automatic offloads; the state below is set up by ``Engine.__init__``."""
+@dataclass
+class PendingOffload:
+    """A background store of a session: its ``store``, the ``tier`` asked for, the
+    ``result`` handed to the caller, and whether the blocks ``leave`` once it is done
+    (False: a pre-stage keeps them)."""
 
-    runner: ModelRunner
-    scheduler: Scheduler
-    kv: KVTransfer | None
-    transfers: StoreQueue | None
-    policy: LivePolicy | None
-    sessions: dict[str, ChatSession]
-    _busy: set[str]
-    _pending: dict[str, tuple[Future[SaveReport], int | str, Future[OffloadResult], bool]]
-    _resident_hashes: dict[str, list[bytes]]
-    _resident_count: Counter[bytes]
+    store: Future[SaveReport]
+    tier: int | str
+    result: Future[OffloadResult]
+    leaves: bool
 
-    system_tenant: str | None
-    """Where the chunks of sessions of no tenant go (``engine.system_tenant``)."""
 
-    if TYPE_CHECKING:
+class Offloader:
+    """Offload, stage, restore, prefetch and hint, and the policy's automatic offloads.
+    ``sessions`` and ``busy`` (sessions with a turn in flight) are the engine's own,
+    shared; ``session(id)`` looks one up or raises ``UnknownSessionError``."""
 
-        def session(self, session_id: str) -> ChatSession: ...  # provided by Engine
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        kv: KVTransfer | None,
+        transfers: StoreQueue | None,
+        policy: LivePolicy | None,
+        sessions: dict[str, ChatSession],
+        busy: set[str],
+        residency: Residency,
+        session: Callable[[str], ChatSession],
+        system_tenant: str | None = None,
+    ) -> None:
+        self.runner = runner
+        self.scheduler = scheduler
+        self.kv = kv
+        self.transfers = transfers
+        self.policy = policy
+        self.sessions = sessions
+        self.busy = busy
+        self.residency = residency
+        self.session = session
+        self.system_tenant = system_tenant
+        """Where the chunks of sessions of no tenant go (``engine.system_tenant``)."""
+        self.pending: dict[str, PendingOffload] = {}
+        """Background stores by session."""
 
     def kv_namespace(self, session_id: str) -> str | None:
         """The namespace a session's chunks are stored in (and its tenant's quota charged
@@ -80,24 +103,6 @@ class OffloadMixin:
         if sep and TENANT_RE.fullmatch(tenant):
             return tenant
         return self.system_tenant
-
-    # -------------------------------------------------------------------- residency
-    def _set_resident(self, session: ChatSession, resident: bool) -> None:
-        """Track which blocks resident sessions hold, so an offload costs O(its own blocks)."""
-        old = self._resident_hashes.pop(session.session_id, None)
-        if not resident and self.policy is not None:
-            self.policy.left_pool(session.session_id)
-        count = self._resident_count
-        for h in old or ():
-            count[h] -= 1
-            if count[h] <= 0:
-                del count[h]
-        if resident:
-            hashes = chain_hashes(
-                session.token_ids, self.runner.pool.block_size, self.runner.fingerprint
-            )
-            self._resident_hashes[session.session_id] = hashes
-            count.update(hashes)
 
     # ---------------------------------------------------------------------- offload
     def _need_tiers(self) -> KVTransfer:
@@ -121,11 +126,11 @@ class OffloadMixin:
         written to ``tier`` too (the session is asked to be there)."""
         kv = self._need_tiers()
         session = self.session(session_id)
-        if session_id in self._busy:
+        if session_id in self.busy:
             raise SessionBusyError(f"session {session_id!r} has a turn in flight")
         if isinstance(tier, str):
             kv.manager.tier_index(tier)  # an unknown tier name fails here, before any work
-        self._settle_offloads(block=True, only=session_id)
+        self.settle(block=True, only=session_id)
         self.scheduler.settle_loads()  # a restore still streaming in holds blocks it frees
         # The session leaves the pool for ``tier``: with ``raise_copies``, chunks only a
         # slower tier holds are written there too (a restore from ``tier`` beats one from
@@ -140,7 +145,7 @@ class OffloadMixin:
         fut = self.transfers.submit_save(session.token_ids, tier, session_id,
                                          raise_copies=raise_copies,
                                          namespace=self.kv_namespace(session_id))
-        self._pending[session_id] = (fut, tier, out, True)
+        self.pending[session_id] = PendingOffload(fut, tier, out, True)
         return out
 
     def stage(self, session_id: str, tier: int | str = 0) -> Future[OffloadResult]:
@@ -150,38 +155,38 @@ class OffloadMixin:
         stored (``freed_blocks`` 0)."""
         kv = self._need_tiers()
         session = self.session(session_id)
-        if session_id in self._busy:
+        if session_id in self.busy:
             raise SessionBusyError(f"session {session_id!r} has a turn in flight")
         if isinstance(tier, str):
             kv.manager.tier_index(tier)
-        self._settle_offloads(block=True, only=session_id)
+        self.settle(block=True, only=session_id)
         assert self.transfers is not None
         out: Future[OffloadResult] = Future()
         fut = self.transfers.submit_save(session.token_ids, tier, session_id,
                                          namespace=self.kv_namespace(session_id))
-        self._pending[session_id] = (fut, tier, out, False)
+        self.pending[session_id] = PendingOffload(fut, tier, out, False)
         return out
 
-    def _settle_offloads(
+    def settle(
         self, block: bool = False, only: str | None = None, evict: bool = True
     ) -> None:
         """Finish background offloads whose store is done (or all of them, ``block``)."""
-        for sid, (fut, tier, out, leaves) in list(self._pending.items()):
-            if (only is not None and sid != only) or not (block or fut.done()):
+        for sid, p in list(self.pending.items()):
+            if (only is not None and sid != only) or not (block or p.store.done()):
                 continue
-            del self._pending[sid]
+            del self.pending[sid]
             session = self.sessions.get(sid)
             try:
-                report = fut.result()
+                report = p.store.result()
             except Exception as exc:  # noqa: BLE001 - handed to whoever holds the future
-                out.set_exception(exc)
+                p.result.set_exception(exc)
                 continue
             if session is None:  # ended meanwhile
-                out.set_exception(UnknownSessionError(f"session {sid!r} ended during offload"))
+                p.result.set_exception(UnknownSessionError(f"session {sid!r} ended during offload"))
                 continue
-            out.set_result(
+            p.result.set_result(
                 self._complete_offload(
-                    session, report, tier, leaves and evict and sid not in self._busy
+                    session, report, p.tier, p.leaves and evict and sid not in self.busy
                 )
             )
 
@@ -194,12 +199,13 @@ class OffloadMixin:
         storable = kv.storable_tokens(session.token_ids)
         freed = 0
         if evict and not report.failed and session.stored_tokens >= storable:
-            self._set_resident(session, False)
+            self.residency.set(session, False)
             lookup = self.runner.pool.block_pool.lookup
             bs = self.runner.pool.block_size
             n = session.stored_tokens // bs
             mine = chain_hashes(session.token_ids[: n * bs], bs, self.runner.fingerprint)
-            keep = {b for h in mine if self._resident_count[h] > 0 and (b := lookup(h)) is not None}
+            shared = self.residency.held_by_others(mine)
+            keep = {b for h in shared if (b := lookup(h)) is not None}
             freed = kv.evict(session.token_ids[: session.stored_tokens], keep)
             session.offloaded = True
         name = kv.manager.tiers[kv.manager.tier_index(tier) if isinstance(tier, str) else tier].name
@@ -218,12 +224,12 @@ class OffloadMixin:
         by itself; call it on a hint that the user is coming back). ``wait=False`` returns
         once layer 0 is in and lets the other layers stream in meanwhile."""
         self._need_tiers()
-        report = self._restore_if_needed(self.session(session_id), None)
+        report = self.restore_if_needed(self.session(session_id), None)
         if wait and report.pending is not None:
             self.scheduler.settle_loads()
         return report
 
-    def _restore_if_needed(
+    def restore_if_needed(
         self, session: ChatSession, prompt: Sequence[int] | None
     ) -> LoadReport:
         """Load the longest stored prefix of what the turn needs, as much of it as the
@@ -259,7 +265,7 @@ class OffloadMixin:
             self.policy.observe_read(tier, report.bytes, time.perf_counter() - t0)
         if session.stored_tokens and report.tokens >= session.stored_tokens:
             session.offloaded = False
-            self._set_resident(session, True)
+            self.residency.set(session, True)
         return report
 
     def prefetch(self, session_id: str) -> Future[int] | None:
@@ -285,7 +291,7 @@ class OffloadMixin:
         bp = self.runner.pool.block_pool
         need = -(-session.stored_tokens // self.runner.pool.block_size)
         room = bp.num_empty - need - (1 - self.policy.watermarks.low) * bp.num_blocks
-        if room >= 0 and session_id not in self._busy:
+        if room >= 0 and session_id not in self.busy:
             self.restore(session_id, wait=False)
             if not session.offloaded:
                 return "restoring"
@@ -293,7 +299,7 @@ class OffloadMixin:
         return "prefetching"
 
     # -------------------------------------------------------- the policy's offloads
-    def _auto_offload(self) -> None:
+    def auto_offload(self) -> None:
         """Above the high watermark, idle sessions are pre-staged: stored in the background
         while their blocks stay in the pool. Into the tiers' empty space, those predicted
         to stay away longest first; and, displacing what the tiers would demote anyway,
@@ -308,7 +314,7 @@ class OffloadMixin:
         if used <= self.policy.watermarks.high * bp.num_blocks * bs:
             self.policy.leaving.clear()  # no pressure: no copy needs keeping for the pool
             return
-        if self._pending:
+        if self.pending:
             return  # one batch of pre-stages at a time: they never queue ahead of reads
         idle = self._idle_sessions()
         tiers = self.kv.manager.tiers
@@ -336,15 +342,15 @@ class OffloadMixin:
         assert self.kv is not None
         bs = self.runner.pool.block_size
         out = []
-        for sid, hashes in self._resident_hashes.items():
+        for sid, blocks in self.residency.sessions():
             session = self.sessions.get(sid)
-            if not hashes or session is None or sid == exclude or sid in self._busy or sid in self._pending:
+            if not blocks or session is None or sid == exclude or sid in self.busy or sid in self.pending:
                 continue
             stored = session.stored_tokens >= self.kv.storable_tokens(session.token_ids)
-            out.append((sid, len(hashes) * bs, len(hashes) * bs, stored))
+            out.append((sid, blocks * bs, blocks * bs, stored))
         return out
 
-    def _make_room(self, new_tokens: int, exclude: str) -> None:
+    def make_room(self, new_tokens: int, exclude: str) -> None:
         """Write-back before eviction: when a turn's new tokens do not fit in the empty
         blocks, idle sessions are stored (now, on the admission path) and leave, rather
         than the pool's LRU dropping cached KV that nothing stored."""

@@ -130,7 +130,7 @@ def test_watermark_prestages_the_session_away_longest_first(model_dir, tmp_path)
         bp = eng.runner.pool.block_pool
         used = bp.num_blocks - bp.num_empty
         eng.step()  # the watermark check runs on the engine's step
-        eng._settle_offloads(block=True)
+        eng.offloader.settle(block=True)
         assert {s: x.stored_tokens > 0 for s, x in eng.sessions.items()} == {
             "old": True, "mid": False, "new": False}
         assert not eng.sessions["old"].offloaded
@@ -213,7 +213,7 @@ def test_a_full_tier_still_takes_the_next_victim_ahead_of_need(model_dir, tmp_pa
         used = bp.num_blocks - bp.num_empty
         written = cpu.stats.bytes_written
         eng.step()
-        eng._settle_offloads(block=True)
+        eng.offloader.settle(block=True)
         assert eng.policy.decisions["stage_ahead_cpu"] == 1
         assert "prestage_cpu" not in eng.policy.decisions  # no empty room for it
         assert {s: x.stored_tokens > 0 for s, x in eng.sessions.items() if s != "filler"} == {
@@ -244,7 +244,7 @@ def test_a_tier_keeps_the_copy_of_a_session_the_pool_lets_go_next(model_dir, tmp
     try:
         now[0] = 7200.0
         eng.step()
-        eng._settle_offloads(block=True)
+        eng.offloader.settle(block=True)
         assert eng.policy.leaving == {"old"}
         old = eng.sessions["old"]
         assert not old.offloaded and old.stored_tokens > 0
@@ -264,7 +264,7 @@ def test_a_tier_keeps_the_copy_of_a_session_the_pool_lets_go_next(model_dir, tmp
         evicted = cpu.stats.evictions
         assert eng.policy.eviction_rank("old") == -1.0 < eng.policy.eviction_rank("filler")
         eng.stage("new", "cpu")  # a write into the full tier; "new" keeps its blocks
-        eng._settle_offloads(block=True)
+        eng.offloader.settle(block=True)
         assert cpu.stats.evictions > evicted  # something went...
         assert old_copy() == held  # ...but not the copy the pool is counting on
         written = cpu.stats.bytes_written
