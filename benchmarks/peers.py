@@ -12,6 +12,9 @@ checked bit-exact:
   environment that holds it (``.venv-lmcache``), one subprocess per backend (its engine
   is a process-wide singleton); see :mod:`kvtier.benchmarks.peers_lmcache`.
 
+With the CPU tier, kvtier's vLLM connector moves the same amount of KV laid out as vLLM
+keeps it (:mod:`kvtier.benchmarks.peers_vllm`), compared with the engine's own rows.
+
 Next to them, the physical operation on the same bytes, measured in the same run: a torch
 copy into memory that already exists (CPU), write + fsync of one file per chunk and a
 cold read with 1 and 4 threads (disk), redis-py SET / GET of one value per chunk (Redis).
@@ -63,6 +66,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--buffered", dest="o_direct", action="store_false",
                    help="kvtier's disk tier through the page cache (default: O_DIRECT, as "
                    "LMCache's disk backend runs here)")
+    p.add_argument("--no-connector", dest="connector", action="store_false",
+                   help="skip the vLLM connector rows (with the CPU tier)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None)
     p.set_defaults(func=run)
@@ -415,6 +420,8 @@ def run(args: argparse.Namespace) -> int:
                 ours, peer, raw = _keep_best(ours, k), _keep_best(peer, lm), _keep_best(raw, rw)
             assert ours is not None and peer is not None and raw is not None
             rows += _rows(name, ours, peer, raw, src.numel() * src.element_size(), args, rounds)
+            if name == "cpu" and args.connector:
+                rows += _connector_rows(args, rows, console)
     finally:
         if started:
             started[0].kill()
@@ -435,6 +442,20 @@ def run(args: argparse.Namespace) -> int:
         _plot(rows, args.plot, config)
         console.print(f"wrote {args.plot}")
     return 0
+
+
+def _connector_rows(args: argparse.Namespace, rows: list[dict[str, Any]], console: Any
+                    ) -> list[dict[str, Any]]:
+    from kvtier.benchmarks.peers_vllm import connector_rows, connector_run
+
+    console.print("[bold]cpu[/bold]: kvtier's vLLM connector ...")
+    layers, heads, dim, _ = MODELS[args.model]
+    best: dict[str, Any] | None = None
+    for _ in range(max(1, args.repeats)):
+        best = _keep_best(best, connector_run(layers, heads, dim, args.sessions * args.tokens))
+    assert best is not None
+    raw = {f"{r['op']}_GBps": r["raw_GBps"] for r in rows if r["tier"] == "cpu"}
+    return connector_rows(best, rows, raw)
 
 
 def _round_ratios(rounds: list[tuple[dict, dict, dict]], key: str, nbytes: int

@@ -1,6 +1,10 @@
 """Where an engine connector keeps its chunks: kvtier's tiers in-process, or a running
-``kvtier serve`` over HTTP. Both answer the same three calls (prefix lookup, batch get,
-batch put), so the vLLM connector and the LMCache backend work with either.
+``kvtier serve`` over HTTP. Both answer the same three calls, on the data path's own terms:
+a prefix lookup; ``put_from`` (chunks written by their writers' fills straight into memory
+the store provides: a CPU arena slot, or a staging buffer a disk write or an upload goes
+out of, or the client's shared-memory region); and ``get_into`` (chunks lent as
+:class:`~kvtier.connectors.tiers.lent_chunk.LentChunk` whose layers the reader checks right
+before it copies them). No chunk-sized bytes object is made on either side.
 
 An in-process store is shared by every connector instance of one process that names the
 same configuration (vLLM builds a scheduler-side and a worker-side connector; with
@@ -10,24 +14,32 @@ Across processes, use ``kvtier serve`` (``url``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
-from kvtier.connectors.tiers.blobs import get_blobs, put_blobs
-from kvtier.errors import ConfigError
+import torch
+
+from kvtier.chunk_format import chunk_view
+from kvtier.connectors.tiers.base import ChunkWrite
+from kvtier.connectors.tiers.host_buffers import StagingPool
+from kvtier.connectors.tiers.lent_chunk import LentChunk
+from kvtier.connectors.tiers.manager import TierManager
+from kvtier.errors import ChunkError, ConfigError, InvalidArgumentError
 
 
 class ChunkStore(Protocol):
     def lookup(self, keys: Sequence[str]) -> int:
         """How many leading ``keys`` are stored."""
 
-    def get(self, keys: Sequence[str]) -> list[bytes | None]:
-        """Verified chunk blobs in key order (None: missing or refused)."""
+    def put_from(self, writes: Sequence[ChunkWrite]) -> dict[str, str]:
+        """Store chunks, each filled by its write; returns the keys that failed, with why."""
 
-    def put(self, chunks: Mapping[str, bytes]) -> dict[str, str]:
-        """Store chunks; returns the keys that failed, with why."""
+    def get_into(self, keys: Sequence[str]) -> contextlib.AbstractContextManager[list[LentChunk | None]]:
+        """The stored prefix of ``keys`` lent (None past it, or for a chunk refused),
+        valid until the block ends; the reader checks each group of layers before use."""
 
     def close(self) -> None: ...
 
@@ -35,44 +47,93 @@ class ChunkStore(Protocol):
 class LocalChunkStore:
     """kvtier's tier stack (CPU arena, disk, Redis as configured) in this process."""
 
-    def __init__(self, manager) -> None:
+    def __init__(self, manager: TierManager) -> None:
         self.manager = manager
 
     def lookup(self, keys: Sequence[str]) -> int:
         return self.manager.lookup(keys).length
 
-    def get(self, keys: Sequence[str]) -> list[bytes | None]:
-        return get_blobs(self.manager, keys)
+    def put_from(self, writes: Sequence[ChunkWrite]) -> dict[str, str]:
+        return dict(self.manager.store(writes).failed)
 
-    def put(self, chunks: Mapping[str, bytes]) -> dict[str, str]:
-        return dict(put_blobs(self.manager, chunks).failed)
+    def get_into(self, keys: Sequence[str]) -> contextlib.AbstractContextManager[list[LentChunk | None]]:
+        return self.manager.lease_chunks(keys)
 
     def close(self) -> None:  # shared: closed when the process exits
         pass
 
 
 class RemoteChunkStore:
-    """A running ``kvtier serve`` (sidecar or engine mode) through its chunk data plane."""
+    """A running ``kvtier serve`` (sidecar or engine mode) through its chunk data plane:
+    each chunk is filled into a reused staging buffer and sent from it (or copied into the
+    client's shared-memory region, ``shm``, for a server on this host), and read straight
+    into one."""
 
-    def __init__(self, url: str, token: str | None = None, timeout: float = 30.0) -> None:
+    def __init__(self, url: str, chunk_bytes: int, token: str | None = None,
+                 timeout: float = 30.0, shm: bool = False) -> None:
         from kvtier.client import Client
 
-        self.client = Client(url, token=token, timeout=timeout)
+        self.client = Client(url, token=token, timeout=timeout, shm=shm)
+        self.chunk_bytes = chunk_bytes
+        """The largest chunk the connector writes: the room each read is given."""
+        self.staging = StagingPool(max_idle_bytes=256 << 20)
 
     def lookup(self, keys: Sequence[str]) -> int:
         return self.client.lookup(keys).length if keys else 0
 
-    def get(self, keys: Sequence[str]) -> list[bytes | None]:
-        return self.client.get_chunks(keys) if keys else []
-
-    def put(self, chunks: Mapping[str, bytes]) -> dict[str, str]:
-        """Keys no tier stored, with why. A ``conflict`` is not among them: another writer
+    def put_from(self, writes: Sequence[ChunkWrite]) -> dict[str, str]:
+        """Keys not stored, with why. A ``conflict`` is not among them: another writer
         stored that key first (one version per key), so its KV is there to load."""
-        failed = self.client.put_chunks(chunks)["failed"] if chunks else {}
-        return {k: why for k, why in failed.items() if not why.startswith("conflict:")}
+        from kvtier.chunk_wire import ServiceError
+
+        failed: dict[str, str] = {}
+        for write in writes:
+            with self.staging.borrowed(write.nbytes) as buf:
+                n = write.write_into(buf)
+                try:
+                    self.client.put_chunk(write.key, memoryview(buf[:n].numpy()))
+                except ServiceError as exc:
+                    if exc.status != 409:
+                        failed[write.key] = f"{exc.status}: {exc}"
+        return failed
+
+    @contextlib.contextmanager
+    def get_into(self, keys: Sequence[str]) -> Iterator[list[LentChunk | None]]:
+        """Each chunk read into a staging buffer, up to the first one missing; its header
+        checked here (the service named it for this caller's namespace already), its
+        layers by the reader."""
+        held: list[torch.Tensor] = []
+        out: list[LentChunk | None] = [None] * len(keys)
+        try:
+            for i, key in enumerate(keys):
+                chunk = self._read(key, held)
+                if chunk is None:
+                    break
+                out[i] = chunk
+            yield out
+        finally:
+            for buf in held:
+                self.staging.release(buf)
+
+    def _read(self, key: str, held: list[torch.Tensor]) -> LentChunk | None:
+        buf = self.staging.acquire(self.chunk_bytes)
+        held.append(buf)
+        try:
+            got = self.client.get_chunk_into(key, memoryview(buf.numpy())[: self.chunk_bytes])
+        except InvalidArgumentError:  # larger than any chunk of ours: not one of ours
+            return None
+        if got is None:
+            return None
+        view = buf[: len(got)]
+        try:
+            header, _ = chunk_view(view, key, verify=False, as_kv=False, any_namespace=True)
+        except ChunkError:
+            return None
+        return LentChunk(view, header)
 
     def close(self) -> None:
         self.client.close()
+        self.staging.close()
 
 
 _LOCAL: dict[str, LocalChunkStore] = {}
@@ -82,12 +143,13 @@ _LOCAL_LOCK = threading.Lock()
 def open_store(options: Mapping[str, Any], slot_bytes: int) -> ChunkStore:
     """A store from a connector's options.
 
-    ``url`` (and ``token``): a running ``kvtier serve``. Otherwise in-process tiers from
-    ``config`` (a YAML path) and/or ``tiers`` (a mapping of :class:`TiersConfig` fields);
-    ``slot_bytes`` sizes the CPU arena's slots to the engine's chunks.
+    ``url`` (and ``token``, ``shm``): a running ``kvtier serve``. Otherwise in-process tiers
+    from ``config`` (a YAML path) and/or ``tiers`` (a mapping of :class:`TiersConfig`
+    fields); ``slot_bytes`` sizes the CPU arena's slots to the engine's chunks.
     """
     if options.get("url"):
-        return RemoteChunkStore(str(options["url"]), options.get("token"))
+        return RemoteChunkStore(str(options["url"]), slot_bytes, options.get("token"),
+                                shm=bool(options.get("shm", False)))
     from kvtier.config import load_config
     from kvtier.connectors.tiers.factory import build_tiers
 

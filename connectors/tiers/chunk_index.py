@@ -14,9 +14,8 @@ optional ``now`` for a caller whose events carry their own times.
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable, Container, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Container, Hashable, Iterable, Iterator
 from typing import Generic, TypeVar
 
 from kvtier.connectors.tiers.namespace_usage import NamespaceUsage
@@ -138,18 +137,3 @@ class ChunkIndex(Generic[V]):
 
     def keys(self) -> Iterator[Hashable]:
         return iter(list(self._entries))
-
-
-class IndexedNamespaces:
-    """Per-tenant accounting for a tier that keeps its chunks in a :class:`ChunkIndex`
-    (``_index``) under ``_lock``: the CPU arena and the disk tier."""
-
-    _index: ChunkIndex
-    _lock: threading.Lock
-
-    def namespace_held(self, namespace: str, keys: Sequence[str] = ()) -> tuple[int, set[str]]:
-        with self._lock:
-            return self._index.namespaces.held(namespace, keys)
-
-    def namespace_bytes(self) -> dict[str, int]:
-        return self._index.namespaces.snapshot()

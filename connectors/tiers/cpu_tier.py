@@ -33,7 +33,7 @@ from kvtier.connectors.tiers.base import (
     PutResult,
     Tier,
 )
-from kvtier.connectors.tiers.chunk_index import ChunkIndex, IndexedNamespaces
+from kvtier.connectors.tiers.chunk_index import ChunkIndex
 from kvtier.connectors.tiers.chunk_workers import map_store
 from kvtier.connectors.tiers.host_buffers import HostBuffer
 from kvtier.errors import InvalidArgumentError, TierError
@@ -42,7 +42,7 @@ from kvtier.policies.eviction import EvictionPolicy, eviction_policy
 log = logging.getLogger(__name__)
 
 
-class CPUTier(IndexedNamespaces, Tier):
+class CPUTier(Tier):
     """Chunk blobs in slots of one host arena of ``capacity_bytes // slot_bytes`` slots."""
 
     name = "cpu"
@@ -310,7 +310,14 @@ class CPUTier(IndexedNamespaces, Tier):
     def eviction(self) -> EvictionPolicy:
         return self._index.policy
 
-    # --- tenants (namespace_held / namespace_bytes: IndexedNamespaces) ----------------
+    # --- tenants ---------------------------------------------------------------------
+    def namespace_held(self, namespace: str, keys: Sequence[str] = ()) -> tuple[int, set[str]]:
+        with self._lock:
+            return self._index.namespaces.held(namespace, keys)
+
+    def namespace_bytes(self) -> dict[str, int]:
+        return self._index.namespaces.snapshot()  # a dict copy: no lock (see Tier.gauges)
+
     def evict_namespace(self, namespace: str, need: int, exclude: Collection[str] = ()) -> int:
         """As the arena evicts when full (handed down from the slot, leased chunks kept),
         but only ``namespace``'s coldest chunks."""

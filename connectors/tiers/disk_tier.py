@@ -38,7 +38,7 @@ from kvtier.connectors.tiers.base import (
     Tier,
 )
 from kvtier.connectors.tiers.chunk_checks import is_valid
-from kvtier.connectors.tiers.chunk_index import ChunkIndex, IndexedNamespaces
+from kvtier.connectors.tiers.chunk_index import ChunkIndex
 from kvtier.connectors.tiers.disk_io import unlink_if_present
 from kvtier.connectors.tiers.disk_layout import ChunkPaths
 from kvtier.connectors.tiers.disk_reads import CORRUPT, ChunkFileReader, FileRead
@@ -59,7 +59,7 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
-class DiskTier(IndexedNamespaces, Tier):
+class DiskTier(Tier):
     """Chunk files under ``directory``; ``capacity_bytes=None`` is bounded only by the disk.
 
     ``fsync``: sync data and directories (turn off only for scratch data).
@@ -401,7 +401,14 @@ class DiskTier(IndexedNamespaces, Tier):
     def eviction(self) -> EvictionPolicy:
         return self._index.policy
 
-    # --- tenants (namespace_held / namespace_bytes: IndexedNamespaces) ----------------
+    # --- tenants ---------------------------------------------------------------------
+    def namespace_held(self, namespace: str, keys: Sequence[str] = ()) -> tuple[int, set[str]]:
+        with self._lock:
+            return self._index.namespaces.held(namespace, keys)
+
+    def namespace_bytes(self) -> dict[str, int]:
+        return self._index.namespaces.snapshot()  # a dict copy: no lock (see Tier.gauges)
+
     def evict_namespace(self, namespace: str, need: int, exclude: Collection[str] = ()) -> int:
         """As the tier evicts when full (renamed aside under the lock, handed down after
         it), but only ``namespace``'s coldest chunks."""

@@ -22,7 +22,11 @@ def test_bench_peers_small_run_writes_rows(tmp_path):
     doc = json.loads(out.read_text())
     assert doc["suite"] == "peers" and doc["config"]["total_bytes"] == 2 * 512 * 30 * 2 * 3 * 64 * 2
     rows = {(r["tier"], r["op"]): r for r in doc["rows"]}
+    connector = [rows.pop(("cpu", f"vllm connector {op}")) for op in ("store", "retrieve")]
     assert set(rows) == {(t, op) for t in ("cpu", "disk", "redis") for op in ("store", "retrieve")}
+    for r, op in zip(connector, ("store", "retrieve"), strict=True):  # vLLM's layout, same bytes
+        assert r["kvtier_bit_exact"] is True and r["kvtier_GBps"] > 0
+        assert r["vs_engine"] == pytest.approx(r["kvtier_GBps"] / rows[("cpu", op)]["kvtier_GBps"], rel=0.02)
     for r in rows.values():
         assert r["kvtier_bit_exact"] is True
         assert r["kvtier_GBps"] > 0 and r["raw_GBps"] > 0 and r["raw"]

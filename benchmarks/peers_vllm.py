@@ -1,0 +1,96 @@
+"""``kvtier bench peers``' vLLM connector rows: the worker side of kvtier's vLLM connector
+storing and loading the same bytes as the engine's rows, laid out as vLLM keeps them (one
+cache tensor per layer, ``[2, num_blocks, block_size, kv_heads, head_dim]``, 16-token
+blocks), into and out of an in-process CPU tier: every block gathered straight into an
+arena slot and checksummed there, then scattered from the slot into a second cache, each
+group of layers checked right before it is copied; checked bit-exact. Its speed is
+compared with the engine's own CPU-tier rows of the same run and with the raw copy."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+VLLM_BLOCK = 16
+REQUEST_BLOCKS = 256
+"""Blocks per transfer (a request's prompt blocks in one step)."""
+
+
+def _caches(layers: int, blocks: int, heads: int, dim: int, seed: int | None) -> dict[str, Any]:
+    """vLLM-layout bf16 caches, random bits (``seed``) or zeros."""
+    import torch
+
+    shape = (2, blocks, VLLM_BLOCK, heads, dim)
+    out = {}
+    g = None if seed is None else torch.Generator().manual_seed(seed)
+    for i in range(layers):
+        t = torch.zeros(shape, dtype=torch.bfloat16)
+        if g is not None:
+            bits = t.view(torch.int16)
+            bits.copy_(torch.randint(-(1 << 14), 1 << 14, bits.shape, generator=g, dtype=torch.int16))
+        out[f"model.layers.{i}.self_attn"] = t
+    return out
+
+
+def connector_run(layers: int, heads: int, dim: int, tokens: int) -> dict[str, Any]:
+    """Save ``tokens`` worth of blocks from one cache, load them into another: times,
+    bytes and whether every bit came back."""
+    import torch
+
+    from kvtier.chunk_format import max_chunk_bytes
+    from kvtier.connectors.chunk_store import LocalChunkStore
+    from kvtier.connectors.tiers.cpu_tier import CPUTier
+    from kvtier.connectors.tiers.host_buffers import round_up
+    from kvtier.connectors.tiers.manager import TierManager
+    from kvtier.connectors.vllm_blocks import BlockTransfer, block_keys
+    from kvtier.connectors.vllm_worker import WorkerSide
+
+    blocks = tokens // VLLM_BLOCK
+    src, dst = _caches(layers, blocks, heads, dim, 1), _caches(layers, blocks, heads, dim, None)
+    block_bytes = layers * 2 * VLLM_BLOCK * heads * dim * 2
+    slot = round_up(max_chunk_bytes(layers, block_bytes))
+    store = LocalChunkStore(TierManager([CPUTier(slot * blocks, slot)]))
+    fp = b"bench-peers-vllm"
+    keys = block_keys(list(range(blocks * VLLM_BLOCK)), VLLM_BLOCK, fp)
+    ids = list(range(blocks))
+    plan = [BlockTransfer(f"r{i}", ids[i : i + REQUEST_BLOCKS], keys[i : i + REQUEST_BLOCKS])
+            for i in range(0, blocks, REQUEST_BLOCKS)]
+    writer, reader = (WorkerSide(lambda: store, VLLM_BLOCK, fp) for _ in range(2))
+    writer.register(src, blocks)
+    reader.register(dst, blocks)
+    try:
+        t0 = time.perf_counter()
+        writer.save(plan)
+        store_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        reader.load(plan)
+        retrieve_s = time.perf_counter() - t0
+        exact = (writer.stats.saved_blocks == blocks and not reader.take_load_errors()
+                 and all(torch.equal(src[n].view(torch.int16), dst[n].view(torch.int16)) for n in src))
+    finally:
+        store.manager.close()
+    return {"store_s": store_s, "retrieve_s": retrieve_s, "bytes": blocks * block_bytes,
+            "bit_exact": exact, "blocks": blocks, "block_bytes": block_bytes}
+
+
+def connector_rows(got: dict[str, Any], engine_rows: list[dict[str, Any]],
+                   raw: dict[str, Any]) -> list[dict[str, Any]]:
+    """The connector's store and load rows, next to the engine's CPU rows of the run and
+    the raw copy of the engine's bytes (the same amount, to within a block)."""
+    out = []
+    engine = {r["op"]: r for r in engine_rows if r["tier"] == "cpu"}
+    for op in ("store", "retrieve"):
+        gbps = got["bytes"] / got[f"{op}_s"] / 1e9
+        row = {
+            "tier": "cpu", "op": f"vllm connector {op}", "kvtier_GBps": round(gbps, 3),
+            "lmcache_GBps": None, "raw_GBps": raw[f"{op}_GBps"],
+            "raw": "torch copy into existing memory", "kvtier_vs_raw": round(gbps / raw[f"{op}_GBps"], 3),
+            "kvtier_vs_lmcache": None, "kvtier_bit_exact": bool(got["bit_exact"]),
+            "lmcache_bit_exact": None,
+            "kvtier_notes": f"{got['blocks']} vLLM blocks of {got['block_bytes']} bytes "
+                            f"([2, blocks, {VLLM_BLOCK}, heads, dim] per layer)",
+        }
+        if op in engine:
+            row["vs_engine"] = round(gbps / engine[op]["kvtier_GBps"], 3)
+        out.append(row)
+    return out
