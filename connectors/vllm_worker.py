@@ -18,6 +18,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvtier.chunk_format import chunk_layout, encode_into
@@ -35,15 +36,30 @@ GROUP_BYTES = 4 << 20
 
 @dataclass(frozen=True)
 class CacheLayer:
-    """One layer's cache tensor and the dimension that indexes its blocks."""
+    """One layer's cache tensor and the dimension that indexes its blocks. A host cache is
+    also seen as numpy bytes (``host``): a copy of one layer's block (tens of KiB) costs
+    about as much as torch's per-call overhead, numpy's is a fraction of it."""
 
     name: str
     kv: torch.Tensor
     block_dim: int
+    host: np.ndarray | None = None
+
+    @classmethod
+    def of(cls, name: str, kv: torch.Tensor, block_dim: int) -> CacheLayer:
+        host = None
+        if kv.device.type == "cpu" and kv.is_contiguous():
+            host = kv.view(torch.uint8).numpy()  # the same memory, as bytes
+        return cls(name, kv, block_dim, host)
 
     def block(self, block_id: int) -> torch.Tensor:
         """The layer's block (K and V), a view of the cache."""
         return self.kv.select(self.block_dim, block_id)
+
+    def host_block(self, block_id: int) -> np.ndarray:
+        """The layer's block as a numpy byte view of the cache (a host cache only)."""
+        assert self.host is not None
+        return self.host[block_id] if self.block_dim == 0 else self.host[:, block_id]
 
 
 @dataclass
@@ -62,6 +78,7 @@ class WorkerSide:
         self.block_size = block_size
         self.fingerprint = fingerprint
         self.layers: list[CacheLayer] = []
+        self._host = False
         self.stats = WorkerStats()
         self._load_errors: set[int] = set()
 
@@ -75,11 +92,13 @@ class WorkerSide:
                 raise InvalidArgumentError(
                     f"kvtier connector: layer {name} has KV shape {tuple(kv.shape)}, with no "
                     f"block dimension of size {num_blocks} in its first two dims")
-            layers.append(CacheLayer(name, kv, dims[0]))
+            layers.append(CacheLayer.of(name, kv, dims[0]))
         if len({(layer.kv.dtype, layer.block(0).numel()) for layer in layers}) > 1:
             raise InvalidArgumentError("kvtier connector: every layer's block must have one "
                                        "dtype and size (one chunk holds them all)")
         self.layers = layers
+        self._host = all(layer.host is not None for layer in layers)
+        """Every layer a host cache: copies in numpy (else torch's, e.g. to a GPU)."""
 
     # ----------------------------------------------------------------- the layout
     @property
@@ -111,6 +130,12 @@ class WorkerSide:
         _, total = chunk_layout(key, fp, dtype, shape)
 
         def gather(part: torch.Tensor, a: int, b: int) -> None:
+            if self._host:
+                dst = part.view(torch.uint8).numpy()
+                for i, layer in enumerate(self.layers[a:b]):
+                    src = layer.host_block(block_id)
+                    np.copyto(dst[i].reshape(src.shape), src)
+                return
             for i, layer in enumerate(self.layers[a:b]):
                 src = layer.block(block_id)
                 part[i].view(src.shape).copy_(src)
@@ -141,10 +166,17 @@ class WorkerSide:
             if chunk is None:
                 raise ChunkError(f"chunk {key} is not stored")
             self._check(chunk)
-            for a, b in chunk.checked_groups(GROUP_BYTES):
-                for i, layer in enumerate(self.layers[a:b], start=a):
-                    dst = layer.block(block_id)
-                    dst.copy_(chunk.kv[i].view(dst.shape))
+            if self._host:
+                src = chunk.payload.numpy().reshape(len(self.layers), -1)
+                for a, b in chunk.checked_groups(GROUP_BYTES):
+                    for i, layer in enumerate(self.layers[a:b], start=a):
+                        dst = layer.host_block(block_id)
+                        np.copyto(dst, src[i].reshape(dst.shape))
+            else:
+                for a, b in chunk.checked_groups(GROUP_BYTES):
+                    for i, layer in enumerate(self.layers[a:b], start=a):
+                        dst = layer.block(block_id)
+                        dst.copy_(chunk.kv[i].view(dst.shape))
         except ChunkError as exc:
             log.warning("kvtier load of block %d failed (recomputed): %s", block_id, exc)
             self._load_errors.add(block_id)

@@ -54,10 +54,23 @@ def _transfer(keys: list[str], blocks: list[int]) -> list[BlockTransfer]:
     return [BlockTransfer("r", blocks, keys)]
 
 
-@pytest.mark.parametrize("blocks_first", [True, False])
-def test_blocks_saved_and_loaded_back_are_bit_exact(tmp_path, blocks_first):
+def _strided(kv: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same caches as views into wider tensors: not contiguous (copied by torch, as a
+    device cache is, not numpy)."""
+    out = {}
+    for name, t in kv.items():
+        wide = torch.zeros(*t.shape[:-1], t.shape[-1] + 8, dtype=t.dtype)
+        out[name] = wide[..., : t.shape[-1]]
+        out[name].copy_(t)
+    return out
+
+
+@pytest.mark.parametrize(("blocks_first", "strided"), [(True, False), (False, False), (False, True)])
+def test_blocks_saved_and_loaded_back_are_bit_exact(tmp_path, blocks_first, strided):
     src = caches(NUM_BLOCKS, blocks_first, seed=1)
     dst = caches(NUM_BLOCKS, blocks_first, seed=2)
+    if strided:
+        src, dst = _strided(src), _strided(dst)
     store = _local(src, tmp_path, cpu_chunks=2)  # two in RAM, the third on disk
     keys = block_keys(list(range(3 * BLOCK)), BLOCK, FP)
     writer, reader = _worker(store, src), _worker(store, dst)
