@@ -314,21 +314,13 @@ class DiskTier(Tier):
     def lease(
         self, keys: Sequence[str], layers: tuple[int, int] | None = None, background: bool = False
     ) -> Iterator[list[torch.Tensor | ReadingBuffer | None]]:
-        """The chunks (or layers ``layers`` of them) read straight into staging buffers,
-        several files at once, each a uint8 tensor holding one valid chunk (None: a miss),
-        unverified: check them with :func:`~kvtier.chunk_format.chunk_view`. No bytes
-        object is made: the bytes land where they are read to (with ``O_DIRECT`` from the
-        device). A whole chunk is the file as written (the very bytes that were put); a
-        layer range gets a header of its own framed around its payload. The buffers go
-        back to the pool when the block ends. A file that is gone is a miss; one that is
-        truncated or whose header is unreadable is deleted (a torn file is never handed
-        out).
-
-        ``background`` (whole chunks): each chunk is lent once its first ``head_bytes`` are
-        read, the rest of its file read on the pool, chunks in order, as a
-        :class:`ReadingBuffer` (the reader waits per layer, see :class:`LentChunk`), so a
-        reader's work on one chunk overlaps the reads of the next. The block's end waits
-        for every read in flight before the buffers are reused."""
+        """The chunks (or layers ``layers`` of them, framed as chunks) read straight into
+        staging buffers, several files at once (:mod:`.disk_reads`), unverified; the
+        buffers go back to the pool when the block ends. A file that is gone is a miss;
+        one that is truncated or whose header is unreadable is deleted (a torn file is
+        never lent). ``background`` (whole chunks): each is lent once its head is read, as
+        a :class:`ReadingBuffer`, the rest read on the pool while the reader works on the
+        chunks before it; the block's end waits for every read in flight."""
         if layers is not None and not 0 <= layers[0] < layers[1]:
             raise InvalidArgumentError(f"layer range {layers} is empty or negative")
         with self._lock:

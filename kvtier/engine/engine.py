@@ -21,6 +21,7 @@ import torch
 from kvtier.chunk_format import kv_payload_bytes, max_chunk_bytes
 from kvtier.config import KVTierConfig
 from kvtier.connectors.tiers.factory import build_tiers
+from kvtier.connectors.tiers.manager import TierManager
 from kvtier.engine.errors import (
     EngineStepError,
     RequestError,
@@ -109,14 +110,9 @@ class Engine:
             enable_prefix_caching=pool.enable_prefix_caching,
             fingerprint_salt=opts.fingerprint_salt,
         )
-        self.tiers = None
+        self.tiers = self._build_tiers(cfg)
         self.kv: KVTransfer | None = None
         self.transfers: StoreQueue | None = None
-        model = self.runner.config
-        slot = max_chunk_bytes(model.num_hidden_layers, kv_payload_bytes(
-            model.num_hidden_layers, cfg.chunk_tokens, model.num_key_value_heads,
-            model.head_dim, self.runner.pool.storage.kv.element_size()))
-        self.tiers = build_tiers(cfg.tiers, slot, self.runner.fingerprint)
         if self.tiers is not None:
             self.kv = KVTransfer(
                 self.runner, self.tiers, cfg.chunk_tokens, stream=opts.stream_restore
@@ -143,6 +139,15 @@ class Engine:
         self.offloader = Offloader(self.runner, self.scheduler, self.kv, self.transfers,
                                    self.policy, self.sessions, self._busy, self.residency,
                                    self.session, opts.system_tenant)
+
+    def _build_tiers(self, cfg: KVTierConfig) -> TierManager | None:
+        """The lower tiers of the config (None: every tier disabled), their slots sized
+        to one chunk of this model."""
+        model = self.runner.config
+        slot = max_chunk_bytes(model.num_hidden_layers, kv_payload_bytes(
+            model.num_hidden_layers, cfg.chunk_tokens, model.num_key_value_heads,
+            model.head_dim, self.runner.pool.storage.kv.element_size()))
+        return build_tiers(cfg.tiers, slot, self.runner.fingerprint)
 
     def _live_policy(
         self, cfg: KVTierConfig, kv: KVTransfer, clock: Callable[[], float]

@@ -11,6 +11,7 @@ job, not this module's.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
 
@@ -27,6 +28,19 @@ from kvtier.models.weights_digest import state_dict_digest, weights_digest
 from kvtier.transfer.layer_load import LayerLoad
 
 SeqId = Hashable
+
+
+@dataclass
+class _PackedStep:
+    """One step's sequences packed in batch order: token ids, their positions and KV
+    slots, cumulative query lengths, and each sequence's end (its context length, and
+    what is computed once the step ran)."""
+
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    cu: list[int] = field(default_factory=lambda: [0])
+    ends: list[int] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -182,12 +196,34 @@ class ModelRunner:
         seq_ids = [s for s, _ in batch]
         if len(set(seq_ids)) != len(seq_ids):
             raise InvalidArgumentError(f"a sequence appears twice in one step: {seq_ids}")
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        cu = [0]
-        ctx: list[int] = []
-        computed: list[int] = []
+        step = self._pack(batch)
+        dev = self.device
+        max_q = max(b - a for a, b in pairwise(step.cu))
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(step.slots, dtype=torch.int64, device=dev),
+            block_tables=self.pool.block_tables(seq_ids),
+            context_lens=torch.tensor(step.ends, dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.tensor(step.cu, dtype=torch.int32, device=dev),
+            max_seqlen_q=max_q,
+            max_context_len=max(step.ends),
+            is_decode=max_q == 1,
+        )
+        rows = None if all_positions else torch.tensor([c - 1 for c in step.cu[1:]], device=dev)
+        logits = self.model(
+            torch.tensor(step.ids, dtype=torch.int64, device=dev),
+            torch.tensor(step.positions, dtype=torch.int64, device=dev),
+            self.pool.storage.kv,
+            meta,
+            rows,
+            self._wait_layer if self.layer_loads else None,
+        )
+        for seq_id, end in zip(seq_ids, step.ends, strict=True):
+            self.pool.mark_computed(seq_id, end)
+        return logits
+
+    def _pack(self, batch: Sequence[tuple[SeqId, int]]) -> _PackedStep:
+        """The step's tokens, positions and KV slots, packed in batch order."""
+        step = _PackedStep()
         for seq_id, n in batch:
             seq = self.pool.sequence(seq_id)
             start = seq.num_computed_tokens
@@ -202,35 +238,12 @@ class ModelRunner:
                     f"({seq.num_computed_tokens} of {seq.num_tokens} computed)"
                 )
             end = start + n
-            ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            slots += self.pool.manager.slot_mapping(seq_id, start, end) if rewrite else [-1] * n
-            cu.append(cu[-1] + n)
-            ctx.append(end)
-            computed.append(end)
-        dev = self.device
-        max_q = max(b - a for a, b in pairwise(cu))
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=self.pool.block_tables(seq_ids),
-            context_lens=torch.tensor(ctx, dtype=torch.int32, device=dev),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-            max_seqlen_q=max_q,
-            max_context_len=max(ctx),
-            is_decode=max_q == 1,
-        )
-        rows = None if all_positions else torch.tensor([c - 1 for c in cu[1:]], device=dev)
-        logits = self.model(
-            torch.tensor(ids, dtype=torch.int64, device=dev),
-            torch.tensor(positions, dtype=torch.int64, device=dev),
-            self.pool.storage.kv,
-            meta,
-            rows,
-            self._wait_layer if self.layer_loads else None,
-        )
-        for seq_id, end in zip(seq_ids, computed, strict=True):
-            self.pool.mark_computed(seq_id, end)
-        return logits
+            step.ids += seq.token_ids[start:end]
+            step.positions += range(start, end)
+            step.slots += self.pool.manager.slot_mapping(seq_id, start, end) if rewrite else [-1] * n
+            step.cu.append(step.cu[-1] + n)
+            step.ends.append(end)
+        return step
 
     def generate_greedy(self, token_ids: Sequence[int], max_new_tokens: int,
                         seq_id: SeqId = "__generate_greedy__",

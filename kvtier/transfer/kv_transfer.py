@@ -15,24 +15,23 @@ it owns.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from kvtier.chunk_format import chunk_layout, encode_into, namespaced_key
+from kvtier.chunk_format import chunk_layout, namespaced_key
 from kvtier.chunk_keys import ChunkKey, chunk_keys
 from kvtier.connectors.tiers.base import ChunkWrite
-from kvtier.connectors.tiers.chunk_workers import map_store
-from kvtier.connectors.tiers.manager import PutReport, TierManager
+from kvtier.connectors.tiers.manager import TierManager
 from kvtier.errors import InvalidArgumentError
-from kvtier.gpu_pool.kernels import copy_host, gather_blocks, gather_blocks_host, host_native
-from kvtier.gpu_pool.kernels.host_native import gather_blocks_hashed
+from kvtier.gpu_pool.kernels import gather_blocks
 from kvtier.hashing import chain_hashes
 from kvtier.policies.eviction import ChunkInfo
+from kvtier.transfer.chunk_sources import ChunkSource, copied_from, gathered_from
 from kvtier.transfer.pool_owner import PoolOwner
 from kvtier.transfer.restore import LoadReport, Restorer
 from kvtier.transfer.restore_plan import StoredPrefix
+from kvtier.transfer.staged_puts import StagedPuts
 
 
 @dataclass
@@ -63,62 +62,6 @@ class Snapshot:
     ready: torch.cuda.Event | None = None
 
 
-GROUP_BYTES = 4 << 20
-PUT_BATCH_BYTES = 128 << 20
-"""Staged chunks are put in batches of about this many bytes, each while the next is being
-encoded (a disk write or a Redis send overlaps the gather and checksums of the next)."""
-"""Layers are gathered and checksummed this many bytes at a time (see ``encode_into``)."""
-
-Fill = Callable[..., None]
-Source = tuple[tuple[int, ...], torch.dtype, Fill]
-"""A chunk to write: its shape, dtype and how to fill its payload, a group of layers at a time."""
-
-
-def _in_place(part: torch.Tensor, a: int, b: int) -> None:
-    """The payload already lies where it goes (a snapshot's staging buffer)."""
-
-
-def _copy_from(t: torch.Tensor) -> Source:
-    """A chunk's (shape, dtype, fill) that copies it from a host snapshot."""
-    if t.is_cuda:
-        return tuple(t.shape), t.dtype, lambda part, a, b: part.copy_(t[a:b])
-    return tuple(t.shape), t.dtype, lambda part, a, b: copy_host(part, t[a:b])
-
-
-class _FusedGather:
-    """A fill that gathers a chunk from a host pool and checksums it in one native pass
-    (:func:`gather_blocks_hashed`), returning the checksums. It runs over the whole chunk
-    in one call: it hashes as it copies, so there is no group to keep in cache."""
-
-    whole = True
-
-    def __init__(self, kv: torch.Tensor, ids: list[int], num_tokens: int) -> None:
-        self.kv, self.ids, self.num_tokens = kv, ids, num_tokens
-
-    def __call__(self, part: torch.Tensor, a: int = 0, b: int | None = None) -> tuple[int, ...]:
-        return gather_blocks_hashed(self.kv[a:b], self.ids, self.num_tokens, part)
-
-
-def _gather_from(kv: torch.Tensor, ids: list[int], num_tokens: int
-                 ) -> Source:
-    """A chunk's (shape, dtype, fill) that gathers its layers straight from the pool's
-    blocks (on CUDA: gathered on the device, then one copy per group of layers to the
-    host, waited for)."""
-    shape = (kv.shape[0], 2, num_tokens, kv.shape[4], kv.shape[5])
-    if not kv.is_cuda:  # on the calling thread (chunks are encoded two at a time)
-        if host_native.AVAILABLE:  # copied and checksummed in one pass
-            return shape, kv.dtype, _FusedGather(kv, ids, num_tokens)
-        return shape, kv.dtype, lambda part, a, b: gather_blocks_host(kv[a:b], ids, num_tokens, part)
-    dev: list[torch.Tensor] = []
-
-    def fill(part: torch.Tensor, a: int, b: int) -> None:
-        if not dev:
-            dev.append(gather_blocks(kv, ids, num_tokens=num_tokens))
-        part.copy_(dev[0][a:b])
-
-    return shape, kv.dtype, fill
-
-
 class KVTransfer:
     def __init__(
         self,
@@ -137,7 +80,7 @@ class KVTransfer:
         self.manager = manager
         self.chunk_tokens = chunk_tokens
         self._stream: torch.cuda.Stream | None = None
-        self._putter: ThreadPoolExecutor | None = None
+        self._staged = StagedPuts(manager, runner.fingerprint)
         self.restorer = Restorer(runner, manager, self._keys, self._side_stream, stream)
 
     # ----------------------------------------------------------------- restore
@@ -275,7 +218,7 @@ class KVTransfer:
         try:
             if snap.ready is not None:
                 snap.ready.synchronize()
-            sources = {key: _copy_from(t) for key, t in snap.tensors.items()}
+            sources = {key: copied_from(t) for key, t in snap.tensors.items()}
             return self._write(snap, sources, tier, owner)
         finally:
             self.release(snap)
@@ -304,11 +247,11 @@ class KVTransfer:
         snap, todo = self._plan(token_ids, self._tier_index(tier) if raise_copies else None,
                                 namespace)
         kv = self._pool.storage.kv
-        sources = {ck.key: _gather_from(kv, ids, ck.num_tokens) for ck, ids in todo}
+        sources = {ck.key: gathered_from(kv, ids, ck.num_tokens) for ck, ids in todo}
         return self._write(snap, sources, tier, owner)
 
     def _write(
-        self, snap: Snapshot, sources: dict[str, Source],
+        self, snap: Snapshot, sources: dict[str, ChunkSource],
         tier: int | str, owner: Hashable | None,
     ) -> SaveReport:
         report = SaveReport(tokens=0, keys=[k.key for k in snap.keys], already=snap.already)
@@ -317,7 +260,12 @@ class KVTransfer:
         index = {ck.key: i for i, ck in enumerate(snap.keys)}
         pending = self._store_in_place(sources, tier, owner, index, report)
         if pending:
-            self._put_staged(pending, tier, owner, index, report, snap.buffers)
+            staged = self._staged.put(
+                pending, tier, lambda key, n: ChunkInfo(n, session=owner, index=index[key]),
+                snap.buffers)
+            report.stored += staged.stored
+            report.bytes += staged.bytes
+            report.failed.update(staged.failed)
         # The stored prefix ends at the first chunk no tier took.
         for ck in snap.keys:
             if ck.key in report.failed or ck.end > snap.end:
@@ -325,19 +273,14 @@ class KVTransfer:
             report.tokens = ck.end
         return report
 
-    def _encode(self, key: str, source: Source, dest: torch.Tensor) -> int:
-        shape, dtype, fill = source
-        group = None if getattr(fill, "whole", False) else GROUP_BYTES
-        return encode_into(dest, key, self.runner.fingerprint, dtype, shape, fill, group)
-
     def _store_in_place(
         self,
-        sources: dict[str, Source],
+        sources: dict[str, ChunkSource],
         tier: int | str,
         owner: Hashable | None,
         index: dict[str, int],
         report: SaveReport,
-    ) -> dict[str, Source]:
+    ) -> dict[str, ChunkSource]:
         """Write the chunks straight into the target tier's memory where it lends it
         (the CPU arena: one copy into a slot, header and checksums written in place; the
         tier fills two at a time), and on down the stack where it is full; returns the
@@ -349,10 +292,9 @@ class KVTransfer:
             return dict(sources)  # every chunk goes through staging
         writes: list[ChunkWrite] = []
         for key, source in sources.items():
-            shape, dtype, _ = source
-            _, total = chunk_layout(key, fp, dtype, shape)
+            total = source.nbytes(key, fp)
             writes.append(ChunkWrite(
-                key, total, fill=lambda slot, key=key, source=source: self._encode(key, source, slot),
+                key, total, fill=lambda slot, key=key, source=source: source.encode(key, fp, slot),
                 info=ChunkInfo(total, session=owner, index=index[key])))
         res = self.manager.store(writes, target)
         for write in writes:
@@ -363,98 +305,10 @@ class KVTransfer:
                 report.bytes += write.nbytes
         return {}
 
-    def _put_staged(
-        self,
-        pending: dict[str, Source],
-        tier: int | str,
-        owner: Hashable | None,
-        index: dict[str, int],
-        report: SaveReport,
-        staged: dict[str, torch.Tensor],
-    ) -> None:
-        """Encode each chunk in place into a reused staging buffer and put the buffers'
-        memory in batches (the disk tier writes from it, Redis sends it), each batch on
-        the putter thread while the next is encoded: no chunk-sized bytes object is made,
-        and at most about two batches of buffers are out at once. A snapshot's chunk already lies in its buffer at its place
-        (``staged``): only its checksums and header are written."""
-        staging = self.manager.staging
-        batches: list[tuple[Future[PutReport], list[torch.Tensor], dict[str, memoryview]]] = []
-        held: list[torch.Tensor] = []
-
-        def settle(batch: tuple[Future[PutReport], list[torch.Tensor], dict[str, memoryview]]) -> None:
-            fut, bufs, sent = batch
-            try:
-                res = fut.result()
-                report.failed.update(res.failed)
-                report.stored += len(sent) - len(res.failed)
-                report.bytes += sum(len(b) for k, b in sent.items() if k not in res.failed)
-            finally:  # a put finishes before its buffers go back
-                for buf in bufs:
-                    staging.release(buf)
-
-        def encode(item: tuple[str, Source, torch.Tensor]) -> memoryview:
-            key, source, buf = item
-            return memoryview(buf[: self._encode(key, source, buf)].numpy())
-
-        try:
-            for batch in self._batches(pending):
-                todo: list[tuple[str, Source, torch.Tensor]] = []
-                for key, source in batch:
-                    shape, dtype, _ = source
-                    buf = staged.get(key)
-                    if buf is not None:
-                        source = (shape, dtype, _in_place)
-                    else:
-                        _, total = chunk_layout(key, self.runner.fingerprint, dtype, shape)
-                        buf = staging.acquire(total)
-                        held.append(buf)
-                    todo.append((key, source, buf))
-                blobs = dict(zip([k for k, _, _ in todo], map_store(encode, todo), strict=True))
-                batches.append((self._put_later(blobs, tier, owner, index), held, blobs))
-                held = []
-                while len(batches) > 1:  # one batch being put while the next is encoded
-                    settle(batches.pop(0))
-        finally:
-            for buf in held:  # encoding failed: these were never handed to a put
-                staging.release(buf)
-            failure: BaseException | None = None
-            for batch in batches:  # each one settled, whatever another raised
-                try:
-                    settle(batch)
-                except BaseException as exc:  # noqa: BLE001 - re-raised below
-                    failure = failure or exc
-            if failure is not None:
-                raise failure
-
-    def _batches(self, pending: dict[str, Source]) -> list[list[tuple[str, Source]]]:
-        """``pending`` in order, cut into batches of about ``PUT_BATCH_BYTES``."""
-        fp = self.runner.fingerprint
-        out: list[list[tuple[str, Source]]] = [[]]
-        size = 0
-        for key, source in pending.items():
-            if size >= PUT_BATCH_BYTES:
-                out.append([])
-                size = 0
-            out[-1].append((key, source))
-            size += chunk_layout(key, fp, source[1], source[0])[1]
-        return [b for b in out if b]
-
-    def _put_later(
-        self, blobs: dict[str, memoryview], tier: int | str, owner: Hashable | None, index: dict[str, int]
-    ) -> Future[PutReport]:
-        """Put one batch of encoded chunks on the putter thread (batches in order)."""
-        writes = [ChunkWrite.of_blob(key, b, ChunkInfo(len(b), session=owner, index=index[key]))
-                  for key, b in blobs.items()]
-        if self._putter is None:
-            self._putter = ThreadPoolExecutor(1, thread_name_prefix="kvtier-put")
-        return self._putter.submit(self.manager.store, writes, tier)
-
     def close(self) -> None:
         """Wait for restores and puts in flight and stop their threads."""
         self.restorer.close()
-        if self._putter is not None:
-            self._putter.shutdown(wait=True)
-            self._putter = None
+        self._staged.close()
 
     # ------------------------------------------------------------------- evict
     def pool_blocks(self, token_ids: Sequence[int]) -> set[int]:

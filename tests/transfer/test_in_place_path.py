@@ -160,11 +160,11 @@ def test_a_large_store_is_put_in_batches_while_the_next_is_encoded(model_dir, tm
     on the putter thread while the next batch is encoded: every chunk lands (bit-exact on
     restore), and never more than about two batches of staging buffers are out at once
     (a whole-session store used to hold one buffer per chunk until the end)."""
-    import kvtier.transfer.kv_transfer as kv_transfer
+    import kvtier.transfer.staged_puts as staged_puts
 
     runner = ModelRunner(model_dir, dtype="float32", device="cpu", num_blocks=256)
     chunk_bytes = runner.pool.storage.bytes_per_token * CHUNK
-    monkeypatch.setattr(kv_transfer, "PUT_BATCH_BYTES", 2 * chunk_bytes)
+    monkeypatch.setattr(staged_puts, "PUT_BATCH_BYTES", 2 * chunk_bytes)
     disk = DiskTier(tmp_path / "disk", fsync=False)
     manager = TierManager([disk], fingerprint=runner.fingerprint, staging=disk.staging)
     xfer = KVTransfer(runner, manager, CHUNK)

@@ -1,0 +1,79 @@
+"""Where the bytes of a chunk being stored come from: gathered straight from the pool's
+blocks, copied from a host snapshot, or already in place in a staging buffer. A
+:class:`ChunkSource` writes its chunk (payload, checksums, header) into memory the tier
+provides with :func:`~kvtier.chunk_format.encode_into`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from kvtier.chunk_format import chunk_layout, encode_into
+from kvtier.gpu_pool.kernels import copy_host, gather_blocks, gather_blocks_host, host_native
+from kvtier.gpu_pool.kernels.host_native import gather_blocks_hashed
+
+GROUP_BYTES = 4 << 20
+"""Layers are gathered and checksummed this many bytes at a time (see ``encode_into``)."""
+
+Fill = Callable[..., object]
+
+
+@dataclass(frozen=True)
+class ChunkSource:
+    """A chunk to write: its KV's shape and dtype and how to fill its payload, a group of
+    layers at a time (``fill(part, start, end)``), or the whole chunk in one call where the
+    fill checksums as it copies (``whole``: it returns the checksums)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    fill: Fill
+    whole: bool = False
+
+    def nbytes(self, key: str, fingerprint: bytes) -> int:
+        """The encoded chunk's length."""
+        return chunk_layout(key, fingerprint, self.dtype, self.shape)[1]
+
+    def encode(self, key: str, fingerprint: bytes, dest: torch.Tensor) -> int:
+        """Write the chunk into ``dest``; its length."""
+        group = None if self.whole else GROUP_BYTES
+        return encode_into(dest, key, fingerprint, self.dtype, self.shape, self.fill, group)
+
+    def already_in_place(self) -> ChunkSource:
+        """The same chunk, whose payload already lies where it goes (a snapshot's staging
+        buffer): only its checksums and header are written."""
+        return replace(self, fill=_in_place, whole=False)
+
+
+def _in_place(part: torch.Tensor, a: int, b: int) -> None:
+    """The payload already lies where it goes."""
+
+
+def copied_from(t: torch.Tensor) -> ChunkSource:
+    """A chunk copied from a host snapshot of its KV."""
+    if t.is_cuda:
+        return ChunkSource(tuple(t.shape), t.dtype, lambda part, a, b: part.copy_(t[a:b]))
+    return ChunkSource(tuple(t.shape), t.dtype, lambda part, a, b: copy_host(part, t[a:b]))
+
+
+def gathered_from(kv: torch.Tensor, ids: list[int], num_tokens: int) -> ChunkSource:
+    """A chunk gathered straight from the pool's blocks ``ids``: on the host copied and
+    checksummed in one native pass where the kernel is built, else a group of layers at
+    a time; on CUDA gathered on the device, then one copy per group of layers to the
+    host, waited for."""
+    shape = (kv.shape[0], 2, num_tokens, kv.shape[4], kv.shape[5])
+    if not kv.is_cuda:  # on the calling thread (chunks are encoded two at a time)
+        if host_native.AVAILABLE:
+            return ChunkSource(shape, kv.dtype, lambda part, a=0, b=None: gather_blocks_hashed(
+                kv[a:b], ids, num_tokens, part), whole=True)
+        return ChunkSource(shape, kv.dtype,
+                           lambda part, a, b: gather_blocks_host(kv[a:b], ids, num_tokens, part))
+    dev: list[torch.Tensor] = []
+
+    def fill(part: torch.Tensor, a: int, b: int) -> None:
+        if not dev:
+            dev.append(gather_blocks(kv, ids, num_tokens=num_tokens))
+        part.copy_(dev[0][a:b])
+
+    return ChunkSource(shape, kv.dtype, fill)
