@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from kvtier.client import Client, chat_text
+    from kvtier.client import Client
     from kvtier.errors import KVTierError
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise here
@@ -117,37 +117,53 @@ def run(args: argparse.Namespace) -> int:
             messages = [{"role": "system", "content": SYSTEM}]
             console.rule(f"{who} (session {session})")
             for turn, question in enumerate(questions, 1):
-                messages.append({"role": "user", "content": question})
-                console.print(f"[bold cyan]user>[/] {question}")
-                console.print("[bold green]assistant>[/] ", end="")
-                events = []
-                for event in kv.chat_stream(
-                    messages, session, max_tokens=args.max_tokens, temperature=0,
-                    stream_options={"include_usage": True},
-                ):  # fmt: skip
-                    events.append(event)
-                    if event.get("choices"):
-                        console.print(event["choices"][0]["delta"].get("content") or "", end="")
-                console.print()
-                messages.append({"role": "assistant", "content": chat_text(events)})
-                final = next(e for e in events if e.get("kvtier"))["kvtier"]
-                usage = next(e for e in events if e.get("usage"))["usage"]
+                final = _turn(kv, console, args, session, messages, question, table, who, turn)
                 rows.append((who, turn, final))
-                table.add_row(
-                    who, str(turn), str(usage["prompt_tokens"]), str(final["restored_tokens"]),
-                    f"{final.get('restored_bytes', 0) / 2**20:.1f}",
-                    str(final["recomputed_tokens"]), f"{final['ttft_s'] * 1e3:.1f}",
-                    kv_source(final),
-                )
-                off = kv.offload(session, tier=args.tier)  # the user goes idle
-                console.print(
-                    f"[dim](user idle: session offloaded to {off['tier']}: "
-                    f"{off['stored_tokens']} tokens stored there, "
-                    f"{off['bytes'] / 2**20:.1f} MiB newly written (the rest was stored "
-                    f"already), {off['freed_blocks']} pool blocks freed)[/]"
-                )
         console.print()
         console.print(table)
+    return _summary(console, rows)
+
+
+def _turn(kv: Any, console: Any, args: argparse.Namespace, session: str,
+          messages: list[dict[str, str]], question: str, table: Any, who: str, turn: int
+          ) -> dict[str, Any]:
+    """One turn streamed to the console, its row added; then the user goes idle (the
+    session is offloaded). The server's own report of the turn."""
+    from kvtier.client import chat_text
+
+    messages.append({"role": "user", "content": question})
+    console.print(f"[bold cyan]user>[/] {question}")
+    console.print("[bold green]assistant>[/] ", end="")
+    events = []
+    for event in kv.chat_stream(
+        messages, session, max_tokens=args.max_tokens, temperature=0,
+        stream_options={"include_usage": True},
+    ):  # fmt: skip
+        events.append(event)
+        if event.get("choices"):
+            console.print(event["choices"][0]["delta"].get("content") or "", end="")
+    console.print()
+    messages.append({"role": "assistant", "content": chat_text(events)})
+    final = next(e for e in events if e.get("kvtier"))["kvtier"]
+    usage = next(e for e in events if e.get("usage"))["usage"]
+    table.add_row(
+        who, str(turn), str(usage["prompt_tokens"]), str(final["restored_tokens"]),
+        f"{final.get('restored_bytes', 0) / 2**20:.1f}",
+        str(final["recomputed_tokens"]), f"{final['ttft_s'] * 1e3:.1f}",
+        kv_source(final),
+    )
+    off = kv.offload(session, tier=args.tier)  # the user goes idle
+    console.print(
+        f"[dim](user idle: session offloaded to {off['tier']}: "
+        f"{off['stored_tokens']} tokens stored there, "
+        f"{off['bytes'] / 2**20:.1f} MiB newly written (the rest was stored "
+        f"already), {off['freed_blocks']} pool blocks freed)[/]"
+    )
+    return final
+
+
+def _summary(console: Any, rows: list[tuple[str, int, dict[str, Any]]]) -> int:
+    """What the demo showed; 0 when every resumed turn and the shared prompt restored."""
     resumed = [f for who, turn, f in rows if turn > 1]
     shared = next(f for who, turn, f in rows if who == CONVERSATIONS[1][0])
     first = rows[0][2]

@@ -343,53 +343,16 @@ def _tokenizer_files(
     meta: _Metadata, cfg: ModelConfig
 ) -> tuple[str, dict[str, Any], dict[str, Any]]:
     """(tokenizer.json text, tokenizer_config.json, generation_config.json)."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-
-    kind = meta.require("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise CheckpointError(
-            f"{meta.path}: tokenizer model {kind!r} is not supported; only byte-level BPE "
-            "('gpt2') vocabularies can be converted"
-        )
-    pre = meta.get("tokenizer.ggml.pre")
-    style = _PRE_TOKENIZERS.get(pre)
-    if pre is None:
-        raise CheckpointError(
-            f"{meta.path}: no tokenizer.ggml.pre, so how text is split before the merges is "
-            "unknown (an old conversion); convert the model again with a current llama.cpp"
-        )
-    if style is None:
-        raise CheckpointError(
-            f"{meta.path}: pre-tokenizer {pre!r} is not supported; known: "
-            f"{', '.join(sorted(_PRE_TOKENIZERS))}"
-        )
+    style = _pre_tokenizer_style(meta)
     tokens = list(meta.require("tokenizer.ggml.tokens"))
     types = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
-    merges = [tuple(m.split(" ", 1)) for m in meta.require("tokenizer.ggml.merges")]
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    if len(vocab) != len(tokens):
-        raise CheckpointError(f"{meta.path}: the vocabulary repeats tokens")
     if len(tokens) > cfg.vocab_size:
         raise CheckpointError(
             f"{meta.path}: {len(tokens)} tokens but only {cfg.vocab_size} embedding rows"
         )
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=style.endswith("gpt2"))
-    if style == "gpt2":
-        tok.pre_tokenizer = byte_level
-    elif style == "digits+gpt2":
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level]
-        )
-    else:
-        split = _LLAMA3_SPLIT if style == "llama3" else _QWEN2_SPLIT
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level]
-        )
-    tok.decoder = decoders.ByteLevel()
     control = [(i, t) for i, (t, ty) in enumerate(zip(tokens, types, strict=True))
                if ty == _CONTROL]
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for _, t in control])
+    tok = _bpe_tokenizer(meta, tokens, style, control)
 
     def token(key: str) -> str | None:
         i = meta.get(f"tokenizer.ggml.{key}")
@@ -421,6 +384,56 @@ def _tokenizer_files(
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
     }
     return tok.to_str(), tokenizer_config, generation_config
+
+
+def _pre_tokenizer_style(meta: _Metadata) -> str:
+    """How text is split before the merges (a byte-level BPE vocabulary only)."""
+    kind = meta.require("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise CheckpointError(
+            f"{meta.path}: tokenizer model {kind!r} is not supported; only byte-level BPE "
+            "('gpt2') vocabularies can be converted"
+        )
+    pre = meta.get("tokenizer.ggml.pre")
+    if pre is None:
+        raise CheckpointError(
+            f"{meta.path}: no tokenizer.ggml.pre, so how text is split before the merges is "
+            "unknown (an old conversion); convert the model again with a current llama.cpp"
+        )
+    style = _PRE_TOKENIZERS.get(pre)
+    if style is None:
+        raise CheckpointError(
+            f"{meta.path}: pre-tokenizer {pre!r} is not supported; known: "
+            f"{', '.join(sorted(_PRE_TOKENIZERS))}"
+        )
+    return style
+
+
+def _bpe_tokenizer(meta: _Metadata, tokens: list[str], style: str,
+                   control: list[tuple[int, str]]) -> Any:
+    """The byte-level BPE tokenizer of the vocabulary, its pre-tokenizer and special tokens."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    merges = [tuple(m.split(" ", 1)) for m in meta.require("tokenizer.ggml.merges")]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise CheckpointError(f"{meta.path}: the vocabulary repeats tokens")
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=style.endswith("gpt2"))
+    if style == "gpt2":
+        tok.pre_tokenizer = byte_level
+    elif style == "digits+gpt2":
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
+    else:
+        split = _LLAMA3_SPLIT if style == "llama3" else _QWEN2_SPLIT
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level]
+        )
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for _, t in control])
+    return tok
 
 
 # --- files -------------------------------------------------------------------------------

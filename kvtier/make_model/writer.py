@@ -233,26 +233,16 @@ def make_model(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        write_json(tmp / "config.json", config)
-        (tmp / "tokenizer.json").write_text(text, encoding="utf-8")
-        write_json(tmp / "tokenizer_config.json", tcfg)
-        write_json(
-            tmp / "generation_config.json",
-            {"bos_token_id": ids["bos_token_id"], "eos_token_id": ids["stop_token_ids"]},
-        )
-        write_json(
-            tmp / "make_model.json",
-            {
-                "preset": p.name,
-                "seed": seed,
-                "dtype": dtype,
-                "num_parameters": n_params,
-                "vocab_size": vocab,
-                "tokenizer_vocab_size": ids["tokenizer_vocab_size"],
-                "chat_format": p.family,
-                "note": "random weights; token ids >= tokenizer_vocab_size are padding",
-            },
-        )
+        _write_metadata(tmp, config, text, tcfg, ids, {
+            "preset": p.name,
+            "seed": seed,
+            "dtype": dtype,
+            "num_parameters": n_params,
+            "vocab_size": vocab,
+            "tokenizer_vocab_size": ids["tokenizer_vocab_size"],
+            "chat_format": p.family,
+            "note": "random weights; token ids >= tokenizer_vocab_size are padding",
+        })
         show = progress if progress is not None else weight_bytes >= _PROGRESS_BYTES
         files = _write_weights_with_progress(
             tmp, shapes, dtype, seed, max_shard_bytes, weight_bytes, show, p.name
@@ -269,6 +259,20 @@ def make_model(
         weight_files=files,
         tokenizer_vocab_size=int(ids["tokenizer_vocab_size"]),  # type: ignore[arg-type]
     )
+
+
+def _write_metadata(tmp: Path, config: dict, tokenizer: str, tokenizer_config: dict,
+                    ids: dict, about: dict) -> None:
+    """Everything of a checkpoint but its weights: config, tokenizer, generation config,
+    and what make-model made it from (``make_model.json``)."""
+    write_json(tmp / "config.json", config)
+    (tmp / "tokenizer.json").write_text(tokenizer, encoding="utf-8")
+    write_json(tmp / "tokenizer_config.json", tokenizer_config)
+    write_json(
+        tmp / "generation_config.json",
+        {"bos_token_id": ids["bos_token_id"], "eos_token_id": ids["stop_token_ids"]},
+    )
+    write_json(tmp / "make_model.json", about)
 
 
 def _write_weights_with_progress(
