@@ -235,13 +235,6 @@ def measure(repeats: int, blocks_per_sample: int, block_size: int, quick: bool) 
     for n in sizes:
         ns = bench_evict(n, blocks_per_sample, repeats, block_size)
         evict.append({"n": n, "ns_per_block": ns, "ratio_vs_ref": ns / ref})
-    single_count = min(blocks_per_sample, 16384)
-    single = bench_single(single_count, repeats, block_size)
-    single_evict = bench_evict(1, single_count, repeats, block_size)
-    seq_tokens = 1024 if quick else 4096
-    add_free = bench_add_free(seq_tokens, repeats, block_size, prefix_hit=False)
-    add_free_hit = bench_add_free(seq_tokens, repeats, block_size, prefix_hit=True)
-    decode_tok, decode_blk = bench_decode(seq_tokens, repeats, block_size)
     worst = max(b["ns_per_block"] for b in batch)
     return {
         "config": {
@@ -265,6 +258,21 @@ def measure(repeats: int, blocks_per_sample: int, block_size: int, quick: bool) 
         },
         "batch": batch,
         "batch_evict": evict,
+        **_single_and_manager(repeats, blocks_per_sample, block_size, quick, ref),
+    }
+
+
+def _single_and_manager(repeats: int, blocks_per_sample: int, block_size: int, quick: bool,
+                        ref: float) -> dict[str, Any]:
+    """One block at a time, and the block manager's sequence operations."""
+    single_count = min(blocks_per_sample, 16384)
+    single = bench_single(single_count, repeats, block_size)
+    single_evict = bench_evict(1, single_count, repeats, block_size)
+    seq_tokens = 1024 if quick else 4096
+    add_free = bench_add_free(seq_tokens, repeats, block_size, prefix_hit=False)
+    add_free_hit = bench_add_free(seq_tokens, repeats, block_size, prefix_hit=True)
+    decode_tok, decode_blk = bench_decode(seq_tokens, repeats, block_size)
+    return {
         "single": {
             "blocks": single_count,
             "ns_per_block": single,

@@ -281,6 +281,19 @@ def _raw_disk(src: Any, chunk_bytes: int, workdir: Path) -> dict[str, float]:
         return time.perf_counter() - t0
 
     store_s = write_all()
+    times = _cold_reads(paths, chunk_bytes, write_all)
+    shutil.rmtree(d, ignore_errors=True)
+    return {"store_s": store_s, "retrieve_s": min(times["4"], times["4direct"]),
+            "retrieve_1thread_s": times["1"], "retrieve_buffered_s": times["4"],
+            "retrieve_direct_s": times["4direct"]}
+
+
+def _cold_reads(paths: list[Path], chunk_bytes: int, write_all: Any) -> dict[str, float]:
+    """Seconds to read every file cold into memory that exists: with 1 thread, 4 threads
+    and 4 threads with O_DIRECT, files written anew (``write_all``) before each kind."""
+    import torch
+
+    n = len(paths)
     dst = torch.empty(n * chunk_bytes, dtype=torch.uint8)
     dst.fill_(0)
     out = memoryview(dst.numpy())
@@ -317,10 +330,7 @@ def _raw_disk(src: Any, chunk_bytes: int, workdir: Path) -> dict[str, float]:
         times[name] = time.perf_counter() - t0
     direct_out.release()
     aligned.close()
-    shutil.rmtree(d, ignore_errors=True)
-    return {"store_s": store_s, "retrieve_s": min(times["4"], times["4direct"]),
-            "retrieve_1thread_s": times["1"], "retrieve_buffered_s": times["4"],
-            "retrieve_direct_s": times["4direct"]}
+    return times
 
 
 def _raw_redis(src: Any, chunk_bytes: int, url: str) -> dict[str, float]:
@@ -401,25 +411,7 @@ def run(args: argparse.Namespace) -> int:
         src = torch.cat([e.reshape(-1) for e in expected])
         chunk_bytes = owner.pool.storage.bytes_per_token * args.chunk_tokens
         for name in tiers:
-            # Rounds interleave the three, best of each kept: on a shared machine whose
-            # memory and disk speeds drift by minutes, each ratio compares runs minutes apart
-            # at most, never a quiet stretch for one against a busy one for another.
-            ours = peer = raw = None
-            rounds: list[tuple[dict, dict, dict]] = []
-            for r in range(1, max(1, args.repeats) + 1):
-                console.print(f"[bold]{name}[/bold] round {r}: kvtier, LMCache, raw medium ...")
-                k = _kvtier_run(name, args, owner, expected, workdir, redis_url)
-                lm = _lmcache_run(name, args, workdir, redis_url) or {"error": "LMCache environment not found"}
-                if name == "cpu":
-                    rw = _raw_cpu(src)
-                elif name == "disk":
-                    rw = _raw_disk(src, chunk_bytes, workdir)
-                else:
-                    rw = _raw_redis(src, chunk_bytes, redis_url)
-                rounds.append((dict(k), dict(lm), dict(rw)))
-                ours, peer, raw = _keep_best(ours, k), _keep_best(peer, lm), _keep_best(raw, rw)
-            assert ours is not None and peer is not None and raw is not None
-            rows += _rows(name, ours, peer, raw, src.numel() * src.element_size(), args, rounds)
+            rows += _tier_rows(name, args, owner, expected, src, workdir, redis_url, console)
             if name == "cpu" and args.connector:
                 rows += _connector_rows(args, rows, console)
     finally:
@@ -442,6 +434,32 @@ def run(args: argparse.Namespace) -> int:
         _plot(rows, args.plot, config)
         console.print(f"wrote {args.plot}")
     return 0
+
+
+def _tier_rows(name: str, args: argparse.Namespace, owner: _Owner, expected: list[Any],
+               src: Any, workdir: Path, redis_url: str | None, console: Any
+               ) -> list[dict[str, Any]]:
+    """kvtier, LMCache and the raw medium on one tier, in rounds. Rounds interleave the
+    three, best of each kept: on a shared machine whose memory and disk speeds drift by
+    minutes, each ratio compares runs minutes apart at most, never a quiet stretch for one
+    against a busy one for another."""
+    chunk_bytes = owner.pool.storage.bytes_per_token * args.chunk_tokens
+    ours = peer = raw = None
+    rounds: list[tuple[dict, dict, dict]] = []
+    for r in range(1, max(1, args.repeats) + 1):
+        console.print(f"[bold]{name}[/bold] round {r}: kvtier, LMCache, raw medium ...")
+        k = _kvtier_run(name, args, owner, expected, workdir, redis_url)
+        lm = _lmcache_run(name, args, workdir, redis_url) or {"error": "LMCache environment not found"}
+        if name == "cpu":
+            rw = _raw_cpu(src)
+        elif name == "disk":
+            rw = _raw_disk(src, chunk_bytes, workdir)
+        else:
+            rw = _raw_redis(src, chunk_bytes, redis_url)
+        rounds.append((dict(k), dict(lm), dict(rw)))
+        ours, peer, raw = _keep_best(ours, k), _keep_best(peer, lm), _keep_best(raw, rw)
+    assert ours is not None and peer is not None and raw is not None
+    return _rows(name, ours, peer, raw, src.numel() * src.element_size(), args, rounds)
 
 
 def _connector_rows(args: argparse.Namespace, rows: list[dict[str, Any]], console: Any

@@ -47,6 +47,7 @@ import json
 import os
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -231,19 +232,79 @@ def lmcache_store_retrieve(kv: torch.Tensor, tokens_per_session: int, sessions: 
     destination equals ``kv`` bit for bit. One engine per process: call it once per
     process (LMCache's engine and its stats are process-wide singletons).
     """
-    from lmcache.v1.cache_engine import LMCacheEngineBuilder
-    from lmcache.v1.config import load_engine_config_with_overrides
-    from lmcache.v1.metadata import LMCacheMetadata
-
     if tokens_per_session % chunk_tokens:
         raise ValueError("tokens_per_session must be a multiple of chunk_tokens")
     two, layers, total_tokens, hidden = kv.shape
     if two != 2 or total_tokens != sessions * tokens_per_session:
         raise ValueError(f"kv shape {tuple(kv.shape)} is not [2, L, sessions*T, H*D]")
     kv = kv.contiguous()
-    nbytes = kv.numel() * kv.element_size()
-    gib = nbytes / 1024**3
+    gib = kv.numel() * kv.element_size() / 1024**3
     os.makedirs(workdir, exist_ok=True)
+    run = _open(kv, backend, workdir, redis_url, chunk_tokens, gib, repeats, disk_odirect)
+    if warmup:  # one chunk through store, wait, retrieve: first-call costs off the clock
+        t = torch.arange(chunk_tokens, dtype=torch.long) + (repeats * sessions) * _TOKEN_STRIDE
+        run.engine.store(t, kvcaches=kv[:, :, :chunk_tokens])
+        _wait_visible(run.engine, [t], run.location, stall_s)
+        run.engine.retrieve(t, kvcaches=torch.zeros_like(kv[:, :, :chunk_tokens]))
+        run.forget([t])
+    rounds = [_round(run, kv, r, sessions, tokens_per_session, chunk_tokens, stall_s)
+              for r in range(repeats)]
+    notes = _notes(run, rounds[-1], warmup, repeats)
+    durable = [x.durable_s for x in rounds if x.durable_s is not None]
+    return {"store_s": min(x.store_s for x in rounds),
+            "retrieve_s": min(x.retrieve_s for x in rounds),
+            "bytes": kv.numel() * kv.element_size(),
+            "bit_exact": all(x.exact for x in rounds), "notes": "; ".join(notes),
+            "backend": backend, "store_runs_s": [x.store_s for x in rounds],
+            "retrieve_runs_s": [x.retrieve_s for x in rounds],
+            "disk_odirect": rounds[-1].odirect_used,
+            "store_fsync_s": min(durable) if durable else None}  # fmt: skip
+
+
+@dataclass
+class _Run:
+    """One LMCache engine on one backend, and what its rounds need of it."""
+
+    engine: Any
+    backend: str
+    location: str
+    model: str
+    redis_url: str | None
+    overrides: dict
+    pool_gib: float
+    prefaulted: bool
+
+    @property
+    def backends(self) -> dict:
+        return self.engine.storage_manager.storage_backends
+
+    def forget(self, toks: list[torch.Tensor]) -> None:
+        """Remove a round's entries from the backend."""
+        if self.backend == "redis":
+            _delete_redis_keys(self.redis_url, self.model)
+        else:
+            for t in toks:
+                self.engine.clear(t, locations=[self.location])
+
+
+@dataclass
+class _Round:
+    store_s: float
+    retrieve_s: float
+    exact: bool
+    durable_s: float | None = None
+    cold_files: int = 0
+    odirect_used: bool | None = None
+
+
+def _open(kv: torch.Tensor, backend: str, workdir: str, redis_url: str | None,
+          chunk_tokens: int, gib: float, repeats: int, disk_odirect: bool) -> _Run:
+    """LMCache's engine for ``backend``, its memory pool pre-faulted."""
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+    from lmcache.v1.config import load_engine_config_with_overrides
+    from lmcache.v1.metadata import LMCacheMetadata
+
+    _, layers, _, hidden = kv.shape
     pool_gib = round(gib * 1.05 + 0.25, 3)
     # LMCache 0.5.6's disk remove() (what engine.clear uses between repeats) deletes the
     # file but never lowers the backend's size count, so the disk limit covers every
@@ -261,75 +322,65 @@ def lmcache_store_retrieve(kv: torch.Tensor, tokens_per_session: int, sessions: 
         cpu_copy_connector((layers, hidden))(), lambda t, r: None, lambda o, r: o,
     )  # fmt: skip
     engine.post_init()
-    backends = engine.storage_manager.storage_backends
     location = _LOCATION[backend]
+    backends = engine.storage_manager.storage_backends
     if location not in backends:
         raise RuntimeError(f"LMCache built no {location}: {list(backends)}")
-    prefaulted = _prefault_pool(engine)
+    return _Run(engine, backend, location, model, redis_url, overrides, pool_gib,
+                _prefault_pool(engine))
+
+
+def _round(run: _Run, kv: torch.Tensor, r: int, sessions: int, tokens_per_session: int,
+           chunk_tokens: int, stall_s: float) -> _Round:
+    """Store every session (fresh token ids), then retrieve every one into zeros (disk:
+    cold), timed; the entries removed after."""
+    engine, backend, location = run.engine, run.backend, run.location
 
     def session(s: int) -> slice:
         return slice(s * tokens_per_session, (s + 1) * tokens_per_session)
 
-    def forget(toks: list[torch.Tensor]) -> None:
-        if backend == "redis":
-            _delete_redis_keys(redis_url, model)
-        else:
-            for t in toks:
-                engine.clear(t, locations=[location])
+    toks = [torch.arange(tokens_per_session, dtype=torch.long)
+            + (r * sessions + s) * _TOKEN_STRIDE for s in range(sessions)]  # fmt: skip
+    t0 = time.perf_counter()
+    for s in range(sessions):
+        engine.store(toks[s], kvcaches=kv[:, :, session(s)])
+    _wait_visible(engine, toks, location, stall_s)
+    out = _Round(time.perf_counter() - t0, 0.0, True)
+    if backend == "disk":  # what the same store costs made durable, as kvtier's is
+        t1 = time.perf_counter()
+        _fsync_tree(run.backends[location].path)
+        out.durable_s = out.store_s + time.perf_counter() - t1
+    if backend != "cpu":  # the bytes must come from the backend, not the CPU tier
+        for t in toks:
+            if engine.lookup(t, search_range=["LocalCPUBackend"]) != 0:
+                raise RuntimeError("the CPU tier holds chunks; retrieve would use it")
+    if backend == "disk":
+        disk = run.backends[location]
+        out.cold_files = _drop_page_cache(disk.path)
+        chunk_bytes = kv.numel() * kv.element_size() // sessions // (tokens_per_session // chunk_tokens)
+        out.odirect_used = bool(disk.use_odirect) and chunk_bytes % disk.os_disk_bs == 0
+    dst = torch.zeros_like(kv)  # allocated (and touched) before the clock starts
+    t0 = time.perf_counter()
+    masks = [engine.retrieve(toks[s], kvcaches=dst[:, :, session(s)]) for s in range(sessions)]
+    out.retrieve_s = time.perf_counter() - t0
+    out.exact = all(bool(m.all()) for m in masks) and torch.equal(
+        dst.view(torch.uint8), kv.view(torch.uint8))
+    del dst
+    run.forget(toks)
+    return out
 
-    if warmup:  # one chunk through store, wait, retrieve: first-call costs off the clock
-        t = torch.arange(chunk_tokens, dtype=torch.long) + (repeats * sessions) * _TOKEN_STRIDE
-        engine.store(t, kvcaches=kv[:, :, :chunk_tokens])
-        _wait_visible(engine, [t], location, stall_s)
-        engine.retrieve(t, kvcaches=torch.zeros_like(kv[:, :, :chunk_tokens]))
-        forget([t])
 
-    store_s, retrieve_s, exact, cold_files, odirect_used = [], [], True, 0, None
-    durable_s: list[float] = []
-    for r in range(repeats):
-        toks = [torch.arange(tokens_per_session, dtype=torch.long)
-                + (r * sessions + s) * _TOKEN_STRIDE for s in range(sessions)]  # fmt: skip
-        t0 = time.perf_counter()
-        for s in range(sessions):
-            engine.store(toks[s], kvcaches=kv[:, :, session(s)])
-        _wait_visible(engine, toks, location, stall_s)
-        store_s.append(time.perf_counter() - t0)
-        if backend == "disk":  # what the same store costs made durable, as kvtier's is
-            t1 = time.perf_counter()
-            _fsync_tree(backends[location].path)
-            durable_s.append(store_s[-1] + time.perf_counter() - t1)
-
-        if backend != "cpu":  # the bytes must come from the backend, not the CPU tier
-            for t in toks:
-                if engine.lookup(t, search_range=["LocalCPUBackend"]) != 0:
-                    raise RuntimeError("the CPU tier holds chunks; retrieve would use it")
-        if backend == "disk":
-            disk = backends[location]
-            cold_files = _drop_page_cache(disk.path)
-            chunk_bytes = nbytes // sessions // (tokens_per_session // chunk_tokens)
-            odirect_used = bool(disk.use_odirect) and chunk_bytes % disk.os_disk_bs == 0
-
-        dst = torch.zeros_like(kv)  # allocated (and touched) before the clock starts
-        masks = []
-        t0 = time.perf_counter()
-        for s in range(sessions):
-            masks.append(engine.retrieve(toks[s], kvcaches=dst[:, :, session(s)]))
-        retrieve_s.append(time.perf_counter() - t0)
-        exact = exact and all(bool(m.all()) for m in masks) and torch.equal(
-            dst.view(torch.uint8), kv.view(torch.uint8))
-        del dst
-        forget(toks)
-
-    notes = [f"LMCache {_version()}; backends {list(backends)}; pool {pool_gib} GiB"
-             + (" (pre-faulted)" if prefaulted else "")]  # fmt: skip
-    if backend == "cpu":
+def _notes(run: _Run, last: _Round, warmup: bool, repeats: int) -> list[str]:
+    notes = [f"LMCache {_version()}; backends {list(run.backends)}; pool {run.pool_gib} GiB"
+             + (" (pre-faulted)" if run.prefaulted else "")]  # fmt: skip
+    if run.backend == "cpu":
         notes.append("local_cpu hot cache; store and retrieve are synchronous")
-    elif backend == "disk":
+    elif run.backend == "disk":
         notes.append(
-            f"local_cpu off; disk {overrides['local_disk']}, "
-            f"{'O_DIRECT writes/reads (no fsync)' if odirect_used else 'buffered writes, no fsync'}"
+            f"local_cpu off; disk {run.overrides['local_disk']}, "
+            f"{'O_DIRECT writes/reads (no fsync)' if last.odirect_used else 'buffered writes, no fsync'}"
             f"; store timed until every chunk is on disk in the backend's index; retrieve "
-            f"cold after os.sync + POSIX_FADV_DONTNEED on {cold_files} files")
+            f"cold after os.sync + POSIX_FADV_DONTNEED on {last.cold_files} files")
     else:
         notes.append("local_cpu off; redis SET per chunk (kv_bytes then metadata); store "
                      "timed until every chunk's metadata key exists; redis-py socket_timeout "
@@ -338,11 +389,7 @@ def lmcache_store_retrieve(kv: torch.Tensor, tokens_per_session: int, sessions: 
         notes.append("one-chunk warm-up before the clock")
     if repeats > 1:
         notes.append(f"best of {repeats}")
-    return {"store_s": min(store_s), "retrieve_s": min(retrieve_s), "bytes": nbytes,
-            "bit_exact": bool(exact), "notes": "; ".join(notes), "backend": backend,
-            "store_runs_s": store_s, "retrieve_runs_s": retrieve_s,
-            "disk_odirect": odirect_used,
-            "store_fsync_s": min(durable_s) if durable_s else None}  # fmt: skip
+    return notes
 
 
 def _version() -> str:

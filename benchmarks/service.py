@@ -277,9 +277,6 @@ def raw_tier(tier: str, blobs: dict[str, bytes], slot: int, workdir: Path) -> di
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
     from kvtier.benchmarks.results import write_result
     from kvtier.errors import InvalidArgumentError
 
@@ -328,6 +325,17 @@ def run(args: argparse.Namespace) -> int:
             "ratio_put_vs_raw": shm["put"]["gbps"] / raw["put_gbps"],
             "ratio_get_vs_raw": shm["get"]["gbps"] / raw["get_gbps"],
         }
+    _print(args, result, sync, shm, raw, wire)
+    if args.out:
+        write_result(args.out, "service", payload)
+    return 0
+
+
+def _print(args: argparse.Namespace, result: dict[str, Any], sync: dict[str, Any],
+           shm: dict[str, Any] | None, raw: dict[str, Any], wire: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
     table = Table(title=f"kvtier serve data plane, {args.clients} clients, {args.tier} tier")
     for col in ("phase", "chunks", "GB/s", "req/s", "p50 ms", "p99 ms", "raw tier GB/s", "loopback GB/s"):
         table.add_column(col, justify="right")
@@ -339,6 +347,3 @@ def run(args: argparse.Namespace) -> int:
         table.add_row(phase, str(r["chunks"]), f"{r['gbps']:.3f}", f"{r['requests_per_s']:.0f}",
                       f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}", f"{raw[raw_key]:.3f}", f"{wire['gbps']:.3f}")  # fmt: skip
     Console().print(table)
-    if args.out:
-        write_result(args.out, "service", payload)
-    return 0

@@ -59,9 +59,7 @@ def measure_shared_prefix(
     """One row per case: recompute, pool_hit, then each tier."""
     from kvtier.config import KVTierConfig
     from kvtier.engine.engine import Engine
-    from kvtier.engine.sampling import SamplingParams
 
-    one = SamplingParams(max_tokens=1)
     cases = ["recompute", "pool_hit", "cpu", "disk"] + (["redis"] if redis_url else [])
     rows: list[dict[str, Any]] = []
     text: str | None = None
@@ -77,36 +75,47 @@ def measure_shared_prefix(
         try:
             if text is None:
                 text = system_prompt(engine.tokenizer, prefix_tokens)
-            engine.chat("writer", "Hello.", one, system=text)
-            if case not in ("recompute", "pool_hit"):
-                engine.offload("writer", case)
-            samples, restored, prompt = [], [], 0
-            for i in range(repeats + 1):  # the first is a warm-up
-                # A question of its own per reader: only the system prompt is shared.
-                turn = engine.chat(f"reader-{i}", f"{QUESTION} (reader {i})", one, system=text)
-                if case not in ("recompute", "pool_hit"):
-                    engine.offload(f"reader-{i}", case)
-                if i:
-                    samples.append(turn.stats.ttft_s)
-                    restored.append(turn.stats)
-                prompt = turn.stats.prompt_tokens
+            rows.append(_readers(engine, case, text, repeats))
         finally:
             engine.close()
-        last = restored[-1]
-        rows.append({
-            "case": case,
-            "prompt_tokens": prompt,
-            "ttft_s": statistics.median(samples),
-            "restored_tokens": last.restored_tokens,
-            "restored_from": dict(last.restored_from),
-            "restored_bytes": last.restored_bytes,
-            "reused_tokens": last.reused_tokens,
-            "recomputed_tokens": last.recomputed_tokens,
-        })
     base = rows[0]["ttft_s"]
     for r in rows:
         r["vs_recompute"] = r["ttft_s"] / base
     return rows
+
+
+def _readers(engine: Any, case: str, text: str, repeats: int) -> dict[str, Any]:
+    """A writer stores the system prompt, then readers with questions of their own come,
+    each offloaded after (so the next finds the prompt in the tier, not the pool): the
+    median TTFT of the readers after a warm-up one, and where the last one's KV came from."""
+    from kvtier.engine.sampling import SamplingParams
+
+    one = SamplingParams(max_tokens=1)
+    tiered = case not in ("recompute", "pool_hit")
+    engine.chat("writer", "Hello.", one, system=text)
+    if tiered:
+        engine.offload("writer", case)
+    samples, restored, prompt = [], [], 0
+    for i in range(repeats + 1):  # the first is a warm-up
+        # A question of its own per reader: only the system prompt is shared.
+        turn = engine.chat(f"reader-{i}", f"{QUESTION} (reader {i})", one, system=text)
+        if tiered:
+            engine.offload(f"reader-{i}", case)
+        if i:
+            samples.append(turn.stats.ttft_s)
+            restored.append(turn.stats)
+        prompt = turn.stats.prompt_tokens
+    last = restored[-1]
+    return {
+        "case": case,
+        "prompt_tokens": prompt,
+        "ttft_s": statistics.median(samples),
+        "restored_tokens": last.restored_tokens,
+        "restored_from": dict(last.restored_from),
+        "restored_bytes": last.restored_bytes,
+        "reused_tokens": last.reused_tokens,
+        "recomputed_tokens": last.recomputed_tokens,
+    }
 
 
 def print_shared_table(console, rows: list[dict[str, Any]], what: str) -> None:
