@@ -21,12 +21,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvtier.chunk_format import chunk_layout, encode_into
+from kvtier.chunk_format import DTYPES, chunk_layout, encode_into
 from kvtier.connectors.chunk_store import ChunkStore
 from kvtier.connectors.tiers.base import ChunkWrite
+from kvtier.connectors.tiers.chunk_workers import map_restore
 from kvtier.connectors.tiers.lent_chunk import LentChunk
 from kvtier.connectors.vllm_blocks import BlockTransfer
 from kvtier.errors import ChunkError, ChunkMismatchError, InvalidArgumentError
+from kvtier.gpu_pool.kernels import host_native
+from kvtier.gpu_pool.kernels.host_native import (
+    PieceLayout,
+    gather_pieces_hashed,
+    scatter_pieces_verified,
+)
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +69,56 @@ class CacheLayer:
         return self.host[block_id] if self.block_dim == 0 else self.host[:, block_id]
 
 
+@dataclass(frozen=True)
+class BlockPieces:
+    """Where one block of every layer lies as two contiguous pieces per layer (K and V, or
+    the two halves of a contiguous block), in the chunk's byte order: what the fused
+    native copy (copy and checksum in one pass, the GIL released) takes."""
+
+    bases: np.ndarray
+    """Each layer's cache address (uint64)."""
+    strides: np.ndarray
+    """Bytes from one block to the next, per layer."""
+    offsets: np.ndarray
+    """``[layers, 2]``: the two pieces of block 0, from the layer's address."""
+    layout: PieceLayout
+    """The pieces' lengths, checked once."""
+    num_blocks: int
+
+    @classmethod
+    def of(cls, layers: list[CacheLayer], num_blocks: int) -> BlockPieces | None:
+        """None where a cache is not on the host or its blocks are not two contiguous
+        pieces (the numpy or torch copy serves)."""
+        if not host_native.AVAILABLE or any(layer.host is None for layer in layers):
+            return None
+        offsets, lens = [], []
+        for layer in layers:
+            block, base, size = layer.block(0), layer.kv.data_ptr(), layer.kv.element_size()
+            if block.is_contiguous():
+                n = block.numel() * size
+                pieces = [(block.data_ptr() - base, n // 2), (block.data_ptr() - base + n // 2, n - n // 2)]
+            elif block.shape[0] == 2 and block[0].is_contiguous() and block[1].is_contiguous():
+                n = block[0].numel() * size
+                pieces = [(block[0].data_ptr() - base, n), (block[1].data_ptr() - base, n)]
+            else:
+                return None
+            offsets.append([o for o, _ in pieces])
+            lens += [n for _, n in pieces]
+        return cls(
+            np.array([layer.kv.data_ptr() for layer in layers], dtype=np.uint64),
+            np.array([layer.kv.stride(layer.block_dim) * layer.kv.element_size()
+                      for layer in layers], dtype=np.uint64),
+            np.array(offsets, dtype=np.uint64),
+            PieceLayout(np.array(lens, dtype=np.uint64), len(layers)), num_blocks)
+
+    def at(self, block_id: int) -> np.ndarray:
+        """The pieces' addresses of block ``block_id`` (inside the caches: checked)."""
+        if not 0 <= block_id < self.num_blocks:
+            raise InvalidArgumentError(f"block {block_id} outside the cache's {self.num_blocks}")
+        at = self.bases[:, None] + np.uint64(block_id) * self.strides[:, None] + self.offsets
+        return at.reshape(-1)
+
+
 @dataclass
 class WorkerStats:
     loaded_blocks: int = 0
@@ -79,6 +136,7 @@ class WorkerSide:
         self.fingerprint = fingerprint
         self.layers: list[CacheLayer] = []
         self._host = False
+        self._pieces: BlockPieces | None = None
         self.stats = WorkerStats()
         self._load_errors: set[int] = set()
 
@@ -99,6 +157,9 @@ class WorkerSide:
         self.layers = layers
         self._host = all(layer.host is not None for layer in layers)
         """Every layer a host cache: copies in numpy (else torch's, e.g. to a GPU)."""
+        self._pieces = BlockPieces.of(layers, num_blocks)
+        """Host caches whose blocks the fused native copy can take (copy and checksum in
+        one pass); None: numpy or torch copies, checksums apart."""
 
     # ----------------------------------------------------------------- the layout
     @property
@@ -140,6 +201,12 @@ class WorkerSide:
                 src = layer.block(block_id)
                 part[i].view(src.shape).copy_(src)
 
+        pieces = self._pieces
+        if pieces is not None:  # copied and checksummed in one native pass
+            addrs = pieces.at(block_id)
+            return ChunkWrite(key, total, fill=lambda slot: encode_into(
+                slot, key, fp, dtype, shape,
+                lambda part: gather_pieces_hashed(part, addrs, pieces.layout)))
         return ChunkWrite(key, total, fill=lambda slot: encode_into(
             slot, key, fp, dtype, shape, gather, GROUP_BYTES))
 
@@ -151,22 +218,32 @@ class WorkerSide:
             loaded: set[int] = set()
             try:
                 with self._store().get_into(load.keys) as lent:
-                    for key, block_id, chunk in zip(load.keys, load.block_ids, lent, strict=True):
-                        if self._scatter(key, block_id, chunk):
+                    items = list(zip(load.keys, load.block_ids, lent, strict=True))
+                    for (_, block_id, _), error in zip(items, map_restore(self._scatter, items),
+                                                       strict=True):
+                        if error is None:
                             loaded.add(block_id)
+                        else:
+                            log.warning("kvtier load of block %d failed (recomputed): %s",
+                                        block_id, error)
             except Exception as exc:  # noqa: BLE001 - every block not loaded is an error
                 log.warning("kvtier load failed (recomputed): %s", exc)
-                missed = set(load.block_ids) - loaded - self._load_errors
-                self._load_errors.update(missed)
-                self.stats.load_errors += len(missed)
+            missed = set(load.block_ids) - loaded
+            self._load_errors.update(missed)
+            self.stats.load_errors += len(missed)
+            self.stats.loaded_blocks += len(loaded)
 
-    def _scatter(self, key: str, block_id: int, chunk: LentChunk | None) -> bool:
-        """Whether the block was loaded (else it is a load error)."""
+    def _scatter(self, item: tuple[str, int, LentChunk | None]) -> ChunkError | None:
+        """Scatter one lent chunk into its block (two at a time, on the restore workers);
+        why it could not be, or None."""
+        key, block_id, chunk = item
         try:
             if chunk is None:
                 raise ChunkError(f"chunk {key} is not stored")
             self._check(chunk)
-            if self._host:
+            if self._pieces is not None:
+                self._scatter_fused(chunk, block_id, self._pieces)
+            elif self._host:
                 src = chunk.payload.numpy().reshape(len(self.layers), -1)
                 for a, b in chunk.checked_groups(GROUP_BYTES):
                     for i, layer in enumerate(self.layers[a:b], start=a):
@@ -178,12 +255,20 @@ class WorkerSide:
                         dst = layer.block(block_id)
                         dst.copy_(chunk.kv[i].view(dst.shape))
         except ChunkError as exc:
-            log.warning("kvtier load of block %d failed (recomputed): %s", block_id, exc)
-            self._load_errors.add(block_id)
-            self.stats.load_errors += 1
-            return False
-        self.stats.loaded_blocks += 1
-        return True
+            return exc
+        return None
+
+    @staticmethod
+    def _scatter_fused(chunk: LentChunk, block_id: int, pieces: BlockPieces) -> None:
+        """Each group of layers checked and copied in one native pass (a chunk in memory
+        in one call; one still being read, group by group as its layers land)."""
+        dsts, step = pieces.at(block_id), chunk.header.layer_nbytes
+        group = GROUP_BYTES if chunk.reading is not None else 1 << 62
+        for a, b, sums in chunk.read_groups(group):
+            part = chunk.payload[a * step : b * step]
+            bad = scatter_pieces_verified(part, sums, dsts[2 * a : 2 * b], pieces.layout, a)
+            if bad >= 0:
+                chunk.fail(a + bad)
 
     def _check(self, chunk: LentChunk) -> None:
         """The chunk is this model's and layout's: its fingerprint, dtype and shape."""
@@ -191,7 +276,7 @@ class WorkerSide:
         if header.fingerprint != self.fingerprint:
             raise ChunkMismatchError(f"chunk {header.key} was written for another model or layout")
         if header.first_layer or tuple(header.shape) != self.chunk_shape or (
-                chunk.kv.dtype != self.dtype):
+                DTYPES.get(header.dtype) != self.dtype):
             raise ChunkMismatchError(f"chunk {header.key} holds {header.shape} of "
                                      f"{header.dtype}, not a block of this cache")
 

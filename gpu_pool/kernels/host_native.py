@@ -116,3 +116,68 @@ def scatter_blocks_verified(payload: torch.Tensor, expected: Sequence[int], offs
     return int(_native.verify_scatter(segs.ctypes.data, layer_bytes, layers, sums.ctypes.data,
                                       srcs.ctypes.data, dsts.ctypes.data, lens.ctypes.data,
                                       len(srcs) // layers))
+
+
+class PieceLayout:
+    """A chunk laid out as pieces elsewhere (vLLM's per-layer caches): ``lens`` bytes each,
+    ``layers`` runs of equal size, in the chunk's byte order. Checked once; each copy then
+    only adds the addresses (the caller keeps them inside live tensors)."""
+
+    def __init__(self, lens: np.ndarray, layers: int) -> None:
+        lens = np.ascontiguousarray(lens, dtype=np.uint64)
+        if layers < 1 or lens.ndim != 1 or len(lens) % layers:
+            raise ValueError(f"{len(lens)} pieces do not make {layers} layers")
+        per_layer = lens.reshape(layers, -1).sum(axis=1)
+        if len(set(per_layer.tolist())) != 1:
+            raise ValueError("every layer must have the same number of bytes")
+        self.lens = lens
+        self.layers = layers
+        self.per_layer = len(lens) // layers
+        self.layer_bytes = int(per_layer[0])
+        self.nbytes = int(lens.sum())
+        self.starts = np.concatenate(([0], np.cumsum(lens[:-1]))).astype(np.uint64)
+        """Each piece's offset in the chunk's payload."""
+        self.layer_starts = (np.arange(layers, dtype=np.uint64) * np.uint64(self.layer_bytes))
+
+    def _check(self, buf: torch.Tensor, addrs: np.ndarray, layers: int) -> None:
+        if buf.device.type != "cpu" or not buf.is_contiguous():
+            raise ValueError("piece copies need a contiguous host buffer")
+        if buf.numel() * buf.element_size() != layers * self.layer_bytes:
+            raise ValueError(f"a {buf.numel() * buf.element_size()}-byte buffer is not "
+                             f"{layers} layers of {self.layer_bytes} bytes")
+        if addrs.dtype != np.uint64 or len(addrs) != layers * self.per_layer:
+            raise ValueError("piece addresses must be uint64, as many as the layers' pieces")
+
+
+def gather_pieces_hashed(out: torch.Tensor, srcs: np.ndarray, layout: PieceLayout
+                         ) -> tuple[int, ...]:
+    """Copy the pieces at ``srcs`` into the contiguous ``out`` (the whole chunk's payload),
+    returning the xxh3 of each layer: a chunk gathered from tensors laid out otherwise,
+    hashed as it is copied. The addresses must lie inside live tensors."""
+    layout._check(out, srcs, layout.layers)
+    sums = np.zeros(layout.layers, dtype=np.uint64)
+    _native.gather_hash(out.data_ptr(), srcs.ctypes.data, layout.lens.ctypes.data, len(srcs),
+                        layout.per_layer, sums.ctypes.data)
+    return tuple(sums.tolist())
+
+
+def scatter_pieces_verified(payload: torch.Tensor, expected: Sequence[int], dsts: np.ndarray,
+                            layout: PieceLayout, first: int = 0) -> int:
+    """Check each layer of ``payload`` (layers ``first``.. of a chunk, contiguous) against
+    ``expected`` (its xxh3 per layer), then copy it, in order, to its pieces at ``dsts``
+    (those of the same layers). Returns the first of these layers that failed its check
+    (nothing of it or after it was copied) or -1. The addresses must lie inside live
+    tensors."""
+    layers = len(expected)
+    layout._check(payload, dsts, layers)
+    if not 0 <= first <= layout.layers - layers:
+        raise ValueError(f"layers {first}..{first + layers} outside {layout.layers}")
+    base = np.uint64(payload.data_ptr())
+    n = layers * layout.per_layer
+    at = first * layout.per_layer
+    srcs = base + (layout.starts[at : at + n] - layout.starts[at])
+    segs = base + layout.layer_starts[:layers]
+    sums = np.array(expected, dtype=np.uint64)
+    return int(_native.verify_scatter(segs.ctypes.data, layout.layer_bytes, layers,
+                                      sums.ctypes.data, srcs.ctypes.data, dsts.ctypes.data,
+                                      layout.lens[at : at + n].ctypes.data, layout.per_layer))

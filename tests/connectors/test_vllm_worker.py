@@ -83,38 +83,63 @@ def test_blocks_saved_and_loaded_back_are_bit_exact(tmp_path, blocks_first, stri
             assert torch.equal(a, b)
 
 
-def test_one_copy_and_one_checksum_pass_per_block_each_way(tmp_path, monkeypatch):
+@pytest.mark.parametrize("fused", [True, False])
+def test_one_copy_and_one_checksum_pass_per_block_each_way(tmp_path, monkeypatch, fused):
+    """Fused: each block gathered and hashed in one native call, checked and scattered in
+    one; else numpy copies and one xxh3 per layer each way. Either way nothing chunk-sized
+    is allocated and no staging buffer is used (the chunks go straight into arena slots)."""
+    from kvtier.connectors import vllm_worker
+    from kvtier.gpu_pool.kernels import host_native
+
+    if fused:
+        assert host_native.AVAILABLE  # built at install (setup.py); CI has a compiler
+    else:
+        monkeypatch.setattr(host_native, "AVAILABLE", False)
     big = {"heads": 8, "dim": 128}  # chunks of 200 KB: far above the Python objects a step makes
     src, dst = caches(NUM_BLOCKS, True, seed=3, **big), caches(NUM_BLOCKS, True, seed=4, **big)
     store = _local(src, tmp_path)
     keys = block_keys(list(range(8 * BLOCK)), BLOCK, FP)
     writer, reader = _worker(store, src), _worker(store, dst)
-    writer.save(_transfer(keys[:1], [0]))  # warm the staging and the arena
-    calls = [0]
-    hash_layer = xxhash.xxh3_64_intdigest
+    writer.save(_transfer(keys[:1], [0]))  # warm the arena
+    calls = {"xxh3": 0, "gather": 0, "scatter": 0}
     layer_bytes = _block(src, 0)[0].numel() * 2
 
-    def counting(data):  # passes over KV (a header's own checksum is tens of bytes)
-        calls[0] += len(memoryview(data).cast("B")) >= layer_bytes
-        return hash_layer(data)
+    def counting(name, fn, counts=lambda *a: True):
+        def wrapped(*args):
+            calls[name] += bool(counts(*args))
+            return fn(*args)
+        return wrapped
 
-    monkeypatch.setattr(xxhash, "xxh3_64_intdigest", counting)
+    # passes over KV (a header's own checksum is tens of bytes)
+    monkeypatch.setattr(xxhash, "xxh3_64_intdigest", counting(
+        "xxh3", xxhash.xxh3_64_intdigest, lambda data: len(memoryview(data).cast("B")) >= layer_bytes))
+    monkeypatch.setattr(vllm_worker, "gather_pieces_hashed",
+                        counting("gather", vllm_worker.gather_pieces_hashed))
+    monkeypatch.setattr(vllm_worker, "scatter_pieces_verified",
+                        counting("scatter", vllm_worker.scatter_pieces_verified))
     chunk = _chunk_bytes(src)
     tracemalloc.start()
     try:
         writer.save(_transfer(keys[1:], list(range(1, 8))))
         save_peak = tracemalloc.get_traced_memory()[1]
-        save_calls, calls[0] = calls[0], 0
+        saved, calls = dict(calls), {k: 0 for k in calls}
         tracemalloc.reset_peak()
         reader.load(_transfer(keys[1:], list(range(1, 8))))
         load_peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert save_calls == 7 * LAYERS  # each layer of each block hashed once, as it is gathered
-    assert calls[0] == 7 * LAYERS  # and checked once, right before it is scattered
+    if fused:  # one native pass per block each way: copy and checksum together
+        assert saved == {"xxh3": 0, "gather": 7, "scatter": 0}
+        assert calls == {"xxh3": 0, "gather": 0, "scatter": 7}
+    else:  # each layer of each block hashed once as it is gathered, checked once before use
+        assert saved == {"xxh3": 7 * LAYERS, "gather": 0, "scatter": 0}
+        assert calls == {"xxh3": 7 * LAYERS, "gather": 0, "scatter": 0}
     assert save_peak < chunk and load_peak < chunk  # no chunk-sized object on either way
     assert store.manager.staging.allocations == 0  # every chunk went straight into a slot
     assert reader.take_load_errors() == set()
+    for b in range(1, 8):
+        for x, y in zip(_block(src, b), _block(dst, b), strict=True):
+            assert torch.equal(x, y)
 
 
 def test_a_corrupt_missing_or_foreign_block_is_a_load_error_and_the_rest_load(tmp_path):
