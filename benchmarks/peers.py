@@ -412,8 +412,6 @@ def run(args: argparse.Namespace) -> int:
         chunk_bytes = owner.pool.storage.bytes_per_token * args.chunk_tokens
         for name in tiers:
             rows += _tier_rows(name, args, owner, expected, src, workdir, redis_url, console)
-            if name == "cpu" and args.connector:
-                rows += _connector_rows(args, rows, console)
     finally:
         if started:
             started[0].kill()
@@ -446,9 +444,12 @@ def _tier_rows(name: str, args: argparse.Namespace, owner: _Owner, expected: lis
     chunk_bytes = owner.pool.storage.bytes_per_token * args.chunk_tokens
     ours = peer = raw = None
     rounds: list[tuple[dict, dict, dict]] = []
+    connector: list[dict[str, Any]] = []
     for r in range(1, max(1, args.repeats) + 1):
         console.print(f"[bold]{name}[/bold] round {r}: kvtier, LMCache, raw medium ...")
         k = _kvtier_run(name, args, owner, expected, workdir, redis_url)
+        if name == "cpu" and args.connector:  # in the same round: compared round by round
+            connector.append(_connector_run(args, console))
         lm = _lmcache_run(name, args, workdir, redis_url) or {"error": "LMCache environment not found"}
         if name == "cpu":
             rw = _raw_cpu(src)
@@ -459,21 +460,20 @@ def _tier_rows(name: str, args: argparse.Namespace, owner: _Owner, expected: lis
         rounds.append((dict(k), dict(lm), dict(rw)))
         ours, peer, raw = _keep_best(ours, k), _keep_best(peer, lm), _keep_best(raw, rw)
     assert ours is not None and peer is not None and raw is not None
-    return _rows(name, ours, peer, raw, src.numel() * src.element_size(), args, rounds)
+    rows = _rows(name, ours, peer, raw, src.numel() * src.element_size(), args, rounds)
+    if connector:
+        from kvtier.benchmarks.peers_vllm import connector_rows
+
+        rows += connector_rows(connector, [k for k, _, _ in rounds], rows)
+    return rows
 
 
-def _connector_rows(args: argparse.Namespace, rows: list[dict[str, Any]], console: Any
-                    ) -> list[dict[str, Any]]:
-    from kvtier.benchmarks.peers_vllm import connector_rows, connector_run
+def _connector_run(args: argparse.Namespace, console: Any) -> dict[str, Any]:
+    from kvtier.benchmarks.peers_vllm import connector_run
 
     console.print("[bold]cpu[/bold]: kvtier's vLLM connector ...")
     layers, heads, dim, _ = MODELS[args.model]
-    best: dict[str, Any] | None = None
-    for _ in range(max(1, args.repeats)):
-        best = _keep_best(best, connector_run(layers, heads, dim, args.sessions * args.tokens))
-    assert best is not None
-    raw = {f"{r['op']}_GBps": r["raw_GBps"] for r in rows if r["tier"] == "cpu"}
-    return connector_rows(best, rows, raw)
+    return connector_run(layers, heads, dim, args.sessions * args.tokens)
 
 
 def _round_ratios(rounds: list[tuple[dict, dict, dict]], key: str, nbytes: int

@@ -263,8 +263,18 @@ def chunk_layout(
         raise ChunkFormatError(f"a chunk is [layers, 2, tokens, kv_heads, head_dim], got {shape}")
     if dtype not in DTYPE_NAMES:
         raise ChunkFormatError(f"unsupported chunk dtype {dtype}; use {sorted(DTYPES)}")
-    worst = ChunkHeader(logical_key(key), bytes(fingerprint), DTYPE_NAMES[dtype], tuple(shape),
-                        shape[2], (_U64_MAX,) * shape[0], namespace=storage_namespace(key))
+    return _layout(len(logical_key(key)), storage_namespace(key), bytes(fingerprint), dtype,
+                   tuple(shape))
+
+
+@functools.lru_cache(maxsize=1024)
+def _layout(key_chars: int, namespace: str | None, fingerprint: bytes, dtype: torch.dtype,
+            shape: tuple[int, ...]) -> tuple[int, int]:
+    """:func:`chunk_layout` of every key of ``key_chars`` characters (a packed string's
+    size depends on its length only): the largest header its chunks can have, packed once
+    per shape, not once per chunk."""
+    worst = ChunkHeader("k" * key_chars, fingerprint, DTYPE_NAMES[dtype], shape, shape[2],
+                        (_U64_MAX,) * shape[0], namespace=namespace)
     longest = len(_packb({**worst.fields(), "hxh": _U64_MAX, "padd": bytes(256)}))
     offset = -(-(_PREFIX.size + longest - 256 + 3) // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
     payload = dtype.itemsize * shape[0] * 2 * shape[2] * shape[3] * shape[4]

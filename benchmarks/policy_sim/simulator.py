@@ -25,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Hashable
 
 from kvtier.benchmarks.policy_sim.node import KeySet, Link, SessionState, SimResult, Store
-from kvtier.benchmarks.policy_sim.staging import StagingMixin
+from kvtier.benchmarks.policy_sim.staging import Stager
 from kvtier.benchmarks.policy_sim.systems import SystemSpec
 from kvtier.benchmarks.policy_sim.workloads import Turn, Workload
 from kvtier.policies.cost_model import CostModel
@@ -45,7 +45,40 @@ __all__ = ["Link", "SessionState", "SimResult", "Simulator", "Store"]
 _NO_PINS: frozenset = frozenset()
 
 
-class Simulator(StagingMixin):
+def tiers_pay(cost: CostModel, spec: SystemSpec, tier_bytes: dict[str, float],
+              chunk_tokens: int) -> bool:
+    """Loading a chunk back from the fastest tier beats recomputing it. Then the GPU's
+    order only decides which sessions move down (and recency serves: the live engine's
+    pool is an LRU too); what is lost is decided by the tiers' predictive eviction.
+    When no tier pays, the GPU is the only cache that counts, and its victims are the
+    sessions predicted back last."""
+    names = [t for t in cost.tiers if spec.use_tiers and tier_bytes.get(t, 0) > 0]
+    return bool(names) and worth_storing(cost, names[0], chunk_tokens, chunk_tokens)
+
+
+def eviction_for(name: str, spec: SystemSpec, live: LivePolicy, gpu: bool, pay: bool
+                 ) -> EvictionPolicy:
+    """The eviction policy ``name`` of the GPU (``gpu``) or a tier, predicting with the
+    live policy where the system is predictive (``pay``: see :func:`tiers_pay`)."""
+    if spec.retention_value and name == "cost-aware":
+        return CostAware(half_life_s=1.0)  # value ~ recompute cost / idle time
+    pol = make_eviction(name)
+    if isinstance(pol, SessionAware) and spec.predictive and (not gpu or not pay):
+        pol.predictor = live.session_rank if gpu else live.eviction_rank
+    return pol
+
+
+def restore_plan(cost: CostModel, t: Turn, gpu_tokens: int, lower: list[tuple[int, Store]],
+                 head_start: float = 0.0) -> int:
+    """kvtier's restore plan, as the live engine makes it: the number of stored chunks to
+    load (0 = recompute); loads that start ``head_start`` seconds before the turn can
+    compute are that much done."""
+    chunks = [StoredChunk(t.tokens_of(i), st.name) for i, st in lower]
+    return plan_restore(cost, chunks, t.prompt_tokens, gpu_tokens,
+                        head_start_s=head_start).load_chunks
+
+
+class Simulator:
     def __init__(
         self,
         workload: Workload,
@@ -81,74 +114,60 @@ class Simulator(StagingMixin):
         span = (workload.turns[-1].arrival_s - workload.turns[0].arrival_s) if workload.turns else 0
         self._sample_every = max(span / max(timeline_points, 1), 1e-9)
         self._next_sample = -math.inf
-        self._pinned: set[Hashable] = set()
+        self.pinned: set[Hashable] = set()
         self._shared: set[Hashable] = set()
         self._ends: list[tuple[float, Hashable]] = []
         self._owner: dict[Hashable, Hashable] = {}
         """Chunk -> the session that used it last."""
-        self._by_session: dict[Hashable, KeySet] = {}
+        self.by_session: dict[Hashable, KeySet] = {}
         """Session -> the chunks it owns that are in the GPU."""
-        self._recent: OrderedDict[Hashable, None] = OrderedDict()
+        self.recent: OrderedDict[Hashable, None] = OrderedDict()
         """Sessions holding GPU chunks, least recently run first: the order in which
         kvtier's GPU lets idle sessions go (its eviction ranks by idle time when tiers
         pay), and so the order in which it stores them ahead of need."""
-        self._unstaged: KeySet = KeySet()
-        """Idle sessions with GPU chunks that have no copy below yet (what a watermark
-        offload may pre-stage)."""
-        self._links_busy_until = -math.inf
-        self._infos: dict[Hashable, ChunkInfo] = {}
+        self.infos: dict[Hashable, ChunkInfo] = {}
         """What the eviction policies know of each chunk held anywhere (its session and
         position travel with it down the tiers)."""
-        self._unstored: dict[Hashable, KeySet] = {}
+        self.unstored: dict[Hashable, KeySet] = {}
         """Session -> its GPU chunks that no tier holds a copy of (kept as chunks move,
         so stage-ahead need not look every chunk up at every turn)."""
-        self._tiers_worth = self._tiers_pay()
+        self.tiers_worth = self._tiers_pay()
+        self.stager = Stager(self)
         self.gpu.on_remove = self._left_gpu
         for st in self.tiers:
             if st.name not in shared:  # a shared tier tells every node (the cluster wires it)
                 st.on_remove = self._forget_if_gone
 
     def _forget_if_gone(self, key: Hashable) -> None:
-        if self._where(key) is not None:
+        if self.where(key) is not None:
             return
         if not self.gpu.has(key):
-            self._infos.pop(key, None)
+            self.infos.pop(key, None)
             return
         owner = self._owner.get(key)  # a tier let go of the last copy of a GPU chunk
-        if key in self._by_session.get(owner, ()):
-            self._unstored.setdefault(owner, KeySet()).add(key)
+        if key in self.by_session.get(owner, ()):
+            self.unstored.setdefault(owner, KeySet()).add(key)
 
     def _left_gpu(self, key: Hashable) -> None:
         self._forget_if_gone(key)
         owner = self._owner.get(key)
-        held = self._by_session.get(owner)
+        held = self.by_session.get(owner)
         if held is not None:
             held.discard(key)
-            self._unstored.get(owner, KeySet()).discard(key)
+            self.unstored.get(owner, KeySet()).discard(key)
             if not held:
-                del self._by_session[owner]
-                self._recent.pop(owner, None)
+                del self.by_session[owner]
+                self.recent.pop(owner, None)
                 self.live.left_pool(owner)
 
     # ------------------------------------------------------------------ helpers
     def _policy(self, name: str, gpu: bool = False) -> EvictionPolicy:
-        if self.spec.retention_value and name == "cost-aware":
-            return CostAware(half_life_s=1.0)  # value ~ recompute cost / idle time
-        pol = make_eviction(name)
-        if isinstance(pol, SessionAware) and self.spec.predictive and (not gpu or not self._tiers_pay()):
-            pol.predictor = self.live.session_rank if gpu else self.live.eviction_rank
-        return pol
+        return eviction_for(name, self.spec, self.live, gpu, self._tiers_pay())
 
     def _tiers_pay(self) -> bool:
-        """Loading a chunk back from the fastest tier beats recomputing it. Then the GPU's
-        order only decides which sessions move down (and recency serves: the live engine's
-        pool is an LRU too); what is lost is decided by the tiers' predictive eviction.
-        When no tier pays, the GPU is the only cache that counts, and its victims are
-        the sessions predicted back last."""
-        names = [t for t in self.cost.tiers if self.spec.use_tiers and self._tier_bytes.get(t, 0) > 0]
-        return bool(names) and worth_storing(self.cost, names[0], self.w.chunk_tokens, self.w.chunk_tokens)
+        return tiers_pay(self.cost, self.spec, self._tier_bytes, self.w.chunk_tokens)
 
-    def _next_s(self, session: Hashable, now: float) -> float:
+    def next_s(self, session: Hashable, now: float) -> float:
         return self.live.predicted_next_s(session, now)
 
     def _info(self, session: Hashable, index: int, tokens: int, key: Hashable = None) -> ChunkInfo:
@@ -159,7 +178,7 @@ class Simulator(StagingMixin):
             recompute_s=self.cost.prefill.time(index * self.w.chunk_tokens, tokens),
         )
 
-    def _count(self, d: dict, key: str, n: int = 1) -> None:
+    def count(self, d: dict, key: str, n: int = 1) -> None:
         d[key] = d.get(key, 0) + n
 
     def _in_pool(self, key: Hashable) -> bool:
@@ -167,14 +186,14 @@ class Simulator(StagingMixin):
         (``_forget_if_gone`` marks it unstored, so it is written back when it leaves)."""
         return self.gpu.has(key)
 
-    def _where(self, key: Hashable) -> Store | None:
+    def where(self, key: Hashable) -> Store | None:
         for st in self.tiers:
             if st.has(key):
                 return st
         return None
 
     # ------------------------------------------------------------------- tiers
-    def _write(self, tier_index: int, key: Hashable, tokens: int, info: ChunkInfo, now: float) -> float:
+    def write(self, tier_index: int, key: Hashable, tokens: int, info: ChunkInfo, now: float) -> float:
         """Store a chunk in a lower tier (its link carries the bytes) and demote its
         victims; returns when the write is done."""
         st = self.tiers[tier_index]
@@ -185,12 +204,12 @@ class Simulator(StagingMixin):
         victims = st.add(key, tokens * self.bpt, info, now, _NO_PINS)
         if victims is None:
             return now
-        self._unstored.get(self._owner.get(key), KeySet()).discard(key)
+        self.unstored.get(self._owner.get(key), KeySet()).discard(key)
         cost = self.cost.store_time(st.name, tokens)
         done = self.links[st.name].transfer(now, cost)
         if self.gpu.has(key):
             self._landing[key] = done
-        self._count(self.res.write_bytes, st.name, tokens * self.bpt)
+        self.count(self.res.write_bytes, st.name, tokens * self.bpt)
         if self.spec.cascade:
             for vkey, vbytes in victims:
                 # kvtier asks the live policy (worth it below?); the others always demote.
@@ -198,24 +217,24 @@ class Simulator(StagingMixin):
                          if self.spec.predictive
                          else tier_index + 1 if tier_index + 1 < len(self.tiers) else None)
                 if below is not None:
-                    self._write(below, vkey, vbytes // self.bpt, self._infos.get(vkey) or ChunkInfo(vbytes), now)
+                    self.write(below, vkey, vbytes // self.bpt, self.infos.get(vkey) or ChunkInfo(vbytes), now)
         return done
 
-    def _evict_from_gpu(self, victims: list[tuple[Hashable, int]], now: float) -> float:
+    def evict_from_gpu(self, victims: list[tuple[Hashable, int]], now: float) -> float:
         """GPU victims leave; with write-back they go to a lower tier first, and their blocks
         are free only once written: returns when that is (``now`` if nothing was written)."""
         done = now
         for key, nbytes in victims:
             tokens = nbytes // self.bpt
             landing = self._landing.pop(key, now)
-            where = self._where(key) if self.tiers else None
+            where = self.where(key) if self.tiers else None
             if where is not None and self.spec.predictive and self.spec.offload_on_evict:
                 raised = self._raise_copy(key, tokens, where, now)
                 if raised is not None:  # its blocks go once both copies are down
                     done = max(done, raised, landing)
                     continue
             if not self.spec.offload_on_evict or not self.tiers or where is not None:
-                self._count(self.res.decisions, "gpu_drop")
+                self.count(self.res.decisions, "gpu_drop")
                 if self.spec.offload_on_evict:  # written ahead: its blocks go once it is down
                     done = max(done, landing)
                 continue
@@ -223,11 +242,11 @@ class Simulator(StagingMixin):
             if self.spec.predictive:
                 target = self._offload_target(key, tokens, now)
                 if target is None:
-                    self._count(self.res.decisions, "gpu_drop_not_worth")
+                    self.count(self.res.decisions, "gpu_drop_not_worth")
                     continue
-            self._count(self.res.decisions, f"offload_{self.tiers[target].name}")
-            info = self._infos.get(key) or ChunkInfo(nbytes)
-            done = max(done, self._write(target, key, tokens, info, now))
+            self.count(self.res.decisions, f"offload_{self.tiers[target].name}")
+            info = self.infos.get(key) or ChunkInfo(nbytes)
+            done = max(done, self.write(target, key, tokens, info, now))
         return done
 
     def _raise_copy(self, key: Hashable, tokens: int, where: Store, now: float) -> float | None:
@@ -239,13 +258,13 @@ class Simulator(StagingMixin):
         target = self._offload_target(key, tokens, now)
         if target is None or target >= self.tiers.index(where):
             return None
-        self._count(self.res.decisions, f"raise_{self.tiers[target].name}")
-        info = self._infos.get(key) or ChunkInfo(tokens * self.bpt)
-        return self._write(target, key, tokens, info, now)
+        self.count(self.res.decisions, f"raise_{self.tiers[target].name}")
+        info = self.infos.get(key) or ChunkInfo(tokens * self.bpt)
+        return self.write(target, key, tokens, info, now)
 
     def _offload_target(self, key: Hashable, tokens: int, now: float) -> int | None:
         owner = self._owner.get(key)
-        nxt = self._next_s(owner, now) if owner is not None else 0.0
+        nxt = self.next_s(owner, now) if owner is not None else 0.0
         names = [t.name for t in self.tiers]
         room = {t.name: t.capacity for t in self.tiers}  # tiers make room by evicting
         choice = self.offload.target_tier(IdleSession(owner, tokens, tokens, nxt), self.cost, names, room)
@@ -288,7 +307,7 @@ class Simulator(StagingMixin):
         ctx_keys = self._place_context(t, sess, finish)
         for i, _ in lower[:k]:  # promoted chunks were read
             if i < len(ctx_keys):
-                st = self._where(t.chunk_keys[i])
+                st = self.where(t.chunk_keys[i])
                 if st is not None:
                     st.policy.access(t.chunk_keys[i], now)
         self._end(t, sess, now, finish)
@@ -302,12 +321,12 @@ class Simulator(StagingMixin):
             self.live.turn_started(t.session, now)
         self._unpin_finished(now)
         sess.busy_until = math.inf  # running from now on: pinned
-        self._unstaged.discard(t.session)
+        self.stager.unstaged.discard(t.session)
         for st in (self.gpu, *self.tiers):
             if isinstance(st.policy, SessionAware):
                 st.policy.invalidate()  # this session's rank changed at this instant
         if self.spec.predictive:
-            self._watermark_offload(now)
+            self.stager.watermark_offload(now)
         return sess
 
     def _locate(self, t: Turn, head_start: float = 0.0) -> tuple[int, list[tuple[int, Store]], int]:
@@ -321,14 +340,14 @@ class Simulator(StagingMixin):
         lower: list[tuple[int, Store]] = []
         if spec.restore in ("any", "cost") and self.tiers:
             for i in range(gpu_n, len(keys)):
-                st = self._where(keys[i])
+                st = self.where(keys[i])
                 if st is None:
                     break
                 lower.append((i, st))
         k = len(lower)
         if spec.restore == "cost" and lower:
-            k = self._plan(t, sum(t.tokens_of(i) for i in range(gpu_n)), lower, head_start)
-            self._count(self.res.decisions, "restore_recompute" if k == 0 else "restore_load")
+            k = restore_plan(self.cost, t, sum(t.tokens_of(i) for i in range(gpu_n)), lower, head_start)
+            self.count(self.res.decisions, "restore_recompute" if k == 0 else "restore_load")
         return gpu_n, lower, k
 
     def _first_token(
@@ -352,10 +371,10 @@ class Simulator(StagingMixin):
             chunks = sum(1 for _, st in loads if st.name == name)
             secs = cost.load_time(name, tokens)  # each tier's share in one request
             load_end = max(load_end, self.links[name].transfer(load_from, secs))
-            self._count(self.res.read_bytes, name, tokens * self.bpt)
-            self._count(self.res.hits, name, chunks)
-        self._count(self.res.hits, "gpu", gpu_n)
-        self._count(self.res.hits, "miss", len(t.chunk_keys) - gpu_n - len(loads))
+            self.count(self.res.read_bytes, name, tokens * self.bpt)
+            self.count(self.res.hits, name, chunks)
+        self.count(self.res.hits, "gpu", gpu_n)
+        self.count(self.res.hits, "miss", len(t.chunk_keys) - gpu_n - len(loads))
         finish = start + compute
         if loads and cost.overlaps(load_tokens):  # streamed: layer l computes as l + 1 loads
             finish = max(finish, load_end + compute / max(cost.num_layers, 1))
@@ -373,9 +392,9 @@ class Simulator(StagingMixin):
         if spec.keep_reply:
             ctx_keys.extend(t.reply_keys)
         for key in sess.gpu_keys:
-            self._pinned.discard(key)
+            self.pinned.discard(key)
         sess.gpu_keys = ctx_keys
-        self._pinned.update(ctx_keys)
+        self.pinned.update(ctx_keys)
         # Tail first: an LRU then evicts a session's last chunks before its first (as vLLM
         # frees a sequence's blocks in reverse), keeping a usable prefix.
         for i, key in reversed(list(enumerate(ctx_keys))):
@@ -396,22 +415,22 @@ class Simulator(StagingMixin):
         info = self._info(t.session, i, tokens, key)
         if shared and self.gpu.has(key):
             self.gpu.policy.update(key, info)  # seen by two sessions: a shared chunk
-        victims = self.gpu.add(key, tokens * self.bpt, info, finish, self._pinned)
+        victims = self.gpu.add(key, tokens * self.bpt, info, finish, self.pinned)
         if victims is None:
             self.res.overcommits += 1
             return
-        self._by_session.setdefault(t.session, KeySet()).add(key)
-        if self._where(key) is None:
-            self._unstored.setdefault(t.session, KeySet()).add(key)
-        self._recent[t.session] = None
-        self._recent.move_to_end(t.session)
-        self._infos[key] = info
+        self.by_session.setdefault(t.session, KeySet()).add(key)
+        if self.where(key) is None:
+            self.unstored.setdefault(t.session, KeySet()).add(key)
+        self.recent[t.session] = None
+        self.recent.move_to_end(t.session)
+        self.infos[key] = info
         if self.gpu.used > self.gpu.capacity:
             self.res.overcommits += 1
-        self._evict_from_gpu(victims, finish)
+        self.evict_from_gpu(victims, finish)
         if self.spec.write_through and self.tiers and stored_at_prefill:
             for ti in range(len(self.tiers)):
-                self._write(ti, key, tokens, info, finish)
+                self.write(ti, key, tokens, info, finish)
 
     def _end(self, t: Turn, sess: SessionState, now: float, finish: float) -> None:
         """The reply decodes; the session is idle from its end. (Its chunks are unpinned
@@ -436,11 +455,11 @@ class Simulator(StagingMixin):
         need = sum(t.chunk_tokens for i, k in enumerate(keys)
                    if t.tokens_of(i) == t.chunk_tokens and not self.gpu.has(k)) * self.bpt
         done = now
-        pinned = self._pinned | set(keys)
-        if self.spec.predictive and self._tiers_worth and self.gpu.used + need > self.gpu.capacity:
-            self._drop_stored_first(need, pinned, now)
+        pinned = self.pinned | set(keys)
+        if self.spec.predictive and self.tiers_worth and self.gpu.used + need > self.gpu.capacity:
+            self.stager.drop_stored_first(need, pinned, now)
         for victim in self.gpu.evict_while(lambda: self.gpu.used + need > self.gpu.capacity, pinned, now):
-            done = max(done, self._evict_from_gpu([victim], now))
+            done = max(done, self.evict_from_gpu([victim], now))
         return done
 
     def _unpin_finished(self, now: float) -> None:
@@ -450,15 +469,7 @@ class Simulator(StagingMixin):
             if s.busy_until != end:
                 continue  # a later turn of the session superseded this entry
             for key in s.gpu_keys:
-                self._pinned.discard(key)
+                self.pinned.discard(key)
             s.gpu_keys = []
-            self._unstaged.add(sid)
+            self.stager.unstaged.add(sid)
 
-    def _plan(self, t: Turn, gpu_tokens: int, lower: list[tuple[int, Store]],
-              head_start: float = 0.0) -> int:
-        """kvtier's restore plan, as the live engine makes it: the number of stored chunks
-        to load (0 = recompute); loads that start ``head_start`` seconds before the turn
-        can compute are that much done."""
-        chunks = [StoredChunk(t.tokens_of(i), st.name) for i, st in lower]
-        return plan_restore(self.cost, chunks, t.prompt_tokens, gpu_tokens,
-                            head_start_s=head_start).load_chunks

@@ -2,7 +2,9 @@
 high watermark: pre-staging into the tiers' empty space, staging ahead the GPU's next
 victims, and making room from the stored ones first. The decisions are
 :class:`~kvtier.policies.offload.PredictiveOffload`'s, through the simulator's
-:class:`~kvtier.policies.live.LivePolicy`; this mixin only walks the simulated state."""
+:class:`~kvtier.policies.live.LivePolicy`; the :class:`Stager` only walks the simulated
+state, through the simulator's public face (:class:`StagingHost`), and keeps what is its
+own: the sessions not staged yet and how long the links stay busy."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator
 from operator import itemgetter
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvtier.benchmarks.policy_sim.node import KeySet, Link, SessionState, SimResult, Store
 from kvtier.benchmarks.policy_sim.workloads import Workload
@@ -21,8 +23,8 @@ from kvtier.policies.live import LivePolicy
 from kvtier.policies.offload import IdleSession, PredictiveOffload
 
 
-class StagingMixin:
-    """Part of :class:`~kvtier.benchmarks.policy_sim.simulator.Simulator`."""
+class StagingHost(Protocol):
+    """What the stager reads and asks of the simulator (its node's state and operations)."""
 
     w: Workload
     cost: CostModel
@@ -34,135 +36,143 @@ class StagingMixin:
     links: dict[str, Link]
     res: SimResult
     sessions: dict[Hashable, SessionState]
-    _pinned: set[Hashable]
-    _recent: OrderedDict[Hashable, None]
-    _by_session: dict[Hashable, KeySet]
-    _unstored: dict[Hashable, KeySet]
-    _unstaged: set[Hashable]
-    _infos: dict[Hashable, ChunkInfo]
-    _links_busy_until: float
-    _tiers_worth: bool
+    pinned: set[Hashable]
+    recent: OrderedDict[Hashable, None]
+    by_session: dict[Hashable, KeySet]
+    unstored: dict[Hashable, KeySet]
+    infos: dict[Hashable, ChunkInfo]
+    tiers_worth: bool
 
-    if TYPE_CHECKING:  # the simulator's own, used here
-        def _next_s(self, session: Hashable, now: float) -> float: ...
-        def _where(self, key: Hashable) -> Store | None: ...
-        def _count(self, d: dict, key: str, n: int = 1) -> None: ...
-        def _write(self, tier_index: int, key: Hashable, tokens: int, info: ChunkInfo,
-                   now: float) -> float: ...
-        def _evict_from_gpu(self, victims: list[tuple[Hashable, int]], now: float) -> float: ...
+    def next_s(self, session: Hashable, now: float) -> float: ...
+    def where(self, key: Hashable) -> Store | None: ...
+    def count(self, d: dict, key: str, n: int = 1) -> None: ...
+    def write(self, tier_index: int, key: Hashable, tokens: int, info: ChunkInfo,
+              now: float) -> float: ...
+    def evict_from_gpu(self, victims: list[tuple[Hashable, int]], now: float) -> float: ...
 
-    def _next_to_leave(self, now: float, pinned: set | frozenset, used_bytes: float) -> Iterator[tuple[Hashable, int, list]]:
+
+class Stager:
+    """Pre-stage, stage-ahead and stored-first room making for one simulated node."""
+
+    def __init__(self, sim: StagingHost) -> None:
+        self.sim = sim
+        self.unstaged = KeySet()
+        """Idle sessions with GPU chunks that have no copy below yet (what a watermark
+        offload may pre-stage)."""
+        self.links_busy_until = -math.inf
+
+    def next_to_leave(self, now: float, pinned: set | frozenset, used_bytes: float) -> Iterator[tuple[Hashable, int, list]]:
         """Idle sessions in the order the GPU lets them go (id, tokens held, unpinned
         chunks), as far as making room from ``used_bytes`` down to the low watermark
         reaches (:meth:`PredictiveOffload.leaving_next`)."""
-        cap_tokens = int(self.gpu.capacity // self.bpt)
-        return self.offload.leaving_next(
-            self._idle_in_victim_order(now, pinned), int(used_bytes // self.bpt), cap_tokens, itemgetter(1))
+        cap_tokens = int(self.sim.gpu.capacity // self.sim.bpt)
+        return self.sim.offload.leaving_next(
+            self._idle_in_victim_order(now, pinned), int(used_bytes // self.sim.bpt), cap_tokens, itemgetter(1))
 
     def _idle_in_victim_order(self, now: float, pinned: set | frozenset) -> Iterator[tuple[Hashable, int, list]]:
-        for sid in self._recent:
-            if self.sessions[sid].busy_until > now:
+        for sid in self.sim.recent:
+            if self.sim.sessions[sid].busy_until > now:
                 continue
-            keys = [k for k in self._by_session.get(sid, ()) if k not in pinned]
+            keys = [k for k in self.sim.by_session.get(sid, ()) if k not in pinned]
             if keys:
-                yield sid, len(keys) * self.w.chunk_tokens, keys  # the GPU holds full chunks only
+                yield sid, len(keys) * self.sim.w.chunk_tokens, keys  # the GPU holds full chunks only
 
     def _all_stored(self, session: Hashable, pinned: set | frozenset) -> bool:
         """Every unpinned GPU chunk of ``session`` has a copy in some tier."""
-        return all(k in pinned for k in self._unstored.get(session, ()))
+        return all(k in pinned for k in self.sim.unstored.get(session, ()))
 
-    def _drop_stored_first(self, need: int, pinned: set, now: float) -> None:
+    def drop_stored_first(self, need: int, pinned: set, now: float) -> None:
         """Making room takes the next victims that are stored below already: their
         blocks go without a write on the admission path."""
-        reach = self._next_to_leave(now, pinned, self.gpu.used + need)
+        reach = self.next_to_leave(now, pinned, self.sim.gpu.used + need)
         stored = [keys for sid, _, keys in reach if self._all_stored(sid, pinned)]
         for keys in stored:
-            for key in sorted(keys, key=lambda k: -self._infos[k].index if k in self._infos else 0):
-                if self.gpu.used + need <= self.gpu.capacity:
+            for key in sorted(keys, key=lambda k: -self.sim.infos[k].index if k in self.sim.infos else 0):
+                if self.sim.gpu.used + need <= self.sim.gpu.capacity:
                     return
-                nbytes = self.gpu.size(key)
-                self.gpu.remove(key)
-                self.gpu.evictions += 1
-                self._evict_from_gpu([(key, nbytes)], now)  # stored: a drop
+                nbytes = self.sim.gpu.size(key)
+                self.sim.gpu.remove(key)
+                self.sim.gpu.evictions += 1
+                self.sim.evict_from_gpu([(key, nbytes)], now)  # stored: a drop
 
-    def _watermark_offload(self, now: float) -> None:
+    def watermark_offload(self, now: float) -> None:
         """Above the high watermark idle sessions are stored below ahead of need, keeping
         their GPU blocks (the live engine's pre-stage and stage-ahead)."""
-        cap_tokens = int(self.gpu.capacity // self.bpt)
-        used_tokens = self.gpu.used // self.bpt
-        if used_tokens <= self.offload.watermarks.high * cap_tokens:
-            self.live.set_leaving(set())
+        cap_tokens = int(self.sim.gpu.capacity // self.sim.bpt)
+        used_tokens = self.sim.gpu.used // self.sim.bpt
+        if used_tokens <= self.sim.offload.watermarks.high * cap_tokens:
+            self.sim.live.set_leaving(set())
             return
-        reach = list(self._next_to_leave(now, self._pinned, self.gpu.used))
-        self.live.set_leaving({sid for sid, _, _ in reach})
+        reach = list(self.next_to_leave(now, self.sim.pinned, self.sim.gpu.used))
+        self.sim.live.set_leaving({sid for sid, _, _ in reach})
         self._prestage_into_empty_space(now, used_tokens, cap_tokens)
         self._stage_ahead(now, used_tokens, cap_tokens, reach)
 
     def _prestage_into_empty_space(self, now: float, used_tokens: int, cap_tokens: int) -> None:
         """Idle sessions predicted to stay away longest are stored into the tiers' empty
         space (never displacing a copy), keeping their GPU blocks."""
-        if now < self._links_busy_until:
+        if now < self.links_busy_until:
             return
         cands = []
-        for sid in list(self._unstaged):
-            if sid not in self._by_session:
-                self._unstaged.discard(sid)  # it left the GPU
+        for sid in list(self.unstaged):
+            if sid not in self.sim.by_session:
+                self.unstaged.discard(sid)  # it left the GPU
                 continue
-            cands.append((self.sessions[sid].last_end, sid))
+            cands.append((self.sim.sessions[sid].last_end, sid))
         if len(cands) > 512:  # the longest idle are the likely candidates
             cands = heapq.nsmallest(512, cands)
         idle = []
         for _, sid in cands:
-            held = sum(1 for k in self._by_session[sid] if k not in self._pinned)
+            held = sum(1 for k in self.sim.by_session[sid] if k not in self.sim.pinned)
             if not held:
                 continue
-            tokens = held * self.w.chunk_tokens  # the GPU holds full chunks only
-            idle.append(IdleSession(sid, tokens, tokens, self._next_s(sid, now)))
-        names = [t.name for t in self.tiers]
+            tokens = held * self.sim.w.chunk_tokens  # the GPU holds full chunks only
+            idle.append(IdleSession(sid, tokens, tokens, self.sim.next_s(sid, now)))
+        names = [t.name for t in self.sim.tiers]
         # A pre-stage is speculative: it takes empty space only, never displaces a copy.
-        free = {t.name: t.capacity - t.used for t in self.tiers}
+        free = {t.name: t.capacity - t.used for t in self.sim.tiers}
         busy_until = math.inf
-        for d in self.offload.decide(idle, used_tokens, cap_tokens, self.cost, names, free):
+        for d in self.sim.offload.decide(idle, used_tokens, cap_tokens, self.sim.cost, names, free):
             if d.tier is None:
-                self._unstaged.discard(d.session)  # no tier pays: it will be dropped
+                self.unstaged.discard(d.session)  # no tier pays: it will be dropped
                 continue
-            if self.links[d.tier].free_at > now:
-                busy_until = min(busy_until, self.links[d.tier].free_at)
+            if self.sim.links[d.tier].free_at > now:
+                busy_until = min(busy_until, self.sim.links[d.tier].free_at)
                 continue  # never queue a pre-stage ahead of reads
             busy_until = -math.inf
             # Pre-stage: write the session down now, keep it in the GPU; when its blocks
             # are needed they leave at once instead of after a write on the admission path.
-            for key in [k for k in self._by_session.get(d.session, ()) if self._where(k) is None]:
-                nbytes = self.gpu.size(key)
-                info = self._infos.get(key) or ChunkInfo(nbytes)
-                self._write(names.index(d.tier), key, nbytes // self.bpt, info, now)
-                self._count(self.res.decisions, f"prestage_{d.tier}")
-            self._unstaged.discard(d.session)
+            for key in [k for k in self.sim.by_session.get(d.session, ()) if self.sim.where(k) is None]:
+                nbytes = self.sim.gpu.size(key)
+                info = self.sim.infos.get(key) or ChunkInfo(nbytes)
+                self.sim.write(names.index(d.tier), key, nbytes // self.sim.bpt, info, now)
+                self.sim.count(self.sim.res.decisions, f"prestage_{d.tier}")
+            self.unstaged.discard(d.session)
         if busy_until < math.inf:
             # Every pick waits for a busy link: nothing to do until the first one frees.
-            self._links_busy_until = busy_until
+            self.links_busy_until = busy_until
 
     def _stage_ahead(self, now: float, used_tokens: int, cap_tokens: int, reach: list) -> None:
-        """Store the GPU's next victims (``reach``, from :meth:`_next_to_leave`) before a
+        """Store the GPU's next victims (``reach``, from :meth:`next_to_leave`) before a
         turn needs their room (the live engine's stage-ahead): a full tier makes room by
         demoting its own victims, as the write on the admission path would have, and keeps
         these copies while their sessions are next to leave; a busy link is left to its
         reads."""
-        if not self._tiers_worth or all(link.free_at > now for link in self.links.values()):
+        if not self.sim.tiers_worth or all(link.free_at > now for link in self.sim.links.values()):
             return
-        names = [t.name for t in self.tiers]
+        names = [t.name for t in self.sim.tiers]
 
         def order():
             for sid, tokens, _ in reach:
-                stored = self._all_stored(sid, self._pinned)  # then skipped: no prediction needed
-                yield IdleSession(sid, tokens, tokens, 0.0 if stored else self._next_s(sid, now)), stored
+                stored = self._all_stored(sid, self.sim.pinned)  # then skipped: no prediction needed
+                yield IdleSession(sid, tokens, tokens, 0.0 if stored else self.sim.next_s(sid, now)), stored
 
-        room = {t.name: t.capacity for t in self.tiers}
-        for d in self.offload.stage_ahead(order(), used_tokens, cap_tokens, self.cost, names, room):
-            if self.links[d.tier].free_at > now:
+        room = {t.name: t.capacity for t in self.sim.tiers}
+        for d in self.sim.offload.stage_ahead(order(), used_tokens, cap_tokens, self.sim.cost, names, room):
+            if self.sim.links[d.tier].free_at > now:
                 return
             ti = names.index(d.tier)
-            for key in [k for k in self._unstored.get(d.session, ()) if k not in self._pinned]:
-                nbytes = self.gpu.size(key)
-                self._write(ti, key, nbytes // self.bpt, self._infos.get(key) or ChunkInfo(nbytes), now)
-                self._count(self.res.decisions, f"stage_ahead_{d.tier}")
+            for key in [k for k in self.sim.unstored.get(d.session, ()) if k not in self.sim.pinned]:
+                nbytes = self.sim.gpu.size(key)
+                self.sim.write(ti, key, nbytes // self.sim.bpt, self.sim.infos.get(key) or ChunkInfo(nbytes), now)
+                self.sim.count(self.sim.res.decisions, f"stage_ahead_{d.tier}")

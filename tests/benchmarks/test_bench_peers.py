@@ -24,9 +24,10 @@ def test_bench_peers_small_run_writes_rows(tmp_path):
     rows = {(r["tier"], r["op"]): r for r in doc["rows"]}
     connector = [rows.pop(("cpu", f"vllm connector {op}")) for op in ("store", "retrieve")]
     assert set(rows) == {(t, op) for t in ("cpu", "disk", "redis") for op in ("store", "retrieve")}
-    for r, op in zip(connector, ("store", "retrieve"), strict=True):  # vLLM's layout, same bytes
+    for r in connector:  # vLLM's layout, the same bytes, the same round
         assert r["kvtier_bit_exact"] is True and r["kvtier_GBps"] > 0
-        assert r["vs_engine"] == pytest.approx(r["kvtier_GBps"] / rows[("cpu", op)]["kvtier_GBps"], rel=0.02)
+        (restore,) = r["round_ratios"]["vs_engine_retrieve"]  # one round: its own ratio
+        assert r["vs_engine_restore"] == restore > 0 and r["vs_engine_store"] > 0
     for r in rows.values():
         assert r["kvtier_bit_exact"] is True
         assert r["kvtier_GBps"] > 0 and r["raw_GBps"] > 0 and r["raw"]
