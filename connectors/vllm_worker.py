@@ -32,6 +32,7 @@ from kvtier.gpu_pool.kernels import host_native
 from kvtier.gpu_pool.kernels.host_native import (
     PieceLayout,
     gather_pieces_hashed,
+    scatter_chunks_verified,
     scatter_pieces_verified,
 )
 
@@ -110,6 +111,15 @@ class BlockPieces:
                       for layer in layers], dtype=np.uint64),
             np.array(offsets, dtype=np.uint64),
             PieceLayout(np.array(lens, dtype=np.uint64), len(layers)), num_blocks)
+
+    def at_many(self, block_ids: list[int]) -> np.ndarray:
+        """``[blocks, pieces]``: the pieces' addresses of each block (checked)."""
+        ids = np.asarray(block_ids, dtype=np.int64)
+        if len(ids) and (ids.min() < 0 or ids.max() >= self.num_blocks):
+            raise InvalidArgumentError(f"a block outside the cache's {self.num_blocks}")
+        at = (self.bases[None, :, None] + ids.astype(np.uint64)[:, None, None]
+              * self.strides[None, :, None] + self.offsets[None])
+        return at.reshape(len(ids), -1)
 
     def at(self, block_id: int) -> np.ndarray:
         """The pieces' addresses of block ``block_id`` (inside the caches: checked)."""
@@ -219,7 +229,7 @@ class WorkerSide:
             try:
                 with self._store().get_into(load.keys) as lent:
                     items = list(zip(load.keys, load.block_ids, lent, strict=True))
-                    for (_, block_id, _), error in zip(items, map_restore(self._scatter, items),
+                    for (_, block_id, _), error in zip(items, self._scatter_all(items),
                                                        strict=True):
                         if error is None:
                             loaded.add(block_id)
@@ -232,6 +242,55 @@ class WorkerSide:
             self._load_errors.update(missed)
             self.stats.load_errors += len(missed)
             self.stats.loaded_blocks += len(loaded)
+
+    def _scatter_all(self, items: list[tuple[str, int, LentChunk | None]]
+                     ) -> list[ChunkError | None]:
+        """Each lent chunk scattered into its block, or why not. Chunks lent whole into a
+        fused host cache go in few native calls, half on each restore worker (a block's
+        chunk is a couple of MiB: a call per chunk would spend about as long in Python as
+        in the copy); the rest (a chunk still being read) one by one, two at a time."""
+        if self._pieces is None:
+            return map_restore(self._scatter, items)
+        out: list[ChunkError | None] = [None] * len(items)
+        whole: list[int] = []
+        rest: list[int] = []
+        for i, (key, _, chunk) in enumerate(items):
+            try:
+                if chunk is None:
+                    raise ChunkError(f"chunk {key} is not stored")
+                self._check(chunk)
+            except ChunkError as exc:
+                out[i] = exc
+                continue
+            (whole if chunk.reading is None else rest).append(i)
+        halves = [h for h in (whole[0::2], whole[1::2]) if h]
+        done = map_restore(lambda idxs: self._scatter_whole([items[i] for i in idxs]), halves)
+        for half, errors in zip(halves, done, strict=True):
+            for i, error in zip(half, errors, strict=True):
+                out[i] = error
+        for i, error in zip(rest, map_restore(self._scatter, [items[i] for i in rest]), strict=True):
+            out[i] = error
+        return out
+
+    def _scatter_whole(self, items: list[tuple[str, int, LentChunk | None]]
+                       ) -> list[ChunkError | None]:
+        """Whole chunks checked and scattered in as few native calls as failures allow; a
+        chunk that fails a layer is recorded on it (dropped from its tier after the lease)."""
+        pieces = self._pieces
+        assert pieces is not None
+        chunks = [chunk for _, _, chunk in items]
+        assert all(c is not None for c in chunks)
+        expected = np.array([c.header.layer_checksums for c in chunks], dtype=np.uint64)  # type: ignore[union-attr]
+        failures = scatter_chunks_verified(
+            [c.payload for c in chunks], expected,  # type: ignore[union-attr]
+            pieces.at_many([block_id for _, block_id, _ in items]), pieces.layout)
+        out: list[ChunkError | None] = [None] * len(items)
+        for i, layer in failures:
+            try:
+                chunks[i].fail(layer)  # type: ignore[union-attr]
+            except ChunkError as exc:
+                out[i] = exc
+        return out
 
     def _scatter(self, item: tuple[str, int, LentChunk | None]) -> ChunkError | None:
         """Scatter one lent chunk into its block (two at a time, on the restore workers);

@@ -181,3 +181,36 @@ def scatter_pieces_verified(payload: torch.Tensor, expected: Sequence[int], dsts
     return int(_native.verify_scatter(segs.ctypes.data, layout.layer_bytes, layers,
                                       sums.ctypes.data, srcs.ctypes.data, dsts.ctypes.data,
                                       layout.lens[at : at + n].ctypes.data, layout.per_layer))
+
+
+def scatter_chunks_verified(payloads: Sequence[torch.Tensor], expected: np.ndarray,
+                            dsts: np.ndarray, layout: PieceLayout) -> list[tuple[int, int]]:
+    """:func:`scatter_pieces_verified` of many whole chunks (``payloads``, each contiguous,
+    ``layout.nbytes``; ``expected``: ``[chunks, layers]`` xxh3; ``dsts``: ``[chunks,
+    pieces]``) in as few native calls as failures allow: a chunk whose layer fails is not
+    copied from that layer on, and the chunks after it go on. Returns each failure as
+    (chunk index, layer)."""
+    n, layers = len(payloads), layout.layers
+    if expected.shape != (n, layers) or dsts.shape != (n, layers * layout.per_layer):
+        raise ValueError("one row of checksums and of piece addresses per chunk")
+    for p in payloads:
+        if p.device.type != "cpu" or not p.is_contiguous() or p.numel() * p.element_size() != layout.nbytes:
+            raise ValueError(f"a payload is not a contiguous host buffer of {layout.nbytes} bytes")
+    bases = np.array([p.data_ptr() for p in payloads], dtype=np.uint64)
+    srcs = np.ascontiguousarray((bases[:, None] + layout.starts[None, :]).reshape(-1))
+    segs = np.ascontiguousarray((bases[:, None] + layout.layer_starts[None, :]).reshape(-1))
+    sums = np.ascontiguousarray(expected, dtype=np.uint64).reshape(-1)
+    dsts = np.ascontiguousarray(dsts, dtype=np.uint64).reshape(-1)
+    lens = np.tile(layout.lens, n)
+    failures: list[tuple[int, int]] = []
+    first, per = 0, layout.per_layer
+    while first < n:
+        seg, piece = first * layers, first * layers * per
+        bad = int(_native.verify_scatter(
+            segs[seg:].ctypes.data, layout.layer_bytes, (n - first) * layers, sums[seg:].ctypes.data,
+            srcs[piece:].ctypes.data, dsts[piece:].ctypes.data, lens[piece:].ctypes.data, per))
+        if bad < 0:
+            break
+        failures.append((first + bad // layers, bad % layers))
+        first += bad // layers + 1
+    return failures

@@ -85,10 +85,10 @@ def test_blocks_saved_and_loaded_back_are_bit_exact(tmp_path, blocks_first, stri
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_one_copy_and_one_checksum_pass_per_block_each_way(tmp_path, monkeypatch, fused):
-    """Fused: each block gathered and hashed in one native call, checked and scattered in
-    one; else numpy copies and one xxh3 per layer each way. Either way nothing chunk-sized
-    is allocated and no staging buffer is used (the chunks go straight into arena slots)."""
-    from kvtier.connectors import vllm_worker
+    """Fused: each block gathered and hashed in one native call; the blocks checked and
+    scattered in one native call per restore worker (the kernel hashes each layer once, as
+    it copies); else numpy copies and one xxh3 per layer each way. Either way nothing
+    chunk-sized is allocated and no staging buffer is used (chunks go straight into slots)."""
     from kvtier.gpu_pool.kernels import host_native
 
     if fused:
@@ -113,10 +113,12 @@ def test_one_copy_and_one_checksum_pass_per_block_each_way(tmp_path, monkeypatch
     # passes over KV (a header's own checksum is tens of bytes)
     monkeypatch.setattr(xxhash, "xxh3_64_intdigest", counting(
         "xxh3", xxhash.xxh3_64_intdigest, lambda data: len(memoryview(data).cast("B")) >= layer_bytes))
-    monkeypatch.setattr(vllm_worker, "gather_pieces_hashed",
-                        counting("gather", vllm_worker.gather_pieces_hashed))
-    monkeypatch.setattr(vllm_worker, "scatter_pieces_verified",
-                        counting("scatter", vllm_worker.scatter_pieces_verified))
+    if fused:
+        class Native:  # the compiled kernels, counted
+            gather_hash = staticmethod(counting("gather", host_native._native.gather_hash))
+            verify_scatter = staticmethod(counting("scatter", host_native._native.verify_scatter))
+
+        monkeypatch.setattr(host_native, "_native", Native)
     chunk = _chunk_bytes(src)
     tracemalloc.start()
     try:
@@ -128,9 +130,9 @@ def test_one_copy_and_one_checksum_pass_per_block_each_way(tmp_path, monkeypatch
         load_peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    if fused:  # one native pass per block each way: copy and checksum together
-        assert saved == {"xxh3": 0, "gather": 7, "scatter": 0}
-        assert calls == {"xxh3": 0, "gather": 0, "scatter": 7}
+    if fused:  # native passes only: copy and checksum together
+        assert saved == {"xxh3": 0, "gather": 7, "scatter": 0}  # one per block
+        assert calls == {"xxh3": 0, "gather": 0, "scatter": 2}  # one per restore worker
     else:  # each layer of each block hashed once as it is gathered, checked once before use
         assert saved == {"xxh3": 7 * LAYERS, "gather": 0, "scatter": 0}
         assert calls == {"xxh3": 7 * LAYERS, "gather": 0, "scatter": 0}

@@ -127,3 +127,41 @@ def test_the_kernels_refuse_what_would_reach_outside_their_tensors():
         scatter_blocks_verified(out, sums, 40, kv, [])
     with pytest.raises(ValueError, match="scatter of"):
         scatter_blocks_verified(out, sums, 0, kv[:2], [0, 1])
+
+
+def test_pieces_gather_and_scatter_of_many_chunks_go_on_past_a_failed_one():
+    """Chunks gathered from pieces (two per layer, as vLLM's K and V halves) hash as the
+    chunk format does; scattered back in one call, a chunk whose layer fails keeps its
+    earlier layers only, and the chunks after it are still copied."""
+    import numpy as np
+
+    from kvtier.gpu_pool.kernels.host_native import (
+        PieceLayout,
+        gather_pieces_hashed,
+        scatter_chunks_verified,
+    )
+
+    layers, piece = 3, 256
+    g = torch.Generator().manual_seed(3)
+    src = torch.randint(0, 256, (4, layers, 2, piece), generator=g, dtype=torch.uint8)
+    layout = PieceLayout(np.full(layers * 2, piece, dtype=np.uint64), layers)
+    payloads = [torch.empty(layers * 2 * piece, dtype=torch.uint8) for _ in range(4)]
+    sums = []
+    for c, out in enumerate(payloads):
+        addrs = np.array([src[c, la, h].data_ptr() for la in range(layers) for h in range(2)],
+                         dtype=np.uint64)
+        sums.append(gather_pieces_hashed(out, addrs, layout))
+        assert torch.equal(out, src[c].reshape(-1))
+        assert sums[-1] == _layer_sums(out.view(layers, -1))
+    payloads[1][piece * 2 * 1 + 5] ^= 1  # chunk 1, layer 1
+    payloads[2][0] ^= 1  # chunk 2, layer 0
+    dst = torch.zeros_like(src)
+    dsts = np.array([[dst[c, la, h].data_ptr() for la in range(layers) for h in range(2)]
+                     for c in range(4)], dtype=np.uint64)
+    failures = scatter_chunks_verified(payloads, np.array(sums, dtype=np.uint64), dsts, layout)
+    assert failures == [(1, 1), (2, 0)]
+    assert torch.equal(dst[0], src[0]) and torch.equal(dst[3], src[3])
+    assert torch.equal(dst[1, 0], src[1, 0]) and not dst[1, 1:].any()  # up to the bad layer
+    assert not dst[2].any()
+    with pytest.raises(ValueError, match="one row"):
+        scatter_chunks_verified(payloads, np.array(sums[:3], dtype=np.uint64), dsts, layout)
