@@ -1,7 +1,8 @@
-"""Chunks as bytes objects, for callers that hold or want them whole: HTTP bodies, the
-LMCache backend, the vLLM connector's blob store, tests. Built on the two operations of
-the tiers and the stack (a write from given bytes; a lease, verified, copied out): the
-data path itself never makes a bytes object of a chunk.
+"""Chunks as bytes objects, for callers that hold or want them whole: the service's chunk
+routes (request and reply bodies: what clients and the LMCache backend send and get), and
+tests. Built on the two operations of the tiers and the stack (a write from given bytes; a
+lease, verified, copied out): the data path itself (the engine, the vLLM connector) never
+makes a bytes object of a chunk.
 """
 
 from __future__ import annotations
