@@ -473,7 +473,7 @@ def _connector_run(args: argparse.Namespace, console: Any) -> dict[str, Any]:
 
     console.print("[bold]cpu[/bold]: kvtier's vLLM connector ...")
     layers, heads, dim, _ = MODELS[args.model]
-    return connector_run(layers, heads, dim, args.sessions * args.tokens)
+    return connector_run(layers, heads, dim, args.sessions * args.tokens, args.chunk_tokens)
 
 
 def _round_ratios(rounds: list[tuple[dict, dict, dict]], key: str, nbytes: int

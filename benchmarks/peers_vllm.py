@@ -1,9 +1,11 @@
 """``kvtier bench peers``' vLLM connector rows: the worker side of kvtier's vLLM connector
 storing and loading the same bytes as the engine's rows, laid out as vLLM keeps them (one
 cache tensor per layer, ``[2, num_blocks, block_size, kv_heads, head_dim]``, 16-token
-blocks), into and out of an in-process CPU tier: every block gathered straight into an
-arena slot and checksummed there, then scattered from the slot into a second cache, each
-group of layers checked right before it is copied; checked bit-exact. Its speed is
+blocks, in chunks of ``--chunk-tokens``), into and out of an in-process CPU tier: every
+chunk's blocks gathered straight into an arena slot and checksummed there, then scattered
+from the slot into a second cache, each group of layers checked right before it is copied;
+checked bit-exact. The save is timed until it has landed (the connector runs it off vLLM's
+forward path; here its speed is what is measured). Its speed is
 compared with the engine's own CPU-tier rows of the same run and with the raw copy."""
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ def _caches(layers: int, blocks: int, heads: int, dim: int, seed: int | None) ->
     return out
 
 
-def connector_run(layers: int, heads: int, dim: int, tokens: int) -> dict[str, Any]:
+def connector_run(layers: int, heads: int, dim: int, tokens: int, chunk_tokens: int = 256
+                  ) -> dict[str, Any]:
     """Save ``tokens`` worth of blocks from one cache, load them into another: times,
     bytes and whether every bit came back."""
     import torch
@@ -43,25 +46,28 @@ def connector_run(layers: int, heads: int, dim: int, tokens: int) -> dict[str, A
     from kvtier.connectors.tiers.cpu_tier import CPUTier
     from kvtier.connectors.tiers.host_buffers import round_up
     from kvtier.connectors.tiers.manager import TierManager
-    from kvtier.connectors.vllm_blocks import BlockTransfer, block_keys
+    from kvtier.connectors.vllm_blocks import ChunkGrid, ChunkSpan, ChunkTransfer
     from kvtier.connectors.vllm_worker import WorkerSide
 
     blocks = tokens // VLLM_BLOCK
     src, dst = _caches(layers, blocks, heads, dim, 1), _caches(layers, blocks, heads, dim, None)
     block_bytes = layers * 2 * VLLM_BLOCK * heads * dim * 2
-    slot = round_up(max_chunk_bytes(layers, block_bytes))
-    store = LocalChunkStore(TierManager([CPUTier(slot * blocks, slot)]))
-    fp = b"bench-peers-vllm"
-    keys = block_keys(list(range(blocks * VLLM_BLOCK)), VLLM_BLOCK, fp)
-    ids = list(range(blocks))
-    plan = [BlockTransfer(f"r{i}", ids[i : i + REQUEST_BLOCKS], keys[i : i + REQUEST_BLOCKS])
-            for i in range(0, blocks, REQUEST_BLOCKS)]
-    writer, reader = (WorkerSide(lambda: store, VLLM_BLOCK, fp) for _ in range(2))
+    grid = ChunkGrid.of(VLLM_BLOCK, b"bench-peers-vllm", chunk_tokens)
+    per = grid.chunk_blocks
+    slot = round_up(max_chunk_bytes(layers, block_bytes * per))
+    store = LocalChunkStore(TierManager([CPUTier(slot * (blocks // per + 1), slot)]))
+    keys = [k.key for k in grid.keys(list(range(blocks * VLLM_BLOCK)))]
+    spans = [ChunkSpan(k, tuple(range(i * per, min((i + 1) * per, blocks)))) for i, k in enumerate(keys)]
+    step = max(1, REQUEST_BLOCKS // per)
+    plan = [ChunkTransfer(f"r{i}", spans[i : i + step]) for i in range(0, len(spans), step)]
+    writer = WorkerSide(lambda: store, grid, background=True)
+    reader = WorkerSide(lambda: store, grid)
     writer.register(src, blocks)
     reader.register(dst, blocks)
     try:
         t0 = time.perf_counter()
         writer.save(plan)
+        writer.blocks_reused()  # until the background save has landed
         store_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         reader.load(plan)
@@ -69,9 +75,10 @@ def connector_run(layers: int, heads: int, dim: int, tokens: int) -> dict[str, A
         exact = (writer.stats.saved_blocks == blocks and not reader.take_load_errors()
                  and all(torch.equal(src[n].view(torch.int16), dst[n].view(torch.int16)) for n in src))
     finally:
+        writer.close()
         store.manager.close()
     return {"store_s": store_s, "retrieve_s": retrieve_s, "bytes": blocks * block_bytes,
-            "bit_exact": exact, "blocks": blocks, "block_bytes": block_bytes}
+            "bit_exact": exact, "blocks": blocks, "block_bytes": block_bytes, "chunk_blocks": per}
 
 
 def connector_rows(runs: list[dict[str, Any]], engine_runs: list[dict[str, Any]],
@@ -101,6 +108,7 @@ def connector_rows(runs: list[dict[str, Any]], engine_runs: list[dict[str, Any]]
             "vs_engine_store": statistics.median(per_round["vs_engine_store"]),
             "round_ratios": per_round,
             "kvtier_notes": f"{runs[0]['blocks']} vLLM blocks of {runs[0]['block_bytes']} bytes "
-                            f"([2, blocks, {VLLM_BLOCK}, heads, dim] per layer)",
+                            f"([2, blocks, {VLLM_BLOCK}, heads, dim] per layer) in chunks of "
+                            f"{runs[0]['chunk_blocks']} blocks",
         })
     return out

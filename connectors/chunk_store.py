@@ -34,6 +34,9 @@ class ChunkStore(Protocol):
     def lookup(self, keys: Sequence[str]) -> int:
         """How many leading ``keys`` are stored."""
 
+    def present(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each of ``keys`` is stored (one round trip)."""
+
     def put_from(self, writes: Sequence[ChunkWrite]) -> dict[str, str]:
         """Store chunks, each filled by its write; returns the keys that failed, with why."""
 
@@ -52,6 +55,9 @@ class LocalChunkStore:
 
     def lookup(self, keys: Sequence[str]) -> int:
         return self.manager.lookup(keys).length
+
+    def present(self, keys: Sequence[str]) -> list[bool]:
+        return self.manager.present(keys)
 
     def put_from(self, writes: Sequence[ChunkWrite]) -> dict[str, str]:
         return dict(self.manager.store(writes).failed)
@@ -80,6 +86,9 @@ class RemoteChunkStore:
 
     def lookup(self, keys: Sequence[str]) -> int:
         return self.client.lookup(keys).length if keys else 0
+
+    def present(self, keys: Sequence[str]) -> list[bool]:
+        return self.client.present(keys) if keys else []
 
     def put_from(self, writes: Sequence[ChunkWrite]) -> dict[str, str]:
         """Keys not stored, with why. A ``conflict`` is not among them: another writer

@@ -9,15 +9,23 @@ Plug in through vLLM's own extension point::
         kv_connector_extra_config={"url": "http://127.0.0.1:8100"},   # or {"tiers": {...}}
     )
 
-The unit is one vLLM block. Its key is kvtier's chained hash over the block's token ids
-(``kvtier.chunk_keys``) under a fingerprint of the model (its weights) and of vLLM's KV
-layout, so blocks of another model or layout can never match. This module only speaks
-vLLM's interface; the work is the scheduler side's (:mod:`.vllm_scheduler`: lookups, the
-step's plan of loads and saves) and the worker side's (:mod:`.vllm_worker`: blocks gathered
-straight into the store's memory, lent chunks scattered straight into the cache, one copy
-and one checksum pass each way; a missing or corrupt chunk is reported through
-``get_block_ids_with_load_errors`` and vLLM recomputes it: never wrong KV). Loads and saves
-are synchronous.
+The unit is a chunk of whole vLLM blocks (``chunk_tokens``, 256 by default; the blocks
+past a sequence's last full chunk make its tail chunk). Its key is kvtier's chained hash
+over the chunk's token ids (``kvtier.chunk_keys``) under a fingerprint of the model (its
+weights), of vLLM's KV layout and of its parallelism; each TP/PP rank stores its own part
+under the key and its rank, so blocks of another model, layout or rank can never match.
+This module only speaks vLLM's interface; the work is the scheduler side's
+(:mod:`.vllm_scheduler`: lookups, the step's plan of loads and saves, the reply saved when a
+request ends) and the worker side's (:mod:`.vllm_worker`: blocks gathered straight into the
+store's memory on a background thread, lent chunks scattered straight into the cache, one
+copy and one checksum pass each way; a missing or corrupt chunk is reported through
+``get_block_ids_with_load_errors`` and vLLM recomputes it: never wrong KV). Loads are
+synchronous (before the forward pass); saves run off the forward path and a finished
+request's blocks are held until they land (``get_finished``).
+
+Options (``kv_connector_extra_config``): ``url``/``token``/``shm`` (a ``kvtier serve``) or
+``config``/``tiers`` (in-process tiers), ``chunk_tokens`` (256), ``save_decode`` (true: save
+a finished request's reply too), ``background_saves`` (true), ``fingerprint_salt``.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtier.chunk_format import max_chunk_bytes
 from kvtier.connectors.chunk_store import ChunkStore, open_store
-from kvtier.connectors.vllm_blocks import StepPlan
+from kvtier.connectors.vllm_blocks import DEFAULT_CHUNK_TOKENS, ChunkGrid, Rank, StepPlan
 from kvtier.connectors.vllm_scheduler import SchedulerSide
 from kvtier.connectors.vllm_worker import WorkerSide
 from kvtier.models.weights_digest import checkpoint_digest
@@ -60,13 +68,16 @@ class KVTierConnectorMetadata(KVConnectorMetadata):
 
 def fingerprint(vllm_config: VllmConfig, salt: object = None) -> bytes:
     """The model (its weights: their digest for a local checkpoint, kept beside it, see
-    :mod:`kvtier.models.weights_digest`; else the hub id and revision vLLM loads) and vLLM's
-    KV layout (dtype, block size, layers, KV heads, head size, cache dtype)."""
+    :mod:`kvtier.models.weights_digest`; else the hub id and revision vLLM loads), vLLM's
+    KV layout (dtype, block size, layers, KV heads, head size, cache dtype) and how the
+    model is split (TP and PP sizes: a rank's layers and heads depend on them)."""
     model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
     digest = checkpoint_digest(str(model.model))
     weights = f"w{digest}" if digest else f"{model.model}@{model.revision or 'main'}"
     return "|".join((
-        "vllm-v2",
+        "vllm-v3",
+        f"tp{parallel.tensor_parallel_size}pp{parallel.pipeline_parallel_size}",
         weights,
         f"salt{len(str(salt))}:{salt}" if salt else "nosalt",
         str(model.dtype),
@@ -86,24 +97,30 @@ class KVTierConnector(KVConnectorBase_V1):
         self.extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.block_size = vllm_config.cache_config.block_size
         self.fingerprint = fingerprint(vllm_config, self.extra.get("fingerprint_salt"))
+        self.grid = ChunkGrid.of(self.block_size, self.fingerprint,
+                                 int(self.extra.get("chunk_tokens", DEFAULT_CHUNK_TOKENS)))
+        parallel = vllm_config.parallel_config
+        self.world = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
         self._store: ChunkStore | None = None
-        self.scheduler_side = SchedulerSide(self._open_store, self.block_size, self.fingerprint)
-        self.worker_side = WorkerSide(self._open_store, self.block_size, self.fingerprint)
+        self.scheduler_side = SchedulerSide(self._open_store, self.grid, self.world,
+                                            save_decode=bool(self.extra.get("save_decode", True)))
+        self.worker_side = WorkerSide(self._open_store, self.grid)
 
     @property
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, float]:
         w = self.worker_side.stats
         return {"hit_blocks": self.scheduler_side.hit_blocks, "loaded_blocks": w.loaded_blocks,
-                "saved_blocks": w.saved_blocks, "load_errors": w.load_errors}
+                "saved_blocks": w.saved_blocks, "load_errors": w.load_errors,
+                "load_s": w.load_s, "save_wait_s": w.save_wait_s}
 
     def _open_store(self) -> ChunkStore:
-        """The store, opened once; its slots hold one block of every layer (both sides
+        """The store, opened once; its slots hold one chunk of every layer (both sides
         size it alike, so an in-process store they share is sized once)."""
         if self._store is None:
             groups = self._kv_cache_config.kv_cache_groups
             layers = sum(len(g.layer_names) for g in groups)
             block = sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups)
-            self._store = open_store(self.extra, max_chunk_bytes(layers, block))
+            self._store = open_store(self.extra, max_chunk_bytes(layers, block * self.grid.chunk_blocks))
         return self._store
 
     # ------------------------------------------------------------- scheduler side
@@ -123,17 +140,23 @@ class KVTierConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        self.scheduler_side.finished(request.request_id)
-        return False, None
+        return self.scheduler_side.finished(request, list(block_ids)), None
 
     # ---------------------------------------------------------------- worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker_side = WorkerSide(self._open_store, self.grid, _worker_rank(self.world),
+                                      background=bool(self.extra.get("background_saves", True)))
         self.worker_side.register(kv_caches, self._kv_cache_config.num_blocks)
 
     def _plan(self) -> StepPlan:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVTierConnectorMetadata)
         return meta.plan
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(kv_connector_metadata, KVTierConnectorMetadata)
+        if kv_connector_metadata.plan.preempted:
+            self.worker_side.blocks_reused()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self.worker_side.load(self._plan().loads)
@@ -148,9 +171,24 @@ class KVTierConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         self.worker_side.save(self._plan().saves)
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self.worker_side.finished(finished_req_ids) or None, None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.take_load_errors()
 
     def shutdown(self) -> None:
+        self.worker_side.close()
         if self._store is not None:
             self._store.close()
+
+
+def _worker_rank(world: int) -> Rank:
+    """This worker's rank among the TP x PP ranks (asked of vLLM's process groups, which
+    exist once the worker registers its caches)."""
+    if world == 1:
+        return Rank()
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+    tp = get_tp_group()
+    return Rank(get_pp_group().rank_in_group * tp.world_size + tp.rank_in_group, world)

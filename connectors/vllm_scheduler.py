@@ -1,21 +1,25 @@
-"""The scheduler side of kvtier's vLLM connector: which of a request's blocks the store
-holds, what to load into the blocks vLLM allocates, and which newly computed prompt blocks
-to save, as a :class:`~kvtier.connectors.vllm_blocks.StepPlan` per step.
+"""The scheduler side of kvtier's vLLM connector: which of a request's chunks the store
+holds (every rank's part), what to load into the blocks vLLM allocates, which chunks to save
+as vLLM computes them, and, when a request finishes, the rest of the conversation (its
+reply included) to save before its blocks are freed. Each step's work goes to the workers
+as a :class:`~kvtier.connectors.vllm_blocks.StepPlan`.
 
 It reads vLLM's objects only for the fields named here (``request.request_id``,
-``prompt_token_ids``; the allocated blocks' ``get_block_ids()``; the scheduler output's new
-and cached requests), so the main suite drives it with plain stand-ins.
+``prompt_token_ids``, ``all_token_ids``, ``num_computed_tokens``; the allocated blocks'
+``get_block_ids()``; the scheduler output's new, cached and preempted requests), so the
+main suite drives it with plain stand-ins.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.chunk_keys import ChunkKey
 from kvtier.connectors.chunk_store import ChunkStore
-from kvtier.connectors.vllm_blocks import BlockTransfer, StepPlan, block_keys
+from kvtier.connectors.vllm_blocks import ChunkGrid, ChunkSpan, ChunkTransfer, Rank, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -24,78 +28,152 @@ log = logging.getLogger(__name__)
 class _ReqState:
     """One running request."""
 
-    prompt: list[int]
-    keys: list[str]
-    """Keys of the prompt's full blocks."""
+    tokens: list[int]
+    keys: list[ChunkKey]
+    """Keys of the prompt's full blocks: full chunks, then the tail chunk."""
     block_ids: list[int] = field(default_factory=list)
-    saved: int = 0
-    """Leading prompt blocks known to be stored (loaded ones included)."""
+    stored: int = 0
+    """Leading full chunks known to be stored (saved, loaded, or found by a lookup)."""
+    tail_stored: bool = False
+    """The prompt's tail chunk is stored."""
+    saving: bool = False
+    """A save was planned for it: its blocks are freed once the workers report it landed."""
 
 
-@dataclass
-class _Planned:
-    """What the last lookup of a request found: load blocks ``first`` to ``stored``."""
+@dataclass(frozen=True)
+class _Found:
+    """What the last lookup of a request found: vLLM holds its first ``computed`` blocks;
+    the store its first ``chunks`` full chunks and then ``tail`` (key, blocks) if any."""
 
-    first: int
-    stored: int
+    computed: int
+    chunks: int
+    tail: tuple[str, int] | None
+
+    def blocks(self, chunk_blocks: int) -> int:
+        return self.chunks * chunk_blocks + (self.tail[1] if self.tail else 0)
 
 
 class SchedulerSide:
-    """``store()`` opens the store when first needed (the scheduler process may never)."""
+    """``store()`` opens the store when first needed (the scheduler process may never).
+    ``world``: the ranks (TP x PP) whose parts make a chunk."""
 
-    def __init__(self, store: Callable[[], ChunkStore], block_size: int,
-                 fingerprint: bytes) -> None:
+    def __init__(self, store: Callable[[], ChunkStore], grid: ChunkGrid, world: int = 1,
+                 save_decode: bool = True) -> None:
         self._store = store
-        self.block_size = block_size
-        self.fingerprint = fingerprint
+        self.grid = grid
+        self.ranks = [Rank(i, world) for i in range(world)]
+        self.save_decode = save_decode
+        """Save a finished request's reply too (a returning turn restores it)."""
         self._requests: dict[str, _ReqState] = {}
-        self._planned: dict[str, _Planned] = {}
-        self._loads: dict[str, BlockTransfer] = {}
+        self._found: dict[str, _Found] = {}
+        self._loads: dict[str, ChunkTransfer] = {}
+        self._final_saves: list[ChunkTransfer] = []
         self.hit_blocks = 0
 
+    # ------------------------------------------------------------------ lookups
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
         """Tokens past ``num_computed_tokens`` the store can provide: the longest stored
         prefix of the prompt's full blocks, leaving at least one token to compute."""
         prompt = list(request.prompt_token_ids or [])
         state = self._requests.get(request.request_id)
         if state is None:
-            keys = block_keys(prompt, self.block_size, self.fingerprint)
-            state = self._requests[request.request_id] = _ReqState(prompt, keys)
-        usable = (len(prompt) - 1) // self.block_size
+            state = self._requests[request.request_id] = _ReqState(prompt, self.grid.keys(prompt))
+        bs, per = self.grid.block_size, self.grid.chunk_blocks
+        usable = (len(prompt) - 1) // bs
+        full = [k.key for k in state.keys if not k.is_tail][: usable // per]
         try:
-            stored = self._store().lookup(state.keys[:usable]) if usable > 0 else 0
+            chunks = self._stored_prefix(full)
+            tail = self._stored_tail(prompt, full, chunks, usable - chunks * per)
         except Exception as exc:  # noqa: BLE001 - an unreachable store is a miss
             log.warning("kvtier lookup failed, recomputing: %s", exc)
-            stored = 0
-        first = num_computed_tokens // self.block_size
-        if stored <= first:
-            return 0
-        self._planned[request.request_id] = _Planned(first, stored)
-        return stored * self.block_size - num_computed_tokens
+            chunks, tail = 0, None
+        found = self._found[request.request_id] = _Found(num_computed_tokens // bs, chunks, tail)
+        hit = found.blocks(per)
+        return max(0, hit * bs - num_computed_tokens) if hit > found.computed else 0
 
+    def _parts(self, keys: Sequence[str]) -> list[str]:
+        """Every rank's storage key of each of ``keys``, rank by rank."""
+        return [ChunkGrid.rank_key(k, r) for r in self.ranks for k in keys]
+
+    def _stored_prefix(self, keys: list[str]) -> int:
+        """Leading ``keys`` whose every rank's part is stored."""
+        if not keys:
+            return 0
+        store = self._store()
+        return min(store.lookup([ChunkGrid.rank_key(k, r) for k in keys]) for r in self.ranks)
+
+    def _stored_tail(self, prompt: list[int], full: list[str], chunk: int, room: int
+                     ) -> tuple[str, int] | None:
+        """The longest tail chunk stored after full chunk ``chunk - 1`` (every rank's part),
+        of at most ``room`` blocks (fewer than a chunk's)."""
+        most = min(room, self.grid.chunk_blocks - 1)
+        if most <= 0:
+            return None
+        parent = full[chunk - 1] if chunk else None
+        keys = [self.grid.tail_key(prompt, parent, chunk, m) for m in range(most, 0, -1)]
+        present = self._store().present(self._parts(keys))
+        n = len(keys)
+        for i, key in enumerate(keys):
+            if all(present[r * n + i] for r in range(len(self.ranks))):
+                return key, most - i
+        return None
+
+    # -------------------------------------------------------------- allocation
     def allocated(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
-        """vLLM allocated the request's blocks: the planned load targets them."""
+        """vLLM allocated the request's blocks: the planned load targets them. Chunks the
+        lookup found stored are not saved again, loaded or not."""
         state = self._requests[request.request_id]
         state.block_ids = list(block_ids)
-        plan = self._planned.pop(request.request_id, None)
-        if num_external_tokens <= 0 or plan is None:
+        found = self._found.pop(request.request_id, None)
+        if found is None:
             return
-        self._loads[request.request_id] = BlockTransfer(
-            request.request_id, state.block_ids[plan.first : plan.stored],
-            state.keys[plan.first : plan.stored])
-        state.saved = max(state.saved, plan.stored)
-        self.hit_blocks += plan.stored - plan.first
+        state.stored = max(state.stored, found.chunks)
+        tail_key = next((k.key for k in state.keys if k.is_tail), None)
+        if found.tail is not None and found.tail[0] == tail_key:
+            state.tail_stored = True
+        if num_external_tokens <= 0:
+            return
+        self._loads[request.request_id] = ChunkTransfer(request.request_id, self._spans(state, found))
+        self.hit_blocks += found.blocks(self.grid.chunk_blocks) - found.computed
 
+    def _spans(self, state: _ReqState, found: _Found) -> list[ChunkSpan]:
+        """The chunks to load, each past the blocks vLLM computed already."""
+        per = self.grid.chunk_blocks
+        spans = []
+        pieces = [(k.key, per) for k in state.keys[: found.chunks]]
+        if found.tail is not None:
+            pieces.append(found.tail)
+        for i, (key, blocks) in enumerate(pieces):
+            first = i * per
+            if first + blocks <= found.computed:
+                continue
+            ids = tuple(state.block_ids[first : first + blocks])
+            spans.append(ChunkSpan(key, ids, max(0, found.computed - first)))
+        return spans
+
+    # ------------------------------------------------------------------- steps
     def step_plan(self, scheduler_output: Any) -> StepPlan:
-        """This step's loads, and saves of the prompt blocks the step completes."""
-        plan = StepPlan(loads=list(self._loads.values()))
+        """This step's loads, and saves of the chunks the step completes."""
+        plan = StepPlan(loads=list(self._loads.values()), saves=self._final_saves)
         self._loads.clear()
+        self._final_saves = []
+        plan.preempted = bool(getattr(scheduler_output, "preempted_req_ids", None))
+        for req_id, computed in self._progress(scheduler_output).items():
+            save = self._completed(req_id, computed)
+            if save is not None:
+                plan.saves.append(save)
+        return plan
+
+    def _progress(self, scheduler_output: Any) -> dict[str, int]:
+        """Tokens each scheduled request will have computed after this step (its blocks
+        brought up to date)."""
         progress: dict[str, int] = {}
+        scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is not None:
                 state.block_ids = list(new.block_ids[0])
-                progress[new.req_id] = new.num_computed_tokens
+                progress[new.req_id] = new.num_computed_tokens + scheduled.get(new.req_id, 0)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self._requests.get(req_id)
@@ -106,27 +184,64 @@ class SchedulerSide:
                 state.block_ids = list(new_ids[0])  # a resumed request gets all its blocks
             elif new_ids is not None:
                 state.block_ids.extend(new_ids[0])
-            progress[req_id] = cached.num_computed_tokens[i]
-        for req_id, computed in progress.items():
-            save = self._completed(req_id, computed + scheduler_output.num_scheduled_tokens.get(req_id, 0))
-            if save is not None:
-                plan.saves.append(save)
-        return plan
+            progress[req_id] = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
+        return progress
 
-    def _completed(self, req_id: str, done: int) -> BlockTransfer | None:
-        """The prompt blocks of ``req_id`` full once ``done`` tokens are computed and not
-        saved yet (then counted as saved)."""
+    def _completed(self, req_id: str, done: int) -> ChunkTransfer | None:
+        """The chunks of ``req_id``'s prompt that ``done`` computed tokens complete and that
+        are not stored yet: full chunks as they fill, the tail once the prompt is done."""
         state = self._requests[req_id]
-        full = min(min(done, len(state.prompt)) // self.block_size, len(state.keys),
-                   len(state.block_ids))
-        if full <= state.saved:
+        blocks = min(done, len(state.tokens)) // self.grid.block_size
+        spans = self._unsaved(state, state.keys, blocks)
+        if not spans:
             return None
-        save = BlockTransfer(req_id, state.block_ids[state.saved : full],
-                             state.keys[state.saved : full])
-        state.saved = full
-        return save
+        state.saving = True
+        return ChunkTransfer(req_id, spans)
 
-    def finished(self, req_id: str) -> None:
-        self._requests.pop(req_id, None)
-        self._planned.pop(req_id, None)
+    def _unsaved(self, state: _ReqState, keys: list[ChunkKey], blocks: int) -> list[ChunkSpan]:
+        """Chunks of ``keys`` within the first ``blocks`` blocks not stored yet (marked
+        stored now: they will be)."""
+        bs, per = self.grid.block_size, self.grid.chunk_blocks
+        spans = []
+        for i, key in enumerate(keys):
+            first, n = key.start // bs, key.num_tokens // bs
+            if first + n > blocks or first + n > len(state.block_ids):
+                break
+            if key.is_tail:
+                if state.tail_stored:
+                    continue
+                state.tail_stored = True
+            elif i < state.stored:
+                continue
+            else:
+                state.stored = i + 1
+            spans.append(ChunkSpan(key.key, tuple(state.block_ids[first : first + n])))
+        assert all(len(s.block_ids) <= per for s in spans)
+        return spans
+
+    # ---------------------------------------------------------------- finishing
+    def finished(self, request: Any, block_ids: list[int]) -> bool:
+        """The request is done: plan the save of what its prompt's saves left (its reply
+        too, with ``save_decode``). True: its blocks stay until the workers report every
+        save of it landed."""
+        req_id = request.request_id
+        self._found.pop(req_id, None)
         self._loads.pop(req_id, None)
+        state = self._requests.pop(req_id, None)
+        if state is None:
+            return False
+        if self.save_decode and block_ids:
+            tokens = list(getattr(request, "all_token_ids", state.tokens))
+            computed = int(getattr(request, "num_computed_tokens", 0)) - int(
+                getattr(request, "num_in_flight_tokens", 0) or 0)  # async scheduling
+            computed = min(computed, len(tokens))
+            blocks = min(computed // self.grid.block_size, len(block_ids))
+            state.block_ids = list(block_ids)
+            keys = self.grid.keys(tokens, blocks)
+            if keys[: len(state.keys)] != state.keys:
+                state.tail_stored = False  # the prompt's tail is not this sequence's tail
+            spans = self._unsaved(state, keys, blocks)
+            if spans:
+                state.saving = True
+                self._final_saves.append(ChunkTransfer(req_id, spans))
+        return state.saving

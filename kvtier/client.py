@@ -38,6 +38,8 @@ OCTETS = "application/octet-stream"
 class Lookup:
     length: int
     tiers: list[str]
+    present: list[bool] | None = None
+    """With ``each``: whether each key is stored, prefix or not."""
 
 
 @dataclass(frozen=True)
@@ -154,8 +156,11 @@ class _Routes:
         return _Call("DELETE", f"/v1/chunks/{key}", ok=(204, 404))
 
     @staticmethod
-    def lookup(keys: Sequence[str]) -> _Call:
-        return _Call("POST", "/v1/chunks/lookup", {"keys": list(keys)})
+    def lookup(keys: Sequence[str], each: bool = False) -> _Call:
+        body: dict[str, Any] = {"keys": list(keys)}
+        if each:
+            body["each"] = True
+        return _Call("POST", "/v1/chunks/lookup", body)
 
     @staticmethod
     def get_chunks(keys: Sequence[str], layers: tuple[int, int] | None) -> _Call:
@@ -376,6 +381,10 @@ class Client:
 
     def lookup(self, keys: Sequence[str]) -> Lookup:
         return Lookup(**self._send(_Routes.lookup(keys)).json())
+
+    def present(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each of ``keys`` is stored (one request)."""
+        return list(Lookup(**self._send(_Routes.lookup(keys, each=True)).json()).present or [])
 
     def get_chunks(
         self, keys: Sequence[str], layers: tuple[int, int] | None = None

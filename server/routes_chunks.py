@@ -464,11 +464,16 @@ def _check_keys(keys: list[str]) -> None:
 
 @router.post("/lookup", response_model=LookupResponse, responses=_ERRORS)
 async def lookup(body: LookupRequest, request: Request) -> dict[str, Any]:
-    """The longest stored prefix of ``keys`` and the tier holding each of its keys."""
+    """The longest stored prefix of ``keys`` and the tier holding each of its keys; with
+    ``each``, also whether each key is stored (a connector probing candidate tails)."""
     _, manager = _manager(request)
     _check_keys(body.keys)
-    loc = await run_in_threadpool(manager.lookup, [_stored_as(request, k) for k in body.keys])
-    return {"length": loc.length, "tiers": [manager.tiers[i].name for i in loc.tiers]}
+    keys = [_stored_as(request, k) for k in body.keys]
+    loc = await run_in_threadpool(manager.lookup, keys)
+    out: dict[str, Any] = {"length": loc.length, "tiers": [manager.tiers[i].name for i in loc.tiers]}
+    if body.each:
+        out["present"] = await run_in_threadpool(manager.present, keys)
+    return out
 
 
 @router.post(

@@ -96,6 +96,7 @@ class HintResponse(_Doc):
 # --------------------------------------------------------------------------- data plane
 class LookupRequest(_Body):
     keys: list[str] = Field(max_length=MAX_BATCH_KEYS)
+    each: bool = Field(default=False, description="also say whether each key is stored")
 
 
 class LookupResponse(_Doc):
@@ -103,6 +104,8 @@ class LookupResponse(_Doc):
     """How many leading keys are stored somewhere."""
     tiers: list[str]
     """The fastest tier holding each of those keys."""
+    present: list[bool] | None = None
+    """With ``each``: whether each key is stored, in the prefix or not."""
 
 
 class BatchGetRequest(_Body):

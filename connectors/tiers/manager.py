@@ -157,6 +157,10 @@ class TierManager:
         loc.length = pos
         return loc
 
+    def present(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each of ``keys`` is stored in some tier (not only as a prefix)."""
+        return [self.lookup([key]).length > 0 for key in keys]
+
     # ------------------------------------------------------------------- store
     def store(
         self,

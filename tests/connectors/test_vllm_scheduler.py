@@ -1,15 +1,16 @@
 """The vLLM connector's scheduler side against a real in-process store, with vLLM's
 requests and scheduler outputs faked at the boundary: what it offers vLLM (the stored
-prefix, never the prompt's last token), what it plans to load into the blocks vLLM
-allocated, which completed prompt blocks it saves, and that a store it cannot reach is a
-miss, not an error."""
+prefix in whole chunks and a tail, every rank's part, never the prompt's last token), what
+it plans to load into the blocks vLLM allocated, which completed chunks it saves (never one
+the store holds), the reply saved when a request ends, and that a store it cannot reach is
+a miss, not an error."""
 
 from __future__ import annotations
 
 from kvtier.connectors.chunk_store import LocalChunkStore
 from kvtier.connectors.tiers.cpu_tier import CPUTier
 from kvtier.connectors.tiers.manager import TierManager
-from kvtier.connectors.vllm_blocks import block_keys
+from kvtier.connectors.vllm_blocks import ChunkGrid, ChunkSpan, ChunkTransfer, Rank
 from kvtier.connectors.vllm_scheduler import SchedulerSide
 from kvtier.connectors.vllm_worker import WorkerSide
 from tests.connectors.vllm_fakes import (
@@ -21,62 +22,129 @@ from tests.connectors.vllm_fakes import (
     caches,
 )
 
-FP = b"vllm-v2|scheduler-test"
+FP = b"vllm-v3|scheduler-test"
+GRID = ChunkGrid(BLOCK, 2, FP)  # chunks of two blocks
 
 
-def _sides() -> tuple[SchedulerSide, WorkerSide, LocalChunkStore]:
+def _sides(world: int = 1) -> tuple[SchedulerSide, list[WorkerSide], LocalChunkStore]:
     store = LocalChunkStore(TierManager([CPUTier(64 << 20, 1 << 20)]))
-    worker = WorkerSide(lambda: store, BLOCK, FP)
-    worker.register(caches(32, True), 32)
-    return SchedulerSide(lambda: store, BLOCK, FP), worker, store
+    workers = []
+    for r in range(world):
+        worker = WorkerSide(lambda: store, GRID, Rank(r, world))
+        worker.register(caches(32, True, seed=r), 32)
+        workers.append(worker)
+    return SchedulerSide(lambda: store, GRID, world), workers, store
 
 
-def test_a_prompt_is_saved_block_by_block_as_vllm_computes_it():
-    sched, worker, store = _sides()
-    prompt = list(range(100, 100 + 5 * BLOCK + 3))  # five full blocks and a tail
+def _new(req_id: str, blocks: list[int], computed: int, scheduled: int) -> SchedulerOutput:
+    return SchedulerOutput([NewRequest(req_id, (blocks,), computed)],
+                           num_scheduled_tokens={req_id: scheduled})
+
+
+def _cached(req_id: str, computed: int, scheduled: int, new_ids=None, resumed=False
+            ) -> SchedulerOutput:
+    return SchedulerOutput(
+        scheduled_cached_reqs=CachedRequests([req_id], [new_ids], {req_id} if resumed else set(),
+                                             [computed]),
+        num_scheduled_tokens={req_id: scheduled})
+
+
+def _blocks(transfers: list[ChunkTransfer]) -> list[list[int]]:
+    return [list(c.block_ids) for t in transfers for c in t.chunks]
+
+
+def _run(sched: SchedulerSide, workers: list[WorkerSide], req: Request, blocks: list[int]) -> None:
+    """Schedule ``req`` from nothing, prefill it in one step and save what the plan says."""
+    sched.matched_tokens(req, 0)
+    sched.allocated(req, blocks, 0)
+    plan = sched.step_plan(_new(req.request_id, blocks, 0, len(req.prompt_token_ids)))
+    for w in workers:
+        w.save(plan.saves)
+
+
+def test_a_prompt_is_saved_chunk_by_chunk_as_vllm_computes_it_then_its_tail():
+    sched, (worker,), store = _sides()
+    prompt = list(range(100, 100 + 5 * BLOCK + 3))  # two chunks, a one-block tail, 3 tokens
     req = Request("a", prompt)
     assert sched.matched_tokens(req, 0) == 0  # nothing stored yet
     sched.allocated(req, [3, 4, 5, 6, 7, 8], 0)
-    step1 = sched.step_plan(SchedulerOutput(
-        [NewRequest("a", ([3, 4, 5, 6, 7, 8],), 0)], num_scheduled_tokens={"a": 2 * BLOCK + 5}))
-    assert step1.loads == [] and [s.block_ids for s in step1.saves] == [[3, 4]]
+    step1 = sched.step_plan(_new("a", [3, 4, 5, 6, 7, 8], 0, 3 * BLOCK + 5))
+    assert step1.loads == [] and _blocks(step1.saves) == [[3, 4]]  # the first chunk is full
     worker.save(step1.saves)
-    step2 = sched.step_plan(SchedulerOutput(
-        scheduled_cached_reqs=CachedRequests(["a"], [None], set(), [2 * BLOCK + 5]),
-        num_scheduled_tokens={"a": len(prompt) - 2 * BLOCK - 5}))
-    assert [s.block_ids for s in step2.saves] == [[5, 6, 7]]  # the tail block is not saved
+    step2 = sched.step_plan(_cached("a", 3 * BLOCK + 5, len(prompt) - 3 * BLOCK - 5))
+    assert _blocks(step2.saves) == [[5, 6], [7]]  # the second chunk, then the prompt's tail
     worker.save(step2.saves)
-    keys = block_keys(prompt, BLOCK, FP)
-    assert keys == step1.saves[0].keys + step2.saves[0].keys
-    assert store.lookup(keys) == 5
-    step3 = sched.step_plan(SchedulerOutput(
-        scheduled_cached_reqs=CachedRequests(["a"], [None], set(), [len(prompt)]),
-        num_scheduled_tokens={"a": 1}))
-    assert step3.saves == []  # decoding: nothing more of the prompt to save
-    sched.finished("a")
+    keys = GRID.keys(prompt)
+    assert [c.key for t in step1.saves + step2.saves for c in t.chunks] == [k.key for k in keys]
+    assert keys[-1].is_tail and store.present([k.key for k in keys]) == [True] * 3
+    step3 = sched.step_plan(_cached("a", len(prompt), 1))
+    assert step3.saves == []  # decoding: the reply is saved when the request ends
 
 
-def test_a_second_request_sharing_the_prefix_is_offered_and_loads_it():
-    sched, worker, store = _sides()
+def test_a_second_request_sharing_the_prefix_loads_it_past_what_vllm_holds():
+    sched, (worker,), store = _sides()
     shared = list(range(7, 7 + 4 * BLOCK))
-    first = Request("a", shared + [1, 2, 3])
-    sched.matched_tokens(first, 0)
-    sched.allocated(first, [0, 1, 2, 3, 4], 0)
-    worker.save(sched.step_plan(SchedulerOutput(
-        [NewRequest("a", ([0, 1, 2, 3, 4],), 0)], num_scheduled_tokens={"a": 4 * BLOCK + 3})).saves)
+    _run(sched, [worker], Request("a", shared + [1, 2, 3]), [0, 1, 2, 3, 4])
     second = Request("b", shared + [9] * (BLOCK // 2))
     assert sched.matched_tokens(second, 0) == 4 * BLOCK
     exact = Request("c", shared)  # all of it stored: the last block is left to compute
-    assert sched.matched_tokens(exact, 0) == 3 * BLOCK
-    assert sched.matched_tokens(second, 2 * BLOCK) == 2 * BLOCK  # vLLM had two cached
-    sched.allocated(second, [10, 11, 12, 13, 14], 2 * BLOCK)
-    plan = sched.step_plan(SchedulerOutput(
-        [NewRequest("b", ([10, 11, 12, 13, 14],), 4 * BLOCK)], num_scheduled_tokens={"b": 8}))
+    assert sched.matched_tokens(exact, 0) == 2 * BLOCK  # the first chunk (the rest: a tail)
+    assert sched.matched_tokens(second, 1 * BLOCK) == 3 * BLOCK  # vLLM had one block
+    sched.allocated(second, [10, 11, 12, 13, 14], 3 * BLOCK)
+    plan = sched.step_plan(_new("b", [10, 11, 12, 13, 14], 4 * BLOCK, 8))
     (load,) = plan.loads
-    assert load.block_ids == [12, 13] and load.keys == block_keys(shared, BLOCK, FP)[2:4]
+    keys = GRID.keys(shared)
+    assert load.chunks == [ChunkSpan(keys[0].key, (10, 11), skip=1), ChunkSpan(keys[1].key, (12, 13))]
     worker.load(plan.loads)
-    assert worker.take_load_errors() == set() and sched.hit_blocks == 2
-    assert plan.saves == []  # the loaded blocks are stored already
+    assert worker.take_load_errors() == set() and sched.hit_blocks == 3
+    assert plan.saves == []  # the loaded chunks are stored already
+
+
+def test_a_returning_turn_finds_the_previous_turns_tail():
+    sched, (worker,), _ = _sides()
+    turn1 = list(range(50, 50 + 5 * BLOCK + 4))
+    _run(sched, [worker], Request("t1", turn1), list(range(6)))
+    turn2 = turn1 + list(range(900, 900 + 3 * BLOCK))
+    assert sched.matched_tokens(Request("t2", turn2), 0) == 5 * BLOCK  # 2 chunks + the tail
+
+
+def test_chunks_the_store_holds_are_not_saved_again():
+    """vLLM's own prefix cache supplied the shared prefix: nothing is loaded and nothing of
+    it is uploaded again."""
+    sched, (worker,), _ = _sides()
+    shared = list(range(300, 300 + 4 * BLOCK))
+    _run(sched, [worker], Request("a", shared + [1]), [0, 1, 2, 3, 4])
+    req = Request("b", shared + list(range(5 * BLOCK)))
+    assert sched.matched_tokens(req, 4 * BLOCK) == 0  # vLLM holds all that is stored
+    sched.allocated(req, list(range(10, 19)), 0)
+    plan = sched.step_plan(_new("b", list(range(10, 19)), 4 * BLOCK, 5 * BLOCK))
+    assert _blocks(plan.saves) == [[14, 15], [16, 17], [18]]  # only what is new
+
+
+def test_a_finished_request_saves_its_reply_and_holds_its_blocks_until_then():
+    sched, (worker,), store = _sides()
+    prompt = list(range(20, 20 + 3 * BLOCK))
+    req = Request("a", prompt)
+    _run(sched, [worker], req, [0, 1, 2])
+    req.output_token_ids = list(range(500, 500 + 2 * BLOCK + 1))
+    req.num_computed_tokens = len(req.all_token_ids) - 1  # the last token has no KV yet
+    assert sched.finished(req, [0, 1, 2, 3, 4, 5]) is True  # blocks held for the save
+    plan = sched.step_plan(SchedulerOutput())
+    assert _blocks(plan.saves) == [[2, 3], [4]]  # chunk 1 now full, and the new tail
+    worker.save(plan.saves)
+    assert worker.finished({"a"}) == {"a"}
+    turn2 = req.all_token_ids[:-1] + [7] * BLOCK
+    assert sched.matched_tokens(Request("b", turn2), 0) == 5 * BLOCK  # the reply restores
+
+
+def test_a_request_that_saved_nothing_frees_its_blocks_at_once():
+    sched, _, _ = _sides()
+    sched.save_decode = False
+    req = Request("a", list(range(BLOCK - 1)))
+    sched.matched_tokens(req, 0)
+    sched.allocated(req, [0], 0)
+    sched.step_plan(_new("a", [0], 0, BLOCK - 1))
+    assert sched.finished(req, [0]) is False
 
 
 def test_a_resumed_request_gets_its_blocks_anew():
@@ -84,17 +152,34 @@ def test_a_resumed_request_gets_its_blocks_anew():
     req = Request("a", list(range(3 * BLOCK + 1)))
     sched.matched_tokens(req, 0)
     sched.allocated(req, [0, 1, 2, 3], 0)
-    sched.step_plan(SchedulerOutput([NewRequest("a", ([0, 1, 2, 3],), 0)],
-                                    num_scheduled_tokens={"a": BLOCK}))
-    plan = sched.step_plan(SchedulerOutput(
-        scheduled_cached_reqs=CachedRequests(["a"], [([20, 21, 22, 23],)], {"a"}, [BLOCK]),
-        num_scheduled_tokens={"a": 2 * BLOCK + 1}))
-    assert [s.block_ids for s in plan.saves] == [[21, 22]]
+    sched.step_plan(_new("a", [0, 1, 2, 3], 0, BLOCK))
+    plan = sched.step_plan(_cached("a", BLOCK, 2 * BLOCK + 1, ([20, 21, 22, 23],), resumed=True))
+    assert _blocks(plan.saves) == [[20, 21], [22]]
+
+
+def test_a_preemption_is_in_the_plan():
+    sched, _, _ = _sides()
+    out = SchedulerOutput(preempted_req_ids={"x"})
+    assert sched.step_plan(out).preempted and not sched.step_plan(SchedulerOutput()).preempted
+
+
+def test_with_two_ranks_a_chunk_counts_only_once_both_parts_are_stored():
+    sched, (rank0, rank1), _ = _sides(world=2)
+    prompt = list(range(40, 40 + 4 * BLOCK + 1))
+    req = Request("a", prompt)
+    sched.matched_tokens(req, 0)
+    sched.allocated(req, [0, 1, 2, 3, 4], 0)
+    plan = sched.step_plan(_new("a", [0, 1, 2, 3, 4], 0, len(prompt)))
+    rank0.save(plan.saves)
+    again = Request("b", prompt + [1])
+    assert sched.matched_tokens(again, 0) == 0  # rank 1's parts are missing
+    rank1.save(plan.saves)
+    assert sched.matched_tokens(again, 0) == 4 * BLOCK
 
 
 def test_a_store_that_cannot_be_reached_is_a_miss():
     def unreachable():
         raise ConnectionError("kvtier serve is down")
 
-    sched = SchedulerSide(unreachable, BLOCK, FP)
+    sched = SchedulerSide(unreachable, GRID)
     assert sched.matched_tokens(Request("a", list(range(4 * BLOCK))), 0) == 0

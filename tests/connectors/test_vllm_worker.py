@@ -1,8 +1,9 @@
 """The vLLM connector's worker side against real tiers (in-process, and a running
-``kvtier serve`` over loopback HTTP), with vLLM's cache tensors faked: blocks saved and
-loaded back bit-exact in both cache layouts, one copy and one checksum pass per block
-each way, no chunk-sized allocation, and every bad block a load error (recomputed by
-vLLM), never wrong KV."""
+``kvtier serve`` over loopback HTTP), with vLLM's cache tensors faked: chunks of blocks
+saved and loaded back bit-exact in both cache layouts, one copy and one checksum pass per
+block each way, no chunk-sized allocation, blocks vLLM holds left alone, every rank its own
+part, saves off the forward path, and every bad chunk a load error (recomputed by vLLM),
+never wrong KV."""
 
 from __future__ import annotations
 
@@ -18,19 +19,21 @@ from kvtier.connectors.chunk_store import LocalChunkStore, RemoteChunkStore
 from kvtier.connectors.tiers.cpu_tier import CPUTier
 from kvtier.connectors.tiers.disk_tier import DiskTier
 from kvtier.connectors.tiers.manager import TierManager
-from kvtier.connectors.vllm_blocks import BlockTransfer, block_keys
-from kvtier.connectors.vllm_worker import WorkerSide
+from kvtier.connectors.vllm_blocks import ChunkGrid, ChunkSpan, ChunkTransfer, Rank
+from kvtier.connectors.vllm_worker import WorkerSide, rank_fingerprint
 from kvtier.server.state import ServiceState
 from tests.connectors.vllm_fakes import BLOCK, LAYERS, caches
 from tests.http_server import running
 
-FP = b"vllm-v2|test-model|fp16|bs16"
+FP = b"vllm-v3|test-model|fp16|bs16"
 NUM_BLOCKS = 12
+GRID = ChunkGrid(BLOCK, 2, FP)  # chunks of two blocks
 
 
 def _chunk_bytes(kv: dict[str, torch.Tensor]) -> int:
     layer = next(iter(kv.values()))
-    return max_chunk_bytes(LAYERS, LAYERS * layer.numel() * layer.element_size() // NUM_BLOCKS)
+    block = LAYERS * layer.numel() * layer.element_size() // NUM_BLOCKS
+    return max_chunk_bytes(LAYERS, block * GRID.chunk_blocks)
 
 
 def _local(kv: dict[str, torch.Tensor], tmp_path, cpu_chunks: int = 16) -> LocalChunkStore:
@@ -38,8 +41,9 @@ def _local(kv: dict[str, torch.Tensor], tmp_path, cpu_chunks: int = 16) -> Local
     return LocalChunkStore(TierManager([CPUTier(cpu_chunks * slot, slot), DiskTier(tmp_path / "d")]))
 
 
-def _worker(store, kv: dict[str, torch.Tensor], fp: bytes = FP) -> WorkerSide:
-    worker = WorkerSide(lambda: store, BLOCK, fp)
+def _worker(store, kv: dict[str, torch.Tensor], fp: bytes = FP, rank: Rank = Rank(),
+            background: bool = False) -> WorkerSide:
+    worker = WorkerSide(lambda: store, ChunkGrid(BLOCK, GRID.chunk_blocks, fp), rank, background)
     worker.register(kv, NUM_BLOCKS)
     return worker
 
@@ -50,8 +54,17 @@ def _block(kv: dict[str, torch.Tensor], block_id: int) -> list[torch.Tensor]:
     return [t.select(dim, block_id).clone() for t in kv.values()]
 
 
-def _transfer(keys: list[str], blocks: list[int]) -> list[BlockTransfer]:
-    return [BlockTransfer("r", blocks, keys)]
+def _keys(blocks: int) -> list[str]:
+    """Chunk keys of ``blocks`` blocks of tokens: full chunks, then a tail."""
+    return [k.key for k in GRID.keys(list(range(blocks * BLOCK)))]
+
+
+def _transfer(keys: list[str], blocks: list[int], skip: int = 0) -> list[ChunkTransfer]:
+    """``blocks`` cut into the chunks of ``keys`` (two blocks each, the last maybe one)."""
+    per = GRID.chunk_blocks
+    spans = [ChunkSpan(k, tuple(blocks[i * per : (i + 1) * per]), skip if i == 0 else 0)
+             for i, k in enumerate(keys)]
+    return [ChunkTransfer("r", spans)]
 
 
 def _strided(kv: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -71,14 +84,14 @@ def test_blocks_saved_and_loaded_back_are_bit_exact(tmp_path, blocks_first, stri
     dst = caches(NUM_BLOCKS, blocks_first, seed=2)
     if strided:
         src, dst = _strided(src), _strided(dst)
-    store = _local(src, tmp_path, cpu_chunks=2)  # two in RAM, the third on disk
-    keys = block_keys(list(range(3 * BLOCK)), BLOCK, FP)
+    store = _local(src, tmp_path, cpu_chunks=2)  # two in RAM, the third (a tail) on disk
+    keys = _keys(5)
     writer, reader = _worker(store, src), _worker(store, dst)
-    writer.save(_transfer(keys, [4, 1, 7]))
-    assert writer.stats.saved_blocks == 3 and store.lookup(keys) == 3
-    reader.load(_transfer(keys, [0, 9, 3]))
-    assert reader.take_load_errors() == set() and reader.stats.loaded_blocks == 3
-    for s, d in ((4, 0), (1, 9), (7, 3)):
+    writer.save(_transfer(keys, [4, 1, 7, 2, 10]))
+    assert writer.stats.saved_blocks == 5 and store.lookup(keys) == 3
+    reader.load(_transfer(keys, [0, 9, 3, 5, 11]))
+    assert reader.take_load_errors() == set() and reader.stats.loaded_blocks == 5
+    for s, d in ((4, 0), (1, 9), (7, 3), (2, 5), (10, 11)):
         for a, b in zip(_block(src, s), _block(dst, d), strict=True):
             assert torch.equal(a, b)
 
@@ -98,9 +111,9 @@ def test_one_copy_and_one_checksum_pass_per_block_each_way(tmp_path, monkeypatch
     big = {"heads": 8, "dim": 128}  # chunks of 200 KB: far above the Python objects a step makes
     src, dst = caches(NUM_BLOCKS, True, seed=3, **big), caches(NUM_BLOCKS, True, seed=4, **big)
     store = _local(src, tmp_path)
-    keys = block_keys(list(range(8 * BLOCK)), BLOCK, FP)
+    keys = _keys(8)
     writer, reader = _worker(store, src), _worker(store, dst)
-    writer.save(_transfer(keys[:1], [0]))  # warm the arena
+    writer.save(_transfer(keys[:1], [0, 1]))  # warm the arena
     calls = {"xxh3": 0, "gather": 0, "scatter": 0}
     layer_bytes = _block(src, 0)[0].numel() * 2
 
@@ -122,24 +135,24 @@ def test_one_copy_and_one_checksum_pass_per_block_each_way(tmp_path, monkeypatch
     chunk = _chunk_bytes(src)
     tracemalloc.start()
     try:
-        writer.save(_transfer(keys[1:], list(range(1, 8))))
+        writer.save(_transfer(keys[1:], list(range(2, 8))))
         save_peak = tracemalloc.get_traced_memory()[1]
         saved, calls = dict(calls), {k: 0 for k in calls}
         tracemalloc.reset_peak()
-        reader.load(_transfer(keys[1:], list(range(1, 8))))
+        reader.load(_transfer(keys[1:], list(range(2, 8))))
         load_peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
     if fused:  # native passes only: copy and checksum together
-        assert saved == {"xxh3": 0, "gather": 7, "scatter": 0}  # one per block
+        assert saved == {"xxh3": 0, "gather": 3, "scatter": 0}  # one per chunk
         assert calls == {"xxh3": 0, "gather": 0, "scatter": 2}  # one per restore worker
-    else:  # each layer of each block hashed once as it is gathered, checked once before use
-        assert saved == {"xxh3": 7 * LAYERS, "gather": 0, "scatter": 0}
-        assert calls == {"xxh3": 7 * LAYERS, "gather": 0, "scatter": 0}
+    else:  # each layer of each chunk hashed once as it is gathered, checked once before use
+        assert saved == {"xxh3": 3 * LAYERS, "gather": 0, "scatter": 0}
+        assert calls == {"xxh3": 3 * LAYERS, "gather": 0, "scatter": 0}
     assert save_peak < chunk and load_peak < chunk  # no chunk-sized object on either way
     assert store.manager.staging.allocations == 0  # every chunk went straight into a slot
     assert reader.take_load_errors() == set()
-    for b in range(1, 8):
+    for b in range(2, 8):
         for x, y in zip(_block(src, b), _block(dst, b), strict=True):
             assert torch.equal(x, y)
 
@@ -148,37 +161,38 @@ def test_a_corrupt_missing_or_foreign_block_is_a_load_error_and_the_rest_load(tm
     src, dst = caches(NUM_BLOCKS, False, seed=5), caches(NUM_BLOCKS, False, seed=6)
     before = [t.clone() for t in dst.values()]
     store = _local(src, tmp_path)
-    keys = block_keys(list(range(4 * BLOCK)), BLOCK, FP)
-    _worker(store, src).save(_transfer(keys[:3], [0, 1, 2]))
+    keys = _keys(8)
+    _worker(store, src).save(_transfer(keys[:3], [0, 1, 2, 3, 4, 5]))
     cpu = store.manager.tiers[0]
     with cpu.lease([keys[1]]) as (view,):
-        view[-3] ^= 0xFF  # a flipped byte in the last layer of the second block's chunk
+        view[-3] ^= 0xFF  # a flipped byte in the last layer of the second chunk
     reader = _worker(store, dst)
-    reader.load(_transfer(keys, [5, 6, 7, 8]))  # the fourth was never stored
-    assert reader.take_load_errors() == {6, 8}
-    assert reader.stats.loaded_blocks == 2 and store.lookup(keys[1:2]) == 0  # dropped
-    for s, d in ((0, 5), (2, 7)):
+    reader.load(_transfer(keys, [4, 5, 6, 7, 8, 9, 10, 11]))  # the fourth was never stored
+    assert reader.take_load_errors() == {6, 7, 10, 11}
+    assert reader.stats.loaded_blocks == 4 and store.lookup(keys[1:2]) == 0  # dropped
+    for s, d in ((0, 4), (1, 5), (4, 8), (5, 9)):
         for a, b in zip(_block(src, s), _block(dst, d), strict=True):
             assert torch.equal(a, b)
     other = _worker(store, caches(NUM_BLOCKS, False), fp=b"another model")
-    other.load(_transfer(keys[:1], [4]))  # the same key written under another fingerprint
-    assert other.take_load_errors() == {4}
-    assert all(torch.equal(t[:, 8], b[:, 8]) for t, b in zip(dst.values(), before, strict=True))
+    other.load(_transfer(keys[:1], [2, 3]))  # the same key written under another fingerprint
+    assert other.take_load_errors() == {2, 3}
+    for block in (10, 11):  # never written: the missing chunk (the corrupt one is, up to its bad layer)
+        assert all(torch.equal(t[:, block], b[:, block]) for t, b in zip(dst.values(), before, strict=True))
 
 
 def test_a_store_that_fails_is_a_load_error_of_every_block_not_loaded(tmp_path):
     src = caches(NUM_BLOCKS, True, seed=7)
     store = _local(src, tmp_path)
-    keys = block_keys(list(range(2 * BLOCK)), BLOCK, FP)
-    _worker(store, src).save(_transfer(keys, [0, 1]))
+    keys = _keys(3)
+    _worker(store, src).save(_transfer(keys, [0, 1, 2]))
     store.manager.close()  # every tier closed: reads fail
     reader = _worker(store, caches(NUM_BLOCKS, True))
-    reader.load(_transfer(keys, [2, 3]))
-    assert reader.take_load_errors() == {2, 3}
+    reader.load(_transfer(keys, [3, 4, 5], skip=1))
+    assert reader.take_load_errors() == {4, 5}  # block 3 was vLLM's already
 
 
 def test_cache_tensors_without_a_block_dimension_are_refused():
-    worker = WorkerSide(lambda: None, BLOCK, FP)
+    worker = WorkerSide(lambda: None, GRID)
     with pytest.raises(ValueError, match="no block dimension"):
         worker.register({"l": torch.zeros(3, 3, BLOCK, 2, 8)}, NUM_BLOCKS)
 
@@ -190,17 +204,101 @@ def test_blocks_round_trip_through_a_running_kvtier_serve(tmp_path, shm):
     cfg.tiers.disk_dir = None
     cfg.server.shm_dir = str(tmp_path / "shm")
     src, dst = caches(NUM_BLOCKS, True, seed=8), caches(NUM_BLOCKS, True, seed=9)
-    keys = block_keys(list(range(3 * BLOCK)), BLOCK, FP)
+    keys = _keys(3)
     with running(ServiceState.sidecar(cfg)) as url:
         store = RemoteChunkStore(url, _chunk_bytes(src), shm=shm)
         try:
             _worker(store, src).save(_transfer(keys, [2, 3, 4]))
-            assert store.lookup(keys) == 3
+            assert store.lookup(keys) == 2 and store.present([keys[1], "ab" * 16]) == [True, False]
             reader = _worker(store, dst)
-            reader.load(_transfer(keys + ["00" * 32], [5, 6, 7, 8]))
-            assert reader.take_load_errors() == {8} and reader.stats.loaded_blocks == 3
+            reader.load([ChunkTransfer("r", [ChunkSpan(keys[0], (5, 6)), ChunkSpan(keys[1], (7,)),
+                                             ChunkSpan("00" * 32, (8, 9))])])
+            assert reader.take_load_errors() == {8, 9} and reader.stats.loaded_blocks == 3
         finally:
             store.close()
     for s, d in ((2, 5), (3, 6), (4, 7)):
         for a, b in zip(_block(src, s), _block(dst, d), strict=True):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_load_leaves_the_blocks_vllm_computed_alone(tmp_path, monkeypatch, fused):
+    from kvtier.gpu_pool.kernels import host_native
+
+    if not fused:
+        monkeypatch.setattr(host_native, "AVAILABLE", False)
+    src, dst = caches(NUM_BLOCKS, False, seed=10), caches(NUM_BLOCKS, False, seed=11)
+    before = [t.clone() for t in dst.values()]
+    store = _local(src, tmp_path)
+    keys = _keys(4)
+    _worker(store, src).save(_transfer(keys, [0, 1, 2, 3]))
+    reader = _worker(store, dst)
+    reader.load(_transfer(keys, [4, 5, 6, 7], skip=1))  # vLLM holds block 4 already
+    assert reader.take_load_errors() == set() and reader.stats.loaded_blocks == 3
+    assert all(torch.equal(t[:, 4], b[:, 4]) for t, b in zip(dst.values(), before, strict=True))
+    for s, d in ((1, 5), (2, 6), (3, 7)):
+        for a, b in zip(_block(src, s), _block(dst, d), strict=True):
+            assert torch.equal(a, b)
+
+
+def test_each_rank_restores_its_own_part():
+    """TP 2 x PP 2: four workers hold different KV for the same tokens (their heads, their
+    layers); each stores its part under the chunk's key and its rank, and each restores its
+    own, never another's, even where a part was copied under another rank's key."""
+    store = LocalChunkStore(TierManager([CPUTier(64 << 20, 1 << 20)]))
+    keys = _keys(4)
+    world = [caches(NUM_BLOCKS, True, seed=20 + r) for r in range(4)]
+    for r, kv in enumerate(world):
+        _worker(store, kv, rank=Rank(r, 4)).save(_transfer(keys, [0, 1, 2, 3]))
+    for r in range(4):
+        dst = caches(NUM_BLOCKS, True, seed=99)
+        reader = _worker(store, dst, rank=Rank(r, 4))
+        reader.load(_transfer(keys, [4, 5, 6, 7]))
+        assert reader.take_load_errors() == set()
+        for s, d in ((0, 4), (3, 7)):
+            for a, b in zip(_block(world[r], s), _block(dst, d), strict=True):
+                assert torch.equal(a, b)
+    rank0, rank1 = (ChunkGrid.rank_key(keys[0], Rank(r, 4)) for r in (0, 1))
+    assert rank0 != rank1 and keys[0] not in (rank0, rank1)
+    store.manager.delete([rank1])
+    impostor = _worker(store, world[0], rank=Rank(1, 4))  # rank 0's KV under rank 1's keys
+    impostor.fingerprint = rank_fingerprint(FP, Rank(0, 4))  # and rank 0's header
+    impostor.save(_transfer(keys[:1], [0, 1]))
+    assert store.present([rank1]) == [True]
+    reader = _worker(store, caches(NUM_BLOCKS, True), rank=Rank(1, 4))
+    reader.load(_transfer(keys[:1], [8, 9]))
+    assert reader.take_load_errors() == {8, 9}  # its header names rank 0: refused
+
+
+class _GatedStore(LocalChunkStore):
+    """The in-process store, whose stores wait until the test opens the gate (a slow medium)."""
+
+    def __init__(self, manager: TierManager) -> None:
+        super().__init__(manager)
+        import threading
+
+        self.gate = threading.Event()
+
+    def put_from(self, writes):
+        assert self.gate.wait(30)
+        return super().put_from(writes)
+
+
+def test_saves_run_off_the_forward_path_and_hold_a_finished_requests_blocks(tmp_path):
+    src = caches(NUM_BLOCKS, True, seed=30)
+    slot = _chunk_bytes(src)
+    store = _GatedStore(TierManager([CPUTier(16 * slot, slot)]))
+    keys = _keys(4)
+    worker = _worker(store, src, background=True)
+    try:
+        worker.save([ChunkTransfer("a", _transfer(keys, [0, 1, 2, 3])[0].chunks)])
+        assert store.lookup(keys) == 0  # vLLM went on; the save waits on the medium
+        assert worker.finished({"a", "b"}) == set()  # "a"'s blocks stay; "b" saved nothing
+        store.gate.set()
+        worker.blocks_reused()  # a preemption: pending saves land first
+        assert store.lookup(keys) == 2 and worker.stats.saved_blocks == 4
+        assert worker.finished(set()) == {"a"}  # reported once, when its save landed
+        assert worker.finished({"a"}) == set()
+    finally:
+        store.gate.set()
+        worker.close()

@@ -18,6 +18,12 @@ DIM = 8
 class Request:
     request_id: str
     prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
 
 
 @dataclass
@@ -40,6 +46,7 @@ class SchedulerOutput:
     scheduled_new_reqs: list[NewRequest] = field(default_factory=list)
     scheduled_cached_reqs: CachedRequests = field(default_factory=CachedRequests)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    preempted_req_ids: set[str] = field(default_factory=set)
 
 
 def caches(num_blocks: int, blocks_first: bool, seed: int = 0,

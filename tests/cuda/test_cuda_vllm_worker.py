@@ -1,6 +1,7 @@
-"""kvtier's vLLM connector worker with vLLM's caches on the device: blocks gathered from
-GPU memory into the CPU arena's (pinned) slots and scattered back from them, bit-exact,
-in both cache layouts."""
+"""kvtier's vLLM connector worker with vLLM's caches on the device: chunks of blocks
+gathered from GPU memory into the CPU arena's (pinned) slots on the background save thread
+(after the step's forward pass: a CUDA event) and scattered back from them, bit-exact, in
+both cache layouts."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from kvtier.chunk_format import max_chunk_bytes
 from kvtier.connectors.chunk_store import LocalChunkStore
 from kvtier.connectors.tiers.cpu_tier import CPUTier
 from kvtier.connectors.tiers.manager import TierManager
-from kvtier.connectors.vllm_blocks import BlockTransfer, block_keys
+from kvtier.connectors.vllm_blocks import ChunkGrid, ChunkSpan, ChunkTransfer
 from kvtier.connectors.vllm_worker import WorkerSide
 
 BLOCK, LAYERS, BLOCKS = 16, 4, 24
@@ -26,15 +27,23 @@ def test_device_cache_blocks_round_trip_through_the_cpu_arena(device, sizes, blo
     src = {f"l{i}": torch.randn(shape, generator=g).to(torch.bfloat16).to(device) for i in range(LAYERS)}
     dst = {n: torch.zeros_like(t) for n, t in src.items()}
     block_bytes = LAYERS * 2 * BLOCK * heads * dim * 2
-    slot = max_chunk_bytes(LAYERS, block_bytes)
+    grid = ChunkGrid(BLOCK, 3, FP)  # two chunks of three blocks and a two-block tail
+    slot = max_chunk_bytes(LAYERS, block_bytes * grid.chunk_blocks)
     store = LocalChunkStore(TierManager([CPUTier(BLOCKS * slot, slot)]))
-    keys = block_keys(list(range(8 * BLOCK)), BLOCK, FP)
+    keys = [k.key for k in grid.keys(list(range(8 * BLOCK)))]
+
+    def spans(first: int) -> list[ChunkTransfer]:
+        ids = list(range(first, first + 8))
+        return [ChunkTransfer("r", [ChunkSpan(k, tuple(ids[3 * i : 3 * i + 3])) for i, k in enumerate(keys)])]
+
     try:
-        writer, reader = WorkerSide(lambda: store, BLOCK, FP), WorkerSide(lambda: store, BLOCK, FP)
+        writer = WorkerSide(lambda: store, grid, background=True)
+        reader = WorkerSide(lambda: store, grid)
         writer.register(src, BLOCKS)
         reader.register(dst, BLOCKS)
-        writer.save([BlockTransfer("r", list(range(8)), keys)])
-        reader.load([BlockTransfer("r", list(range(10, 18)), keys)])
+        writer.save(spans(0))
+        writer.blocks_reused()  # the background save has landed
+        reader.load(spans(10))
         assert reader.take_load_errors() == set() and reader.stats.loaded_blocks == 8
         dim_b = 0 if blocks_first else 1
         for name in src:
@@ -42,4 +51,5 @@ def test_device_cache_blocks_round_trip_through_the_cpu_arena(device, sizes, blo
             want = src[name].narrow(dim_b, 0, 8)
             assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     finally:
+        writer.close()
         store.manager.close()

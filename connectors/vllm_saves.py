@@ -1,0 +1,86 @@
+"""Saves off vLLM's forward path: each step's save runs on one background thread, in step
+order, while vLLM goes on; a request's blocks are held (vLLM's ``request_finished`` returns
+True) until every save of it has landed, which ``finished`` reports.
+
+A save reads blocks vLLM could hand to another request once they are freed: a finished
+request's blocks are held by vLLM until ``finished`` names it, and when vLLM preempts a
+request (its blocks go back to the pool at once) the worker drains the queue before the
+next forward pass may write them. On CUDA the gather waits for an event recorded after the
+step's forward pass, so it reads what that pass wrote.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+log = logging.getLogger(__name__)
+
+
+class SaveQueue:
+    """Background saves, one at a time in submission order, counted per request."""
+
+    def __init__(self, background: bool = True) -> None:
+        self.background = background
+        """False: every save runs in the caller (vLLM waits for it)."""
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm-save") if background else None
+        self._lock = threading.Lock()
+        self._pending: Counter[str] = Counter()
+        self._seen: set[str] = set()
+        """Requests with a save submitted: the ones whose blocks vLLM holds at their end."""
+        self._finishing: set[str] = set()
+        """Requests vLLM finished, reported once their saves have landed."""
+        self._last: Future[None] | None = None
+
+    def submit(self, req_ids: Iterable[str], save: Callable[[], None]) -> None:
+        """Run ``save`` (which never raises: a failed save is a future miss) for requests
+        ``req_ids``, after every save submitted before it."""
+        ids = list(req_ids)
+        with self._lock:
+            self._seen.update(ids)
+            self._pending.update(ids)
+        if self._pool is None:
+            self._run(ids, save)
+            return
+        self._last = self._pool.submit(self._run, ids, save)
+
+    def _run(self, ids: list[str], save: Callable[[], None]) -> None:
+        try:
+            save()
+        except Exception:  # noqa: BLE001 - never lose the count: the blocks must be freed
+            log.exception("kvtier save failed")
+        finally:
+            with self._lock:
+                self._pending.subtract(ids)
+                for i in ids:
+                    if self._pending[i] <= 0:
+                        del self._pending[i]
+
+    def finished(self, finished_req_ids: Iterable[str]) -> set[str]:
+        """Of the requests vLLM finished (now or before) and that had saves, those whose
+        saves have all landed: vLLM may free their blocks."""
+        with self._lock:
+            self._finishing.update(i for i in finished_req_ids if i in self._seen)
+            done = {i for i in self._finishing if self._pending[i] <= 0}
+            self._finishing -= done
+            self._seen -= done
+        return done
+
+    def drain(self) -> None:
+        """Wait for every save submitted so far."""
+        last = self._last
+        if last is not None:
+            last.result()
+
+    @property
+    def busy(self) -> int:
+        """Requests with a save still running or queued."""
+        with self._lock:
+            return sum(1 for n in self._pending.values() if n > 0)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
