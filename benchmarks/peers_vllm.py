@@ -67,7 +67,7 @@ def connector_run(layers: int, heads: int, dim: int, tokens: int, chunk_tokens: 
     try:
         t0 = time.perf_counter()
         writer.save(plan)
-        writer.blocks_reused()  # until the background save has landed
+        writer.wait_saves()  # until the background save has landed
         store_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         reader.load(plan)

@@ -48,13 +48,21 @@ class ChunkTransfer:
 
 @dataclass
 class StepPlan:
-    """One step's loads (before the forward pass) and saves (after it, in the background),
-    and whether a request lost its blocks since the last step (pending saves then land
-    before the forward pass may write those blocks)."""
+    """One step's work: ``finishing`` saves the last chunks of requests vLLM finished (their
+    blocks are held for it), before this step's loads, which may need them; ``loads`` before
+    the forward pass; ``saves`` of what the step computes, after it, in the background; and
+    whether a request lost its blocks since the last step (pending saves then land before
+    the forward pass may write those blocks)."""
 
     loads: list[ChunkTransfer] = field(default_factory=list)
     saves: list[ChunkTransfer] = field(default_factory=list)
+    finishing: list[ChunkTransfer] = field(default_factory=list)
     preempted: bool = False
+
+    def needs_finishing(self) -> bool:
+        """A load of this step reads a chunk a finishing save writes."""
+        written = {c.key for t in self.finishing for c in t.chunks}
+        return any(c.key in written for t in self.loads for c in t.chunks)
 
 
 @dataclass(frozen=True)

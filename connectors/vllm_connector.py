@@ -156,10 +156,14 @@ class KVTierConnector(KVConnectorBase_V1):
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(kv_connector_metadata, KVTierConnectorMetadata)
         if kv_connector_metadata.plan.preempted:
-            self.worker_side.blocks_reused()
+            self.worker_side.wait_saves()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        self.worker_side.load(self._plan().loads)
+        plan = self._plan()
+        self.worker_side.save(plan.finishing)  # finished requests' last chunks, blocks held
+        if plan.needs_finishing():
+            self.worker_side.wait_saves()
+        self.worker_side.load(plan.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return

@@ -68,6 +68,9 @@ class SchedulerSide:
         self._found: dict[str, _Found] = {}
         self._loads: dict[str, ChunkTransfer] = {}
         self._final_saves: list[ChunkTransfer] = []
+        self._finishing: set[str] = set()
+        """Keys of the final saves planned for the next step: stored by the time a load
+        of that step reads them (the workers save them first)."""
         self.hit_blocks = 0
 
     # ------------------------------------------------------------------ lookups
@@ -96,11 +99,19 @@ class SchedulerSide:
         return [ChunkGrid.rank_key(k, r) for r in self.ranks for k in keys]
 
     def _stored_prefix(self, keys: list[str]) -> int:
-        """Leading ``keys`` whose every rank's part is stored."""
-        if not keys:
-            return 0
-        store = self._store()
-        return min(store.lookup([ChunkGrid.rank_key(k, r) for k in keys]) for r in self.ranks)
+        """Leading ``keys`` whose every rank's part is stored, or about to be (a finished
+        request's final save)."""
+        n = 0
+        while n < len(keys):
+            if keys[n] in self._finishing:
+                n += 1
+                continue
+            store, rest = self._store(), keys[n:]
+            got = min(store.lookup([ChunkGrid.rank_key(k, r) for k in rest]) for r in self.ranks)
+            n += got
+            if not got:
+                break
+        return n
 
     def _stored_tail(self, prompt: list[int], full: list[str], chunk: int, room: int
                      ) -> tuple[str, int] | None:
@@ -114,7 +125,7 @@ class SchedulerSide:
         present = self._store().present(self._parts(keys))
         n = len(keys)
         for i, key in enumerate(keys):
-            if all(present[r * n + i] for r in range(len(self.ranks))):
+            if key in self._finishing or all(present[r * n + i] for r in range(len(self.ranks))):
                 return key, most - i
         return None
 
@@ -154,9 +165,10 @@ class SchedulerSide:
     # ------------------------------------------------------------------- steps
     def step_plan(self, scheduler_output: Any) -> StepPlan:
         """This step's loads, and saves of the chunks the step completes."""
-        plan = StepPlan(loads=list(self._loads.values()), saves=self._final_saves)
+        plan = StepPlan(loads=list(self._loads.values()), finishing=self._final_saves)
         self._loads.clear()
         self._final_saves = []
+        self._finishing.clear()
         plan.preempted = bool(getattr(scheduler_output, "preempted_req_ids", None))
         for req_id, computed in self._progress(scheduler_output).items():
             save = self._completed(req_id, computed)
@@ -244,4 +256,5 @@ class SchedulerSide:
             if spans:
                 state.saving = True
                 self._final_saves.append(ChunkTransfer(req_id, spans))
+                self._finishing.update(span.key for span in spans)
         return state.saving

@@ -179,9 +179,10 @@ class WorkerSide:
         """Requests vLLM finished whose saves have all landed (their blocks may go)."""
         return self.saves.finished(finished_req_ids)
 
-    def blocks_reused(self) -> None:
-        """vLLM freed a running request's blocks (a preemption): saves reading them land
-        before the next forward pass may write them."""
+    def wait_saves(self) -> None:
+        """Wait for every save submitted so far: before vLLM may write blocks a save reads
+        (a preempted request's, given back at once), or before a load reads a chunk a
+        save writes."""
         t0 = time.perf_counter()
         self.saves.drain()
         self.stats.save_wait_s += time.perf_counter() - t0

@@ -2,7 +2,8 @@
 checkpoint and vLLM's own prefix caching off: a second request sharing a long prefix with
 the first gets that prefix from kvtier (vLLM counts external hits) and generates exactly
 the tokens, with the same log-probabilities, of a run without kvtier. Once with kvtier's
-tiers in-process, once through a running ``kvtier serve``."""
+tiers in-process, once through a running ``kvtier serve``; and a conversation whose second
+turn restores the first turn's reply too."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from tests.serve_process import start_serve
 pytestmark = pytest.mark.vllm
 HERE = Path(__file__).resolve().parent
 BLOCK = 32
+CHUNK_BLOCKS = 256 // BLOCK  # the connector's default chunk_tokens
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +35,9 @@ def model_dir(tmp_path_factory):
     return str(make_model(preset, tmp_path_factory.mktemp("m") / "tiny-hd64", seed=11).path)
 
 
-def run_vllm(model: str, mode: str, extra: dict | None = None) -> tuple[list[dict], dict]:
-    cmd = [sys.executable, str(HERE / "vllm_run.py"), model, mode]
-    if extra is not None:
-        cmd.append(json.dumps(extra))
+def run_vllm(model: str, mode: str, extra: dict | None = None, scenario: str = "shared"
+             ) -> tuple[list[dict], dict]:
+    cmd = [sys.executable, str(HERE / "vllm_run.py"), model, mode, json.dumps(extra or {}), scenario]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     lines = proc.stdout.splitlines()
@@ -58,14 +59,21 @@ def shared_blocks(results: list[dict]) -> int:
     return min(common, len(a) - 1, len(b) - 1) // BLOCK
 
 
-def check_against_baseline(results: list[dict], metrics: dict, baseline: list[dict]) -> None:
+def check_against_baseline(results: list[dict], metrics: dict, baseline: list[dict],
+                           expected_hit: int | None = None) -> None:
     first, second = results
-    expected_hit = shared_blocks(results) * BLOCK
+    if expected_hit is None:
+        # the first prompt's tail chunk ends before the suffix: the whole prefix matches
+        expected_hit = shared_blocks(results) * BLOCK
     assert expected_hit >= 10 * BLOCK  # the shared prefix is long
     assert first["num_cached_tokens"] == 0  # nothing stored before the first request
     assert second["num_cached_tokens"] == expected_hit  # the prefix came from kvtier
     assert metrics["vllm:external_prefix_cache_hits"] == expected_hit
     assert metrics.get("vllm:prefix_cache_hits", 0) == 0  # vLLM's own cache is off
+    check_tokens(results, baseline)
+
+
+def check_tokens(results: list[dict], baseline: list[dict]) -> None:
     for ours, ref in zip(results, baseline, strict=True):
         assert ours["prompt_ids"] == ref["prompt_ids"]
         assert ours["token_ids"] == ref["token_ids"]
@@ -89,8 +97,26 @@ def test_through_kvtier_serve(model_dir, baseline, tmp_path):
         check_against_baseline(results, metrics, baseline)
         stats = httpx.get(f"{url}/v1/stats", headers=headers).json()
         stored = sum(t["chunks"] for t in stats["tiers"])
-        assert stored >= len(results[0]["prompt_ids"]) // BLOCK  # the first prompt's blocks
+        full_blocks = len(results[0]["prompt_ids"]) // BLOCK
+        assert stored >= -(-full_blocks // CHUNK_BLOCKS)  # the first prompt's chunks and tail
         assert stats["manager"]["hits_by_tier"]  # and the second request read them back
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def baseline_turns(model_dir):
+    results, _ = run_vllm(model_dir, "none", scenario="turns")
+    return results
+
+
+def test_a_returning_turn_restores_the_previous_reply(model_dir, baseline_turns, tmp_path):
+    extra = {"tiers": {"cpu_bytes": 64 << 20, "disk_dir": str(tmp_path / "c"), "disk_fsync": False}}
+    results, metrics = run_vllm(model_dir, "kvtier", extra, scenario="turns")
+    first, second = results
+    computed = len(first["prompt_ids"]) + len(first["token_ids"]) - 1  # the last token has no KV
+    reply_hit = min(computed // BLOCK, (len(second["prompt_ids"]) - 1) // BLOCK) * BLOCK
+    assert reply_hit > len(first["prompt_ids"]) // BLOCK * BLOCK  # the reply fills a block more
+    assert second["num_cached_tokens"] == reply_hit
+    check_tokens(results, baseline_turns)

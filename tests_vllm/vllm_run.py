@@ -1,8 +1,10 @@
 """One vLLM run for the integration tests (a fresh process each: vLLM holds global state).
 
-Usage: python vllm_run.py MODEL_DIR MODE [EXTRA_JSON]; MODE is ``none`` (no connector) or
-``kvtier`` (KVTierConnector with EXTRA_JSON as kv_connector_extra_config). Two greedy
-requests sharing a long prefix, then one JSON line per request and one with the metrics.
+Usage: python vllm_run.py MODEL_DIR MODE [EXTRA_JSON [SCENARIO]]; MODE is ``none`` (no
+connector) or ``kvtier`` (KVTierConnector with EXTRA_JSON as kv_connector_extra_config).
+SCENARIO ``shared`` (default): two greedy requests sharing a long prefix; ``turns``: a
+conversation of two turns, the second sending the first's prompt and reply back with a new
+message (token ids). Then one JSON line per request and one with the metrics.
 """
 
 from __future__ import annotations
@@ -42,20 +44,30 @@ def main() -> None:
         seed=0,
         **kw,
     )
-    params = SamplingParams(max_tokens=12, temperature=0, logprobs=3)
-    for suffix in SUFFIXES:
-        out = llm.generate([f"{PREFIX} {suffix}"], params)[0]
-        comp = out.outputs[0]
-        print("RESULT " + json.dumps({
-            "prompt_ids": list(out.prompt_token_ids),
-            "token_ids": list(comp.token_ids),
-            "logprobs": [
-                {str(t): lp.logprob for t, lp in step.items()} for step in comp.logprobs
-            ],
-            "num_cached_tokens": out.num_cached_tokens,
-        }), flush=True)  # fmt: skip
+    scenario = sys.argv[4] if len(sys.argv) > 4 else "shared"
+    if scenario == "turns":
+        params = SamplingParams(max_tokens=40, temperature=0, logprobs=3)
+        first = llm.generate([f"{PREFIX} {SUFFIXES[0]}"], params)[0]
+        report(first)
+        history = list(first.prompt_token_ids) + list(first.outputs[0].token_ids)
+        more = llm.get_tokenizer().encode(f" {SUFFIXES[1]}", add_special_tokens=False)
+        report(llm.generate([{"prompt_token_ids": history + more}], params)[0])
+    else:
+        params = SamplingParams(max_tokens=12, temperature=0, logprobs=3)
+        for suffix in SUFFIXES:
+            report(llm.generate([f"{PREFIX} {suffix}"], params)[0])
     metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
     print("METRICS " + json.dumps({k: v for k, v in metrics.items() if "cache" in k}), flush=True)
+
+
+def report(out) -> None:
+    comp = out.outputs[0]
+    print("RESULT " + json.dumps({
+        "prompt_ids": list(out.prompt_token_ids),
+        "token_ids": list(comp.token_ids),
+        "logprobs": [{str(t): lp.logprob for t, lp in step.items()} for step in comp.logprobs],
+        "num_cached_tokens": out.num_cached_tokens,
+    }), flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -129,12 +129,17 @@ def test_a_finished_request_saves_its_reply_and_holds_its_blocks_until_then():
     req.output_token_ids = list(range(500, 500 + 2 * BLOCK + 1))
     req.num_computed_tokens = len(req.all_token_ids) - 1  # the last token has no KV yet
     assert sched.finished(req, [0, 1, 2, 3, 4, 5]) is True  # blocks held for the save
-    plan = sched.step_plan(SchedulerOutput())
-    assert _blocks(plan.saves) == [[2, 3], [4]]  # chunk 1 now full, and the new tail
-    worker.save(plan.saves)
-    assert worker.finished({"a"}) == {"a"}
-    turn2 = req.all_token_ids[:-1] + [7] * BLOCK
-    assert sched.matched_tokens(Request("b", turn2), 0) == 5 * BLOCK  # the reply restores
+    turn2 = Request("b", req.all_token_ids[:-1] + [7] * BLOCK)
+    # the next turn arrives before the next step: the final save is planned, not yet run
+    assert sched.matched_tokens(turn2, 0) == 5 * BLOCK  # the reply is restored
+    sched.allocated(turn2, list(range(10, 17)), 5 * BLOCK)
+    plan = sched.step_plan(_new("b", list(range(10, 17)), 5 * BLOCK, 2))
+    assert _blocks(plan.finishing) == [[2, 3], [4]]  # chunk 1 now full, and the new tail
+    assert plan.needs_finishing()  # the load reads them: the workers save them first
+    worker.save(plan.finishing)
+    worker.load(plan.loads)
+    assert worker.take_load_errors() == set() and worker.finished({"a"}) == {"a"}
+    assert sched.matched_tokens(Request("c", turn2.prompt_token_ids), 0) == 5 * BLOCK
 
 
 def test_a_request_that_saved_nothing_frees_its_blocks_at_once():

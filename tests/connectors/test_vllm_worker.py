@@ -295,7 +295,7 @@ def test_saves_run_off_the_forward_path_and_hold_a_finished_requests_blocks(tmp_
         assert store.lookup(keys) == 0  # vLLM went on; the save waits on the medium
         assert worker.finished({"a", "b"}) == set()  # "a"'s blocks stay; "b" saved nothing
         store.gate.set()
-        worker.blocks_reused()  # a preemption: pending saves land first
+        worker.wait_saves()  # a preemption: pending saves land first
         assert store.lookup(keys) == 2 and worker.stats.saved_blocks == 4
         assert worker.finished(set()) == {"a"}  # reported once, when its save landed
         assert worker.finished({"a"}) == set()

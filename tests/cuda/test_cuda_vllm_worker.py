@@ -42,7 +42,7 @@ def test_device_cache_blocks_round_trip_through_the_cpu_arena(device, sizes, blo
         writer.register(src, BLOCKS)
         reader.register(dst, BLOCKS)
         writer.save(spans(0))
-        writer.blocks_reused()  # the background save has landed
+        writer.wait_saves()  # the background save has landed
         reader.load(spans(10))
         assert reader.take_load_errors() == set() and reader.stats.loaded_blocks == 8
         dim_b = 0 if blocks_first else 1
