@@ -34,6 +34,10 @@ class ChunkStore(Protocol):
     def lookup(self, keys: Sequence[str]) -> int:
         """How many leading ``keys`` are stored."""
 
+    def where(self, keys: Sequence[str]) -> list[str]:
+        """The tier holding each of the leading stored ``keys`` (its name; the fastest
+        that has it): as long as the stored prefix."""
+
     def present(self, keys: Sequence[str]) -> list[bool]:
         """Whether each of ``keys`` is stored (one round trip)."""
 
@@ -55,6 +59,10 @@ class LocalChunkStore:
 
     def lookup(self, keys: Sequence[str]) -> int:
         return self.manager.lookup(keys).length
+
+    def where(self, keys: Sequence[str]) -> list[str]:
+        tiers = self.manager.tiers
+        return [tiers[i].name for i in self.manager.lookup(keys).tiers]
 
     def present(self, keys: Sequence[str]) -> list[bool]:
         return self.manager.present(keys)
@@ -86,6 +94,9 @@ class RemoteChunkStore:
 
     def lookup(self, keys: Sequence[str]) -> int:
         return self.client.lookup(keys).length if keys else 0
+
+    def where(self, keys: Sequence[str]) -> list[str]:
+        return list(self.client.lookup(keys).tiers) if keys else []
 
     def present(self, keys: Sequence[str]) -> list[bool]:
         return self.client.present(keys) if keys else []

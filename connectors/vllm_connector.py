@@ -25,7 +25,9 @@ request's blocks are held until they land (``get_finished``).
 
 Options (``kv_connector_extra_config``): ``url``/``token``/``shm`` (a ``kvtier serve``) or
 ``config``/``tiers`` (in-process tiers), ``chunk_tokens`` (256), ``save_decode`` (true: save
-a finished request's reply too), ``background_saves`` (true), ``fingerprint_salt``.
+a finished request's reply too), ``background_saves`` (true), ``policy`` (true: load a
+stored prefix only where that beats recomputing it, :mod:`.vllm_policy`), ``profile`` (a
+``kvtier calibrate`` profile to start the tiers' speeds from), ``fingerprint_salt``.
 """
 
 from __future__ import annotations
@@ -39,11 +41,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
 from kvtier.chunk_format import max_chunk_bytes
 from kvtier.connectors.chunk_store import ChunkStore, open_store
 from kvtier.connectors.vllm_blocks import DEFAULT_CHUNK_TOKENS, ChunkGrid, Rank, StepPlan
+from kvtier.connectors.vllm_policy import LoadObservation, LoadPolicy
 from kvtier.connectors.vllm_scheduler import SchedulerSide
 from kvtier.connectors.vllm_worker import WorkerSide
 from kvtier.models.weights_digest import checkpoint_digest
@@ -54,6 +58,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
@@ -64,6 +69,18 @@ class KVTierConnectorMetadata(KVConnectorMetadata):
     """A step's plan, as vLLM hands it from the scheduler to the workers."""
 
     plan: StepPlan = field(default_factory=StepPlan)
+
+
+@dataclass
+class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
+    """What the workers tell the scheduler side after a step: the loads they made (bytes
+    and seconds), which measure each tier's speed for the restore-or-recompute policy."""
+
+    loads: list[LoadObservation] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KVTierWorkerMetadata)
+        return KVTierWorkerMetadata(self.loads + other.loads)
 
 
 def fingerprint(vllm_config: VllmConfig, salt: object = None) -> bytes:
@@ -103,7 +120,8 @@ class KVTierConnector(KVConnectorBase_V1):
         self.world = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
         self._store: ChunkStore | None = None
         self.scheduler_side = SchedulerSide(self._open_store, self.grid, self.world,
-                                            save_decode=bool(self.extra.get("save_decode", True)))
+                                            save_decode=bool(self.extra.get("save_decode", True)),
+                                            policy=self._policy())
         self.worker_side = WorkerSide(self._open_store, self.grid)
 
     @property
@@ -111,15 +129,37 @@ class KVTierConnector(KVConnectorBase_V1):
         w = self.worker_side.stats
         return {"hit_blocks": self.scheduler_side.hit_blocks, "loaded_blocks": w.loaded_blocks,
                 "saved_blocks": w.saved_blocks, "load_errors": w.load_errors,
-                "load_s": w.load_s, "save_wait_s": w.save_wait_s}
+                "load_s": w.load_s, "save_wait_s": w.save_wait_s,
+                "recomputed_by_decision": self.scheduler_side.recomputed_by_decision}
+
+    def _layers_and_block(self) -> tuple[int, int]:
+        """Layers this worker holds and the bytes of one block of all of them."""
+        groups = self._kv_cache_config.kv_cache_groups
+        layers = sum(len(g.layer_names) for g in groups)
+        return layers, sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups)
+
+    def _policy(self) -> LoadPolicy:
+        """Restore or recompute on this instance's measured costs; ``profile``: a ``kvtier
+        calibrate`` profile whose tiers' speeds it starts from; ``policy: false`` loads
+        every stored prefix."""
+        from kvtier.machine import this_machine
+        from kvtier.policies.profile import load_profile
+
+        layers, block = self._layers_and_block()
+        profile, tiers = self.extra.get("profile"), None
+        if profile:
+            cost, warnings = load_profile(profile, machine=this_machine())
+            tiers = cost.tiers
+            for warning in warnings:
+                log.warning("kvtier connector: %s", warning)
+        return LoadPolicy(block // self.block_size, layers, tiers,
+                          enabled=bool(self.extra.get("policy", True)))
 
     def _open_store(self) -> ChunkStore:
         """The store, opened once; its slots hold one chunk of every layer (both sides
         size it alike, so an in-process store they share is sized once)."""
         if self._store is None:
-            groups = self._kv_cache_config.kv_cache_groups
-            layers = sum(len(g.layer_names) for g in groups)
-            block = sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups)
+            layers, block = self._layers_and_block()
             self._store = open_store(self.extra, max_chunk_bytes(layers, block * self.grid.chunk_blocks))
         return self._store
 
@@ -136,6 +176,11 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return KVTierConnectorMetadata(self.scheduler_side.step_plan(scheduler_output))
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, KVTierWorkerMetadata):
+            self.scheduler_side.observe(meta.loads)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -180,6 +225,10 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.take_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        loads = self.worker_side.take_observations()
+        return KVTierWorkerMetadata(loads) if loads else None
 
     def shutdown(self) -> None:
         self.worker_side.close()

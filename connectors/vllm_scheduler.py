@@ -13,6 +13,7 @@ main suite drives it with plain stand-ins.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,8 +21,14 @@ from typing import Any
 from kvtier.chunk_keys import ChunkKey
 from kvtier.connectors.chunk_store import ChunkStore
 from kvtier.connectors.vllm_blocks import ChunkGrid, ChunkSpan, ChunkTransfer, Rank, StepPlan
+from kvtier.connectors.vllm_policy import LoadObservation, LoadPolicy
+from kvtier.policies.restore import StoredChunk
 
 log = logging.getLogger(__name__)
+
+FINISHING = "finishing"
+"""The tier of a chunk a finished request's final save is about to write (from vLLM's
+held blocks into the fastest tier, before the load that reads it)."""
 
 
 @dataclass
@@ -41,16 +48,28 @@ class _ReqState:
 
 
 @dataclass(frozen=True)
+class _Stored:
+    """One stored chunk of a prompt's prefix: its key, its blocks and the tier holding it."""
+
+    key: str
+    blocks: int
+    tier: str
+
+
+@dataclass(frozen=True)
 class _Found:
     """What the last lookup of a request found: vLLM holds its first ``computed`` blocks;
-    the store its first ``chunks`` full chunks and then ``tail`` (key, blocks) if any."""
+    the store its first ``chunks`` full chunks and then ``tail`` if any; ``load``: the
+    leading stored chunks the policy chose to load (the rest is recomputed)."""
 
     computed: int
     chunks: int
-    tail: tuple[str, int] | None
+    tail: _Stored | None
+    load: tuple[_Stored, ...]
 
-    def blocks(self, chunk_blocks: int) -> int:
-        return self.chunks * chunk_blocks + (self.tail[1] if self.tail else 0)
+    @property
+    def blocks(self) -> int:
+        return sum(s.blocks for s in self.load)
 
 
 class SchedulerSide:
@@ -58,9 +77,14 @@ class SchedulerSide:
     ``world``: the ranks (TP x PP) whose parts make a chunk."""
 
     def __init__(self, store: Callable[[], ChunkStore], grid: ChunkGrid, world: int = 1,
-                 save_decode: bool = True) -> None:
+                 save_decode: bool = True, policy: LoadPolicy | None = None) -> None:
         self._store = store
         self.grid = grid
+        self.policy = policy
+        """Restore or recompute (None: every stored prefix is loaded)."""
+        self.recomputed_by_decision = 0
+        """Stored tokens the policy chose to recompute rather than load."""
+        self._load_tiers: dict[str, set[str]] = {}
         self.ranks = [Rank(i, world) for i in range(world)]
         self.save_decode = save_decode
         """Save a finished request's reply too (a returning turn restores it)."""
@@ -75,8 +99,9 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ lookups
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
-        """Tokens past ``num_computed_tokens`` the store can provide: the longest stored
-        prefix of the prompt's full blocks, leaving at least one token to compute."""
+        """Tokens past ``num_computed_tokens`` the store can provide and the policy chose to
+        load: of the longest stored prefix of the prompt's full blocks, leaving at least
+        one token to compute."""
         prompt = list(request.prompt_token_ids or [])
         state = self._requests.get(request.request_id)
         if state is None:
@@ -85,36 +110,60 @@ class SchedulerSide:
         usable = (len(prompt) - 1) // bs
         full = [k.key for k in state.keys if not k.is_tail][: usable // per]
         try:
-            chunks = self._stored_prefix(full)
-            tail = self._stored_tail(prompt, full, chunks, usable - chunks * per)
+            stored = self._stored_prefix(full)
+            tail = self._stored_tail(prompt, full, len(stored), usable - len(stored) * per)
         except Exception as exc:  # noqa: BLE001 - an unreachable store is a miss
             log.warning("kvtier lookup failed, recomputing: %s", exc)
-            chunks, tail = 0, None
-        found = self._found[request.request_id] = _Found(num_computed_tokens // bs, chunks, tail)
-        hit = found.blocks(per)
-        return max(0, hit * bs - num_computed_tokens) if hit > found.computed else 0
+            stored, tail = [], None
+        computed = num_computed_tokens // bs
+        chain = stored + ([tail] if tail else [])
+        found = _Found(computed, len(stored), tail, self._chosen(chain, computed, len(prompt)))
+        self._found[request.request_id] = found
+        return max(0, found.blocks * bs - num_computed_tokens) if found.blocks > computed else 0
+
+    def _chosen(self, chain: list[_Stored], computed: int, prompt_tokens: int) -> tuple[_Stored, ...]:
+        """The leading stored chunks worth loading past vLLM's ``computed`` blocks."""
+        bs, first, new = self.grid.block_size, 0, []
+        for s in chain:
+            new.append(StoredChunk(max(0, first + s.blocks - max(first, computed)) * bs, s.tier))
+            first += s.blocks
+        skipped = sum(1 for c in new if c.tokens == 0)  # chunks vLLM holds whole
+        if self.policy is None or skipped == len(chain):
+            return tuple(chain)
+        k = self.policy.chunks_to_load(new[skipped:], prompt_tokens, computed * bs)
+        self.recomputed_by_decision += sum(c.tokens for c in new[skipped + k :])
+        return tuple(chain[: skipped + k]) if k else ()
 
     def _parts(self, keys: Sequence[str]) -> list[str]:
         """Every rank's storage key of each of ``keys``, rank by rank."""
         return [ChunkGrid.rank_key(k, r) for r in self.ranks for k in keys]
 
-    def _stored_prefix(self, keys: list[str]) -> int:
-        """Leading ``keys`` whose every rank's part is stored, or about to be (a finished
-        request's final save)."""
-        n = 0
-        while n < len(keys):
-            if keys[n] in self._finishing:
-                n += 1
+    def _stored_prefix(self, keys: list[str]) -> list[_Stored]:
+        """The leading ``keys`` whose every rank's part is stored, or about to be (a
+        finished request's final save, in the fastest tier then), with their tiers."""
+        per, out = self.grid.chunk_blocks, []
+        while len(out) < len(keys):
+            key = keys[len(out)]
+            if key in self._finishing:
+                out.append(_Stored(key, per, FINISHING))
                 continue
-            store, rest = self._store(), keys[n:]
-            got = min(store.lookup([ChunkGrid.rank_key(k, r) for k in rest]) for r in self.ranks)
-            n += got
+            rest = keys[len(out):]
+            got = self._located(rest)
+            out += [_Stored(k, per, t) for k, t in zip(rest, got, strict=False)]
             if not got:
                 break
-        return n
+        return out
+
+    def _located(self, keys: list[str]) -> list[str]:
+        """Tiers of the leading ``keys`` whose every rank's part is stored (rank 0's tiers)."""
+        store = self._store()
+        tiers = store.where([ChunkGrid.rank_key(k, self.ranks[0]) for k in keys])
+        for r in self.ranks[1:]:
+            tiers = tiers[: store.lookup([ChunkGrid.rank_key(k, r) for k in keys[: len(tiers)]])]
+        return tiers
 
     def _stored_tail(self, prompt: list[int], full: list[str], chunk: int, room: int
-                     ) -> tuple[str, int] | None:
+                     ) -> _Stored | None:
         """The longest tail chunk stored after full chunk ``chunk - 1`` (every rank's part),
         of at most ``room`` blocks (fewer than a chunk's)."""
         most = min(room, self.grid.chunk_blocks - 1)
@@ -125,8 +174,11 @@ class SchedulerSide:
         present = self._store().present(self._parts(keys))
         n = len(keys)
         for i, key in enumerate(keys):
-            if key in self._finishing or all(present[r * n + i] for r in range(len(self.ranks))):
-                return key, most - i
+            if key in self._finishing:
+                return _Stored(key, most - i, FINISHING)
+            if all(present[r * n + i] for r in range(len(self.ranks))):
+                tier = self._store().where([ChunkGrid.rank_key(key, self.ranks[0])])
+                return _Stored(key, most - i, tier[0]) if tier else None
         return None
 
     # -------------------------------------------------------------- allocation
@@ -140,31 +192,38 @@ class SchedulerSide:
             return
         state.stored = max(state.stored, found.chunks)
         tail_key = next((k.key for k in state.keys if k.is_tail), None)
-        if found.tail is not None and found.tail[0] == tail_key:
+        if found.tail is not None and found.tail.key == tail_key:
             state.tail_stored = True
         if num_external_tokens <= 0:
             return
         self._loads[request.request_id] = ChunkTransfer(request.request_id, self._spans(state, found))
-        self.hit_blocks += found.blocks(self.grid.chunk_blocks) - found.computed
+        self._load_tiers[request.request_id] = {s.tier for s in found.load}
+        self.hit_blocks += found.blocks - found.computed
 
     def _spans(self, state: _ReqState, found: _Found) -> list[ChunkSpan]:
         """The chunks to load, each past the blocks vLLM computed already."""
-        per = self.grid.chunk_blocks
-        spans = []
-        pieces = [(k.key, per) for k in state.keys[: found.chunks]]
-        if found.tail is not None:
-            pieces.append(found.tail)
-        for i, (key, blocks) in enumerate(pieces):
-            first = i * per
-            if first + blocks <= found.computed:
-                continue
-            ids = tuple(state.block_ids[first : first + blocks])
-            spans.append(ChunkSpan(key, ids, max(0, found.computed - first)))
+        spans, first = [], 0
+        for s in found.load:
+            if first + s.blocks > found.computed:
+                ids = tuple(state.block_ids[first : first + s.blocks])
+                spans.append(ChunkSpan(s.key, ids, max(0, found.computed - first)))
+            first += s.blocks
         return spans
+
+    def observe(self, loads: Sequence[LoadObservation]) -> None:
+        """Loads the workers made: each tier's read speed for the policy (a request's
+        chunks from one tier only: a mixed load says nothing of either)."""
+        for obs in loads:
+            tiers = self._load_tiers.get(obs.req_id, set())
+            if self.policy is not None and len(tiers) == 1 and FINISHING not in tiers:
+                self.policy.observe_load(next(iter(tiers)), obs.nbytes, obs.seconds)
 
     # ------------------------------------------------------------------- steps
     def step_plan(self, scheduler_output: Any) -> StepPlan:
         """This step's loads, and saves of the chunks the step completes."""
+        if self.policy is not None:
+            self.policy.steps.plan_built(time.monotonic(),
+                                         int(getattr(scheduler_output, "total_num_scheduled_tokens", 0)))
         plan = StepPlan(loads=list(self._loads.values()), finishing=self._final_saves)
         self._loads.clear()
         self._final_saves = []
@@ -239,6 +298,7 @@ class SchedulerSide:
         req_id = request.request_id
         self._found.pop(req_id, None)
         self._loads.pop(req_id, None)
+        self._load_tiers.pop(req_id, None)
         state = self._requests.pop(req_id, None)
         if state is None:
             return False

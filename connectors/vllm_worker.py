@@ -33,6 +33,7 @@ from kvtier.connectors.tiers.chunk_workers import map_restore
 from kvtier.connectors.tiers.lent_chunk import LentChunk
 from kvtier.connectors.vllm_blocks import ChunkGrid, ChunkSpan, ChunkTransfer, Rank
 from kvtier.connectors.vllm_pieces import BlockPieces, CacheLayer
+from kvtier.connectors.vllm_policy import LoadObservation
 from kvtier.connectors.vllm_saves import SaveQueue
 from kvtier.errors import ChunkError, ChunkMismatchError, InvalidArgumentError
 from kvtier.gpu_pool.kernels.host_native import (
@@ -89,6 +90,7 @@ class WorkerSide:
         self.stats = WorkerStats()
         self.saves = SaveQueue(background)
         self._load_errors: set[int] = set()
+        self._observed: list[LoadObservation] = []
 
     def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         """vLLM's cache tensors, one per layer, each with a block dimension of
@@ -197,6 +199,7 @@ class WorkerSide:
         self.stats.load_s += time.perf_counter() - t0
 
     def _load_one(self, load: ChunkTransfer) -> None:
+        t0 = time.perf_counter()
         keys = [ChunkGrid.rank_key(span.key, self.rank) for span in load.chunks]
         loaded: set[int] = set()
         try:
@@ -210,6 +213,10 @@ class WorkerSide:
         except Exception as exc:  # noqa: BLE001 - every block not loaded is an error
             log.warning("kvtier load failed (recomputed): %s", exc)
         wanted = {b for span in load.chunks for b in span.block_ids[span.skip :]}
+        if loaded:
+            block_bytes = self.layers[0].block(0).numel() * self.layers[0].kv.element_size()
+            self._observed.append(LoadObservation(
+                load.req_id, len(loaded) * block_bytes * len(self.layers), time.perf_counter() - t0))
         missed = wanted - loaded
         self._load_errors.update(missed)
         self.stats.load_errors += len(missed)
@@ -324,6 +331,11 @@ class WorkerSide:
                 DTYPES.get(header.dtype) != self.dtype):
             raise ChunkMismatchError(f"chunk {header.key} holds {header.shape} of "
                                      f"{header.dtype}, not these blocks of this cache")
+
+    def take_observations(self) -> list[LoadObservation]:
+        """The loads made since the last call (bytes and seconds), for the scheduler's policy."""
+        out, self._observed = self._observed, []
+        return out
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
