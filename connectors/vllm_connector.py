@@ -45,7 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtier.chunk_format import max_chunk_bytes
-from kvtier.connectors.chunk_store import ChunkStore, open_store
+from kvtier.connectors.chunk_store import ChunkStore, check_shared, open_store
 from kvtier.connectors.vllm_blocks import DEFAULT_CHUNK_TOKENS, ChunkGrid, Rank, StepPlan
 from kvtier.connectors.vllm_policy import LoadObservation, LoadPolicy
 from kvtier.connectors.vllm_scheduler import SchedulerSide
@@ -118,6 +118,7 @@ class KVTierConnector(KVConnectorBase_V1):
                                  int(self.extra.get("chunk_tokens", DEFAULT_CHUNK_TOKENS)))
         parallel = vllm_config.parallel_config
         self.world = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+        check_shared(self.extra, self.world)
         self._store: ChunkStore | None = None
         self.scheduler_side = SchedulerSide(self._open_store, self.grid, self.world,
                                             save_decode=bool(self.extra.get("save_decode", True)),

@@ -35,9 +35,10 @@ def model_dir(tmp_path_factory):
     return str(make_model(preset, tmp_path_factory.mktemp("m") / "tiny-hd64", seed=11).path)
 
 
-def run_vllm(model: str, mode: str, extra: dict | None = None, scenario: str = "shared"
-             ) -> tuple[list[dict], dict]:
-    cmd = [sys.executable, str(HERE / "vllm_run.py"), model, mode, json.dumps(extra or {}), scenario]
+def run_vllm(model: str, mode: str, extra: dict | None = None, scenario: str = "shared",
+             tp: int = 1) -> tuple[list[dict], dict]:
+    cmd = [sys.executable, str(HERE / "vllm_run.py"), model, mode, json.dumps(extra or {}),
+           scenario, str(tp)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     lines = proc.stdout.splitlines()
@@ -120,3 +121,20 @@ def test_a_returning_turn_restores_the_previous_reply(model_dir, baseline_turns,
     assert reply_hit > len(first["prompt_ids"]) // BLOCK * BLOCK  # the reply fills a block more
     assert second["num_cached_tokens"] == reply_hit
     check_tokens(results, baseline_turns)
+
+
+def test_tensor_parallel_ranks_each_restore_their_own_heads(model_dir, tmp_path):
+    """TP = 2 (a worker process per core, one of the model's two KV heads each) through
+    ``kvtier serve``: every rank stores its own part of each chunk, the second request
+    restores the shared prefix from kvtier and generates vLLM alone's tokens at TP = 2."""
+    reference, _ = run_vllm(model_dir, "none", tp=2)
+    server, url, _ = start_serve(tmp_path / "serve-tp", "t0k")
+    try:
+        results, metrics = run_vllm(model_dir, "kvtier", {"url": url, "token": "t0k"}, tp=2)
+        check_against_baseline(results, metrics, reference)
+        stats = httpx.get(f"{url}/v1/stats", headers={"Authorization": "Bearer t0k"}).json()
+        full_blocks = len(results[0]["prompt_ids"]) // BLOCK
+        assert sum(t["chunks"] for t in stats["tiers"]) >= 2 * -(-full_blocks // CHUNK_BLOCKS)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

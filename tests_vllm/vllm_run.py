@@ -1,7 +1,8 @@
 """One vLLM run for the integration tests (a fresh process each: vLLM holds global state).
 
-Usage: python vllm_run.py MODEL_DIR MODE [EXTRA_JSON [SCENARIO]]; MODE is ``none`` (no
-connector) or ``kvtier`` (KVTierConnector with EXTRA_JSON as kv_connector_extra_config).
+Usage: python vllm_run.py MODEL_DIR MODE [EXTRA_JSON [SCENARIO [TP]]]; MODE is ``none`` (no
+connector) or ``kvtier`` (KVTierConnector with EXTRA_JSON as kv_connector_extra_config); TP
+the tensor-parallel size (1; 2 runs a worker process per core).
 SCENARIO ``shared`` (default): two greedy requests sharing a long prefix; ``turns``: a
 conversation of two turns, the second sending the first's prompt and reply back with a new
 message (token ids). Then one JSON line per request and one with the metrics.
@@ -33,6 +34,11 @@ def main() -> None:
             kv_role="kv_both",
             kv_connector_extra_config=json.loads(sys.argv[3]),
         )
+    tp = int(sys.argv[5]) if len(sys.argv) > 5 else 1
+    if tp > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))
+        kw["tensor_parallel_size"] = tp
+        kw["distributed_executor_backend"] = "mp"
     llm = LLM(
         model=model,
         dtype="float32",

@@ -20,7 +20,16 @@ from kvtier.connectors.vllm_scheduler import SchedulerSide
 from kvtier.connectors.vllm_worker import WorkerSide
 from kvtier.policies.cost_model import LinearCost, TierCost
 from kvtier.policies.restore import StoredChunk
-from tests.connectors.vllm_fakes import BLOCK, DIM, HEADS, LAYERS, NewRequest, Request, SchedulerOutput, caches
+from tests.connectors.vllm_fakes import (
+    BLOCK,
+    DIM,
+    HEADS,
+    LAYERS,
+    NewRequest,
+    Request,
+    SchedulerOutput,
+    caches,
+)
 
 FP = b"vllm-v3|policy-test"
 GRID = ChunkGrid(BLOCK, 2, FP)
