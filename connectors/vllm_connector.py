@@ -47,6 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvtier.chunk_format import max_chunk_bytes
 from kvtier.connectors.chunk_store import ChunkStore, check_shared, open_store
 from kvtier.connectors.vllm_blocks import DEFAULT_CHUNK_TOKENS, ChunkGrid, Rank, StepPlan
+from kvtier.connectors.vllm_metrics import Deltas, KVTierPromMetrics, KVTierStats
 from kvtier.connectors.vllm_policy import LoadObservation, LoadPolicy
 from kvtier.connectors.vllm_scheduler import SchedulerSide
 from kvtier.connectors.vllm_worker import WorkerSide
@@ -120,6 +121,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self.world = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
         check_shared(self.extra, self.world)
         self._store: ChunkStore | None = None
+        self._deltas = Deltas()
         self.scheduler_side = SchedulerSide(self._open_store, self.grid, self.world,
                                             save_decode=bool(self.extra.get("save_decode", True)),
                                             policy=self._policy())
@@ -127,11 +129,26 @@ class KVTierConnector(KVConnectorBase_V1):
 
     @property
     def stats(self) -> dict[str, float]:
+        """This side's running totals (the scheduler's or a worker's)."""
+        if self.role == KVConnectorRole.SCHEDULER:
+            s = self.scheduler_side
+            return {"hit_blocks": s.hit_blocks, "recomputed_by_decision_tokens": s.recomputed_by_decision}
         w = self.worker_side.stats
-        return {"hit_blocks": self.scheduler_side.hit_blocks, "loaded_blocks": w.loaded_blocks,
-                "saved_blocks": w.saved_blocks, "load_errors": w.load_errors,
-                "load_s": w.load_s, "save_wait_s": w.save_wait_s,
-                "recomputed_by_decision": self.scheduler_side.recomputed_by_decision}
+        return {"loaded_blocks": w.loaded_blocks, "saved_blocks": w.saved_blocks,
+                "load_errors": w.load_errors, "load_seconds": w.load_s,
+                "save_wait_seconds": w.save_wait_s}
+
+    def get_kv_connector_stats(self) -> KVTierStats | None:
+        return self._deltas.since_last(self.stats)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVTierStats | None:
+        return KVTierStats(dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVTierPromMetrics:
+        return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def _layers_and_block(self) -> tuple[int, int]:
         """Layers this worker holds and the bytes of one block of all of them."""

@@ -88,6 +88,10 @@ def test_in_process_tiers(model_dir, baseline, tmp_path):
     extra = {"tiers": {"cpu_bytes": 64 << 20, "disk_dir": str(tmp_path / "c"), "disk_fsync": False}}
     results, metrics = run_vllm(model_dir, "kvtier", extra)
     check_against_baseline(results, metrics, baseline)
+    # the connector's own counters, in vLLM's metrics
+    assert metrics["vllm:kvtier_loaded_blocks"] == metrics["vllm:kvtier_hit_blocks"] == shared_blocks(results)
+    assert metrics["vllm:kvtier_saved_blocks"] >= len(results[0]["prompt_ids"]) // BLOCK
+    assert metrics.get("vllm:kvtier_load_errors", 0) == 0
 
 
 def test_through_kvtier_serve(model_dir, baseline, tmp_path):

@@ -63,7 +63,7 @@ def main() -> None:
         for suffix in SUFFIXES:
             report(llm.generate([f"{PREFIX} {suffix}"], params)[0])
     metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
-    print("METRICS " + json.dumps({k: v for k, v in metrics.items() if "cache" in k}), flush=True)
+    print("METRICS " + json.dumps({k: v for k, v in metrics.items() if "cache" in k or "kvtier" in k}), flush=True)
 
 
 def report(out) -> None:
