@@ -33,6 +33,7 @@ stored prefix only where that beats recomputing it, :mod:`.vllm_policy`), ``prof
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -122,10 +123,12 @@ class KVTierConnector(KVConnectorBase_V1):
         check_shared(self.extra, self.world)
         self._store: ChunkStore | None = None
         self._deltas = Deltas()
+        self._step_t0: float | None = None
         self.scheduler_side = SchedulerSide(self._open_store, self.grid, self.world,
                                             save_decode=bool(self.extra.get("save_decode", True)),
                                             policy=self._policy())
         self.worker_side = WorkerSide(self._open_store, self.grid)
+        self._open_store()  # now, not on the first request (an in-process arena is allocated)
 
     @property
     def stats(self) -> dict[str, float]:
@@ -136,7 +139,7 @@ class KVTierConnector(KVConnectorBase_V1):
         w = self.worker_side.stats
         return {"loaded_blocks": w.loaded_blocks, "saved_blocks": w.saved_blocks,
                 "load_errors": w.load_errors, "load_seconds": w.load_s,
-                "save_wait_seconds": w.save_wait_s}
+                "save_wait_seconds": w.save_wait_s, "step_seconds": w.step_s, "steps": w.steps}
 
     def get_kv_connector_stats(self) -> KVTierStats | None:
         return self._deltas.since_last(self.stats)
@@ -210,6 +213,18 @@ class KVTierConnector(KVConnectorBase_V1):
         self.worker_side = WorkerSide(self._open_store, self.grid, _worker_rank(self.world),
                                       background=bool(self.extra.get("background_saves", True)))
         self.worker_side.register(kv_caches, self._kv_cache_config.num_blocks)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._step_t0 = time.perf_counter()
+
+    def clear_connector_metadata(self) -> None:
+        """The step ends: its time counted (the connector's share of it is in the stats)."""
+        if self._step_t0 is not None:
+            self.worker_side.stats.step_s += time.perf_counter() - self._step_t0
+            self.worker_side.stats.steps += 1
+            self._step_t0 = None
+        super().clear_connector_metadata()
 
     def _plan(self) -> StepPlan:
         meta = self._get_connector_metadata()

@@ -21,6 +21,8 @@ COUNTERS: dict[str, str] = {
     "recomputed_by_decision_tokens": "Stored tokens recomputed because loading them was slower.",
     "load_seconds": "Time loads held vLLM's forward path.",
     "save_wait_seconds": "Time saves held vLLM's forward path (submitting, draining).",
+    "step_seconds": "Time of vLLM's steps the connector took part in (its share: the two above).",
+    "steps": "vLLM steps the connector took part in.",
 }
 
 

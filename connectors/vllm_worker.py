@@ -63,6 +63,9 @@ class WorkerStats:
     save_wait_s: float = 0.0
     """Time saves held it (submitting, and draining before a preempted request's blocks
     are reused)."""
+    step_s: float = 0.0
+    """Time of vLLM's steps (from the step's plan bound to the worker to its end)."""
+    steps: int = 0
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("kvtier.benchmarks.policy_sim.hardware", "bench"),
     ("kvtier.benchmarks.service", "bench"),
     ("kvtier.benchmarks.faults", "bench"),
+    ("kvtier.benchmarks.vllm_bench", "bench"),
 ]
 
 

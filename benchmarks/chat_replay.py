@@ -1,0 +1,134 @@
+"""A multi-turn chat client for any OpenAI-compatible server (vLLM's, ``kvtier serve`` in
+engine mode): conversations that share a system prompt, each turn sent back with the whole
+history after a think time drawn per user, replies streamed so that every turn's
+time-to-first-token and inter-token latencies are measured.
+
+Users think: the gap between a reply and the next message is lognormal around
+``think_median_s`` (heavy-tailed, as real chat and agent traces are; vLLM's own client
+has only a Poisson request rate, LMCache's a fixed gap). Up to ``clients`` conversations
+are active at once; the others wait their turn. Replies are greedy (temperature 0) and
+run to ``answer_tokens`` (EOS ignored), so every configuration does the same work and its
+replies can be compared token for token (``return_token_ids``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+WORDS = ["river", "mountain", "cache", "layer", "token", "memory", "session", "answer", "question", "winter", "summer", "offload", "restore", "network", "latency", "bandwidth", "prefix", "block", "chunk", "model", "reply", "user", "garden", "lantern", "harbor", "pencil", "orbit", "meadow", "signal", "thunder", "velvet", "canyon"]
+
+
+@dataclass(frozen=True)
+class ChatWorkload:
+    """What the users say: ``conversations`` of ``turns`` turns each."""
+
+    conversations: int = 12
+    turns: int = 10
+    system_words: int = 700
+    """The system prompt every conversation shares (about 1.3 tokens a word)."""
+    user_words: int = 40
+    answer_tokens: int = 40
+    think_median_s: float = 2.0
+    think_sigma: float = 0.8
+    clients: int = 4
+    seed: int = 0
+
+    def system_prompt(self) -> str:
+        rng = random.Random(self.seed)
+        return " ".join(rng.choice(WORDS) for _ in range(self.system_words))
+
+    def message(self, conversation: int, turn: int) -> str:
+        rng = random.Random(f"{self.seed}:{conversation}:{turn}")
+        return " ".join(rng.choice(WORDS) for _ in range(self.user_words))
+
+    def think_s(self, conversation: int, turn: int) -> float:
+        rng = random.Random(f"think:{self.seed}:{conversation}:{turn}")
+        return rng.lognormvariate(0.0, self.think_sigma) * self.think_median_s
+
+
+@dataclass
+class TurnResult:
+    conversation: int
+    turn: int
+    ttft_s: float
+    itl_s: list[float] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    prompt_tokens: int = 0
+    error: str | None = None
+
+
+async def _turn(client: Any, url: str, model: str, messages: list[dict], work: ChatWorkload,
+                conversation: int, turn: int) -> TurnResult:
+    """One streamed chat completion: TTFT to the first content, the gaps after it."""
+    body = {"model": model, "messages": messages, "stream": True, "temperature": 0,
+            "max_tokens": work.answer_tokens, "ignore_eos": True, "return_token_ids": True,
+            "stream_options": {"include_usage": True}}
+    out = TurnResult(conversation, turn, ttft_s=float("nan"))
+    t0 = last = time.perf_counter()
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
+        if resp.status_code != 200:
+            out.error = f"{resp.status_code}: {(await resp.aread())[:200]!r}"
+            return out
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                out.prompt_tokens = int(event["usage"].get("prompt_tokens", 0))
+            for choice in event.get("choices", []):
+                ids = choice.get("token_ids") or []
+                piece = (choice.get("delta") or {}).get("content") or ""
+                if not ids and not piece:
+                    continue
+                now = time.perf_counter()
+                if not out.token_ids and not out.text:
+                    out.ttft_s = now - t0
+                else:
+                    out.itl_s.append(now - last)
+                last = now
+                out.token_ids += ids
+                out.text += piece
+    return out
+
+
+async def _conversation(client: Any, url: str, model: str, work: ChatWorkload, c: int,
+                        gate: asyncio.Semaphore, results: list[TurnResult]) -> None:
+    messages = [{"role": "system", "content": work.system_prompt()}]
+    async with gate:
+        for t in range(work.turns):
+            if t:
+                await asyncio.sleep(work.think_s(c, t))
+            messages.append({"role": "user", "content": work.message(c, t)})
+            try:
+                got = await _turn(client, url, model, messages, work, c, t)
+            except Exception as exc:  # noqa: BLE001 - a failed turn is reported, not fatal
+                got = TurnResult(c, t, float("nan"), error=f"{type(exc).__name__}: {exc}")
+            results.append(got)
+            if got.error:
+                return
+            messages.append({"role": "assistant", "content": got.text})
+
+
+async def replay(url: str, model: str | None, work: ChatWorkload, timeout_s: float = 600.0
+                 ) -> tuple[list[TurnResult], float]:
+    """Run every conversation against ``url`` (``model``: the first the server lists where
+    None); the turns' results and the wall time."""
+    import httpx
+
+    results: list[TurnResult] = []
+    gate = asyncio.Semaphore(work.clients)
+    async with httpx.AsyncClient(timeout=timeout_s) as client:
+        if model is None:
+            listed = (await client.get(f"{url}/v1/models")).json()
+            model = str(listed["data"][0]["id"])
+        t0 = time.perf_counter()
+        await asyncio.gather(*(_conversation(client, url, model, work, c, gate, results)
+                               for c in range(work.conversations)))
+    results.sort(key=lambda r: (r.conversation, r.turn))
+    return results, time.perf_counter() - t0

@@ -1,0 +1,240 @@
+"""``kvtier bench vllm``: real vLLM's OpenAI server with and without kvtier (and the peers,
+where they run), multi-turn conversations with think times replayed against each, rounds
+interleaved so that a machine's drift touches every setup alike.
+
+Per setup: TTFT of first turns and of returning turns (mean, p99), inter-token latency,
+output tokens per second, replies identical to vLLM alone's of the same round (token ids),
+and, for kvtier, its counters from vLLM's ``/metrics``: blocks loaded, saved, tokens
+recomputed by decision, and the connector's time on vLLM's forward path against vLLM's
+step time. A setup that cannot run says why (the tail of its log).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from kvtier.benchmarks.chat_replay import ChatWorkload, TurnResult, replay
+from kvtier.benchmarks.vllm_servers import VllmSetup, metrics, start_kvtier_serve, start_vllm
+
+REPO = Path(__file__).resolve().parent.parent
+KVTIER = {"kv_connector": "KVTierConnector", "kv_role": "kv_both",
+          "kv_connector_module_path": "kvtier.connectors.vllm_connector"}
+
+
+def setups(workdir: Path) -> dict[str, VllmSetup]:
+    return {
+        "alone": VllmSetup("alone"),
+        "kvtier-inprocess": VllmSetup("kvtier-inprocess", {**KVTIER, "kv_connector_extra_config": {
+            "tiers": {"cpu_bytes": 1 << 30, "disk_dir": str(workdir / "inprocess-chunks"),
+                      "disk_fsync": False}}}),
+        "kvtier-serve": VllmSetup("kvtier-serve", {**KVTIER, "kv_connector_extra_config": {"shm": True}},
+                                  sidecar=True),
+        "lmcache": VllmSetup("lmcache", {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}),
+        "vllm-native": VllmSetup("vllm-native", {
+            "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30}}),
+    }
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "vllm", help="real vLLM with and without kvtier (and peers): multi-turn TTFT, ITL, outputs",
+        description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=str(REPO / "out" / "models" / "smollm2-135m-instruct"))
+    p.add_argument("--vllm-python", default=str(REPO / ".venv-integration" / "bin" / "python"))
+    p.add_argument("--setups", default="alone,kvtier-inprocess,kvtier-serve,lmcache,vllm-native")
+    p.add_argument("--rounds", type=int, default=2)
+    for name, value in asdict(ChatWorkload()).items():
+        p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--kv-blocks", type=int, default=320, help="vLLM's KV cache, in blocks")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--cpu-bind", default=None, help="VLLM_CPU_OMP_THREADS_BIND for every setup "
+                   "(default: every core, 0-N; vLLM binds one core by default, both with a connector)")
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--plot", type=Path, default=None)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    console = Console()
+    work = ChatWorkload(**{k: getattr(args, k) for k in asdict(ChatWorkload())})
+    names = [s.strip() for s in args.setups.split(",") if s.strip()]
+    rounds: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-vllm-") as tmp:
+        known = setups(Path(tmp))
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise SystemExit(f"unknown setups {unknown}; known: {', '.join(known)}")
+        for r in range(args.rounds):
+            rounds.append({})
+            for name in names:
+                console.print(f"round {r + 1}: [bold]{name}[/bold] ...")
+                rounds[-1][name] = _one(known[name], args, work, Path(tmp) / f"r{r}-{name}")
+    rows = _summarise(names, rounds)
+    _print(console, rows)
+    doc = {"suite": "vllm", "workload": asdict(work), "setups": rows,
+           "config": {k: str(v) for k, v in vars(args).items() if k != "func"},
+           "machine": _machine()}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(doc, indent=1) + "\n")
+        console.print(f"wrote {args.out}")
+    if args.plot:
+        _plot(rows, args.plot)
+    return 0
+
+
+def _one(setup: VllmSetup, args: argparse.Namespace, work: ChatWorkload, workdir: Path
+         ) -> dict[str, Any]:
+    """One setup once: its turns, wall time and vLLM's metrics, or why it could not run."""
+    workdir.mkdir(parents=True)
+    sidecar = server = None
+    try:
+        if setup.sidecar:
+            sidecar = start_kvtier_serve(workdir, slot_bytes=64 << 20)
+        server = start_vllm(args.vllm_python, args.model, setup, workdir, args,
+                            sidecar.url if sidecar else None)
+        turns, wall = asyncio.run(replay(server.url, "m", work))
+        return {"turns": turns, "wall_s": wall, "metrics": metrics(server.url)}
+    except RuntimeError as exc:
+        return {"error": str(exc)[:2500]}
+    finally:
+        for s in (server, sidecar):
+            if s is not None:
+                s.stop()
+
+
+def _stats(values: list[float]) -> dict[str, float | None]:
+    values = [v for v in values if v == v]  # NaN: a turn that failed
+    if not values:
+        return {"mean": None, "p99": None}
+    p99 = statistics.quantiles(values, n=100)[98] if len(values) > 1 else values[0]
+    return {"mean": statistics.fmean(values), "p99": p99}
+
+
+def _round_row(got: dict[str, Any], reference: dict[str, Any] | None) -> dict[str, Any]:
+    turns: list[TurnResult] = got["turns"]
+    m = got["metrics"]
+    def reply(t: TurnResult) -> tuple:
+        return (tuple(t.token_ids), t.text)  # token ids where the server returns them
+
+    ref = {(t.conversation, t.turn): reply(t) for t in reference["turns"]} if reference else {}
+    same = [reply(t) == ref.get((t.conversation, t.turn)) for t in turns if ref]
+    forward = m.get("vllm:kvtier_load_seconds_total", 0) + m.get("vllm:kvtier_save_wait_seconds_total", 0)
+    step = m.get("vllm:kvtier_step_seconds_total", 0)
+    return {
+        "first_ttft": _stats([t.ttft_s for t in turns if t.turn == 0]),
+        "returning_ttft": _stats([t.ttft_s for t in turns if t.turn > 0]),
+        "itl_mean_s": statistics.fmean([x for t in turns for x in t.itl_s] or [float("nan")]),
+        "wall_s": got["wall_s"],
+        "output_tok_per_s": sum(len(t.token_ids) for t in turns) / got["wall_s"],
+        "errors": sum(1 for t in turns if t.error),
+        "identical_to_alone": (sum(same), len(same)) if ref else None,
+        "kvtier_loaded_blocks": m.get("vllm:kvtier_loaded_blocks_total"),
+        "kvtier_saved_blocks": m.get("vllm:kvtier_saved_blocks_total"),
+        "recomputed_by_decision_tokens": m.get("vllm:kvtier_recomputed_by_decision_tokens_total"),
+        "connector_forward_share": forward / step if step else None,
+        "external_hit_tokens": m.get("vllm:external_prefix_cache_hits_total"),
+        "prefix_cache_hit_tokens": m.get("vllm:prefix_cache_hits_total"),
+    }
+
+
+def _summarise(names: list[str], rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per setup: each round's figures, then the mean over rounds and the ratios to vLLM
+    alone of the same round."""
+    rows = []
+    for name in names:
+        per_round, errors = [], []
+        for rnd in rounds:
+            got = rnd[name]
+            if "error" in got:
+                errors.append(got["error"])
+                continue
+            alone = rnd.get("alone")
+            per_round.append(_round_row(got, alone if alone and "error" not in alone and name != "alone" else None))
+        row: dict[str, Any] = {"setup": name, "rounds": per_round, "could_not_run": errors[0] if errors else None}
+        if per_round:
+            row.update(_means(name, per_round, rounds))
+        rows.append(row)
+    return rows
+
+
+def _means(name: str, per_round: list[dict[str, Any]], rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    def mean(key: str, sub: str | None = None) -> float | None:
+        vals = [(r[key][sub] if sub else r[key]) for r in per_round]
+        vals = [v for v in vals if v is not None]
+        return statistics.fmean(vals) if vals else None
+
+    out = {"first_ttft_mean_s": mean("first_ttft", "mean"), "first_ttft_p99_s": mean("first_ttft", "p99"),
+           "returning_ttft_mean_s": mean("returning_ttft", "mean"),
+           "returning_ttft_p99_s": mean("returning_ttft", "p99"), "itl_mean_s": mean("itl_mean_s"),
+           "wall_s": mean("wall_s"), "output_tok_per_s": mean("output_tok_per_s"),
+           "connector_forward_share": mean("connector_forward_share"),
+           "recomputed_by_decision_tokens": mean("recomputed_by_decision_tokens")}
+    same = [r["identical_to_alone"] for r in per_round if r["identical_to_alone"]]
+    out["identical_turns"] = [sum(a for a, _ in same), sum(b for _, b in same)] if same else None
+    return out
+
+
+def _print(console: Any, rows: list[dict[str, Any]]) -> None:
+    from rich.table import Table
+
+    alone = next((r for r in rows if r["setup"] == "alone" and r.get("returning_ttft_mean_s")), None)
+
+    def ms(v: float | None, key: str) -> str:
+        if v is None:
+            return "-"
+        ratio = f" ({v / alone[key]:.2f}x)" if alone and alone.get(key) and alone is not None else ""
+        return f"{v * 1e3:.0f}{ratio}"
+
+    table = Table(title="real vLLM, multi-turn with think times (ms; ratios to vLLM alone)")
+    for col in ("setup", "returning TTFT mean", "p99", "first TTFT mean", "ITL", "tok/s",
+                "identical", "connector share", "note"):
+        table.add_column(col)
+    for r in rows:
+        if r.get("could_not_run") and not r["rounds"]:
+            table.add_row(r["setup"], *["-"] * 7, "could not run: " + r["could_not_run"].split(" (server")[0][:120])
+            continue
+        same = r["identical_turns"]
+        share = r["connector_forward_share"]
+        table.add_row(r["setup"], ms(r["returning_ttft_mean_s"], "returning_ttft_mean_s"),
+                      ms(r["returning_ttft_p99_s"], "returning_ttft_p99_s"),
+                      ms(r["first_ttft_mean_s"], "first_ttft_mean_s"), ms(r["itl_mean_s"], "itl_mean_s"),
+                      f"{r['output_tok_per_s']:.1f}", f"{same[0]}/{same[1]}" if same else "-",
+                      f"{share:.1%}" if share is not None else "-", "")
+    console.print(table)
+
+
+def _plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ran = [r for r in rows if r.get("returning_ttft_mean_s") is not None]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    x = range(len(ran))
+    ax.bar([i - 0.2 for i in x], [r["first_ttft_mean_s"] * 1e3 for r in ran], 0.4, label="first turn")
+    ax.bar([i + 0.2 for i in x], [r["returning_ttft_mean_s"] * 1e3 for r in ran], 0.4, label="returning turn")
+    ax.set_xticks(list(x), [r["setup"] for r in ran])
+    ax.set_ylabel("mean TTFT (ms)")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def _machine() -> dict[str, Any]:
+    from kvtier.benchmarks.machine import machine_info
+
+    return machine_info()

@@ -1,0 +1,133 @@
+"""Real servers for ``kvtier bench vllm``: vLLM's OpenAI server (from the environment that
+holds vLLM, e.g. ``.venv-integration``) in each configuration, and a sidecar ``kvtier
+serve``; started on free loopback ports, waited for, their Prometheus metrics read, and
+stopped. A server that does not come up is reported with the tail of its log."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+STARTUP_S = 300.0
+
+
+@dataclass(frozen=True)
+class VllmSetup:
+    """One way to run vLLM: no connector, kvtier's (in-process tiers or a sidecar), or a
+    peer's, as ``kv_transfer_config`` says."""
+
+    name: str
+    kv_transfer_config: dict[str, Any] | None = None
+    sidecar: bool = False
+    """Start a ``kvtier serve`` first; its URL goes into the connector's options."""
+
+
+@dataclass
+class Running:
+    proc: subprocess.Popen
+    url: str
+    log: Path
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(running: Running, path: str) -> None:
+    import httpx
+
+    deadline = time.monotonic() + STARTUP_S
+    while time.monotonic() < deadline:
+        if running.proc.poll() is not None:
+            break
+        try:
+            if httpx.get(running.url + path, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    running.stop()
+    text = running.log.read_text(errors="replace") if running.log.exists() else ""
+    raise RuntimeError(f"{root_cause(text)} (server did not come up; {running.log}:\n"
+                       f"{text[-2000:]})")
+
+
+def root_cause(log: str) -> str:
+    """The first error a failed start logged (``SomethingError: why``), else its last line."""
+    import re
+
+    found = re.search(r"^.*?\b(\w+(?:Error|Exception): .+)$", log, re.MULTILINE)
+    if found:
+        return found.group(1).strip()
+    lines = [x for x in log.splitlines() if x.strip()]
+    return lines[-1].strip() if lines else "no output"
+
+
+def start_kvtier_serve(workdir: Path, slot_bytes: int) -> Running:
+    """A sidecar ``kvtier serve`` (CPU arena + disk without fsync) on a free port."""
+    port = free_port()
+    log = workdir / "kvtier-serve.log"
+    env = dict(os.environ, KVTIER_TIERS__DISK_DIR=str(workdir / "chunks"),
+               KVTIER_TIERS__DISK_FSYNC="false", KVTIER_SERVER__CHUNK_SLOT_BYTES=str(slot_bytes),
+               KVTIER_SERVER__SHM_DIR=str(workdir / "shm"))
+    proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "serve", "--port", str(port),
+                             "--log-level", "warning"], stdout=log.open("w"),
+                            stderr=subprocess.STDOUT, env=env)
+    running = Running(proc, f"http://127.0.0.1:{port}", log)
+    _wait(running, "/healthz")
+    return running
+
+
+def start_vllm(python: str, model: str, setup: VllmSetup, workdir: Path, args: Any,
+               sidecar_url: str | None) -> Running:
+    """vLLM's OpenAI server for ``setup`` (prefix caching on, as users run it)."""
+    port = free_port()
+    log = workdir / f"vllm-{setup.name}.log"
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+           "--served-model-name", "m", "--port", str(port), "--dtype", "float32",
+           "--block-size", str(args.block_size), "--max-model-len", str(args.max_model_len),
+           "--num-gpu-blocks-override", str(args.kv_blocks), "--enforce-eager",
+           "--seed", "0", "--disable-uvicorn-access-log"]
+    if setup.kv_transfer_config is not None:
+        config = json.loads(json.dumps(setup.kv_transfer_config))
+        if sidecar_url:
+            config.setdefault("kv_connector_extra_config", {})["url"] = sidecar_url
+        cmd += ["--kv-transfer-config", json.dumps(config)]
+    cores = args.cpu_bind or f"0-{(os.cpu_count() or 1) - 1}"
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1",
+               VLLM_CPU_OMP_THREADS_BIND=cores)  # the same cores in every setup
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    running = Running(proc, f"http://127.0.0.1:{port}", log)
+    _wait(running, "/health")
+    return running
+
+
+def metrics(url: str) -> dict[str, float]:
+    """The server's Prometheus samples, summed over labels (``name`` -> value)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[sample.name] = out.get(sample.name, 0.0) + float(sample.value)
+    return out

@@ -1,0 +1,39 @@
+"""The multi-turn replay client of ``kvtier bench vllm`` against a real OpenAI-compatible
+server (``kvtier serve`` in engine mode on a tiny model, over loopback HTTP): every turn of
+every conversation runs with its history, streams a TTFT and inter-token gaps, and two
+replays of the same greedy workload give the same replies; think times follow the seed."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+from kvtier.benchmarks.chat_replay import ChatWorkload, replay
+from kvtier.server.state import ServiceState
+from tests.http_server import running
+from tests.server.test_server_engine import _config, model_dir  # noqa: F401 - fixture by name
+
+
+def test_conversations_replay_with_their_history_and_stream(model_dir, tmp_path):  # noqa: F811
+    work = ChatWorkload(conversations=3, turns=3, system_words=30, user_words=8,
+                        answer_tokens=6, think_median_s=0.01, clients=2)
+    state = ServiceState.with_engine(_config(tmp_path), model_dir)
+    with running(state) as url:
+        first, wall = asyncio.run(replay(url, None, work))
+        again, _ = asyncio.run(replay(url, None, work))
+    assert [(t.conversation, t.turn) for t in first] == [(c, t) for c in range(3) for t in range(3)]
+    assert all(t.error is None and t.text for t in first)
+    assert all(t.ttft_s > 0 and not math.isnan(t.ttft_s) for t in first) and wall > 0
+    assert all(len(t.itl_s) >= 1 for t in first)  # streamed, not one blob
+    prompts = [t.prompt_tokens for t in first if t.conversation == 0]
+    assert prompts == sorted(prompts) and prompts[0] < prompts[-1]  # each turn carries the last
+    assert [t.text for t in first] == [t.text for t in again]  # greedy: the same replies
+
+
+def test_think_times_are_seeded_and_heavy_tailed():
+    work = ChatWorkload(think_median_s=2.0)
+    gaps = [work.think_s(c, t) for c in range(50) for t in range(1, 20)]
+    assert gaps == [ChatWorkload(think_median_s=2.0).think_s(c, t) for c in range(50) for t in range(1, 20)]
+    gaps.sort()
+    assert 1.5 < gaps[len(gaps) // 2] < 2.5 and gaps[-1] > 4 * gaps[len(gaps) // 2]
+    assert ChatWorkload(seed=1).message(0, 0) != work.message(0, 0)
