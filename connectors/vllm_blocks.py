@@ -14,6 +14,7 @@ lookup counts a chunk only when every rank's part is stored.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -26,12 +27,18 @@ DEFAULT_CHUNK_TOKENS = 256
 
 @dataclass(frozen=True)
 class ChunkSpan:
-    """One chunk of a request: its key (without the rank), the vLLM blocks it holds in
-    order, and how many leading ones a load leaves alone (vLLM computed them already)."""
+    """One chunk of a request: its key (without the rank) and, for each of its blocks in
+    order, the vLLM block it goes to or comes from. A load leaves the blocks marked None
+    alone: those vLLM computed already, and those it must compute itself (a prompt's last
+    block, whose last token vLLM needs to run)."""
 
     key: str
-    block_ids: tuple[int, ...]
-    skip: int = 0
+    block_ids: tuple[int | None, ...]
+
+    @property
+    def targets(self) -> list[int]:
+        """The vLLM blocks a load writes."""
+        return [b for b in self.block_ids if b is not None]
 
 
 @dataclass
@@ -43,7 +50,7 @@ class ChunkTransfer:
 
     @property
     def num_blocks(self) -> int:
-        return sum(len(c.block_ids) - c.skip for c in self.chunks)
+        return sum(len(c.targets) for c in self.chunks)
 
 
 @dataclass
@@ -63,6 +70,23 @@ class StepPlan:
         """A load of this step reads a chunk a finishing save writes."""
         written = {c.key for t in self.finishing for c in t.chunks}
         return any(c.key in written for t in self.loads for c in t.chunks)
+
+
+class Role(enum.Enum):
+    """What an instance does with kvtier (vLLM's ``kv_role``): a prefill instance of a
+    disaggregated pair only saves, a decode instance only loads."""
+
+    BOTH = "kv_both"
+    PRODUCER = "kv_producer"
+    CONSUMER = "kv_consumer"
+
+    @property
+    def loads(self) -> bool:
+        return self is not Role.PRODUCER
+
+    @property
+    def saves(self) -> bool:
+        return self is not Role.CONSUMER
 
 
 @dataclass(frozen=True)

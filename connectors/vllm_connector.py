@@ -47,7 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtier.chunk_format import max_chunk_bytes
 from kvtier.connectors.chunk_store import ChunkStore, check_shared, open_store
-from kvtier.connectors.vllm_blocks import DEFAULT_CHUNK_TOKENS, ChunkGrid, Rank, StepPlan
+from kvtier.connectors.vllm_blocks import DEFAULT_CHUNK_TOKENS, ChunkGrid, Rank, Role, StepPlan
 from kvtier.connectors.vllm_metrics import Deltas, KVTierPromMetrics, KVTierStats
 from kvtier.connectors.vllm_policy import LoadObservation, LoadPolicy
 from kvtier.connectors.vllm_scheduler import SchedulerSide
@@ -124,9 +124,10 @@ class KVTierConnector(KVConnectorBase_V1):
         self._store: ChunkStore | None = None
         self._deltas = Deltas()
         self._step_t0: float | None = None
+        self.kv_role = Role(self._kv_transfer_config.kv_role or "kv_both")
         self.scheduler_side = SchedulerSide(self._open_store, self.grid, self.world,
                                             save_decode=bool(self.extra.get("save_decode", True)),
-                                            policy=self._policy())
+                                            policy=self._policy(), role=self.kv_role)
         self.worker_side = WorkerSide(self._open_store, self.grid)
         self._open_store()  # now, not on the first request (an in-process arena is allocated)
 
@@ -210,8 +211,10 @@ class KVTierConnector(KVConnectorBase_V1):
 
     # ---------------------------------------------------------------- worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        # a prefill instance saves before it answers: its decode peer may ask at once
+        background = self.extra.get("background_saves", self.kv_role is not Role.PRODUCER)
         self.worker_side = WorkerSide(self._open_store, self.grid, _worker_rank(self.world),
-                                      background=bool(self.extra.get("background_saves", True)))
+                                      background=bool(background))
         self.worker_side.register(kv_caches, self._kv_cache_config.num_blocks)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:

@@ -5,6 +5,7 @@ halves, the order of the chunk's bytes."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -98,14 +99,14 @@ class BlockPieces:
             got = self._layouts[blocks] = PieceLayout(lens, len(self.bases))
         return got
 
-    def at_chunk(self, block_ids: list[int], skip: int = 0) -> np.ndarray:
+    def at_chunk(self, block_ids: Sequence[int | None]) -> np.ndarray:
         """The pieces' addresses of a chunk of ``block_ids`` in its byte order (layer, K or
-        V, block); those of the first ``skip`` blocks point at the scratch piece."""
-        ids = np.asarray(block_ids, dtype=np.int64)
+        V, block); those of a block None point at the scratch piece (left alone)."""
+        none = np.array([b is None for b in block_ids], dtype=bool)
+        ids = np.array([0 if b is None else b for b in block_ids], dtype=np.int64)
         if len(ids) and (ids.min() < 0 or ids.max() >= self.num_blocks):
             raise InvalidArgumentError(f"a block outside the cache's {self.num_blocks}")
         at = (self.bases[:, None, None] + self.offsets[:, :, None]
               + ids.astype(np.uint64)[None, None, :] * self.strides[:, None, None])
-        if skip:
-            at[:, :, :skip] = np.uint64(self.scratch.ctypes.data)
+        at[:, :, none] = np.uint64(self.scratch.ctypes.data)
         return np.ascontiguousarray(at.reshape(-1))

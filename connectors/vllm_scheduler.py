@@ -20,7 +20,7 @@ from typing import Any
 
 from kvtier.chunk_keys import ChunkKey
 from kvtier.connectors.chunk_store import ChunkStore
-from kvtier.connectors.vllm_blocks import ChunkGrid, ChunkSpan, ChunkTransfer, Rank, StepPlan
+from kvtier.connectors.vllm_blocks import ChunkGrid, ChunkSpan, ChunkTransfer, Rank, Role, StepPlan
 from kvtier.connectors.vllm_policy import LoadObservation, LoadPolicy
 from kvtier.policies.restore import StoredChunk
 
@@ -49,11 +49,13 @@ class _ReqState:
 
 @dataclass(frozen=True)
 class _Stored:
-    """One stored chunk of a prompt's prefix: its key, its blocks and the tier holding it."""
+    """One stored chunk of a prompt's prefix: its key, its blocks, the tier holding it,
+    and how many of its leading blocks a load may take (not the prompt's last token's)."""
 
     key: str
     blocks: int
     tier: str
+    take: int = 0
 
 
 @dataclass(frozen=True)
@@ -66,10 +68,12 @@ class _Found:
     chunks: int
     tail: _Stored | None
     load: tuple[_Stored, ...]
+    declined: int = 0
+    """Stored tokens the policy chose to recompute."""
 
     @property
     def blocks(self) -> int:
-        return sum(s.blocks for s in self.load)
+        return sum(s.take for s in self.load)
 
 
 class SchedulerSide:
@@ -77,8 +81,10 @@ class SchedulerSide:
     ``world``: the ranks (TP x PP) whose parts make a chunk."""
 
     def __init__(self, store: Callable[[], ChunkStore], grid: ChunkGrid, world: int = 1,
-                 save_decode: bool = True, policy: LoadPolicy | None = None) -> None:
+                 save_decode: bool = True, policy: LoadPolicy | None = None,
+                 role: Role = Role.BOTH) -> None:
         self._store = store
+        self.role = role
         self.grid = grid
         self.policy = policy
         """Restore or recompute (None: every stored prefix is loaded)."""
@@ -106,33 +112,44 @@ class SchedulerSide:
         state = self._requests.get(request.request_id)
         if state is None:
             state = self._requests[request.request_id] = _ReqState(prompt, self.grid.keys(prompt))
+        if not self.role.loads:
+            return 0
         bs, per = self.grid.block_size, self.grid.chunk_blocks
         usable = (len(prompt) - 1) // bs
-        full = [k.key for k in state.keys if not k.is_tail][: usable // per]
+        full = [k.key for k in state.keys if not k.is_tail][: -(-usable // per)]
         try:
             stored = self._stored_prefix(full)
-            tail = self._stored_tail(prompt, full, len(stored), usable - len(stored) * per)
+            tail = None
+            if len(stored) * per < usable:
+                tail = self._stored_tail(prompt, full, len(stored),
+                                         len(prompt) // bs - len(stored) * per)
         except Exception as exc:  # noqa: BLE001 - an unreachable store is a miss
             log.warning("kvtier lookup failed, recomputing: %s", exc)
             stored, tail = [], None
         computed = num_computed_tokens // bs
-        chain = stored + ([tail] if tail else [])
-        found = _Found(computed, len(stored), tail, self._chosen(chain, computed, len(prompt)))
-        self._found[request.request_id] = found
+        chain, first = [], 0
+        for s in stored + ([tail] if tail else []):  # no further than the usable blocks
+            chain.append(_Stored(s.key, s.blocks, s.tier, max(0, min(s.blocks, usable - first))))
+            first += s.blocks
+        chain = [s for s in chain if s.take]
+        load, declined = self._chosen(chain, computed, len(prompt))
+        found = _Found(computed, len(stored), tail, load, declined)
+        self._found[request.request_id] = found  # acted on once vLLM allocates (no side effect here)
         return max(0, found.blocks * bs - num_computed_tokens) if found.blocks > computed else 0
 
-    def _chosen(self, chain: list[_Stored], computed: int, prompt_tokens: int) -> tuple[_Stored, ...]:
-        """The leading stored chunks worth loading past vLLM's ``computed`` blocks."""
+    def _chosen(self, chain: list[_Stored], computed: int, prompt_tokens: int
+                ) -> tuple[tuple[_Stored, ...], int]:
+        """The leading stored chunks worth loading past vLLM's ``computed`` blocks, and the
+        stored tokens left to recompute."""
         bs, first, new = self.grid.block_size, 0, []
         for s in chain:
-            new.append(StoredChunk(max(0, first + s.blocks - max(first, computed)) * bs, s.tier))
+            new.append(StoredChunk(max(0, first + s.take - max(first, computed)) * bs, s.tier))
             first += s.blocks
         skipped = sum(1 for c in new if c.tokens == 0)  # chunks vLLM holds whole
         if self.policy is None or skipped == len(chain):
-            return tuple(chain)
+            return tuple(chain), 0
         k = self.policy.chunks_to_load(new[skipped:], prompt_tokens, computed * bs)
-        self.recomputed_by_decision += sum(c.tokens for c in new[skipped + k :])
-        return tuple(chain[: skipped + k]) if k else ()
+        return (tuple(chain[: skipped + k]) if k else ()), sum(c.tokens for c in new[skipped + k :])
 
     def _parts(self, keys: Sequence[str]) -> list[str]:
         """Every rank's storage key of each of ``keys``, rank by rank."""
@@ -165,7 +182,7 @@ class SchedulerSide:
     def _stored_tail(self, prompt: list[int], full: list[str], chunk: int, room: int
                      ) -> _Stored | None:
         """The longest tail chunk stored after full chunk ``chunk - 1`` (every rank's part),
-        of at most ``room`` blocks (fewer than a chunk's)."""
+        of at most ``room`` blocks (the prompt's full blocks past it; fewer than a chunk's)."""
         most = min(room, self.grid.chunk_blocks - 1)
         if most <= 0:
             return None
@@ -191,6 +208,7 @@ class SchedulerSide:
         if found is None:
             return
         state.stored = max(state.stored, found.chunks)
+        self.recomputed_by_decision += found.declined
         tail_key = next((k.key for k in state.keys if k.is_tail), None)
         if found.tail is not None and found.tail.key == tail_key:
             state.tail_stored = True
@@ -201,12 +219,15 @@ class SchedulerSide:
         self.hit_blocks += found.blocks - found.computed
 
     def _spans(self, state: _ReqState, found: _Found) -> list[ChunkSpan]:
-        """The chunks to load, each past the blocks vLLM computed already."""
+        """The chunks to load: each one's blocks past those vLLM computed already and no
+        further than the load may take (the rest None: left alone)."""
         spans, first = [], 0
         for s in found.load:
-            if first + s.blocks > found.computed:
-                ids = tuple(state.block_ids[first : first + s.blocks])
-                spans.append(ChunkSpan(s.key, ids, max(0, found.computed - first)))
+            if first + s.take > found.computed:
+                ids = tuple(state.block_ids[first + j]
+                            if found.computed <= first + j < first + s.take else None
+                            for j in range(s.blocks))
+                spans.append(ChunkSpan(s.key, ids))
             first += s.blocks
         return spans
 
@@ -262,6 +283,8 @@ class SchedulerSide:
         """The chunks of ``req_id``'s prompt that ``done`` computed tokens complete and that
         are not stored yet: full chunks as they fill, the tail once the prompt is done."""
         state = self._requests[req_id]
+        if not self.role.saves:
+            return None
         blocks = min(done, len(state.tokens)) // self.grid.block_size
         spans = self._unsaved(state, state.keys, blocks)
         if not spans:
@@ -302,7 +325,7 @@ class SchedulerSide:
         state = self._requests.pop(req_id, None)
         if state is None:
             return False
-        if self.save_decode and block_ids:
+        if self.save_decode and self.role.saves and block_ids:
             tokens = list(getattr(request, "all_token_ids", state.tokens))
             computed = int(getattr(request, "num_computed_tokens", 0)) - int(
                 getattr(request, "num_in_flight_tokens", 0) or 0)  # async scheduling

@@ -154,7 +154,9 @@ class WorkerSide:
 
     def _write(self, span: ChunkSpan) -> ChunkWrite:
         key = ChunkGrid.rank_key(span.key, self.rank)
-        ids, fp, dtype = list(span.block_ids), self.fingerprint, self.dtype
+        ids, fp, dtype = span.targets, self.fingerprint, self.dtype
+        if len(ids) != len(span.block_ids):
+            raise InvalidArgumentError(f"a save of chunk {key} must name every block")
         shape = self.chunk_shape(len(ids))
         _, total = chunk_layout(key, fp, dtype, shape)
         pieces = self._pieces
@@ -210,12 +212,12 @@ class WorkerSide:
                 items = [_Item(k, s, c) for k, s, c in zip(keys, load.chunks, lent, strict=True)]
                 for item, error in zip(items, self._scatter_all(items), strict=True):
                     if error is None:
-                        loaded.update(item.span.block_ids[item.span.skip :])
+                        loaded.update(item.span.targets)
                     else:
                         log.warning("kvtier load of chunk %s failed (recomputed): %s", item.key, error)
         except Exception as exc:  # noqa: BLE001 - every block not loaded is an error
             log.warning("kvtier load failed (recomputed): %s", exc)
-        wanted = {b for span in load.chunks for b in span.block_ids[span.skip :]}
+        wanted = {b for span in load.chunks for b in span.targets}
         if loaded:
             block_bytes = self.layers[0].block(0).numel() * self.layers[0].kv.element_size()
             self._observed.append(LoadObservation(
@@ -263,7 +265,7 @@ class WorkerSide:
         assert all(c is not None for c in chunks)
         blocks = len(items[0].span.block_ids)
         expected = np.array([c.header.layer_checksums for c in chunks], dtype=np.uint64)  # type: ignore[union-attr]
-        dsts = np.stack([pieces.at_chunk(list(i.span.block_ids), i.span.skip) for i in items])
+        dsts = np.stack([pieces.at_chunk(i.span.block_ids) for i in items])
         failures = scatter_chunks_verified(
             [c.payload for c in chunks], expected, dsts, pieces.layout(blocks))  # type: ignore[union-attr]
         out: list[ChunkError | None] = [None] * len(items)
@@ -291,7 +293,8 @@ class WorkerSide:
 
     def _scatter_copies(self, chunk: LentChunk, span: ChunkSpan) -> None:
         """Each group of layers checked, then copied block by block (numpy or torch)."""
-        n, todo = len(span.block_ids), list(enumerate(span.block_ids))[span.skip :]
+        n = len(span.block_ids)
+        todo = [(j, b) for j, b in enumerate(span.block_ids) if b is not None]
         if self._host:
             src = chunk.payload.numpy().reshape(len(self.layers), 2, n, -1)
             for a, b in chunk.checked_groups(GROUP_BYTES):
@@ -312,7 +315,7 @@ class WorkerSide:
         """Each group of layers checked and copied in one native pass (a chunk in memory
         in one call; one still being read, group by group as its layers land)."""
         blocks = len(span.block_ids)
-        dsts, layout = pieces.at_chunk(list(span.block_ids), span.skip), pieces.layout(blocks)
+        dsts, layout = pieces.at_chunk(span.block_ids), pieces.layout(blocks)
         step, per = chunk.header.layer_nbytes, layout.per_layer
         group = GROUP_BYTES if chunk.reading is not None else 1 << 62
         for a, b, sums in chunk.read_groups(group):

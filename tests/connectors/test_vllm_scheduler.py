@@ -7,10 +7,12 @@ a miss, not an error."""
 
 from __future__ import annotations
 
+import torch
+
 from kvtier.connectors.chunk_store import LocalChunkStore
 from kvtier.connectors.tiers.cpu_tier import CPUTier
 from kvtier.connectors.tiers.manager import TierManager
-from kvtier.connectors.vllm_blocks import ChunkGrid, ChunkSpan, ChunkTransfer, Rank
+from kvtier.connectors.vllm_blocks import ChunkGrid, ChunkSpan, ChunkTransfer, Rank, Role
 from kvtier.connectors.vllm_scheduler import SchedulerSide
 from kvtier.connectors.vllm_worker import WorkerSide
 from tests.connectors.vllm_fakes import (
@@ -88,13 +90,13 @@ def test_a_second_request_sharing_the_prefix_loads_it_past_what_vllm_holds():
     second = Request("b", shared + [9] * (BLOCK // 2))
     assert sched.matched_tokens(second, 0) == 4 * BLOCK
     exact = Request("c", shared)  # all of it stored: the last block is left to compute
-    assert sched.matched_tokens(exact, 0) == 2 * BLOCK  # the first chunk (the rest: a tail)
+    assert sched.matched_tokens(exact, 0) == 3 * BLOCK  # the second chunk's first block only
     assert sched.matched_tokens(second, 1 * BLOCK) == 3 * BLOCK  # vLLM had one block
     sched.allocated(second, [10, 11, 12, 13, 14], 3 * BLOCK)
     plan = sched.step_plan(_new("b", [10, 11, 12, 13, 14], 4 * BLOCK, 8))
     (load,) = plan.loads
     keys = GRID.keys(shared)
-    assert load.chunks == [ChunkSpan(keys[0].key, (10, 11), skip=1), ChunkSpan(keys[1].key, (12, 13))]
+    assert load.chunks == [ChunkSpan(keys[0].key, (None, 11)), ChunkSpan(keys[1].key, (12, 13))]
     worker.load(plan.loads)
     assert worker.take_load_errors() == set() and sched.hit_blocks == 3
     assert plan.saves == []  # the loaded chunks are stored already
@@ -200,3 +202,34 @@ def test_in_process_tiers_refuse_several_ranks_with_a_way_out():
     check_shared({"url": "http://127.0.0.1:8100"}, 4)
     with pytest.raises(ConfigError, match="kvtier serve"):
         check_shared({"tiers": {}}, 2)
+
+
+def test_a_resent_prompt_loads_all_but_its_last_block_from_a_longer_tail():
+    """A decode instance gets the prompt its prefill peer stored: the stored tail chunk
+    holds the prompt's last block too, which vLLM must compute; the load takes the tail's
+    other blocks and leaves that one alone."""
+    grid = ChunkGrid(BLOCK, 4, FP)
+    store = LocalChunkStore(TierManager([CPUTier(64 << 20, 1 << 20)]))
+    producer = SchedulerSide(lambda: store, grid, role=Role.PRODUCER)
+    consumer = SchedulerSide(lambda: store, grid, role=Role.CONSUMER)
+    worker = WorkerSide(lambda: store, grid)
+    kv = caches(32, True)
+    worker.register(kv, 32)
+    last = [t[16].clone() for t in kv.values()]
+    prompt = list(range(60, 60 + 7 * BLOCK))  # a chunk of 4 blocks, a tail of 3, exactly
+    assert producer.matched_tokens(Request("p", prompt), 0) == 0  # a producer never loads
+    producer.allocated(Request("p", prompt), list(range(7)), 0)
+    plan = producer.step_plan(_new("p", list(range(7)), 0, len(prompt)))
+    assert _blocks(plan.saves) == [[0, 1, 2, 3], [4, 5, 6]]
+    worker.save(plan.saves)
+    req = Request("d", prompt)
+    assert consumer.matched_tokens(req, 0) == 6 * BLOCK  # all but the last block
+    consumer.allocated(req, list(range(10, 17)), 6 * BLOCK)
+    plan = consumer.step_plan(_new("d", list(range(10, 17)), 6 * BLOCK, BLOCK))
+    assert [c.block_ids for t in plan.loads for c in t.chunks] == [(10, 11, 12, 13), (14, 15, None)]
+    assert plan.saves == []  # a consumer never saves
+    worker.load(plan.loads)
+    assert worker.take_load_errors() == set() and worker.stats.loaded_blocks == 6
+    for t, before in zip(kv.values(), last, strict=True):
+        assert all(torch.equal(t[10 + i], t[i]) for i in range(6))  # each block where it belongs
+        assert torch.equal(t[16], before)  # the last block: vLLM's to compute, left alone

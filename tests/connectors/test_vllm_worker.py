@@ -62,8 +62,8 @@ def _keys(blocks: int) -> list[str]:
 def _transfer(keys: list[str], blocks: list[int], skip: int = 0) -> list[ChunkTransfer]:
     """``blocks`` cut into the chunks of ``keys`` (two blocks each, the last maybe one)."""
     per = GRID.chunk_blocks
-    spans = [ChunkSpan(k, tuple(blocks[i * per : (i + 1) * per]), skip if i == 0 else 0)
-             for i, k in enumerate(keys)]
+    ids: list[int | None] = [None if i < skip else b for i, b in enumerate(blocks)]
+    spans = [ChunkSpan(k, tuple(ids[i * per : (i + 1) * per])) for i, k in enumerate(keys)]
     return [ChunkTransfer("r", spans)]
 
 
