@@ -142,3 +142,20 @@ def test_tensor_parallel_ranks_each_restore_their_own_heads(model_dir, tmp_path)
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_prefill_on_one_instance_decode_on_another(model_dir, baseline, tmp_path):
+    """Disaggregated prefill and decode through one ``kvtier serve``: a producer instance
+    prefills the prompt (one token) and saves its KV; a consumer instance given the same
+    request loads all of it but the last block and decodes vLLM alone's tokens."""
+    server, url, _ = start_serve(tmp_path / "serve-pd", "t0k")
+    try:
+        extra = {"url": url, "token": "t0k"}
+        (prefilled,), _ = run_vllm(model_dir, "kvtier", extra, scenario="prefill")
+        assert prefilled["num_cached_tokens"] == 0
+        (decoded,), _ = run_vllm(model_dir, "kvtier", extra, scenario="decode")
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert decoded["num_cached_tokens"] == (len(decoded["prompt_ids"]) - 1) // BLOCK * BLOCK
+    check_tokens([decoded], baseline[:1])

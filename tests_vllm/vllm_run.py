@@ -5,7 +5,8 @@ connector) or ``kvtier`` (KVTierConnector with EXTRA_JSON as kv_connector_extra_
 the tensor-parallel size (1; 2 runs a worker process per core).
 SCENARIO ``shared`` (default): two greedy requests sharing a long prefix; ``turns``: a
 conversation of two turns, the second sending the first's prompt and reply back with a new
-message (token ids). Then one JSON line per request and one with the metrics.
+message (token ids); ``prefill`` / ``decode``: the first request only, run for one token
+(a prefill instance) or in full (its decode peer). Then one JSON line per request and one with the metrics.
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ def main() -> None:
     model, mode = sys.argv[1], sys.argv[2]
     kw = {}
     if mode == "kvtier":
+        role = {"prefill": "kv_producer", "decode": "kv_consumer"}.get(
+            sys.argv[4] if len(sys.argv) > 4 else "", "kv_both")
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KVTierConnector",
             kv_connector_module_path="kvtier.connectors.vllm_connector",
-            kv_role="kv_both",
+            kv_role=role,
             kv_connector_extra_config=json.loads(sys.argv[3]),
         )
     tp = int(sys.argv[5]) if len(sys.argv) > 5 else 1
@@ -58,6 +61,10 @@ def main() -> None:
         history = list(first.prompt_token_ids) + list(first.outputs[0].token_ids)
         more = llm.get_tokenizer().encode(f" {SUFFIXES[1]}", add_special_tokens=False)
         report(llm.generate([{"prompt_token_ids": history + more}], params)[0])
+    elif scenario in ("prefill", "decode"):
+        tokens = 1 if scenario == "prefill" else 12
+        params = SamplingParams(max_tokens=tokens, temperature=0, logprobs=3)
+        report(llm.generate([f"{PREFIX} {SUFFIXES[0]}"], params)[0])
     else:
         params = SamplingParams(max_tokens=12, temperature=0, logprobs=3)
         for suffix in SUFFIXES:
