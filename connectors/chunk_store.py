@@ -41,6 +41,10 @@ class ChunkStore(Protocol):
     def present(self, keys: Sequence[str]) -> list[bool]:
         """Whether each of ``keys`` is stored (one round trip)."""
 
+    def prefetch(self, keys: Sequence[str]) -> int:
+        """Raise the stored prefix of ``keys`` into the fastest tier (a request that will
+        read them is coming); how many chunks were read from slower tiers."""
+
     def put_from(self, writes: Sequence[ChunkWrite]) -> dict[str, str]:
         """Store chunks, each filled by its write; returns the keys that failed, with why."""
 
@@ -66,6 +70,9 @@ class LocalChunkStore:
 
     def present(self, keys: Sequence[str]) -> list[bool]:
         return self.manager.present(keys)
+
+    def prefetch(self, keys: Sequence[str]) -> int:
+        return self.manager.prefetch(keys)
 
     def put_from(self, writes: Sequence[ChunkWrite]) -> dict[str, str]:
         return dict(self.manager.store(writes).failed)
@@ -100,6 +107,9 @@ class RemoteChunkStore:
 
     def present(self, keys: Sequence[str]) -> list[bool]:
         return self.client.present(keys) if keys else []
+
+    def prefetch(self, keys: Sequence[str]) -> int:
+        return self.client.prefetch(keys) if keys else 0
 
     def put_from(self, writes: Sequence[ChunkWrite]) -> dict[str, str]:
         """Keys not stored, with why. A ``conflict`` is not among them: another writer

@@ -47,6 +47,8 @@ class ChunkTransfer:
 
     req_id: str
     chunks: list[ChunkSpan]
+    session: str | None = None
+    """The request's session (vLLM's session id), for the tiers' session-aware eviction."""
 
     @property
     def num_blocks(self) -> int:

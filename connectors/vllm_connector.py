@@ -209,6 +209,9 @@ class KVTierConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler_side.finished(request, list(block_ids)), None
 
+    def on_new_request(self, request: Request) -> None:
+        self.scheduler_side.arrived(request)
+
     # ---------------------------------------------------------------- worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         # a prefill instance saves before it answers: its decode peer may ask at once

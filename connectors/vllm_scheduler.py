@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +46,8 @@ class _ReqState:
     """The prompt's tail chunk is stored."""
     saving: bool = False
     """A save was planned for it: its blocks are freed once the workers report it landed."""
+    session: str | None = None
+    """vLLM's session id of the request (its chunks are kept and evicted as a session's)."""
 
 
 @dataclass(frozen=True)
@@ -102,16 +105,43 @@ class SchedulerSide:
         """Keys of the final saves planned for the next step: stored by the time a load
         of that step reads them (the workers save them first)."""
         self.hit_blocks = 0
+        self._prefetcher: ThreadPoolExecutor | None = None
+
+    # ------------------------------------------------------------------ arrivals
+    def arrived(self, request: Any) -> Future[int] | None:
+        """vLLM added a request (it may wait in the queue before it is scheduled): raise
+        its stored chunks from the slower tiers into the fastest one in the background, so
+        that its load reads them from RAM. None where nothing is prefetched."""
+        state = self._state(request)
+        if not self.role.loads or not state.keys:
+            return None
+        if self._prefetcher is None:
+            self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm-prefetch")
+        return self._prefetcher.submit(self._prefetch, self._parts([k.key for k in state.keys]))
+
+    def _prefetch(self, keys: list[str]) -> int:
+        try:
+            return self._store().prefetch(keys)
+        except Exception as exc:  # noqa: BLE001 - a failed prefetch only costs speed
+            log.info("kvtier prefetch failed: %s", exc)
+            return 0
+
+    def _state(self, request: Any) -> _ReqState:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            prompt = list(request.prompt_token_ids or [])
+            session = getattr(request, "session_id", None)
+            state = self._requests[request.request_id] = _ReqState(
+                prompt, self.grid.keys(prompt), session=str(session) if session else None)
+        return state
 
     # ------------------------------------------------------------------ lookups
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
         """Tokens past ``num_computed_tokens`` the store can provide and the policy chose to
         load: of the longest stored prefix of the prompt's full blocks, leaving at least
         one token to compute."""
-        prompt = list(request.prompt_token_ids or [])
-        state = self._requests.get(request.request_id)
-        if state is None:
-            state = self._requests[request.request_id] = _ReqState(prompt, self.grid.keys(prompt))
+        state = self._state(request)
+        prompt = state.tokens
         if not self.role.loads:
             return 0
         bs, per = self.grid.block_size, self.grid.chunk_blocks
@@ -214,7 +244,8 @@ class SchedulerSide:
             state.tail_stored = True
         if num_external_tokens <= 0:
             return
-        self._loads[request.request_id] = ChunkTransfer(request.request_id, self._spans(state, found))
+        self._loads[request.request_id] = ChunkTransfer(
+            request.request_id, self._spans(state, found), state.session)
         self._load_tiers[request.request_id] = {s.tier for s in found.load}
         self.hit_blocks += found.blocks - found.computed
 
@@ -290,7 +321,7 @@ class SchedulerSide:
         if not spans:
             return None
         state.saving = True
-        return ChunkTransfer(req_id, spans)
+        return ChunkTransfer(req_id, spans, state.session)
 
     def _unsaved(self, state: _ReqState, keys: list[ChunkKey], blocks: int) -> list[ChunkSpan]:
         """Chunks of ``keys`` within the first ``blocks`` blocks not stored yet (marked
@@ -338,6 +369,6 @@ class SchedulerSide:
             spans = self._unsaved(state, keys, blocks)
             if spans:
                 state.saving = True
-                self._final_saves.append(ChunkTransfer(req_id, spans))
+                self._final_saves.append(ChunkTransfer(req_id, spans, state.session))
                 self._finishing.update(span.key for span in spans)
         return state.saving

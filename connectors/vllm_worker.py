@@ -41,6 +41,7 @@ from kvtier.gpu_pool.kernels.host_native import (
     scatter_chunks_verified,
     scatter_pieces_verified,
 )
+from kvtier.policies.eviction import ChunkInfo
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +143,7 @@ class WorkerSide:
     def _save_now(self, saves: list[ChunkTransfer], ready: torch.cuda.Event | None) -> None:
         if ready is not None:
             ready.synchronize()
-        writes = [self._write(span) for s in saves for span in s.chunks]
+        writes = [self._write(span, s.session) for s in saves for span in s.chunks]
         try:
             failed = self._store().put_from(writes)
         except Exception as exc:  # noqa: BLE001 - a failed save is a future miss
@@ -152,19 +153,20 @@ class WorkerSide:
             len(span.block_ids) for s in saves for span in s.chunks
             if ChunkGrid.rank_key(span.key, self.rank) not in failed)
 
-    def _write(self, span: ChunkSpan) -> ChunkWrite:
+    def _write(self, span: ChunkSpan, session: str | None = None) -> ChunkWrite:
         key = ChunkGrid.rank_key(span.key, self.rank)
         ids, fp, dtype = span.targets, self.fingerprint, self.dtype
         if len(ids) != len(span.block_ids):
             raise InvalidArgumentError(f"a save of chunk {key} must name every block")
         shape = self.chunk_shape(len(ids))
         _, total = chunk_layout(key, fp, dtype, shape)
+        info = ChunkInfo(total, session) if session else None
         pieces = self._pieces
         if pieces is not None:  # copied and checksummed in one native pass
             addrs, layout = pieces.at_chunk(ids), pieces.layout(len(ids))
-            return ChunkWrite(key, total, fill=lambda slot: encode_into(
+            return ChunkWrite(key, total, info=info, fill=lambda slot: encode_into(
                 slot, key, fp, dtype, shape, lambda part: gather_pieces_hashed(part, addrs, layout)))
-        return ChunkWrite(key, total, fill=lambda slot: encode_into(
+        return ChunkWrite(key, total, info=info, fill=lambda slot: encode_into(
             slot, key, fp, dtype, shape, lambda part, a, b: self._gather(part, a, b, ids),
             GROUP_BYTES))
 

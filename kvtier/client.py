@@ -156,6 +156,10 @@ class _Routes:
         return _Call("DELETE", f"/v1/chunks/{key}", ok=(204, 404))
 
     @staticmethod
+    def prefetch(keys: Sequence[str]) -> _Call:
+        return _Call("POST", "/v1/chunks/prefetch", {"keys": list(keys)})
+
+    @staticmethod
     def lookup(keys: Sequence[str], each: bool = False) -> _Call:
         body: dict[str, Any] = {"keys": list(keys)}
         if each:
@@ -381,6 +385,11 @@ class Client:
 
     def lookup(self, keys: Sequence[str]) -> Lookup:
         return Lookup(**self._send(_Routes.lookup(keys)).json())
+
+    def prefetch(self, keys: Sequence[str]) -> int:
+        """Raise the stored prefix of ``keys`` into the server's fastest tier (a request
+        that will read them is on its way); how many chunks were read from slower ones."""
+        return int(self._send(_Routes.prefetch(keys)).json()["promoted"])
 
     def present(self, keys: Sequence[str]) -> list[bool]:
         """Whether each of ``keys`` is stored (one request)."""

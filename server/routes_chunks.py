@@ -55,6 +55,7 @@ from kvtier.server.schemas import (
     GetIntoRegionResponse,
     LookupRequest,
     LookupResponse,
+    PrefetchResponse,
     PutResponse,
 )
 from kvtier.server.shm_regions import Region
@@ -474,6 +475,16 @@ async def lookup(body: LookupRequest, request: Request) -> dict[str, Any]:
     if body.each:
         out["present"] = await run_in_threadpool(manager.present, keys)
     return out
+
+
+@router.post("/prefetch", response_model=PrefetchResponse, responses=_ERRORS)
+async def prefetch(body: LookupRequest, request: Request) -> dict[str, Any]:
+    """Raise the stored prefix of ``keys`` into the fastest tier (each chunk a slower tier
+    holds is read, verified and written there): a request that will read them is coming."""
+    _, manager = _manager(request)
+    _check_keys(body.keys)
+    keys = [_stored_as(request, k) for k in body.keys]
+    return {"promoted": await run_in_threadpool(manager.prefetch, keys)}
 
 
 @router.post(

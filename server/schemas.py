@@ -108,6 +108,11 @@ class LookupResponse(_Doc):
     """With ``each``: whether each key is stored, in the prefix or not."""
 
 
+class PrefetchResponse(_Doc):
+    promoted: int
+    """Chunks read from a slower tier and written into the fastest."""
+
+
 class BatchGetRequest(_Body):
     keys: list[str] = Field(max_length=MAX_BATCH_KEYS)
     layers: tuple[int, int] | None = Field(

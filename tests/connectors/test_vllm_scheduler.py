@@ -233,3 +233,29 @@ def test_a_resent_prompt_loads_all_but_its_last_block_from_a_longer_tail():
     for t, before in zip(kv.values(), last, strict=True):
         assert all(torch.equal(t[10 + i], t[i]) for i in range(6))  # each block where it belongs
         assert torch.equal(t[16], before)  # the last block: vLLM's to compute, left alone
+
+
+def test_a_sessions_next_request_promotes_its_chunks_before_it_is_scheduled(tmp_path):
+    """A conversation whose chunks went down to disk: when its next request arrives (vLLM
+    adds it; it may queue), its chunks are raised into the CPU tier before the lookup that
+    schedules it, which then finds them in RAM."""
+    from kvtier.connectors.tiers.disk_tier import DiskTier
+
+    slot = 1 << 20
+    store = LocalChunkStore(TierManager([CPUTier(4 * slot, slot), DiskTier(tmp_path / "d", fsync=False)]))
+    sched = SchedulerSide(lambda: store, GRID)
+    worker = WorkerSide(lambda: store, GRID)
+    worker.register(caches(32, True), 32)
+    turn1 = Request("t1", list(range(5, 5 + 6 * BLOCK + 1)))
+    turn1.session_id = "alice"
+    _run(sched, [worker], turn1, list(range(7)))
+    keys = [k.key for k in GRID.keys(turn1.prompt_token_ids)]
+    assert store.where(keys) == ["cpu"] * 3
+    # alice goes idle; bob's conversation fills the CPU tier and pushes hers down to disk
+    _run(sched, [worker], Request("bob", list(range(900, 900 + 8 * BLOCK + 1))), list(range(10, 19)))
+    assert store.where(keys) == ["disk"] * 3
+    turn2 = Request("t2", turn1.prompt_token_ids + [1, 2, 3])
+    turn2.session_id = "alice"
+    assert sched.arrived(turn2).result(timeout=30) == 3  # read from disk, written to RAM
+    assert store.where(keys) == ["cpu"] * 3
+    assert sched.matched_tokens(turn2, 0) == 6 * BLOCK

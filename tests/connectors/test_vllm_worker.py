@@ -210,6 +210,7 @@ def test_blocks_round_trip_through_a_running_kvtier_serve(tmp_path, shm):
         try:
             _worker(store, src).save(_transfer(keys, [2, 3, 4]))
             assert store.lookup(keys) == 2 and store.present([keys[1], "ab" * 16]) == [True, False]
+            assert store.prefetch(keys) == 0  # in the server's fastest tier already
             reader = _worker(store, dst)
             reader.load([ChunkTransfer("r", [ChunkSpan(keys[0], (5, 6)), ChunkSpan(keys[1], (7,)),
                                              ChunkSpan("00" * 32, (8, 9))])])
