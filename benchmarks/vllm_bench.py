@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import statistics
 import tempfile
 from dataclasses import asdict
@@ -66,6 +67,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
     console = Console()
     work = ChatWorkload(**{k: getattr(args, k) for k in asdict(ChatWorkload())})
     names = [s.strip() for s in args.setups.split(",") if s.strip()]
