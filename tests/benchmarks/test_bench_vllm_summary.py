@@ -1,0 +1,50 @@
+"""``kvtier bench vllm``'s summary of its rounds: first and returning turns apart, replies
+compared with vLLM alone's of the same round, the connector's share of vLLM's step time
+from its counters, and a setup that could not start reported with its root cause."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.benchmarks.chat_replay import TurnResult
+from kvtier.benchmarks.vllm_bench import _summarise
+from kvtier.benchmarks.vllm_servers import root_cause
+
+
+def _turns(ttft_first: float, ttft_next: float, change: int | None = None) -> list[TurnResult]:
+    out = []
+    for c in range(2):
+        for t in range(3):
+            ids = [c, t, 7] if (c, t) != (1, change) else [0, 0, 0]
+            out.append(TurnResult(c, t, ttft_first if t == 0 else ttft_next, [0.1, 0.3], ids))
+    return out
+
+
+def test_rounds_are_summarised_against_vllm_alone_of_the_same_round():
+    metrics = {"vllm:kvtier_load_seconds_total": 0.5, "vllm:kvtier_save_wait_seconds_total": 0.5,
+               "vllm:kvtier_step_seconds_total": 20.0}
+    rounds = [
+        {"alone": {"turns": _turns(2.0, 1.0), "wall_s": 10.0, "metrics": {}},
+         "kvtier": {"turns": _turns(2.0, 0.25), "wall_s": 5.0, "metrics": metrics},
+         "peer": {"error": "ValueError: No supported cpu connector found (server did not come up; log)"}},
+        {"alone": {"turns": _turns(4.0, 3.0), "wall_s": 10.0, "metrics": {}},
+         "kvtier": {"turns": _turns(4.0, 0.75, change=2), "wall_s": 5.0, "metrics": metrics},
+         "peer": {"error": "ValueError: No supported cpu connector found (server did not come up; log)"}},
+    ]
+    alone, kvtier, peer = _summarise(["alone", "kvtier", "peer"], rounds)
+    assert alone["returning_ttft_mean_s"] == pytest.approx(2.0)
+    assert kvtier["returning_ttft_mean_s"] == pytest.approx(0.5)
+    assert kvtier["first_ttft_mean_s"] == alone["first_ttft_mean_s"] == pytest.approx(3.0)
+    assert kvtier["identical_turns"] == [11, 12]  # one reply differed in round 2
+    assert alone["identical_turns"] is None  # the reference itself
+    assert kvtier["connector_forward_share"] == pytest.approx(0.05)
+    assert kvtier["output_tok_per_s"] == pytest.approx(18 / 5.0)
+    assert kvtier["itl_mean_s"] == pytest.approx(0.2)
+    assert peer["rounds"] == [] and peer["could_not_run"].startswith("ValueError: No supported")
+
+
+def test_the_root_cause_of_a_failed_start_is_the_first_error_logged():
+    log = "INFO starting\n(EngineCore) ERROR [core.py] ValueError: invalid literal for int(): 'all'\n" \
+          "Traceback ...\nRuntimeError: Engine core initialization failed.\n"
+    assert root_cause(log) == "ValueError: invalid literal for int(): 'all'"
+    assert root_cause("just a line\n") == "just a line"
