@@ -1,12 +1,13 @@
 """A multi-turn chat client for any OpenAI-compatible server (vLLM's, ``kvtier serve`` in
 engine mode): conversations that share a system prompt, each turn sent back with the whole
 history after a think time drawn per user, replies streamed so that every turn's
-time-to-first-token and inter-token latencies are measured.
+time-to-first-token and inter-token latencies are measured. Every conversation is active
+from the start (users come and go while others think), and at most ``clients`` requests
+are in flight at once.
 
 Users think: the gap between a reply and the next message is lognormal around
 ``think_median_s`` (heavy-tailed, as real chat and agent traces are; vLLM's own client
-has only a Poisson request rate, LMCache's a fixed gap). Up to ``clients`` conversations
-are active at once; the others wait their turn. Replies are greedy (temperature 0) and
+has only a Poisson request rate, LMCache's a fixed gap). Replies are greedy (temperature 0) and
 run to ``answer_tokens`` (EOS ignored), so every configuration does the same work and its
 replies can be compared token for token (``return_token_ids``).
 """
@@ -99,20 +100,22 @@ async def _turn(client: Any, url: str, model: str, messages: list[dict], work: C
 
 async def _conversation(client: Any, url: str, model: str, work: ChatWorkload, c: int,
                         gate: asyncio.Semaphore, results: list[TurnResult]) -> None:
+    """One user: a turn, a think, the next turn with the whole history; at most
+    ``work.clients`` requests of all users in flight at once."""
     messages = [{"role": "system", "content": work.system_prompt()}]
-    async with gate:
-        for t in range(work.turns):
-            if t:
-                await asyncio.sleep(work.think_s(c, t))
-            messages.append({"role": "user", "content": work.message(c, t)})
+    for t in range(work.turns):
+        if t:
+            await asyncio.sleep(work.think_s(c, t))
+        messages.append({"role": "user", "content": work.message(c, t)})
+        async with gate:
             try:
                 got = await _turn(client, url, model, messages, work, c, t)
             except Exception as exc:  # noqa: BLE001 - a failed turn is reported, not fatal
                 got = TurnResult(c, t, float("nan"), error=f"{type(exc).__name__}: {exc}")
-            results.append(got)
-            if got.error:
-                return
-            messages.append({"role": "assistant", "content": got.text})
+        results.append(got)
+        if got.error:
+            return
+        messages.append({"role": "assistant", "content": got.text})
 
 
 async def replay(url: str, model: str | None, work: ChatWorkload, timeout_s: float = 600.0

@@ -37,11 +37,18 @@ def setups(workdir: Path) -> dict[str, VllmSetup]:
                       "disk_fsync": False}}}),
         "kvtier-serve": VllmSetup("kvtier-serve", {**KVTIER, "kv_connector_extra_config": {"shm": True}},
                                   sidecar=True),
-        "lmcache": VllmSetup("lmcache", {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}),
+        "lmcache": VllmSetup("lmcache", {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"},
+                             extra_path=_site_packages(REPO / ".venv-lmcache")),
         "vllm-native": VllmSetup("vllm-native", {
             "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30}}),
     }
+
+
+def _site_packages(venv: Path) -> str | None:
+    """The site-packages of ``venv`` (LMCache's environment, built by the test command)."""
+    found = sorted(venv.glob("lib/python3*/site-packages"))
+    return str(found[0]) if found else None
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -27,6 +27,8 @@ class VllmSetup:
     kv_transfer_config: dict[str, Any] | None = None
     sidecar: bool = False
     """Start a ``kvtier serve`` first; its URL goes into the connector's options."""
+    extra_path: str | None = None
+    """Site-packages to append to vLLM's path (a peer's environment, e.g. LMCache's)."""
 
 
 @dataclass
@@ -71,10 +73,17 @@ def _wait(running: Running, path: str) -> None:
 
 
 def root_cause(log: str) -> str:
-    """The first error a failed start logged (``SomethingError: why``), else its last line."""
+    """What made a start fail: the first exception an ERROR line logged (vLLM's engine core
+    logs its cause so), else the first exception a traceback ended with, else the last line."""
     import re
 
-    found = re.search(r"^.*?\b(\w+(?:Error|Exception): .+)$", log, re.MULTILINE)
+    exc = r"\b([A-Za-z_][\w.]*(?:Error|Exception): .+)$"
+    for line in log.splitlines():
+        if "ERROR" in line:
+            found = re.search(exc, line)
+            if found:
+                return found.group(1).strip()
+    found = re.search(r"^" + exc[2:], log, re.MULTILINE)
     if found:
         return found.group(1).strip()
     lines = [x for x in log.splitlines() if x.strip()]
@@ -114,6 +123,8 @@ def start_vllm(python: str, model: str, setup: VllmSetup, workdir: Path, args: A
     cores = args.cpu_bind or f"0-{(os.cpu_count() or 1) - 1}"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1",
                VLLM_CPU_OMP_THREADS_BIND=cores)  # the same cores in every setup
+    if setup.extra_path:  # a peer installed beside vLLM's own packages, not into them
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), setup.extra_path]))
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     running = Running(proc, f"http://127.0.0.1:{port}", log)
     _wait(running, "/health")

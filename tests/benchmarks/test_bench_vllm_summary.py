@@ -44,7 +44,9 @@ def test_rounds_are_summarised_against_vllm_alone_of_the_same_round():
 
 
 def test_the_root_cause_of_a_failed_start_is_the_first_error_logged():
-    log = "INFO starting\n(EngineCore) ERROR [core.py] ValueError: invalid literal for int(): 'all'\n" \
+    log = "WARNING ulimit: this can cause fd limit errors like `OSError: [Errno 24] Too many`\n" \
+          "(EngineCore) ERROR [core.py] ValueError: invalid literal for int(): 'all'\n" \
           "Traceback ...\nRuntimeError: Engine core initialization failed.\n"
     assert root_cause(log) == "ValueError: invalid literal for int(): 'all'"
     assert root_cause("just a line\n") == "just a line"
+    assert root_cause("Traceback\n  x\nKeyError: 'k'\n") == "KeyError: 'k'"
