@@ -170,17 +170,6 @@ _LOCAL: dict[str, LocalChunkStore] = {}
 _LOCAL_LOCK = threading.Lock()
 
 
-def check_shared(options: Mapping[str, Any], world: int) -> None:
-    """In-process tiers live in one process; with tensor or pipeline parallelism vLLM runs
-    each rank's worker in a process of its own (and the scheduler in another), where they
-    would see nothing of each other's chunks: refuse, saying what to do."""
-    if world > 1 and not options.get("url"):
-        raise ConfigError(
-            f"kvtier connector: in-process tiers cannot serve {world} tensor/pipeline-parallel "
-            "ranks (each runs in a process of its own); run `kvtier serve` and set "
-            "kv_connector_extra_config.url to it")
-
-
 def open_store(options: Mapping[str, Any], slot_bytes: int) -> ChunkStore:
     """A store from a connector's options.
 

@@ -46,12 +46,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtier.chunk_format import max_chunk_bytes
-from kvtier.connectors.chunk_store import ChunkStore, check_shared, open_store
+from kvtier.connectors import private_sidecar
+from kvtier.connectors.chunk_store import ChunkStore, open_store
+from kvtier.connectors.private_sidecar import SidecarAddress
 from kvtier.connectors.vllm_blocks import DEFAULT_CHUNK_TOKENS, ChunkGrid, Rank, Role, StepPlan
 from kvtier.connectors.vllm_metrics import Deltas, KVTierPromMetrics, KVTierStats
 from kvtier.connectors.vllm_policy import LoadObservation, LoadPolicy
 from kvtier.connectors.vllm_scheduler import SchedulerSide
 from kvtier.connectors.vllm_worker import WorkerSide
+from kvtier.errors import ConfigError
 from kvtier.models.weights_digest import checkpoint_digest
 
 if TYPE_CHECKING:
@@ -71,6 +74,8 @@ class KVTierConnectorMetadata(KVConnectorMetadata):
     """A step's plan, as vLLM hands it from the scheduler to the workers."""
 
     plan: StepPlan = field(default_factory=StepPlan)
+    store: SidecarAddress | None = None
+    """Where the ranks' shared tiers are, when the connector started them itself."""
 
 
 @dataclass
@@ -120,8 +125,10 @@ class KVTierConnector(KVConnectorBase_V1):
                                  int(self.extra.get("chunk_tokens", DEFAULT_CHUNK_TOKENS)))
         parallel = vllm_config.parallel_config
         self.world = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
-        check_shared(self.extra, self.world)
         self._store: ChunkStore | None = None
+        self._shared: SidecarAddress | None = None
+        """In-process tiers that vLLM's rank processes share: the private sidecar holding
+        them (started by the scheduler side, told to the workers in each step's plan)."""
         self._deltas = Deltas()
         self._step_t0: float | None = None
         self.kv_role = Role(self._kv_transfer_config.kv_role or "kv_both")
@@ -129,7 +136,8 @@ class KVTierConnector(KVConnectorBase_V1):
                                             save_decode=bool(self.extra.get("save_decode", True)),
                                             policy=self._policy(), role=self.kv_role)
         self.worker_side = WorkerSide(self._open_store, self.grid)
-        self._open_store()  # now, not on the first request (an in-process arena is allocated)
+        if not (self._needs_shared and self.role == KVConnectorRole.WORKER):
+            self._open_store()  # now, not on the first request (an arena is allocated)
 
     @property
     def stats(self) -> dict[str, float]:
@@ -177,12 +185,27 @@ class KVTierConnector(KVConnectorBase_V1):
         return LoadPolicy(block // self.block_size, layers, tiers,
                           enabled=bool(self.extra.get("policy", True)))
 
+    @property
+    def _needs_shared(self) -> bool:
+        """In-process tiers, but vLLM's ranks run in processes of their own."""
+        return self.world > 1 and not self.extra.get("url")
+
     def _open_store(self) -> ChunkStore:
         """The store, opened once; its slots hold one chunk of every layer (both sides
-        size it alike, so an in-process store they share is sized once)."""
+        size it alike, so an in-process store they share is sized once). In-process tiers
+        for several ranks live in a private sidecar the scheduler side starts."""
         if self._store is None:
             layers, block = self._layers_and_block()
-            self._store = open_store(self.extra, max_chunk_bytes(layers, block * self.grid.chunk_blocks))
+            slot = max_chunk_bytes(layers, block * self.grid.chunk_blocks)
+            options = self.extra
+            if self._needs_shared:
+                if self.role == KVConnectorRole.SCHEDULER and self._shared is None:
+                    self._shared = private_sidecar.start(self.extra, slot)
+                if self._shared is None:
+                    raise ConfigError("kvtier connector: no step plan has said yet where the "
+                                      "ranks' shared tiers are")
+                options = {**self.extra, **self._shared.options()}
+            self._store = open_store(options, slot)
         return self._store
 
     # ------------------------------------------------------------- scheduler side
@@ -197,7 +220,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self.scheduler_side.allocated(request, list(blocks.get_block_ids()[0]), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return KVTierConnectorMetadata(self.scheduler_side.step_plan(scheduler_output))
+        return KVTierConnectorMetadata(self.scheduler_side.step_plan(scheduler_output), self._shared)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
@@ -223,6 +246,8 @@ class KVTierConnector(KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         self._step_t0 = time.perf_counter()
+        if isinstance(connector_metadata, KVTierConnectorMetadata) and self._shared is None:
+            self._shared = connector_metadata.store
 
     def clear_connector_metadata(self) -> None:
         """The step ends: its time counted (the connector's share of it is in the stats)."""
@@ -273,6 +298,8 @@ class KVTierConnector(KVConnectorBase_V1):
         self.worker_side.close()
         if self._store is not None:
             self._store.close()
+        if self._shared is not None and self.role == KVConnectorRole.SCHEDULER:
+            private_sidecar.stop(self._shared)
 
 
 def _worker_rank(world: int) -> Rank:

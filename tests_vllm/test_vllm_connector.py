@@ -127,21 +127,34 @@ def test_a_returning_turn_restores_the_previous_reply(model_dir, baseline_turns,
     check_tokens(results, baseline_turns)
 
 
-def test_tensor_parallel_ranks_each_restore_their_own_heads(model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def baseline_tp2(model_dir):
+    results, _ = run_vllm(model_dir, "none", tp=2)
+    return results
+
+
+def test_tensor_parallel_ranks_each_restore_their_own_heads(model_dir, baseline_tp2, tmp_path):
     """TP = 2 (a worker process per core, one of the model's two KV heads each) through
     ``kvtier serve``: every rank stores its own part of each chunk, the second request
     restores the shared prefix from kvtier and generates vLLM alone's tokens at TP = 2."""
-    reference, _ = run_vllm(model_dir, "none", tp=2)
     server, url, _ = start_serve(tmp_path / "serve-tp", "t0k")
     try:
         results, metrics = run_vllm(model_dir, "kvtier", {"url": url, "token": "t0k"}, tp=2)
-        check_against_baseline(results, metrics, reference)
+        check_against_baseline(results, metrics, baseline_tp2)
         stats = httpx.get(f"{url}/v1/stats", headers={"Authorization": "Bearer t0k"}).json()
         full_blocks = len(results[0]["prompt_ids"]) // BLOCK
         assert sum(t["chunks"] for t in stats["tiers"]) >= 2 * -(-full_blocks // CHUNK_BLOCKS)
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_tensor_parallel_with_in_process_tiers(model_dir, baseline_tp2, tmp_path):
+    """TP = 2 with the connector's own tiers: they live in the private sidecar it starts
+    for its rank processes; the same tokens as vLLM alone at TP = 2, with kvtier's hits."""
+    extra = {"tiers": {"cpu_bytes": 64 << 20, "disk_dir": str(tmp_path / "c"), "disk_fsync": False}}
+    results, metrics = run_vllm(model_dir, "kvtier", extra, tp=2)
+    check_against_baseline(results, metrics, baseline_tp2)
 
 
 def test_prefill_on_one_instance_decode_on_another(model_dir, baseline, tmp_path):

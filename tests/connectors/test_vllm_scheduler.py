@@ -192,18 +192,6 @@ def test_a_store_that_cannot_be_reached_is_a_miss():
     assert sched.matched_tokens(Request("a", list(range(4 * BLOCK))), 0) == 0
 
 
-def test_in_process_tiers_refuse_several_ranks_with_a_way_out():
-    import pytest
-
-    from kvtier.connectors.chunk_store import check_shared
-    from kvtier.errors import ConfigError
-
-    check_shared({"tiers": {}}, 1)
-    check_shared({"url": "http://127.0.0.1:8100"}, 4)
-    with pytest.raises(ConfigError, match="kvtier serve"):
-        check_shared({"tiers": {}}, 2)
-
-
 def test_a_resent_prompt_loads_all_but_its_last_block_from_a_longer_tail():
     """A decode instance gets the prompt its prefill peer stored: the stored tail chunk
     holds the prompt's last block too, which vLLM must compute; the load takes the tail's

@@ -303,3 +303,36 @@ def test_saves_run_off_the_forward_path_and_hold_a_finished_requests_blocks(tmp_
     finally:
         store.gate.set()
         worker.close()
+
+
+def test_in_process_tiers_for_several_ranks_live_in_a_private_sidecar(tmp_path):
+    """Several ranks (processes of their own in vLLM) share in-process tiers through the
+    kvtier serve the connector starts for them: two ranks save their parts through it and
+    restore them, bit-exact; the server wants its own token."""
+    import httpx
+
+    from kvtier.connectors import private_sidecar
+    from kvtier.connectors.chunk_store import open_store
+
+    src = [caches(NUM_BLOCKS, True, seed=40 + r) for r in range(2)]
+    options = {"tiers": {"cpu_bytes": 16 << 20, "disk_dir": str(tmp_path / "d"), "disk_fsync": False}}
+    address = private_sidecar.start(options, _chunk_bytes(src[0]))
+    assert httpx.post(f"{address.url}/v1/chunks/lookup", json={"keys": ["ab" * 8]}).status_code == 401
+    keys = _keys(4)
+    stores = [open_store({**options, **address.options()}, _chunk_bytes(src[0])) for _ in range(2)]
+    try:
+        for r, store in enumerate(stores):
+            _worker(store, src[r], rank=Rank(r, 2)).save(_transfer(keys, [0, 1, 2, 3]))
+        for r, store in enumerate(stores):
+            dst = caches(NUM_BLOCKS, True, seed=99)
+            reader = _worker(store, dst, rank=Rank(r, 2))
+            reader.load(_transfer(keys, [4, 5, 6, 7]))
+            assert reader.take_load_errors() == set()
+            for a, b in zip(_block(src[r], 2), _block(dst, 6), strict=True):
+                assert torch.equal(a, b)
+    finally:
+        for store in stores:
+            store.close()
+        private_sidecar.stop(address)
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{address.url}/healthz", timeout=2)  # stopped

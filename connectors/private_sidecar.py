@@ -1,0 +1,108 @@
+"""A ``kvtier serve`` the vLLM connector starts for itself, for in-process tiers that vLLM's
+processes must share: with tensor or pipeline parallelism every rank's worker is a process
+of its own and the scheduler another, so tiers inside one of them would be seen by none of
+the others. The scheduler side starts the server as a child process holding the tiers the
+connector was given (``tiers``, ``config``), on a free loopback port with a bearer token
+of its own, and the workers reach it through shared memory (``shm``), as they would a
+sidecar an operator runs. It stops with the process that started it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+STARTUP_S = 60.0
+_running: dict[str, subprocess.Popen] = {}
+"""The sidecars this process started, by URL."""
+
+
+@dataclass(frozen=True)
+class SidecarAddress:
+    """Where the private sidecar listens and the token it wants (the workers get both in
+    the step plans the scheduler sends them)."""
+
+    url: str
+    token: str
+
+    def options(self) -> dict[str, Any]:
+        return {"url": self.url, "token": self.token, "shm": True}
+
+
+def _env(options: Mapping[str, Any], slot_bytes: int, workdir: str) -> dict[str, str]:
+    """The child's configuration: the connector's ``tiers`` as ``KVTIER_TIERS__*``, CPU slots
+    sized to the connector's chunks, shared-memory regions in a directory of its own."""
+    env = dict(os.environ, KVTIER_SERVER__CHUNK_SLOT_BYTES=str(slot_bytes),
+               KVTIER_SERVER__SHM_DIR=os.path.join(workdir, "shm"))
+    for name, value in dict(options.get("tiers") or {}).items():
+        env[f"KVTIER_TIERS__{name.upper()}"] = "" if value is None else str(value)
+    return env
+
+
+def start(options: Mapping[str, Any], slot_bytes: int) -> SidecarAddress:
+    """Start the private sidecar and wait until it answers; it is stopped at exit."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    token = secrets.token_urlsafe(24)
+    workdir = tempfile.mkdtemp(prefix="kvtier-vllm-sidecar-")
+    cmd = [sys.executable, "-m", "kvtier.cli", "serve", "--host", "127.0.0.1",
+           "--port", str(port), "--auth-token", token, "--log-level", "warning"]
+    if options.get("config"):
+        cmd += ["--config", str(options["config"])]
+    proc = subprocess.Popen(cmd, env=_env(options, slot_bytes, workdir))
+    atexit.register(_stop, proc)
+    address = SidecarAddress(f"http://127.0.0.1:{port}", token)
+    _wait(proc, address)
+    _running[address.url] = proc
+    log.info("kvtier connector: private sidecar for %s at %s", dict(options.get("tiers") or {}),
+             address.url)
+    return address
+
+
+def _wait(proc: subprocess.Popen, address: SidecarAddress) -> None:
+    import httpx
+
+    deadline = time.monotonic() + STARTUP_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            break
+        try:
+            if httpx.get(f"{address.url}/healthz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    _stop(proc)
+    raise ConfigError("kvtier connector: the tiers' server for vLLM's ranks did not start "
+                      f"(exit code {proc.returncode}); check the connector's tiers options")
+
+
+def stop(address: SidecarAddress) -> None:
+    """Stop a sidecar this process started (its tiers' in-memory chunks go with it)."""
+    proc = _running.pop(address.url, None)
+    if proc is not None:
+        _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
