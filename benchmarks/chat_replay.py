@@ -118,20 +118,37 @@ async def _conversation(client: Any, url: str, model: str, work: ChatWorkload, c
         messages.append({"role": "assistant", "content": got.text})
 
 
-async def replay(url: str, model: str | None, work: ChatWorkload, timeout_s: float = 600.0
-                 ) -> tuple[list[TurnResult], float]:
+@dataclass
+class Replay:
+    """What a replay did: its turns (those finished, where it ran out of time) and when."""
+
+    turns: list[TurnResult]
+    wall_s: float
+    finished: bool = True
+    """Every turn ran within the replay's time limit."""
+
+
+async def replay(url: str, model: str | None, work: ChatWorkload, timeout_s: float = 600.0,
+                 limit_s: float | None = None) -> Replay:
     """Run every conversation against ``url`` (``model``: the first the server lists where
-    None); the turns' results and the wall time."""
+    None). ``timeout_s`` bounds one request, ``limit_s`` the whole replay (a server that
+    stalls is reported with the turns it finished, not waited on for hours)."""
     import httpx
 
     results: list[TurnResult] = []
     gate = asyncio.Semaphore(work.clients)
+    finished = True
     async with httpx.AsyncClient(timeout=timeout_s) as client:
         if model is None:
             listed = (await client.get(f"{url}/v1/models")).json()
             model = str(listed["data"][0]["id"])
         t0 = time.perf_counter()
-        await asyncio.gather(*(_conversation(client, url, model, work, c, gate, results)
-                               for c in range(work.conversations)))
+        everyone = asyncio.gather(*(_conversation(client, url, model, work, c, gate, results)
+                                    for c in range(work.conversations)))
+        try:
+            await asyncio.wait_for(everyone, limit_s)
+        except asyncio.TimeoutError:
+            finished = False
+        wall = time.perf_counter() - t0
     results.sort(key=lambda r: (r.conversation, r.turn))
-    return results, time.perf_counter() - t0
+    return Replay(results, wall, finished)

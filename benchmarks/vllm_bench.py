@@ -22,7 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.benchmarks.chat_replay import ChatWorkload, TurnResult, replay
-from kvtier.benchmarks.vllm_servers import VllmSetup, metrics, start_kvtier_serve, start_vllm
+from kvtier.benchmarks.vllm_servers import (
+    VllmSetup,
+    metrics,
+    root_cause,
+    start_kvtier_serve,
+    start_vllm,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 KVTIER = {"kv_connector": "KVTierConnector", "kv_role": "kv_both",
@@ -66,6 +72,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--cpu-bind", default=None, help="VLLM_CPU_OMP_THREADS_BIND for every setup "
                    "(default: every core, 0-N; vLLM binds one core by default, both with a connector)")
+    p.add_argument("--setup-limit-s", type=float, default=600.0,
+                   help="time one setup's replay may take (one that stalls is cut and says so)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None)
     p.set_defaults(func=run)
@@ -79,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
     work = ChatWorkload(**{k: getattr(args, k) for k in asdict(ChatWorkload())})
     names = [s.strip() for s in args.setups.split(",") if s.strip()]
     rounds: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-vllm-") as tmp:
         known = setups(Path(tmp))
         unknown = [n for n in names if n not in known]
@@ -89,18 +98,24 @@ def run(args: argparse.Namespace) -> int:
             for name in names:
                 console.print(f"round {r + 1}: [bold]{name}[/bold] ...")
                 rounds[-1][name] = _one(known[name], args, work, Path(tmp) / f"r{r}-{name}")
-    rows = _summarise(names, rounds)
+                rows = _summarise([n for n in names if n in rounds[0]], rounds)
+                _write(args, work, rows)  # what ran so far survives a stop
     _print(console, rows)
-    doc = {"suite": "vllm", "workload": asdict(work), "setups": rows,
-           "config": {k: str(v) for k, v in vars(args).items() if k != "func"},
-           "machine": _machine()}
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(doc, indent=1) + "\n")
         console.print(f"wrote {args.out}")
     if args.plot:
         _plot(rows, args.plot)
     return 0
+
+
+def _write(args: argparse.Namespace, work: ChatWorkload, rows: list[dict[str, Any]]) -> None:
+    if not args.out:
+        return
+    doc = {"suite": "vllm", "workload": asdict(work), "setups": rows,
+           "config": {k: str(v) for k, v in vars(args).items() if k != "func"},
+           "machine": _machine()}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1) + "\n")
 
 
 def _one(setup: VllmSetup, args: argparse.Namespace, work: ChatWorkload, workdir: Path
@@ -113,8 +128,13 @@ def _one(setup: VllmSetup, args: argparse.Namespace, work: ChatWorkload, workdir
             sidecar = start_kvtier_serve(workdir, slot_bytes=64 << 20)
         server = start_vllm(args.vllm_python, args.model, setup, workdir, args,
                             sidecar.url if sidecar else None)
-        turns, wall = asyncio.run(replay(server.url, "m", work))
-        return {"turns": turns, "wall_s": wall, "metrics": metrics(server.url)}
+        done = asyncio.run(replay(server.url, "m", work, limit_s=args.setup_limit_s))
+        got = {"turns": done.turns, "wall_s": done.wall_s, "metrics": metrics(server.url)}
+        if not done.finished:
+            got["unfinished"] = (f"{len(done.turns)} of {work.conversations * work.turns} turns "
+                                 f"in {args.setup_limit_s:.0f} s; it logged: "
+                                 f"{root_cause(server.log.read_text(errors='replace'))}")
+        return got
     except RuntimeError as exc:
         return {"error": str(exc)[:2500]}
     finally:
@@ -148,6 +168,7 @@ def _round_row(got: dict[str, Any], reference: dict[str, Any] | None) -> dict[st
         "wall_s": got["wall_s"],
         "output_tok_per_s": sum(len(t.token_ids) for t in turns) / got["wall_s"],
         "errors": sum(1 for t in turns if t.error),
+        "unfinished": got.get("unfinished"),
         "identical_to_alone": (sum(same), len(same)) if ref else None,
         "kvtier_loaded_blocks": m.get("vllm:kvtier_loaded_blocks_total"),
         "kvtier_saved_blocks": m.get("vllm:kvtier_saved_blocks_total"),
@@ -165,7 +186,9 @@ def _summarise(names: list[str], rounds: list[dict[str, Any]]) -> list[dict[str,
     for name in names:
         per_round, errors = [], []
         for rnd in rounds:
-            got = rnd[name]
+            got = rnd.get(name)
+            if got is None:
+                continue
             if "error" in got:
                 errors.append(got["error"])
                 continue
@@ -220,8 +243,13 @@ def _print(console: Any, rows: list[dict[str, Any]]) -> None:
                       ms(r["returning_ttft_p99_s"], "returning_ttft_p99_s"),
                       ms(r["first_ttft_mean_s"], "first_ttft_mean_s"), ms(r["itl_mean_s"], "itl_mean_s"),
                       f"{r['output_tok_per_s']:.1f}", f"{same[0]}/{same[1]}" if same else "-",
-                      f"{share:.1%}" if share is not None else "-", "")
+                      f"{share:.1%}" if share is not None else "-", _note(r))
     console.print(table)
+
+
+def _note(row: dict[str, Any]) -> str:
+    cut = [r["unfinished"] for r in row["rounds"] if r.get("unfinished")]
+    return ("cut: " + cut[0][:100]) if cut else ""
 
 
 def _plot(rows: list[dict[str, Any]], path: Path) -> None:

@@ -19,8 +19,11 @@ def test_conversations_replay_with_their_history_and_stream(model_dir, tmp_path)
                         answer_tokens=6, think_median_s=0.01, clients=2)
     state = ServiceState.with_engine(_config(tmp_path), model_dir)
     with running(state) as url:
-        first, wall = asyncio.run(replay(url, None, work))
-        again, _ = asyncio.run(replay(url, None, work))
+        done = asyncio.run(replay(url, None, work))
+        again = asyncio.run(replay(url, None, work)).turns
+        cut = asyncio.run(replay(url, None, ChatWorkload(turns=50, think_median_s=5.0), limit_s=1.0))
+    first, wall = done.turns, done.wall_s
+    assert done.finished and not cut.finished and cut.wall_s < 10  # a stalled replay stops
     assert [(t.conversation, t.turn) for t in first] == [(c, t) for c in range(3) for t in range(3)]
     assert all(t.error is None and t.text for t in first)
     assert all(t.ttft_s > 0 and not math.isnan(t.ttft_s) for t in first) and wall > 0
