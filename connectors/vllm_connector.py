@@ -125,6 +125,9 @@ class KVTierConnector(KVConnectorBase_V1):
                                  int(self.extra.get("chunk_tokens", DEFAULT_CHUNK_TOKENS)))
         parallel = vllm_config.parallel_config
         self.world = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+        self.workers_apart = parallel.distributed_executor_backend not in (None, "uni")
+        """vLLM runs its workers in processes of their own (TP/PP > 1, or vLLM's CPU backend
+        with multiprocessing, which uses the multiprocess executor even for one worker)."""
         self._store: ChunkStore | None = None
         self._shared: SidecarAddress | None = None
         """In-process tiers that vLLM's rank processes share: the private sidecar holding
@@ -187,8 +190,8 @@ class KVTierConnector(KVConnectorBase_V1):
 
     @property
     def _needs_shared(self) -> bool:
-        """In-process tiers, but vLLM's ranks run in processes of their own."""
-        return self.world > 1 and not self.extra.get("url")
+        """In-process tiers, but vLLM's workers run in processes of their own."""
+        return not self.extra.get("url") and (self.world > 1 or self.workers_apart)
 
     def _open_store(self) -> ChunkStore:
         """The store, opened once; its slots hold one chunk of every layer (both sides
