@@ -108,6 +108,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _chunk_bytes(args: argparse.Namespace) -> int:
+    """The largest chunk the connector writes for this model (the sidecar's slot size): 256
+    tokens in whole blocks of every layer, float32 as the bench runs vLLM."""
+    from kvtier.chunk_format import max_chunk_bytes
+    from kvtier.connectors.vllm_blocks import DEFAULT_CHUNK_TOKENS
+
+    cfg = json.loads((Path(args.model) / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    layers = cfg["num_hidden_layers"]
+    block = layers * 2 * args.block_size * cfg.get("num_key_value_heads", heads) * head_dim * 4
+    return max_chunk_bytes(layers, block * max(1, DEFAULT_CHUNK_TOKENS // args.block_size))
+
+
 def _write(args: argparse.Namespace, work: ChatWorkload, rows: list[dict[str, Any]]) -> None:
     if not args.out:
         return
@@ -125,7 +139,7 @@ def _one(setup: VllmSetup, args: argparse.Namespace, work: ChatWorkload, workdir
     sidecar = server = None
     try:
         if setup.sidecar:
-            sidecar = start_kvtier_serve(workdir, slot_bytes=64 << 20)
+            sidecar = start_kvtier_serve(workdir, slot_bytes=_chunk_bytes(args))
         server = start_vllm(args.vllm_python, args.model, setup, workdir, args,
                             sidecar.url if sidecar else None)
         done = asyncio.run(replay(server.url, "m", work, limit_s=args.setup_limit_s))
