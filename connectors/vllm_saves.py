@@ -75,12 +75,6 @@ class SaveQueue:
         if last is not None:
             last.result()
 
-    @property
-    def busy(self) -> int:
-        """Requests with a save still running or queued."""
-        with self._lock:
-            return sum(1 for n in self._pending.values() if n > 0)
-
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
