@@ -50,10 +50,6 @@ class ChunkTransfer:
     session: str | None = None
     """The request's session (vLLM's session id), for the tiers' session-aware eviction."""
 
-    @property
-    def num_blocks(self) -> int:
-        return sum(len(c.targets) for c in self.chunks)
-
 
 @dataclass
 class StepPlan:
