@@ -35,9 +35,11 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-TTFT_PRESET = "llama-3-8b"
+TTFT_PRESET = "llama-3.1-8b"
+"""Llama-3.1-8B shapes: the 32k history needs its 128k context (Llama 3's is 8k)."""
 CUDA_TEST_PATHS = ("tests/cuda", "tests/gpu_pool")
 TTFT_HISTORIES = (2048, 8192, 32768)
+STEP_NAMES = ("cuda-tests", "host-transfer", "kernels", "ttft")
 GOALS = {
     "decode_vs_copy": 0.7,
     "transfer_vs_copy": 0.8,
@@ -66,6 +68,8 @@ class Outcome:
     seconds: float
     timed_out: bool = False
     note: str = ""
+    tail: str = ""
+    """The end of a failed step's output (the device tool may not return kit.log)."""
 
     @property
     def ok(self) -> bool:
@@ -106,6 +110,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--results-dir", type=Path, default=None,
                    help="also copy the results here, named by GPU (gpu_check.sh: "
                    "benchmarks/results)")
+    p.add_argument("--steps", default=None,
+                   help="run only these foreground steps, comma-separated (a second run on "
+                   f"the same loan): {', '.join(STEP_NAMES)}")
     p.set_defaults(func=run)
 
 
@@ -162,8 +169,12 @@ class _Log:
         return f
 
 
+TAIL_CHARS = 3000
+
+
 def _start(step: Step, log: _Log) -> tuple[subprocess.Popen, Any]:
     f = log.section(f"{step.name}: {' '.join(step.argv)}")
+    f.output_from = f.tell()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **step.env}
     proc = subprocess.Popen(step.argv, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO,
                             start_new_session=True)
@@ -185,6 +196,10 @@ def _finish(step: Step, proc: subprocess.Popen, f: Any, started: float, limit: f
         out.note = f"stopped after {limit:.0f} s (its cap or the kit's budget)"
     elif rc != 0:
         out.note = f"exit {rc}: see the log"
+    if not out.ok:
+        with open(f.name, "rb") as log:
+            log.seek(f.output_from)
+            out.tail = log.read().decode(errors="replace")[-TAIL_CHARS:]
     return out
 
 
@@ -388,15 +403,22 @@ def run(args: argparse.Namespace) -> int:
         if not torch.cuda.is_available():
             print("gpu-kit: no CUDA device here; run with --dry-run on a CPU", file=sys.stderr)
             return 2
-    for stale in ("cuda-tests.xml", "host-transfer.json", "kernels.json", "ttft.json"):
-        (out / stale).unlink(missing_ok=True)
+    chosen = STEP_NAMES if args.steps is None else tuple(args.steps.split(","))
+    unknown = set(chosen) - set(STEP_NAMES)
+    if unknown:
+        print(f"gpu-kit: unknown steps {sorted(unknown)}; choose from {STEP_NAMES}",
+              file=sys.stderr)
+        return 2
+    steps = [s for s in plan(out, work, args.dry_run) if s.name in chosen]
+    for step in steps:
+        if step.result is not None:
+            step.result.unlink(missing_ok=True)
     (work / "models").mkdir(parents=True, exist_ok=True)
     shutil.rmtree(work / "ttft-disk", ignore_errors=True)
     log = _Log(out / "kit.log")
-    background = model_step(work, args.dry_run)
-    if (Path(background.argv[-1]) / "config.json").is_file():
+    background = model_step(work, args.dry_run) if "ttft" in chosen else None
+    if background is not None and (Path(background.argv[-1]) / "config.json").is_file():
         background = None  # made by an earlier run on this machine
-    steps = plan(out, work, args.dry_run)
     t0 = time.monotonic()
     outcomes = run_steps(steps, background, log, args.budget_s)
     judge = not args.dry_run

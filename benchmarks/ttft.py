@@ -81,10 +81,16 @@ def run(args: argparse.Namespace) -> int:
     bench = _Resume.start(model_dir, dtype, device, histories, args)
     console = Console() if Console().is_terminal else Console(width=140)
 
-    rows = [bench.measure(h, args.repeats, console) for h in histories]
+    config = {"model": str(model_dir), "dtype": dtype, "device": str(device),
+              "chunk_tokens": args.chunk_tokens, "repeats": args.repeats,
+              "threads": torch.get_num_threads(), "redis": bool(args.redis_url)}
+    rows: list[dict[str, Any]] = []
+    shared: list[dict[str, Any]] = []
+    for h in histories:
+        rows.append(bench.measure(h, args.repeats, console))
+        _write(args.out, config, rows, args.shared_prefix, shared)  # a cut run keeps its rows
     _print_table(console, rows, f"{model_dir.name} {dtype} on {device}")
     bench.close()
-    shared: list[dict[str, Any]] = []
     if args.shared_prefix:
         from kvtier.benchmarks.ttft_shared import measure_shared_prefix, print_shared_table
 
@@ -94,20 +100,25 @@ def run(args: argparse.Namespace) -> int:
                 args.repeats, bench.disk_dir, args.redis_url, args.threads,
             )
         print_shared_table(console, shared, f"{model_dir.name} {dtype} on {device}")
-    if args.out:
-        from kvtier.benchmarks.results import write_result
-
-        path = write_result(args.out, "ttft", {
-            "config": {"model": str(model_dir), "dtype": dtype, "device": str(device),
-                       "chunk_tokens": args.chunk_tokens, "repeats": args.repeats,
-                       "threads": torch.get_num_threads(), "redis": bool(args.redis_url)},
-            "rows": rows,
-            "shared_prefix": {"prefix_tokens": args.shared_prefix, "rows": shared},
-        })
-        console.print(f"wrote {path}")
+    _write(args.out, config, rows, args.shared_prefix, shared, console)
     if args.disk_dir is None:
         shutil.rmtree(bench.disk_dir, ignore_errors=True)
     return 0
+
+
+def _write(out: Path | None, config: dict[str, Any], rows: list[dict[str, Any]],
+           prefix_tokens: int, shared: list[dict[str, Any]], console=None) -> None:
+    if out is None:
+        return
+    from kvtier.benchmarks.results import write_result
+
+    path = write_result(out, "ttft", {
+        "config": config,
+        "rows": rows,
+        "shared_prefix": {"prefix_tokens": prefix_tokens, "rows": shared},
+    })
+    if console is not None:
+        console.print(f"wrote {path}")
 
 
 class _Resume:

@@ -9,7 +9,8 @@
 #
 # Results go to $OUT (the device tool's folder) or --out DIR (default out/gpu-kit), and on a
 # GPU also to benchmarks/results/, named by the GPU. Options: --out DIR, --work DIR (scratch:
-# the 16 GB checkpoint, the disk tier; default out/gpu-kit-work), --budget-s S (default 540).
+# the 16 GB checkpoint, the disk tier; default out/gpu-kit-work), --budget-s S (default 540),
+# --steps a,b (only these of cuda-tests,host-transfer,kernels,ttft: a rerun on the same loan).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
@@ -17,12 +18,14 @@ dry=0
 out=${OUT:-out/gpu-kit}
 budget=540
 work=out/gpu-kit-work
+steps=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) dry=1 ;;
     --out) out=$2; shift ;;
     --budget-s) budget=$2; shift ;;
     --work) work=$2; shift ;;
+    --steps) steps=(--steps "$2"); shift ;;
     -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -35,7 +38,7 @@ if [ "$dry" = 1 ]; then
   py=${KVTIER_PYTHON:-.venv/bin/python}
   if [ ! -x "$py" ] && [ -z "${KVTIER_PYTHON:-}" ]; then bash scripts/setup.sh; fi
   exec "$py" -m kvtier.cli bench gpu-kit --dry-run --out "$out" --work "$work" \
-    --budget-s "$budget"
+    --budget-s "$budget" "${steps[@]}"
 fi
 
 wheels=${KVTIER_GPU_WHEELS:-.gpu-wheels}
@@ -83,4 +86,4 @@ tail -n 1 "$log"
 echo "[gpu-kit] installed in $((SECONDS - start)) s"
 left=$((budget - (SECONDS - start)))
 exec "$venv/bin/python" -m kvtier.cli bench gpu-kit --out "$out" --work "$work" --budget-s "$left" \
-  --results-dir benchmarks/results
+  --results-dir benchmarks/results "${steps[@]}"

@@ -59,23 +59,49 @@ class HostBuffer:
                 self.tensor[start : start + POPULATE_PIECE].fill_(0)
         self.pinned = False
         if pin is not False and torch.cuda.is_available():
-            rc = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0)
-            if int(rc) == 0:
-                self.pinned = True
-            else:
-                log.warning("cudaHostRegister of %d bytes failed (%s); buffer stays pageable", self.nbytes, rc)
+            self.pinned = _register(self.tensor)
         elif pin:
             log.warning("pinning asked for but CUDA is not available; host buffer is pageable")
 
     def close(self) -> None:
         if self._map is None:
             return
-        if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
-            self.pinned = False
+        self._unpin()
         # The mmap stays mapped while any tensor over it lives (torch holds the buffer);
         # dropping our references lets it go with the last view.
         self._map = None
+
+    def _unpin(self) -> None:
+        if getattr(self, "pinned", False):
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self.pinned = False
+
+    def __del__(self) -> None:
+        # A buffer dropped without close() must not leave its registration behind: the
+        # mapping goes with the last view of it, and a later mapping at the same address
+        # would fail to register ("already mapped"), or worse, DMA would still go to the
+        # pages CUDA locked for the old one. Unpinned here, while ``tensor`` (and so the
+        # mapping) is still alive.
+        with contextlib.suppress(Exception):  # at interpreter exit CUDA may be gone
+            self._unpin()
+
+
+def _register(tensor: torch.Tensor) -> bool:
+    """Pin ``tensor``'s pages for DMA; on failure the buffer stays pageable, and the CUDA
+    error the failed call left behind is consumed so that the next kernel launch does not
+    report it as its own."""
+    rc = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel(), 0))
+    if rc == 0:
+        return True
+    log.warning("cudaHostRegister of %d bytes failed (error %d); buffer stays pageable",
+                tensor.numel(), rc)
+    get_last_error = getattr(torch.cuda.cudart(), "cudaGetLastError", None)
+    if get_last_error is not None:
+        get_last_error()
+    else:  # torch raises the pending error on the next launch check, and clears it
+        with contextlib.suppress(Exception):
+            torch.empty(1, device="cuda").zero_()
+    return False
 
 
 def host_buffer(nbytes: int, pin: bool | None = None) -> HostBuffer:

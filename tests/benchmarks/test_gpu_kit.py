@@ -101,6 +101,21 @@ def test_a_background_step_that_fails_skips_the_step_that_needs_it(tmp_path):
                          echo=lambda _line: None)
     assert [(o.name, o.rc) for o in outcomes] == [("first", 0), ("model", 3), ("needs", None)]
     assert "its model failed" in outcomes[2].note
+    # Why the model failed travels in the outcome (the device tool may not return kit.log).
+    failing = run_steps([Step("bad", [py, "-c", "print('before'); raise SystemExit('why: ' + 'x')"], 30)],
+                        None, log, 60, echo=lambda _line: None)
+    assert "why: x" in failing[0].tail and "before" in failing[0].tail
+    assert outcomes[0].tail == ""
+
+
+def test_the_gpu_models_context_holds_the_longest_history():
+    """The kit's TTFT model must admit its 32k history (Llama 3's own 8k context did not:
+    the first GPU run's TTFT step stopped on it)."""
+    from kvtier.benchmarks.gpu_kit import TTFT_HISTORIES, TTFT_PRESET
+    from kvtier.benchmarks.ttft import NEW_TOKENS
+    from kvtier.make_model.presets import PRESETS
+
+    assert PRESETS[TTFT_PRESET].max_position_embeddings >= max(TTFT_HISTORIES) + NEW_TOKENS + 16
 
 
 def test_failing_cuda_tests_fail_the_kit(tmp_path):

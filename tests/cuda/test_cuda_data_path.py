@@ -75,12 +75,31 @@ def test_host_slots_are_pinned_on_cuda(device):
     tier.close()
 
 
+def test_host_buffers_dropped_without_close_leave_no_registration(device):
+    """A buffer dropped without ``close`` is unpinned with it: the next mapping, often at
+    the same address, pins again, and no CUDA error is left for the next kernel to report
+    (found on an H200: "part or all of the requested memory range is already mapped")."""
+    cuda = device.type == "cuda"
+    for _ in range(8):
+        buf = HostBuffer(8 << 20)
+        assert buf.pinned is cuda
+        view = buf.tensor[: 1 << 20]
+        del buf  # unpinned now; the view keeps the mapping alive and still usable
+        view.fill_(3)
+        assert int(view[-1]) == 3 and view.is_pinned() is False
+        del view
+    torch.ones(4, device=device).add_(1)  # a launch check would raise a pending error
+    if cuda:
+        torch.cuda.synchronize()
+
+
 def test_pinned_slot_round_trip_on_a_side_stream(device):
     """A slot filled from the device on a side stream and read back on another: the bytes
     arrive once the recorded event says so, never before."""
     n = 8 << 20
     src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=device)
-    slot = HostBuffer(n).tensor[:n]
+    buf = HostBuffer(n)
+    slot = buf.tensor[:n]
     back = torch.empty_like(src)
     if device.type == "cuda":
         side = torch.cuda.Stream(device)

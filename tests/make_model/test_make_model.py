@@ -142,6 +142,11 @@ REAL = {
                                       num_attention_heads=32, num_key_value_heads=8,
                                       intermediate_size=14336, vocab_size=128256,
                                       tie_word_embeddings=False, rope_theta=500000.0)),
+    "llama-3.1-8b": (8_030_261_248, dict(hidden_size=4096, num_hidden_layers=32,
+                                        num_attention_heads=32, num_key_value_heads=8,
+                                        intermediate_size=14336, vocab_size=128256,
+                                        tie_word_embeddings=False, rope_theta=500000.0,
+                                        max_position_embeddings=131072)),
     "qwen2-0.5b": (494_032_768, dict(hidden_size=896, num_hidden_layers=24,
                                     num_attention_heads=14, num_key_value_heads=2,
                                     intermediate_size=4864, vocab_size=151936,
@@ -155,17 +160,18 @@ def test_big_presets_have_the_real_shapes(name):
     cfg = build_config(PRESETS[name], dtype="bfloat16")
     assert {k: cfg[k] for k in dims} == dims
     assert parameter_count(cfg) == count
-    assert cfg["head_dim"] == (128 if name == "llama-3-8b" else 64)
-    if name == "llama-3.2-1b":
+    assert cfg["head_dim"] == (128 if "8b" in name else 64)
+    if name in ("llama-3.2-1b", "llama-3.1-8b"):
         assert cfg["rope_scaling"] == {
-            "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+            "rope_type": "llama3", "factor": 32.0 if name == "llama-3.2-1b" else 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
         }
     else:
         assert cfg["rope_scaling"] is None
     if name.startswith("qwen2"):
         assert "model.layers.0.self_attn.q_proj.bias" in parameter_shapes(cfg)
-    if name == "llama-3-8b":
+    if "8b" in name:
         assert kv_bytes_per_token(cfg, "bfloat16") == 128 * 1024  # DESIGN.md: 128 KiB/token
 
 
