@@ -13,17 +13,23 @@ torch's, which would start a team of intra-op threads per worker.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
 
 WORKERS = 2
-"""Threads per pool: beyond two, chunks contend for memory bandwidth on the hosts measured
-(docs/performance.md)."""
+"""Threads of the store pool: beyond two, chunks contend for memory bandwidth on the hosts
+measured (docs/performance.md)."""
+
+RESTORE_WORKERS = min(8, max(WORKERS, (os.cpu_count() or 1) // 2))
+"""Threads of the restore pool: two on a small host, more on a large one, where a restore to
+a GPU checks chunks on the host while their copies run (one core hashes about 10 GB/s
+from DRAM on a server, a fifth of a pinned copy's speed: measured on an H200's host)."""
 
 _pools: dict[str, ThreadPoolExecutor] = {}
 _lock = threading.Lock()
@@ -31,14 +37,15 @@ _here = threading.local()
 """``pool``: the name of the pool the current thread belongs to (set by its initializer)."""
 
 
-def _pool(name: str) -> ThreadPoolExecutor:
+def _pool(name: str) -> tuple[ThreadPoolExecutor, int]:
+    size = RESTORE_WORKERS if name == "restore" else WORKERS
     with _lock:
         pool = _pools.get(name)
         if pool is None:
             pool = _pools[name] = ThreadPoolExecutor(
-                WORKERS, thread_name_prefix=f"kvtier-chunk-{name}",
+                size, thread_name_prefix=f"kvtier-chunk-{name}",
                 initializer=_mark, initargs=(name,))
-        return pool
+        return pool, size
 
 
 def _mark(name: str) -> None:
@@ -52,15 +59,36 @@ def on_pool(name: str) -> bool:
     return getattr(_here, "pool", None) == name
 
 
-def _map(name: str, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
-    """Each worker takes the next item as it finishes one (items of unequal size keep both
+class Mapping(Generic[R]):
+    """A map started on a pool's workers; :meth:`result` waits for it."""
+
+    def __init__(self, out: list[R | None], workers: list[Future[None]]) -> None:
+        self._out = out
+        self._workers = workers
+
+    def result(self) -> list[R]:
+        """The results in order, once every item ran; the first error is raised after."""
+        for w in self._workers:
+            w.result()
+        return self._out  # type: ignore[return-value]
+
+
+def _start(name: str, fn: Callable[[T], R], items: Iterable[T]) -> Mapping[R]:
+    """Each worker takes the next item as it finishes one (items of unequal size keep all
     busy; one task per worker, not a future per item: a vLLM block's chunk is a few
     hundred microseconds of work). Every item runs even where one raises; the first error
-    is raised after."""
+    is raised by :meth:`Mapping.result`."""
     items = list(items)
-    if len(items) < 2 or on_pool(name):
-        return [fn(item) for item in items]  # one item, or on this pool already: inline
-    out: list[R | None] = [None] * len(items)
+    if len(items) < 2 or on_pool(name):  # one item, or on this pool already: inline
+        done: Future[None] = Future()
+        try:
+            out: list[R | None] = [fn(item) for item in items]
+            done.set_result(None)
+        except BaseException as exc:  # noqa: BLE001 - raised by result()
+            out = []
+            done.set_exception(exc)
+        return Mapping(out, [done])
+    out = [None] * len(items)
     order = iter(range(len(items)))
     taking = threading.Lock()
 
@@ -78,10 +106,12 @@ def _map(name: str, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
         if failure is not None:
             raise failure
 
-    workers = [_pool(name).submit(work) for _ in range(min(WORKERS, len(items)))]
-    for w in workers:
-        w.result()
-    return out  # type: ignore[return-value]
+    pool, size = _pool(name)
+    return Mapping(out, [pool.submit(work) for _ in range(min(size, len(items)))])
+
+
+def _map(name: str, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
+    return _start(name, fn, items).result()
 
 
 def map_store(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
@@ -90,6 +120,12 @@ def map_store(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
 
 
 def map_restore(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
-    """``[fn(item) for item in items]``, chunks verified or scattered two at a time,
-    results in order."""
+    """``[fn(item) for item in items]``, chunks verified or scattered on the restore pool
+    (two at a time on a small host), results in order."""
     return _map("restore", fn, items)
+
+
+def start_restore(fn: Callable[[T], R], items: Iterable[T]) -> Mapping[R]:
+    """:func:`map_restore` started, not waited for: the caller works meanwhile (a restore
+    to a GPU issues its copies while the workers check the chunks)."""
+    return _start("restore", fn, items)

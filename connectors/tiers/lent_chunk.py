@@ -104,12 +104,18 @@ class LentChunk:
         before using a byte and report a mismatch with :meth:`fail`; a failed read raises
         :class:`ChunkFormatError` here."""
         for a, b in self._groups(group_bytes, start, end):
-            try:
-                self._wait(b)
-            except ChunkFormatError as exc:
-                self.error = self.error or exc
-                raise
+            self.wait_read(b)
             yield a, b, self.header.layer_checksums[a:b]
+
+    def wait_read(self, end: int) -> None:
+        """Wait until layers ``[0, end)`` were read (unchecked: for a reader that copies
+        them on and checks them beside the copy, never using them before the check passed);
+        a failed read raises :class:`ChunkFormatError`."""
+        try:
+            self._wait(end)
+        except ChunkFormatError as exc:
+            self.error = self.error or exc
+            raise
 
     def fail(self, layer: int) -> None:
         """Record that ``layer`` failed its checksum (found by the reader) and raise."""

@@ -188,7 +188,13 @@ def _block_ids(block_ids: torch.Tensor | Sequence[int], device: torch.device) ->
         return check.index_tensor("block_ids", block_ids, 1, "[n_blocks]")
     if not all(isinstance(b, int) and not isinstance(b, bool) for b in block_ids):
         check.fail("block_ids must be a 1-D int tensor or a sequence of ints")
-    return torch.tensor(list(block_ids), dtype=torch.int64, device=device)
+    ids = torch.tensor(list(block_ids), dtype=torch.int64)
+    if device.type != "cuda":
+        return ids.to(device)
+    # From pinned memory without a wait: a plain copy from pageable memory would make the
+    # host wait for the stream, so a caller could not queue the next chunk's copy behind
+    # this launch (the restore pipeline does).
+    return ids.pin_memory().to(device, non_blocking=True)
 
 
 def _chunk_inputs(kv: object, block_ids: torch.Tensor | Sequence[int], num_tokens: int | None

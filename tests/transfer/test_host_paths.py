@@ -27,8 +27,10 @@ def model_dir(tmp_path_factory):
     return make_model("tiny", tmp_path_factory.mktemp("m") / "tiny", seed=3).path
 
 
-@pytest.fixture(params=["fused", "numpy"])
+@pytest.fixture(params=["fused", "numpy", "copy-then-check"])
 def path(request, monkeypatch):
+    """The restore's host route: checked group by group as it is copied (native, or numpy),
+    or, as a restore to a GPU does it, copied while the restore workers check it."""
     if request.param == "numpy":
         monkeypatch.setattr(host_native, "AVAILABLE", False)
     else:
@@ -36,7 +38,7 @@ def path(request, monkeypatch):
     return request.param
 
 
-def _saved(model_dir, tier_kind: str, tmp_path, n: int = 192, seed: int = 0):
+def _saved(model_dir, tier_kind: str, tmp_path, n: int = 192, seed: int = 0, path: str = ""):
     runner = ModelRunner(model_dir, dtype="float32", device="cpu", num_blocks=96)
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(10, 1000, (n,), generator=g).tolist()
@@ -48,6 +50,7 @@ def _saved(model_dir, tier_kind: str, tmp_path, n: int = 192, seed: int = 0):
     tier = (CPUTier(16 * chunk_bytes, chunk_bytes) if tier_kind == "cpu"
             else DiskTier(tmp_path / "disk", fsync=False))
     xfer = KVTransfer(runner, TierManager([tier], fingerprint=runner.fingerprint), CHUNK)
+    xfer.restorer.copy_then_check = path == "copy-then-check"
     ids = runner.pool.manager.match_prefix(tokens, runner.fingerprint)
     before = gather_blocks(runner.pool.storage.kv, ids).clone()
     return runner, tokens, xfer, tier, xfer.save(tokens), before
@@ -60,7 +63,7 @@ def _pool_kv(runner, tokens):
 
 @pytest.mark.parametrize("tier_kind", ["cpu", "disk"])
 def test_a_restore_is_bit_exact_on_both_paths(model_dir, tmp_path, path, tier_kind):
-    runner, tokens, xfer, tier, saved, before = _saved(model_dir, tier_kind, tmp_path)
+    runner, tokens, xfer, tier, saved, before = _saved(model_dir, tier_kind, tmp_path, path=path)
     assert saved.stored == 3
     xfer.evict(tokens)
     loaded = xfer.load(tokens)
@@ -85,7 +88,8 @@ def test_both_paths_store_the_same_bytes(model_dir, tmp_path, monkeypatch):
 @pytest.mark.parametrize("bad_layer", [0, 1])
 def test_a_chunk_failing_any_layer_ends_the_restore_there(model_dir, tmp_path, path, tier_kind,
                                                           bad_layer):
-    runner, tokens, xfer, tier, saved, before = _saved(model_dir, tier_kind, tmp_path, seed=5)
+    runner, tokens, xfer, tier, saved, before = _saved(model_dir, tier_kind, tmp_path, seed=5,
+                                                       path=path)
     key = saved.keys[1]
     blob = bytearray(get_blobs(tier, [key])[0])
     header, _ = parse_header(blob)
