@@ -47,6 +47,16 @@ class ChatWorkload:
         rng = random.Random(f"{self.seed}:{conversation}:{turn}")
         return " ".join(rng.choice(WORDS) for _ in range(self.user_words))
 
+    def warmup_messages(self) -> list[dict]:
+        """A request no conversation shares a token with (its own system prompt, as long as
+        theirs): sent before the clock starts so that every server's first-request costs
+        (connections, lazy allocations, compiled paths, for a KV connector its first save)
+        are paid outside the measured turns, alike for every setup."""
+        rng = random.Random(f"warmup:{self.seed}")
+        text = " ".join(rng.choice(WORDS) for _ in range(self.system_words))
+        return [{"role": "system", "content": "Warm-up. " + text},
+                {"role": "user", "content": "Say something."}]
+
     def think_s(self, conversation: int, turn: int) -> float:
         rng = random.Random(f"think:{self.seed}:{conversation}:{turn}")
         return rng.lognormvariate(0.0, self.think_sigma) * self.think_median_s
@@ -129,10 +139,11 @@ class Replay:
 
 
 async def replay(url: str, model: str | None, work: ChatWorkload, timeout_s: float = 600.0,
-                 limit_s: float | None = None) -> Replay:
+                 limit_s: float | None = None, warmup: bool = True) -> Replay:
     """Run every conversation against ``url`` (``model``: the first the server lists where
-    None). ``timeout_s`` bounds one request, ``limit_s`` the whole replay (a server that
-    stalls is reported with the turns it finished, not waited on for hours)."""
+    None), after one unmeasured warm-up request (``warmup``). ``timeout_s`` bounds one
+    request, ``limit_s`` the whole replay (a server that stalls is reported with the turns
+    it finished, not waited on for hours)."""
     import httpx
 
     results: list[TurnResult] = []
@@ -142,6 +153,8 @@ async def replay(url: str, model: str | None, work: ChatWorkload, timeout_s: flo
         if model is None:
             listed = (await client.get(f"{url}/v1/models")).json()
             model = str(listed["data"][0]["id"])
+        if warmup:
+            await _turn(client, url, model, work.warmup_messages(), work, -1, 0)
         t0 = time.perf_counter()
         everyone = asyncio.gather(*(_conversation(client, url, model, work, c, gate, results)
                                     for c in range(work.conversations)))

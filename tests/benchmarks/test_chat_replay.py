@@ -40,3 +40,10 @@ def test_think_times_are_seeded_and_heavy_tailed():
     gaps.sort()
     assert 1.5 < gaps[len(gaps) // 2] < 2.5 and gaps[-1] > 4 * gaps[len(gaps) // 2]
     assert ChatWorkload(seed=1).message(0, 0) != work.message(0, 0)
+
+
+def test_the_warm_up_shares_no_prefix_with_the_conversations():
+    work = ChatWorkload(system_words=50)
+    warm = work.warmup_messages()[0]["content"]
+    assert len(warm.split()) > 50 and not warm.startswith(work.system_prompt()[:20])
+    assert warm.split()[1:6] != work.system_prompt().split()[:5]
