@@ -229,6 +229,8 @@ class KVTierConnector(KVConnectorBase_V1):
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, KVTierWorkerMetadata):
             self.scheduler_side.observe(meta.loads)
+        if connector_output.finished_sending:
+            self.scheduler_side.saves_landed(list(connector_output.finished_sending))
 
     def request_finished(
         self, request: Request, block_ids: list[int]

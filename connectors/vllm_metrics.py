@@ -70,6 +70,9 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
                                     labelnames=labelnames)
             for name, doc in COUNTERS.items()
         }
+        for counter in self._counters.values():  # exported from the start, at 0
+            for labels in per_engine_labelvalues.values():
+                counter.labels(*labels)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]

@@ -104,6 +104,12 @@ class SchedulerSide:
         self._finishing: set[str] = set()
         """Keys of the final saves planned for the next step: stored by the time a load
         of that step reads them (the workers save them first)."""
+        self._saving: dict[str, str] = {}
+        """Chunk keys a running request's save is writing (key -> that request): another
+        request over the same tokens (a shared prompt, concurrent first turns) does not
+        upload them again. Dropped once the owner's saves landed (:meth:`saves_landed`)."""
+        self._owned: dict[str, list[str]] = {}
+        """The keys each request owns in ``_saving``."""
         self.hit_blocks = 0
         self._prefetcher: ThreadPoolExecutor | None = None
 
@@ -321,11 +327,25 @@ class SchedulerSide:
         if not spans:
             return None
         state.saving = True
+        self._own(req_id, spans)
         return ChunkTransfer(req_id, spans, state.session)
+
+    def _own(self, req_id: str, spans: list[ChunkSpan]) -> None:
+        for span in spans:
+            self._saving[span.key] = req_id
+        self._owned.setdefault(req_id, []).extend(span.key for span in spans)
+
+    def saves_landed(self, req_ids: Sequence[str]) -> None:
+        """The workers reported every save of ``req_ids`` landed: the store answers for
+        their chunks from now on."""
+        for req_id in req_ids:
+            for key in self._owned.pop(req_id, ()):
+                if self._saving.get(key) == req_id:
+                    del self._saving[key]
 
     def _unsaved(self, state: _ReqState, keys: list[ChunkKey], blocks: int) -> list[ChunkSpan]:
         """Chunks of ``keys`` within the first ``blocks`` blocks not stored yet (marked
-        stored now: they will be)."""
+        stored now: they will be), and that no other request is saving."""
         bs, per = self.grid.block_size, self.grid.chunk_blocks
         spans = []
         for i, key in enumerate(keys):
@@ -340,6 +360,8 @@ class SchedulerSide:
                 continue
             else:
                 state.stored = i + 1
+            if key.key in self._saving or key.key in self._finishing:
+                continue  # another request's save writes the same tokens' chunk
             spans.append(ChunkSpan(key.key, tuple(state.block_ids[first : first + n])))
         assert all(len(s.block_ids) <= per for s in spans)
         return spans
@@ -369,6 +391,9 @@ class SchedulerSide:
             spans = self._unsaved(state, keys, blocks)
             if spans:
                 state.saving = True
+                self._own(req_id, spans)
                 self._final_saves.append(ChunkTransfer(req_id, spans, state.session))
                 self._finishing.update(span.key for span in spans)
+        if not state.saving:
+            self.saves_landed([req_id])
         return state.saving

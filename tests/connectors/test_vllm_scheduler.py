@@ -123,6 +123,35 @@ def test_chunks_the_store_holds_are_not_saved_again():
     assert _blocks(plan.saves) == [[14, 15], [16, 17], [18]]  # only what is new
 
 
+def test_concurrent_requests_over_one_prompt_upload_its_chunks_once():
+    """Four first turns over the same system prompt arrive together (nothing stored yet):
+    the first to complete a chunk saves it, the others do not upload it again while that
+    save is in flight; once it landed, the store answers for it."""
+    sched, (worker,), store = _sides()
+    shared = list(range(600, 600 + 4 * BLOCK))
+    reqs = [Request(f"r{i}", shared + [i] * (BLOCK + 1)) for i in range(4)]
+    for r in reqs:
+        assert sched.matched_tokens(r, 0) == 0
+        sched.allocated(r, list(range(6 * int(r.request_id[1:]), 6 * int(r.request_id[1:]) + 6)), 0)
+    out = SchedulerOutput([NewRequest(r.request_id, (list(range(6 * i, 6 * i + 6)),), 0)
+                           for i, r in enumerate(reqs)],
+                          num_scheduled_tokens={r.request_id: len(r.prompt_token_ids) for r in reqs})
+    plan = sched.step_plan(out)
+    keys = [k.key for k in GRID.keys(shared)]
+    saved = [c.key for t in plan.saves for c in t.chunks]
+    assert saved.count(keys[0]) == 1 and saved.count(keys[1]) == 1  # the shared chunks once
+    assert len(saved) == 2 + 4  # and each request's own tail
+    worker.save(plan.saves)
+    worker.wait_saves()
+    assert store.present(keys) == [True, True]
+    for r in reqs:  # finished: the owner's saves landed, the store answers from now on
+        sched.finished(r, [])
+    sched.saves_landed([r.request_id for r in reqs])
+    assert sched._saving == {} and sched._owned == {}
+    late = Request("late", shared + [7] * BLOCK)
+    assert sched.matched_tokens(late, 0) == 4 * BLOCK
+
+
 def test_a_finished_request_saves_its_reply_and_holds_its_blocks_until_then():
     sched, (worker,), store = _sides()
     prompt = list(range(20, 20 + 3 * BLOCK))
