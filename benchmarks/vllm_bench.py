@@ -189,6 +189,7 @@ def _round_row(got: dict[str, Any], reference: dict[str, Any] | None) -> dict[st
         "kvtier_saved_blocks": m.get("vllm:kvtier_saved_blocks_total"),
         "recomputed_by_decision_tokens": m.get("vllm:kvtier_recomputed_by_decision_tokens_total"),
         "connector_forward_share": forward / step if step else None,
+        "connector_schedule_s": m.get("vllm:kvtier_schedule_seconds_total"),
         "external_hit_tokens": m.get("vllm:external_prefix_cache_hits_total"),
         "prefix_cache_hit_tokens": m.get("vllm:prefix_cache_hits_total"),
     }

@@ -25,15 +25,18 @@ request's blocks are held until they land (``get_finished``).
 
 Options (``kv_connector_extra_config``): ``url``/``token``/``shm`` (a ``kvtier serve``) or
 ``config``/``tiers`` (in-process tiers), ``chunk_tokens`` (256), ``save_decode`` (true: save
-a finished request's reply too), ``background_saves`` (true), ``policy`` (true: load a
+a finished request's reply too), ``background_saves`` (true), ``save_priority`` (``idle``:
+the save thread runs only on a core vLLM leaves free; ``normal``), ``policy`` (true: load a
 stored prefix only where that beats recomputing it, :mod:`.vllm_policy`), ``profile`` (a
 ``kvtier calibrate`` profile to start the tiers' speeds from), ``fingerprint_salt``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -147,7 +150,8 @@ class KVTierConnector(KVConnectorBase_V1):
         """This side's running totals (the scheduler's or a worker's)."""
         if self.role == KVConnectorRole.SCHEDULER:
             s = self.scheduler_side
-            return {"hit_blocks": s.hit_blocks, "recomputed_by_decision_tokens": s.recomputed_by_decision}
+            return {"hit_blocks": s.hit_blocks, "recomputed_by_decision_tokens": s.recomputed_by_decision,
+                    "schedule_seconds": s.busy_s}
         w = self.worker_side.stats
         return {"loaded_blocks": w.loaded_blocks, "saved_blocks": w.saved_blocks,
                 "load_errors": w.load_errors, "load_seconds": w.load_s,
@@ -212,40 +216,60 @@ class KVTierConnector(KVConnectorBase_V1):
         return self._store
 
     # ------------------------------------------------------------- scheduler side
+    # Every hook runs on vLLM's scheduling path, between its steps: timed (schedule_seconds).
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return self.scheduler_side.matched_tokens(request, num_computed_tokens), False
+        with self._scheduling():
+            return self.scheduler_side.matched_tokens(request, num_computed_tokens), False
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        self.scheduler_side.allocated(request, list(blocks.get_block_ids()[0]), num_external_tokens)
+        with self._scheduling():
+            self.scheduler_side.allocated(request, list(blocks.get_block_ids()[0]),
+                                          num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return KVTierConnectorMetadata(self.scheduler_side.step_plan(scheduler_output), self._shared)
+        with self._scheduling():
+            return KVTierConnectorMetadata(self.scheduler_side.step_plan(scheduler_output),
+                                           self._shared)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        meta = connector_output.kv_connector_worker_meta
-        if isinstance(meta, KVTierWorkerMetadata):
-            self.scheduler_side.observe(meta.loads)
-        if connector_output.finished_sending:
-            self.scheduler_side.saves_landed(list(connector_output.finished_sending))
+        with self._scheduling():
+            meta = connector_output.kv_connector_worker_meta
+            if isinstance(meta, KVTierWorkerMetadata):
+                self.scheduler_side.observe(meta.loads)
+            if connector_output.finished_sending:
+                self.scheduler_side.saves_landed(list(connector_output.finished_sending))
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self.scheduler_side.finished(request, list(block_ids)), None
+        with self._scheduling():
+            return self.scheduler_side.finished(request, list(block_ids)), None
 
     def on_new_request(self, request: Request) -> None:
-        self.scheduler_side.arrived(request)
+        with self._scheduling():
+            self.scheduler_side.arrived(request)
+
+    @contextlib.contextmanager
+    def _scheduling(self) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.scheduler_side.busy_s += time.perf_counter() - t0
 
     # ---------------------------------------------------------------- worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         # a prefill instance saves before it answers: its decode peer may ask at once
         background = self.extra.get("background_saves", self.kv_role is not Role.PRODUCER)
+        idle = str(self.extra.get("save_priority", "idle")).lower()
+        if idle not in ("idle", "normal"):
+            raise ConfigError(f"kvtier connector: save_priority must be idle or normal, not {idle!r}")
         self.worker_side = WorkerSide(self._open_store, self.grid, _worker_rank(self.world),
-                                      background=bool(background))
+                                      background=bool(background), idle_saves=idle == "idle")
         self.worker_side.register(kv_caches, self._kv_cache_config.num_blocks)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:

@@ -23,6 +23,7 @@ COUNTERS: dict[str, str] = {
     "save_wait_seconds": "Time saves held vLLM's forward path (submitting, draining).",
     "step_seconds": "Time of vLLM's steps the connector took part in (its share: the two above).",
     "steps": "vLLM steps the connector took part in.",
+    "schedule_seconds": "Time vLLM's scheduler spent in the connector's hooks (lookups, plans).",
 }
 
 

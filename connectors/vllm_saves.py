@@ -11,7 +11,9 @@ step's forward pass, so it reads what that pass wrote.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -20,13 +22,31 @@ from concurrent.futures import Future, ThreadPoolExecutor
 log = logging.getLogger(__name__)
 
 
+def idle_priority() -> None:
+    """Run the calling thread only when a core has nothing else to run (Linux ``SCHED_IDLE``;
+    elsewhere, or where refused, the lowest nice value). On a host whose cores vLLM's
+    forward pass keeps busy (a CPU backend binds its OpenMP team to every core), a save at
+    normal priority takes a core from that team mid-step and every thread of it waits;
+    idle, it runs between steps, in the scheduler's gaps and the users' think times. A
+    preemption's drain still waits for it, and the waiting forward leaves the cores free."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        return
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
+
 class SaveQueue:
     """Background saves, one at a time in submission order, counted per request."""
 
-    def __init__(self, background: bool = True) -> None:
+    def __init__(self, background: bool = True, idle: bool = True) -> None:
         self.background = background
         """False: every save runs in the caller (vLLM waits for it)."""
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm-save") if background else None
+        self.idle = idle
+        """The background thread runs at idle priority: only on a core vLLM leaves free."""
+        self._pool = (ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm-save",
+                                         initializer=idle_priority if idle else None)
+                      if background else None)
         self._lock = threading.Lock()
         self._pending: Counter[str] = Counter()
         self._seen: set[str] = set()

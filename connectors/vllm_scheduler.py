@@ -111,6 +111,8 @@ class SchedulerSide:
         self._owned: dict[str, list[str]] = {}
         """The keys each request owns in ``_saving``."""
         self.hit_blocks = 0
+        self.busy_s = 0.0
+        """Time vLLM's scheduler spent in this side's hooks (kept by the connector)."""
         self._prefetcher: ThreadPoolExecutor | None = None
 
     # ------------------------------------------------------------------ arrivals

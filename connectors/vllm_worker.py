@@ -80,10 +80,11 @@ class _Item:
 
 class WorkerSide:
     """``store()`` opens the store when first needed. ``background``: saves run off the
-    forward path (vLLM holds a finished request's blocks until :meth:`finished` names it)."""
+    forward path (vLLM holds a finished request's blocks until :meth:`finished` names it),
+    at idle priority unless ``idle_saves`` is False."""
 
     def __init__(self, store: Callable[[], ChunkStore], grid: ChunkGrid, rank: Rank = Rank(),
-                 background: bool = False) -> None:
+                 background: bool = False, idle_saves: bool = True) -> None:
         self._store = store
         self.grid = grid
         self.rank = rank
@@ -92,7 +93,7 @@ class WorkerSide:
         self._host = False
         self._pieces: BlockPieces | None = None
         self.stats = WorkerStats()
-        self.saves = SaveQueue(background)
+        self.saves = SaveQueue(background, idle_saves)
         self._load_errors: set[int] = set()
         self._observed: list[LoadObservation] = []
 

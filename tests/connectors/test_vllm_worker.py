@@ -7,6 +7,7 @@ never wrong KV."""
 
 from __future__ import annotations
 
+import os
 import tracemalloc
 
 import pytest
@@ -298,6 +299,11 @@ def test_saves_run_off_the_forward_path_and_hold_a_finished_requests_blocks(tmp_
         store.gate.set()
         worker.wait_saves()  # a preemption: pending saves land first
         assert store.lookup(keys) == 2 and worker.stats.saved_blocks == 4
+        # the save thread yields every core vLLM's forward wants (Linux: SCHED_IDLE)
+        policy = []
+        worker.saves.submit([], lambda: policy.append(os.sched_getscheduler(0)))
+        worker.wait_saves()
+        assert policy == [os.SCHED_IDLE] and os.sched_getscheduler(0) != os.SCHED_IDLE
         assert worker.finished(set()) == {"a"}  # reported once, when its save landed
         assert worker.finished({"a"}) == set()
     finally:
