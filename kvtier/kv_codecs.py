@@ -1,0 +1,224 @@
+"""Codecs for KV at rest: what a chunk's payload holds in the lower tiers (issue 33).
+
+The GPU pool keeps its dtype; a tier may store a chunk's KV quantized, to move and hold
+fewer bytes. Every codec here shares one scale per small group of values, and every scale
+is a power of two (stored as its exponent, one signed byte, like the E8M0 scales of the OCP
+microscaling formats). That choice buys two properties the data path relies on:
+
+- **No compounding.** A decoded value is ``q * 2**e`` with a short integer (or fp8) ``q``,
+  exact in bf16, fp16 and fp32; encoding decoded KV again finds the same groups' maxima,
+  the same exponents (or one lower, with the same values) and the same ``q``: a second
+  round trip changes no value (tested).
+- **Cheap, exact decode**: a multiply by a power of two, fusable into the scatter of a
+  restore on any device.
+
+The codecs (``bytes_per_value`` for a 2-byte source: the ratio is 2 / it):
+
+- ``fp8``: e4m3 values, one exponent per 32 values of a head's vector (1.03 B/value).
+- ``int8``: symmetric int8, one exponent per token and KV head (1 + 1/head_dim B/value).
+- ``int4``: symmetric int4 (-7..7), two per byte; keys grouped per channel over 32 tokens
+  and values per token over 32 channels, as KIVI does (keys have outlier channels, values
+  do not): 0.53 B/value.
+
+This module is the torch reference (any device); the payload layout is fixed here: the
+packed values, then the exponents (int8), each in the KV's ``[layers, 2, tokens, heads,
+head_dim]`` order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from kvtier.errors import ChunkFormatError, InvalidArgumentError
+
+GROUP = 32
+"""Values sharing one exponent (along head_dim, or along tokens for int4 keys)."""
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_EXP_MIN, _EXP_MAX = -127, 127
+_QUANTUM = {torch.float32: -149, torch.bfloat16: -133, torch.float16: -24}
+"""log2 of each KV dtype's smallest subnormal: no decoded value may be finer."""
+_FP8_QUANTUM = -9
+"""log2 of e4m3's smallest subnormal."""
+
+
+class Codec(str, Enum):
+    NONE = "none"
+    FP8 = "fp8"
+    INT8 = "int8"
+    INT4 = "int4"
+
+    @classmethod
+    def parse(cls, name: str) -> Codec:
+        try:
+            return cls(name)
+        except ValueError:
+            raise InvalidArgumentError(
+                f"unknown KV codec {name!r}; choose one of: {', '.join(c.value for c in cls)}"
+            ) from None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a codec's payload keeps what, for one KV shape."""
+
+    codec: Codec
+    shape: tuple[int, int, int, int, int]
+    values_nbytes: int
+    exponents: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.values_nbytes + self.exponents
+
+    def bytes_per_value(self) -> float:
+        return self.nbytes / math.prod(self.shape)
+
+
+def _group(n: int) -> int:
+    """The group length along a dimension of ``n``: GROUP where it divides ``n``, else the
+    whole dimension (a tiny head, a short tail chunk)."""
+    return GROUP if n % GROUP == 0 else n
+
+
+def layout(codec: Codec, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> Layout:
+    """The payload layout of KV of ``shape`` ``[layers, 2, tokens, heads, head_dim]``
+    (``dtype``: the KV's own, which ``none`` stores as it is)."""
+    if len(shape) != 5 or shape[1] != 2 or min(shape) <= 0:
+        raise InvalidArgumentError(
+            f"KV of shape {tuple(shape)}: expected [layers, 2, tokens, heads, head_dim]")
+    shape5 = (int(shape[0]), 2, int(shape[2]), int(shape[3]), int(shape[4]))
+    n = math.prod(shape5)
+    layers, _, tokens, heads, dim = shape5
+    if codec is Codec.NONE:
+        size = (dtype or torch.float32).itemsize
+        return Layout(codec, shape5, n * size, 0)
+    if codec is Codec.FP8:
+        return Layout(codec, shape5, n, n // _group(dim))
+    if codec is Codec.INT8:
+        return Layout(codec, shape5, n, layers * 2 * tokens * heads)
+    if dim % 2:
+        raise InvalidArgumentError(f"int4 packs two values a byte: head_dim {dim} is odd")
+    half = layers * tokens * heads * dim
+    return Layout(codec, shape5, n // 2, half // _group(tokens) + half // _group(dim))
+
+
+def _exponents(amax: torch.Tensor, qmax: float, floor: int) -> torch.Tensor:
+    """The smallest ``e`` with ``amax / 2**e <= qmax`` per group (int32), no lower than
+    ``floor`` (so that every decoded value is a multiple of the KV dtype's smallest step,
+    hence exact in it) nor than one signed byte holds; ``floor`` for an all-zero group."""
+    mant, exp = torch.frexp(amax / qmax)  # amax/qmax = mant * 2**exp, mant in [0.5, 1)
+    e = exp - (mant == 0.5).to(exp.dtype)  # an exact power of two: its own exponent
+    e = torch.where(amax > 0, e, torch.full_like(e, floor))
+    return e.clamp(max(floor, _EXP_MIN), _EXP_MAX)
+
+
+def _floor(dtype: torch.dtype, codec: Codec) -> int:
+    return _QUANTUM[dtype] - (_FP8_QUANTUM if codec is Codec.FP8 else 0)
+
+
+def _check_kv(kv: torch.Tensor) -> None:
+    if kv.dtype not in _FLOATS:
+        raise InvalidArgumentError(f"KV of dtype {kv.dtype}: a codec takes float32, bf16 or fp16")
+    if not torch.isfinite(kv).all():
+        raise InvalidArgumentError("KV holds a NaN or an infinity: it cannot be encoded")
+
+
+def encode(kv: torch.Tensor, codec: Codec) -> torch.Tensor:
+    """``kv`` ``[layers, 2, tokens, heads, head_dim]`` as a uint8 payload of
+    ``layout(codec, kv.shape, kv.dtype).nbytes`` bytes, on ``kv``'s device."""
+    lay = layout(codec, tuple(kv.shape), kv.dtype)
+    _check_kv(kv)
+    if codec is Codec.NONE:
+        return kv.contiguous().view(-1).view(torch.uint8).clone()
+    x = kv.float()
+    floor = _floor(kv.dtype, codec)
+    if codec is Codec.INT4:
+        values, exps = _encode_int4(x, floor)
+    else:
+        qmax = 448.0 if codec is Codec.FP8 else 127.0
+        g = _group(lay.shape[4]) if codec is Codec.FP8 else lay.shape[4]
+        groups = x.reshape(*x.shape[:4], -1, g)
+        e = _exponents(groups.abs().amax(-1, keepdim=True), qmax, floor)
+        scaled = torch.ldexp(groups, -e.float())
+        if codec is Codec.FP8:
+            values = scaled.clamp(-qmax, qmax).to(torch.float8_e4m3fn).view(torch.uint8)
+        else:
+            values = scaled.round().clamp(-qmax, qmax).to(torch.int8).view(torch.uint8)
+        exps = e.to(torch.int8).view(torch.uint8)
+    out = torch.cat([values.reshape(-1), exps.reshape(-1)])
+    assert out.numel() == lay.nbytes
+    return out
+
+
+def _encode_int4(x: torch.Tensor, floor: int) -> tuple[torch.Tensor, torch.Tensor]:
+    layers, _, tokens, heads, dim = x.shape
+    gt, gd = _group(tokens), _group(dim)
+    # keys: per channel over gt tokens -> groups [L, T/gt, gt, H, D] reduced over gt
+    k = x[:, 0].reshape(layers, tokens // gt, gt, heads, dim)
+    ek = _exponents(k.abs().amax(2, keepdim=True), 7.0, floor)
+    qk = torch.ldexp(k, -ek.float()).round().clamp(-7, 7).reshape(layers, tokens, heads, dim)
+    # values: per token over gd channels
+    v = x[:, 1].reshape(layers, tokens, heads, dim // gd, gd)
+    ev = _exponents(v.abs().amax(-1, keepdim=True), 7.0, floor)
+    qv = torch.ldexp(v, -ev.float()).round().clamp(-7, 7).reshape(layers, tokens, heads, dim)
+    q = (torch.stack([qk, qv], 1).to(torch.int16) + 8).to(torch.uint8)  # 1..15
+    packed = q[..., 0::2] | (q[..., 1::2] << 4)
+    exps = torch.cat([ek.reshape(-1), ev.reshape(-1)]).to(torch.int8).view(torch.uint8)
+    return packed, exps
+
+
+def decode(payload: torch.Tensor, codec: Codec, shape: tuple[int, ...], dtype: torch.dtype
+           ) -> torch.Tensor:
+    """The KV ``payload`` encodes, ``[layers, 2, tokens, heads, head_dim]`` of ``dtype``, on
+    the payload's device. A payload of the wrong size, or an exponent no encoder writes, is
+    a :class:`ChunkFormatError` (a chunk that is not what its header says)."""
+    if dtype not in _FLOATS:
+        raise InvalidArgumentError(f"decode into {dtype}: a codec gives float32, bf16 or fp16")
+    lay = layout(codec, shape, dtype)
+    if payload.dtype != torch.uint8 or payload.dim() != 1 or payload.numel() != lay.nbytes:
+        raise ChunkFormatError(
+            f"{codec.value} payload of {payload.numel()} {payload.dtype} values for KV of shape "
+            f"{lay.shape}: expected {lay.nbytes} bytes")
+    if codec is Codec.NONE:
+        return payload.view(dtype).reshape(lay.shape).clone()
+    values, exps = payload[: lay.values_nbytes], payload[lay.values_nbytes :].view(torch.int8)
+    if exps.numel() and int(exps.min()) < _EXP_MIN:
+        raise ChunkFormatError(f"{codec.value} payload holds an exponent no encoder writes")
+    layers, _, tokens, heads, dim = lay.shape
+    e = exps.float()
+    if codec is Codec.INT4:
+        out = _decode_int4(values, e, lay.shape)
+    else:
+        g = _group(dim) if codec is Codec.FP8 else dim
+        if codec is Codec.FP8:
+            q = values.view(torch.float8_e4m3fn).float()
+        else:
+            q = values.view(torch.int8).float()
+        q = q.reshape(layers, 2, tokens, heads, dim // g, g)
+        out = torch.ldexp(q, e.reshape(layers, 2, tokens, heads, dim // g, 1))
+    if not torch.isfinite(out).all():
+        raise ChunkFormatError(f"{codec.value} payload decodes to a NaN or an infinity")
+    return out.reshape(lay.shape).to(dtype)
+
+
+def _decode_int4(values: torch.Tensor, e: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    layers, _, tokens, heads, dim = shape
+    gt, gd = _group(tokens), _group(dim)
+    packed = values.reshape(layers, 2, tokens, heads, dim // 2)
+    q = torch.stack([packed & 0xF, packed >> 4], -1).reshape(layers, 2, tokens, heads, dim)
+    q = q.to(torch.int16) - 8
+    if int(q.min()) < -7:
+        raise ChunkFormatError("int4 payload holds a value no encoder writes")
+    q = q.float()
+    nk = layers * (tokens // gt) * heads * dim
+    ek = e[:nk].reshape(layers, tokens // gt, 1, heads, dim)
+    ev = e[nk:].reshape(layers, tokens, heads, dim // gd, 1)
+    k = torch.ldexp(q[:, 0].reshape(layers, tokens // gt, gt, heads, dim), ek)
+    v = torch.ldexp(q[:, 1].reshape(layers, tokens, heads, dim // gd, gd), ev)
+    return torch.stack([k.reshape(layers, tokens, heads, dim),
+                        v.reshape(layers, tokens, heads, dim)], 1)
