@@ -40,6 +40,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("kvtier.benchmarks.service", "bench"),
     ("kvtier.benchmarks.faults", "bench"),
     ("kvtier.benchmarks.vllm_bench", "bench"),
+    ("kvtier.benchmarks.codecs", "bench"),
 ]
 
 
