@@ -25,8 +25,9 @@ request's blocks are held until they land (``get_finished``).
 
 Options (``kv_connector_extra_config``): ``url``/``token``/``shm`` (a ``kvtier serve``) or
 ``config``/``tiers`` (in-process tiers), ``chunk_tokens`` (256), ``save_decode`` (true: save
-a finished request's reply too), ``background_saves`` (true), ``save_priority`` (``idle``:
-the save thread runs only on a core vLLM leaves free; ``normal``), ``policy`` (true: load a
+a finished request's reply too), ``background_saves`` (true), ``save_priority``
+(``normal``; ``idle``: the save thread runs only on a core nothing else wants), ``policy``
+(true: load a
 stored prefix only where that beats recomputing it, :mod:`.vllm_policy`), ``profile`` (a
 ``kvtier calibrate`` profile to start the tiers' speeds from), ``fingerprint_salt``.
 """
@@ -265,7 +266,7 @@ class KVTierConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         # a prefill instance saves before it answers: its decode peer may ask at once
         background = self.extra.get("background_saves", self.kv_role is not Role.PRODUCER)
-        idle = str(self.extra.get("save_priority", "idle")).lower()
+        idle = str(self.extra.get("save_priority", "normal")).lower()
         if idle not in ("idle", "normal"):
             raise ConfigError(f"kvtier connector: save_priority must be idle or normal, not {idle!r}")
         self.worker_side = WorkerSide(self._open_store, self.grid, _worker_rank(self.world),

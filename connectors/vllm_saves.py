@@ -28,7 +28,10 @@ def idle_priority() -> None:
     forward pass keeps busy (a CPU backend binds its OpenMP team to every core), a save at
     normal priority takes a core from that team mid-step and every thread of it waits;
     idle, it runs between steps, in the scheduler's gaps and the users' think times. A
-    preemption's drain still waits for it, and the waiting forward leaves the cores free."""
+    preemption's drain still waits for it, and the waiting forward leaves the cores free.
+    Not the default: measured with real vLLM on a 2-core host it gained nothing
+    (benchmarks/results/vllm-cpu-24conv-save-priority.json), and on a host whose cores
+    other work keeps busy an idle thread may starve, holding finished requests' blocks."""
     with contextlib.suppress(AttributeError, OSError):
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         return
@@ -39,7 +42,7 @@ def idle_priority() -> None:
 class SaveQueue:
     """Background saves, one at a time in submission order, counted per request."""
 
-    def __init__(self, background: bool = True, idle: bool = True) -> None:
+    def __init__(self, background: bool = True, idle: bool = False) -> None:
         self.background = background
         """False: every save runs in the caller (vLLM waits for it)."""
         self.idle = idle

@@ -81,10 +81,10 @@ class _Item:
 class WorkerSide:
     """``store()`` opens the store when first needed. ``background``: saves run off the
     forward path (vLLM holds a finished request's blocks until :meth:`finished` names it),
-    at idle priority unless ``idle_saves`` is False."""
+    at idle priority with ``idle_saves``."""
 
     def __init__(self, store: Callable[[], ChunkStore], grid: ChunkGrid, rank: Rank = Rank(),
-                 background: bool = False, idle_saves: bool = True) -> None:
+                 background: bool = False, idle_saves: bool = False) -> None:
         self._store = store
         self.grid = grid
         self.rank = rank

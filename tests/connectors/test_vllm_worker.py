@@ -43,8 +43,9 @@ def _local(kv: dict[str, torch.Tensor], tmp_path, cpu_chunks: int = 16) -> Local
 
 
 def _worker(store, kv: dict[str, torch.Tensor], fp: bytes = FP, rank: Rank = Rank(),
-            background: bool = False) -> WorkerSide:
-    worker = WorkerSide(lambda: store, ChunkGrid(BLOCK, GRID.chunk_blocks, fp), rank, background)
+            background: bool = False, idle_saves: bool = False) -> WorkerSide:
+    worker = WorkerSide(lambda: store, ChunkGrid(BLOCK, GRID.chunk_blocks, fp), rank, background,
+                        idle_saves)
     worker.register(kv, NUM_BLOCKS)
     return worker
 
@@ -299,11 +300,15 @@ def test_saves_run_off_the_forward_path_and_hold_a_finished_requests_blocks(tmp_
         store.gate.set()
         worker.wait_saves()  # a preemption: pending saves land first
         assert store.lookup(keys) == 2 and worker.stats.saved_blocks == 4
-        # the save thread yields every core vLLM's forward wants (Linux: SCHED_IDLE)
+        # at normal priority unless asked (save_priority: idle -> Linux SCHED_IDLE)
         policy = []
         worker.saves.submit([], lambda: policy.append(os.sched_getscheduler(0)))
         worker.wait_saves()
-        assert policy == [os.SCHED_IDLE] and os.sched_getscheduler(0) != os.SCHED_IDLE
+        idle = _worker(store, src, background=True, idle_saves=True)
+        idle.saves.submit([], lambda: policy.append(os.sched_getscheduler(0)))
+        idle.wait_saves()
+        idle.close()
+        assert policy == [os.SCHED_OTHER, os.SCHED_IDLE]
         assert worker.finished(set()) == {"a"}  # reported once, when its save landed
         assert worker.finished({"a"}) == set()
     finally:
