@@ -154,7 +154,7 @@ class EngineConfig(_Section):
     """Cap on KV bytes copied out of the pool and not yet stored (background offloads)."""
     stream_restore: bool | None = None
     """Restores stream layer by layer (layer l computes while layer l+1 loads); unset: on
-    CUDA always, on CPU for restores of 2048 tokens or more."""
+    CPU for restores of 2048 tokens or more, never on CUDA (slower there: docs/gpu.md)."""
     fingerprint_salt: str | None = None
     """Mixed into the model fingerprint that keys every stored chunk: engines with different
     salts never share KV, even of the same model over shared tiers (as vLLM's

@@ -124,8 +124,10 @@ class CostModel:
     tiers: dict[str, TierCost] = field(default_factory=dict)
     stream_min_tokens: int = 0
     """Restores of fewer tokens load every layer before the forward starts (no overlap):
-    the engine streams them layer by layer only from this size (always on CUDA; on a CPU
-    the loader thread competes with the forward for the same cores)."""
+    the engine streams them layer by layer only from this size (on a CPU from 2,048 tokens:
+    below, the loader thread competes with the forward for the same cores; on CUDA the
+    engine does not stream today, and `kvtier calibrate` says so; the shipped GPU profiles
+    model the overlap a layer-wise restore can reach)."""
 
     def tier(self, name: str) -> TierCost:
         try:

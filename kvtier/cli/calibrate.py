@@ -236,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.machine import this_machine
     from kvtier.policies.cost_model import CostModel, PrefillCost
     from kvtier.policies.profile import save_profile
-    from kvtier.transfer.restore import CPU_STREAM_MIN_TOKENS
+    from kvtier.transfer.restore import CPU_STREAM_MIN_TOKENS, CUDA_STREAM_MIN_TOKENS
 
     console = Console()
     runner, device, dtype = _load_runner(args)
@@ -253,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
         num_layers=cfg.num_hidden_layers,
         prefill=prefill,
         tiers=tier_costs,
-        stream_min_tokens=0 if device.type == "cuda" else CPU_STREAM_MIN_TOKENS,
+        stream_min_tokens=CUDA_STREAM_MIN_TOKENS if device.type == "cuda" else CPU_STREAM_MIN_TOKENS,
     )
     out = args.out or Path(args.model) / "kvtier-profile.json"
     save_profile(out, cost, {

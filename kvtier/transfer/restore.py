@@ -69,6 +69,10 @@ is still in cache when it is copied)."""
 CPU_STREAM_MIN_TOKENS = 2048
 """On a CPU, restores stream layer by layer only from this many tokens (docs/tiers.md)."""
 
+CUDA_STREAM_MIN_TOKENS = 1 << 62
+"""On CUDA, restores do not stream (no size reaches this): a blocking restore measured
+faster in every case on an H200 (docs/gpu.md)."""
+
 
 class Restorer:
     """Restores of one pool from one tier stack. ``keys`` makes a prefix's chunk keys as
@@ -87,7 +91,8 @@ class Restorer:
         self.plan = RestorePlanner(runner, manager, keys)
         self._side_stream = side_stream
         self.stream = stream
-        """Whether restores stream layer by layer; None: on CUDA always, on CPU from
+        """Whether restores stream layer by layer; None: never on CUDA (slower than a
+        blocking restore in every case measured on an H200, docs/gpu.md), on CPU from
         ``stream_min_tokens`` restored tokens (below that, on a few shared cores, the
         loader thread's competition with the forward costs more than the overlap saves:
         see docs/tiers.md)."""
@@ -137,7 +142,7 @@ class Restorer:
             return report
         pool = self._pool
         num_layers = pool.storage.num_layers
-        if stream is None:  # on a GPU never: see docs/tiers.md (measured on an H200)
+        if stream is None:  # on a GPU never: slower in every case measured (docs/gpu.md)
             stream = (not pool.storage.kv.is_cuda
                       and usable[-1].end - cached >= self.stream_min_tokens)
         # Not streaming: every layer in one read per chunk (one lease, one file read, one
