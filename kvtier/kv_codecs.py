@@ -138,34 +138,46 @@ def encode(kv: torch.Tensor, codec: Codec) -> torch.Tensor:
     x = kv.float()
     floor = _floor(kv.dtype, codec)
     if codec is Codec.INT4:
-        values, exps = _encode_int4(x, floor)
+        values, exps = _encode_int4(x, floor, torch.finfo(kv.dtype).max)
     else:
         qmax = 448.0 if codec is Codec.FP8 else 127.0
         g = _group(lay.shape[4]) if codec is Codec.FP8 else lay.shape[4]
         groups = x.reshape(*x.shape[:4], -1, g)
         e = _exponents(groups.abs().amax(-1, keepdim=True), qmax, floor)
         scaled = torch.ldexp(groups, -e.float())
+        limit = torch.ldexp(torch.full_like(scaled[..., :1], torch.finfo(kv.dtype).max), -e.float())
         if codec is Codec.FP8:
-            values = scaled.clamp(-qmax, qmax).to(torch.float8_e4m3fn).view(torch.uint8)
+            values = scaled.clamp(-qmax, qmax).to(torch.float8_e4m3fn)
+            over = values.float().abs() > limit  # rounded past the dtype's largest value
+            values = values.view(torch.uint8) - over.to(torch.uint8)  # the next value down
         else:
-            values = scaled.round().clamp(-qmax, qmax).to(torch.int8).view(torch.uint8)
+            values = _round_within(scaled, qmax, limit).to(torch.int8).view(torch.uint8)
         exps = e.to(torch.int8).view(torch.uint8)
     out = torch.cat([values.reshape(-1), exps.reshape(-1)])
     assert out.numel() == lay.nbytes
     return out
 
 
-def _encode_int4(x: torch.Tensor, floor: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _round_within(scaled: torch.Tensor, qmax: float, limit: torch.Tensor) -> torch.Tensor:
+    """To the nearest integer in [-qmax, qmax], toward zero where the nearest would decode
+    past the KV dtype's largest finite value (``limit``, in units of the scale)."""
+    q = scaled.round().clamp(-qmax, qmax)
+    return torch.where(q.abs() > limit, scaled.trunc(), q)
+
+
+def _encode_int4(x: torch.Tensor, floor: int, fmax: float) -> tuple[torch.Tensor, torch.Tensor]:
     layers, _, tokens, heads, dim = x.shape
     gt, gd = _group(tokens), _group(dim)
     # keys: per channel over gt tokens -> groups [L, T/gt, gt, H, D] reduced over gt
     k = x[:, 0].reshape(layers, tokens // gt, gt, heads, dim)
     ek = _exponents(k.abs().amax(2, keepdim=True), 7.0, floor)
-    qk = torch.ldexp(k, -ek.float()).round().clamp(-7, 7).reshape(layers, tokens, heads, dim)
+    lk = torch.ldexp(torch.full_like(ek, fmax, dtype=torch.float32), -ek.float())
+    qk = _round_within(torch.ldexp(k, -ek.float()), 7.0, lk).reshape(layers, tokens, heads, dim)
     # values: per token over gd channels
     v = x[:, 1].reshape(layers, tokens, heads, dim // gd, gd)
     ev = _exponents(v.abs().amax(-1, keepdim=True), 7.0, floor)
-    qv = torch.ldexp(v, -ev.float()).round().clamp(-7, 7).reshape(layers, tokens, heads, dim)
+    lv = torch.ldexp(torch.full_like(ev, fmax, dtype=torch.float32), -ev.float())
+    qv = _round_within(torch.ldexp(v, -ev.float()), 7.0, lv).reshape(layers, tokens, heads, dim)
     q = (torch.stack([qk, qv], 1).to(torch.int16) + 8).to(torch.uint8)  # 1..15
     packed = q[..., 0::2] | (q[..., 1::2] << 4)
     exps = torch.cat([ek.reshape(-1), ev.reshape(-1)]).to(torch.int8).view(torch.uint8)

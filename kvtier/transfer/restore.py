@@ -24,13 +24,14 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtier.chunk_keys import ChunkKey
-from kvtier.connectors.tiers.chunk_workers import map_restore, start_restore
+from kvtier.connectors.tiers.chunk_workers import map_restore
 from kvtier.connectors.tiers.lent_chunk import LentChunk
 from kvtier.connectors.tiers.manager import Location, TierManager
 from kvtier.errors import ChunkFormatError, OutOfBlocksError
 from kvtier.gpu_pool import PagedKVPool
 from kvtier.gpu_pool.kernels import host_native, scatter_blocks, scatter_blocks_host
 from kvtier.gpu_pool.kernels.host_native import scatter_blocks_verified
+from kvtier.transfer.device_restore import copy_then_check
 from kvtier.transfer.layer_load import LayerLoad
 from kvtier.transfer.pool_owner import PoolOwner
 from kvtier.transfer.restore_plan import ChunkKeys, RestorePlanner, StoredPrefix
@@ -74,6 +75,22 @@ CUDA_STREAM_MIN_TOKENS = 1 << 62
 faster in every case on an H200 (docs/gpu.md)."""
 
 
+def _layer0_checked(parts: Sequence[LentChunk | None]) -> list[LentChunk | None]:
+    """Layer 0 of each lent chunk checked (two at a time): one that fails is a miss
+    here, and the restore ends before it, as if it had failed up front."""
+
+    def check(part: LentChunk | None) -> LentChunk | None:
+        if part is None:
+            return None
+        try:
+            part.check(0, 1)
+        except ChunkFormatError:
+            return None
+        return part
+
+    return map_restore(check, parts)
+
+
 class Restorer:
     """Restores of one pool from one tier stack. ``keys`` makes a prefix's chunk keys as
     the save side stores them; ``side_stream`` is the CUDA stream copies run on."""
@@ -99,7 +116,8 @@ class Restorer:
         self.stream_min_tokens = CPU_STREAM_MIN_TOKENS
         self.copy_then_check: bool | None = None
         """Whether a restore that does not stream copies each chunk into the pool while the
-        restore workers check it (:meth:`_load_rest_device`) rather than checking each group
+        restore workers check it (:func:`~kvtier.transfer.device_restore.copy_then_check`)
+        rather than checking each group
         of layers right before copying it; None: for a pool on a GPU."""
         self.lost_restores = 0
         """Restores that lost chunks after they were published (recomputed instead)."""
@@ -148,7 +166,7 @@ class Restorer:
         # Not streaming: every layer in one read per chunk (one lease, one file read, one
         # round trip). On the host each chunk is checked a group of layers at a time, right
         # before the group is scattered (its bytes are read from memory once, not twice); to
-        # a GPU each chunk is copied at once while the host checks it (_load_rest_device).
+        # a GPU each chunk is copied at once while the host checks it (device_restore).
         last = None if stream and num_layers > 1 else num_layers - 1
         deferred = last is not None
         with self._reading(usable, where, 0, last, deferred) as lent:
@@ -170,7 +188,7 @@ class Restorer:
         # it is checked first, and a chunk that fails it ends the restore before it.
         fused = deferred and (self._copies_first()
                               or all(_fused(p, kv) for p in lent if p is not None))
-        parts = self._layer0_checked(lent) if deferred and not fused else lent
+        parts = _layer0_checked(lent) if deferred and not fused else lent
         chunks: list[ChunkKey] = []
         end = usable[0].start  # <= cached: the first chunk may overlap blocks still pooled
         for ck, part in zip(usable, parts, strict=True):
@@ -322,22 +340,6 @@ class Restorer:
             for layer in range(1, load.num_layers):
                 load.layer_loaded(layer)
 
-    @staticmethod
-    def _layer0_checked(parts: Sequence[LentChunk | None]) -> list[LentChunk | None]:
-        """Layer 0 of each lent chunk checked (two at a time): one that fails is a miss
-        here, and the restore ends before it, as if it had failed up front."""
-
-        def check(part: LentChunk | None) -> LentChunk | None:
-            if part is None:
-                return None
-            try:
-                part.check(0, 1)
-            except ChunkFormatError:
-                return None
-            return part
-
-        return map_restore(check, parts)
-
     def _load_rest_checked(
         self,
         load: LayerLoad,
@@ -350,9 +352,6 @@ class Restorer:
         check poisons itself and every later chunk (their blocks are uncached, their tokens
         recomputed); the layers of the earlier ones all passed."""
         kv = self._pool.storage.kv
-        if self._copies_first():
-            self._load_rest_device(load, spans, parts, first)
-            return
         n = load.num_layers
         good = [p for p in parts if p is not None]
 
@@ -382,8 +381,11 @@ class Restorer:
         with self._finishing(load, "restore"):
             if n > first:
                 load.bytes += sum(p.kv[first:].numel() * p.kv.element_size() for p in good)
-                items = list(zip(range(len(good)), good, spans, strict=False))
-                failed = [f for f in map_restore(one, items) if f is not None]
+                if self._copies_first():  # to a GPU: copied while the workers check
+                    failed = copy_then_check(kv, self._side_stream, good, spans, first)
+                else:
+                    items = list(zip(range(len(good)), good, spans, strict=False))
+                    failed = [f for f in map_restore(one, items) if f is not None]
             for layer in range(first, n):
                 load.layer_loaded(layer)
         if failed:  # ends the restore at that chunk, as a failed read would have: not a loss
@@ -392,64 +394,6 @@ class Restorer:
     def _copies_first(self) -> bool:
         choice = self.copy_then_check
         return self._pool.storage.kv.is_cuda if choice is None else choice
-
-    def _load_rest_device(
-        self,
-        load: LayerLoad,
-        spans: Sequence[tuple[int, list[int]]],
-        parts: Sequence[LentChunk | None],
-        first: int,
-    ) -> None:
-        """To a GPU (or where ``copy_then_check`` says): layers ``first``.. of each lent
-        chunk copied to the pool's device in one copy as soon as its bytes lie in host
-        memory, then scattered into its blocks (in order, on the side stream), while the
-        restore workers check the same bytes. A chunk that fails its check or its read
-        poisons itself and every later chunk: their blocks were written but are uncached
-        before anyone reads them. Checking every chunk before copying it ran the two one
-        after the other: 0.17x of a pinned copy's speed on an H200
-        (benchmarks/results/ttft-nvidia-h200.json)."""
-        kv = self._pool.storage.kv
-        n = load.num_layers
-        good = [p for p in parts if p is not None]
-
-        def check(item: tuple[int, LentChunk]) -> tuple[int, str] | None:
-            i, part = item
-            try:
-                part.check(first, n)
-            except ChunkFormatError as exc:
-                return i, str(exc)
-            return None
-
-        failed: list[tuple[int, str]] = []
-        with self._finishing(load, "restore"):
-            if n > first:
-                load.bytes += sum(p.kv[first:].numel() * p.kv.element_size() for p in good)
-                checks = start_restore(check, list(enumerate(good)))
-                side = self._side_stream() if kv.is_cuda else None
-                if side is not None:  # blocks just freed may still be read by queued kernels
-                    side.wait_stream(torch.cuda.current_stream())
-                try:
-                    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                        for i, (part, (off, ids)) in enumerate(zip(good, spans, strict=False)):
-                            if not ids:
-                                continue
-                            try:
-                                part.wait_read(n)
-                            except ChunkFormatError as exc:
-                                failed.append((i, str(exc)))
-                                break
-                            src = part.kv[first:n].to(kv.device, non_blocking=True)
-                            scatter_blocks(src[:, :, off:].contiguous(), kv[first:n], ids)
-                finally:
-                    failed += [f for f in checks.result() if f is not None]
-                    if side is not None:
-                        done = torch.cuda.Event()
-                        done.record(side)
-                        done.synchronize()  # the copies are done before the slots are let go
-            for layer in range(first, n):
-                load.layer_loaded(layer)
-        if failed:  # ends the restore at that chunk, as a failed read would have: not a loss
-            load.poison(*min(failed))
 
     @contextlib.contextmanager
     def _finishing(self, load: LayerLoad, what: str) -> Iterator[None]:

@@ -117,3 +117,13 @@ def test_bad_input_gets_a_clear_error():
         encode(nan, Codec.FP8)
     with pytest.raises(InvalidArgumentError, match="odd"):
         encode(torch.zeros(1, 2, 4, 2, 7), Codec.INT4)
+
+
+@pytest.mark.parametrize("codec", LOSSY)
+def test_values_near_the_dtypes_largest_never_decode_past_it(codec):
+    """fp16 KV at 6e4: rounding to the nearest step would decode past 65,504 (an infinity);
+    such values round toward zero instead (found by the no-compounding property)."""
+    kv = torch.full((1, 2, 32, 1, 32), 6.0e4, dtype=torch.float16)
+    kv[..., ::2] = -6.5e4
+    back = decode(encode(kv, codec), codec, tuple(kv.shape), torch.float16)
+    assert torch.isfinite(back).all()
