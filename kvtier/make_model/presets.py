@@ -9,7 +9,7 @@ Parameter counts are computed from shapes alone, so nothing is allocated to know
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvtier.chunk_format import DTYPE_BYTES
@@ -176,23 +176,6 @@ PRESETS: dict[str, Preset] = {
             description="meta-llama/Meta-Llama-3-8B shapes",
         ),
         Preset(
-            name="llama-3.1-8b",
-            arch="llama",
-            family="llama3",
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            vocab_size=128256,
-            tie_word_embeddings=False,
-            rope_theta=500000.0,
-            max_position_embeddings=131072,
-            rope_scaling={**_LLAMA3_SCALING, "factor": 8.0},
-            pretokenizer="llama3",
-            description="meta-llama/Llama-3.1-8B shapes (128k context: long-history benchmarks)",
-        ),
-        Preset(
             name="qwen2-0.5b",
             arch="qwen2",
             family="chatml",
@@ -212,6 +195,11 @@ PRESETS: dict[str, Preset] = {
         ),
     ]
 }
+PRESETS["llama-3.1-8b"] = replace(
+    PRESETS["llama-3-8b"], name="llama-3.1-8b", max_position_embeddings=131072,
+    rope_scaling={**_LLAMA3_SCALING, "factor": 8.0},
+    description="meta-llama/Llama-3.1-8B shapes (128k context: long-history benchmarks)")
+"""Llama-3-8B's shapes with Llama 3.1's context and rope scaling."""
 
 _ARCH_CLASS = {
     "llama": "LlamaForCausalLM",
