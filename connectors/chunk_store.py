@@ -189,6 +189,11 @@ def open_store(options: Mapping[str, Any], slot_bytes: int) -> ChunkStore:
         store = _LOCAL.get(cache_key)
         if store is None:
             cfg = load_config(options.get("config"), overrides=overrides)
+            lossy = [f"tiers.{t}_codec" for t in ("cpu", "disk", "redis")
+                     if getattr(cfg.tiers, f"{t}_codec") != "none"]
+            if lossy:
+                raise ConfigError(f"{', '.join(lossy)}: the vLLM connector stores exact KV "
+                                  "only (its blocks are not laid out for the codecs yet)")
             manager = build_tiers(cfg.tiers, slot_bytes, fingerprint=None)
             if manager is None:
                 raise ConfigError("the connector's tiers are all disabled; enable one or set url")

@@ -336,6 +336,9 @@ class WorkerSide:
         if header.fingerprint != self.fingerprint:
             raise ChunkMismatchError(f"chunk {header.key} was written for another model, "
                                      "layout or rank")
+        if header.lossy:  # the connector's tiers store exact KV only (issue 33)
+            raise ChunkMismatchError(f"chunk {header.key} holds {header.codec} KV; the vLLM "
+                                     "connector takes exact KV only")
         if header.first_layer or tuple(header.shape) != self.chunk_shape(len(item.span.block_ids)) or (
                 DTYPES.get(header.dtype) != self.dtype):
             raise ChunkMismatchError(f"chunk {header.key} holds {header.shape} of "

@@ -26,7 +26,7 @@ import re
 import struct
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 
 import msgpack
@@ -34,7 +34,8 @@ import numpy as np
 import torch
 import xxhash
 
-from kvtier.errors import ChunkFormatError, ChunkMismatchError
+from kvtier import kv_codecs
+from kvtier.errors import ChunkFormatError, ChunkMismatchError, InvalidArgumentError
 
 MAGIC = b"KVTC"
 FORMAT_VERSION = 2
@@ -83,9 +84,10 @@ def check_names(header: ChunkHeader, key: str, any_namespace: bool = False) -> N
             f"chunk {header.key} belongs to namespace {header.namespace!r}, not to "
             f"{storage_namespace(key)!r} (it was stored for another tenant)")
 _HEADER_KEYS = frozenset({"v", "key", "fp", "dtype", "shape", "tokens", "l0", "xxh", "hxh",
-                          "ns", "pad", "padd"})
+                          "ns", "codec", "pad", "padd"})
 """Every field a header may hold ("pad"/"padd": filler, the only bytes no checksum covers,
 meaningless by construction)."""
+_CODECS = frozenset(c.value for c in kv_codecs.Codec)
 _packer = msgpack.Packer(use_bin_type=True, autoreset=True)
 _packer_lock = threading.Lock()
 
@@ -121,13 +123,23 @@ class ChunkHeader:
     version: int = FORMAT_VERSION
     namespace: str | None = None
     """The tenant the chunk was stored for (None: none, the engine's own chunks)."""
+    codec: str = "none"
+    """How the payload holds the KV (:mod:`kvtier.kv_codecs`): ``none``, the KV of
+    ``dtype`` as it is; else each layer encoded apart (so a layer range is still one byte
+    range), the checksums over the encoded bytes. ``dtype`` and ``shape`` are the KV's."""
 
     @property
     def num_layers(self) -> int:
         return self.shape[0]
 
     @property
+    def lossy(self) -> bool:
+        return self.codec != "none"
+
+    @property
     def layer_nbytes(self) -> int:
+        if self.lossy:
+            return _codec_layer_nbytes(self.codec, tuple(self.shape[1:]), self.dtype)
         per = DTYPES[self.dtype].itemsize
         n = 1
         for d in self.shape[1:]:
@@ -146,6 +158,8 @@ class ChunkHeader:
                         self.num_tokens, self.first_layer, list(self.layer_checksums)]
         if self.namespace is not None:
             fields.append(self.namespace)
+        if self.lossy:
+            fields.append(self.codec)
         return xxhash.xxh3_64_intdigest(_packb(fields))
 
     def fields(self) -> dict:
@@ -162,6 +176,8 @@ class ChunkHeader:
         }
         if self.namespace is not None:
             out["ns"] = self.namespace
+        if self.lossy:
+            out["codec"] = self.codec
         return out
 
     def pack(self) -> bytes:
@@ -184,14 +200,49 @@ class ChunkHeader:
         raise ChunkFormatError(f"chunk {self.key}: header does not fit in {size} bytes")
 
 
+@functools.lru_cache(maxsize=256)
+def _codec_layer_nbytes(codec: str, layer_shape: tuple[int, ...], dtype: str) -> int:
+    """Encoded bytes of one layer of KV (``[2, tokens, heads, head_dim]``)."""
+    try:
+        return kv_codecs.layout(kv_codecs.Codec.parse(codec), (1, *layer_shape),
+                                DTYPES[dtype]).nbytes
+    except InvalidArgumentError as exc:
+        raise ChunkFormatError(f"chunk of codec {codec!r}: {exc}") from None
+
+
+def encode_layers(kv: torch.Tensor, codec: kv_codecs.Codec) -> torch.Tensor:
+    """The payload of a ``codec`` chunk holding ``kv`` (``[layers, 2, tokens, heads,
+    head_dim]``): each layer encoded apart, one after the other (uint8, on ``kv``'s
+    device)."""
+    return torch.cat([kv_codecs.encode(kv[i : i + 1], codec) for i in range(kv.shape[0])])
+
+
+def decode_layers(payload: torch.Tensor, header: ChunkHeader) -> torch.Tensor:
+    """The KV ``[layers, 2, tokens, heads, head_dim]`` of ``header``'s dtype that the
+    payload of a lossy chunk (every layer ``header`` names, encoded) holds: a new tensor.
+    Bytes no encoder writes are a :class:`ChunkFormatError`."""
+    codec = kv_codecs.Codec.parse(header.codec)
+    dtype, step = DTYPES[header.dtype], header.layer_nbytes
+    if payload.numel() != step * header.num_layers:
+        raise ChunkFormatError(f"chunk {header.key}: {payload.numel()} payload bytes for "
+                               f"{header.num_layers} {header.codec} layers of {step}")
+    out = torch.empty(header.shape, dtype=dtype)
+    one = (1, *header.shape[1:])
+    for i in range(header.num_layers):
+        out[i : i + 1] = kv_codecs.decode(payload[i * step : (i + 1) * step], codec, one, dtype)
+    return out
+
+
 def _layer_checksums(payload: memoryview, num_layers: int) -> tuple[int, ...]:
     step = len(payload) // num_layers if num_layers else 0
     return tuple(xxhash.xxh3_64_intdigest(payload[i * step : (i + 1) * step]) for i in range(num_layers))
 
 
-def encode_chunk(key: str, fingerprint: bytes, kv: torch.Tensor) -> bytes:
-    """Serialise ``kv`` (``[layers, 2, tokens, kv_heads, head_dim]``, any device). ``key``
-    may be a storage key (``tenant.key``): the chunk then names that namespace too."""
+def encode_chunk(key: str, fingerprint: bytes, kv: torch.Tensor,
+                 codec: kv_codecs.Codec = kv_codecs.Codec.NONE) -> bytes:
+    """Serialise ``kv`` (``[layers, 2, tokens, kv_heads, head_dim]``, any device), its
+    payload encoded by ``codec``. ``key`` may be a storage key (``tenant.key``): the chunk
+    then names that namespace too."""
     if kv.dim() != 5 or kv.shape[1] != 2:
         raise ChunkFormatError(
             f"a chunk tensor must be [layers, 2, tokens, kv_heads, head_dim], got {tuple(kv.shape)}"
@@ -199,7 +250,8 @@ def encode_chunk(key: str, fingerprint: bytes, kv: torch.Tensor) -> bytes:
     if kv.dtype not in DTYPE_NAMES:
         raise ChunkFormatError(f"unsupported chunk dtype {kv.dtype}; use {sorted(DTYPES)}")
     cpu = kv.detach().to("cpu").contiguous()
-    payload = memoryview(cpu.view(torch.uint8).numpy()).cast("B")
+    data = cpu.view(torch.uint8) if codec is kv_codecs.Codec.NONE else encode_layers(cpu, codec)
+    payload = memoryview(data.numpy()).cast("B")
     header = ChunkHeader(
         key=logical_key(key),
         namespace=storage_namespace(key),
@@ -208,6 +260,7 @@ def encode_chunk(key: str, fingerprint: bytes, kv: torch.Tensor) -> bytes:
         shape=tuple(cpu.shape),
         num_tokens=int(cpu.shape[2]),
         layer_checksums=_layer_checksums(payload, cpu.shape[0]),
+        codec=codec.value,
     )
     packed = header.pack()
     return b"".join((_PREFIX.pack(MAGIC, len(packed)), packed, payload))
@@ -236,7 +289,8 @@ backend's carry LMCache's metadata)."""
 def _max_head_bytes(num_layers: int) -> int:
     worst = ChunkHeader("k" * MAX_KEY_CHARS, bytes(MAX_FINGERPRINT_BYTES), "bfloat16",
                         (num_layers, 2, 1 << 30, 1 << 16, 1 << 16), 1 << 30,
-                        (_U64_MAX,) * num_layers, first_layer=1 << 30, namespace="n" * 32)
+                        (_U64_MAX,) * num_layers, first_layer=1 << 30, namespace="n" * 32,
+                        codec="int4")
     longest = len(_packb({**worst.fields(), "hxh": _U64_MAX, "padd": bytes(256)}))
     return -(-(_PREFIX.size + longest) // PAYLOAD_ALIGN) * PAYLOAD_ALIGN + PAYLOAD_ALIGN
 
@@ -349,6 +403,7 @@ def chunk_view(
     verify: bool = True,
     as_kv: bool = True,
     any_namespace: bool = False,
+    codecs: Collection[str] | None = None,
 ) -> tuple[ChunkHeader, torch.Tensor]:
     """Verify the chunk in ``buf`` (a 1-D uint8 CPU tensor holding exactly one chunk) and
     return its KV, or only the model's layers ``[start, end)`` of it (only their checksums
@@ -359,7 +414,9 @@ def chunk_view(
     hold the tier's lease on it while reading. ``verify=False`` skips the checksums, for a
     chunk its reader verified already (key, model and length are still checked).
     ``as_kv=False``: only check; the payload is returned as the bytes it is (uint8, a view
-    even where it is unaligned: for a reader that sends the chunk on as it is)."""
+    even where it is unaligned: for a reader that sends the chunk on as it is). A chunk
+    whose codec is not in ``codecs`` (where given) is a :class:`ChunkMismatchError`: a
+    reader that wants exact KV is never given lossy KV."""
     mem = memoryview(buf.numpy()).cast("B")
     header, offset = parse_header(mem)
     if len(mem) - offset != header.payload_nbytes:
@@ -376,14 +433,27 @@ def chunk_view(
         check_names(header, key, any_namespace)
     if fingerprint is not None and header.fingerprint != fingerprint:
         raise ChunkMismatchError(f"chunk {header.key} was computed by another model")
+    check_codec(header, codecs)
     dtype = DTYPES[header.dtype]
     payload = buf[offset + span_start : offset + span_start + span_len]
     if not as_kv:
         return range_header(header, (start, end)), payload
+    if header.lossy:  # decoded into a new tensor
+        header = range_header(header, (start, end))
+        return header, decode_layers(payload, header)
     if (payload.storage_offset()) % dtype.itemsize:
         payload = payload.clone()  # an older chunk with an unaligned payload
     header = range_header(header, (start, end))
     return header, payload.view(dtype).view(header.shape)
+
+
+def check_codec(header: ChunkHeader, codecs: Collection[str] | None) -> None:
+    """A :class:`ChunkMismatchError` where ``header``'s codec is not one of ``codecs``
+    (None: any)."""
+    if codecs is not None and header.codec not in codecs:
+        raise ChunkMismatchError(
+            f"chunk {header.key} holds {header.codec} KV; this reader takes "
+            f"{', '.join(sorted(codecs))} only")
 
 
 def check_layers(buf: torch.Tensor, header: ChunkHeader, start: int, end: int) -> None:
@@ -423,6 +493,7 @@ def parse_header(buf: bytes | bytearray | memoryview) -> tuple[ChunkHeader, int]
             first_layer=int(raw["l0"]),
             version=int(raw["v"]),
             namespace=None if raw.get("ns") is None else str(raw["ns"]),
+            codec=str(raw.get("codec", "none")),
         )
         hxh = int(raw["hxh"]) if header.version == FORMAT_VERSION else None
         if header.namespace is not None and not NAMESPACE_RE.fullmatch(header.namespace):
@@ -440,6 +511,8 @@ def parse_header(buf: bytes | bytearray | memoryview) -> tuple[ChunkHeader, int]
         )
     if header.dtype not in DTYPES:
         raise ChunkFormatError(f"chunk dtype {header.dtype!r} is not one of {sorted(DTYPES)}")
+    if header.codec not in _CODECS or (header.codec == "none" and "codec" in raw):
+        raise ChunkFormatError(f"chunk codec {header.codec[:16]!r} is not one of {sorted(_CODECS)}")
     if (
         len(header.shape) != 5
         or header.shape[1] != 2
@@ -483,9 +556,12 @@ def decode_chunk(
     fingerprint: bytes | None = None,
     any_namespace: bool = False,
 ) -> tuple[ChunkHeader, torch.Tensor]:
-    """Verify and return the tensor (a CPU tensor over a copy of the payload)."""
+    """Verify and return the tensor (a CPU tensor over a copy of the payload, or the
+    decoded KV of a lossy chunk)."""
     header = validate_chunk(buf, key, fingerprint, any_namespace)
     offset = len(buf) - header.payload_nbytes
+    if header.lossy:
+        return header, decode_layers(byte_view(memoryview(buf)[offset:]), header)
     data = bytearray(memoryview(buf)[offset:])
     t = torch.frombuffer(data, dtype=DTYPES[header.dtype]) if data else torch.empty(0)
     return header, t.view(header.shape)

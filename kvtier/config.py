@@ -97,6 +97,9 @@ class PoolConfig(_Section):
         return self
 
 
+CodecName = Literal["none", "fp8", "int8", "int4", "auto"]
+
+
 class TiersConfig(_Section):
     """The lower tiers. With nothing set, an engine runs with a CPU arena and a local disk
     directory; Redis joins when ``redis_url`` is set."""
@@ -124,6 +127,15 @@ class TiersConfig(_Section):
     session-aware (kvtier's: whole sessions, tail first, those predicted to stay away
     longest first; chunks with no session are evicted LRU) or a dotted path."""
     disk_eviction: str = "session-aware"
+    cpu_codec: CodecName = "none"
+    """How chunks are kept in the CPU tier: ``none`` (the KV as computed), ``fp8``,
+    ``int8``, ``int4`` (lossy: fewer bytes to hold and move, docs/tiers.md) or ``auto``
+    (the codec whose restores from this tier are fastest, within ``policy.max_kv_error``)."""
+    disk_codec: CodecName = "none"
+    redis_codec: CodecName = "none"
+    accept_codecs: list[Literal["none", "fp8", "int8", "int4"]] | None = None
+    """The codecs of the stored KV this engine takes (others are misses: it recomputes);
+    unset: lossless and the ones its own tiers write. ``[none]``: exact KV only."""
 
     @classmethod
     def pool_only(cls) -> TiersConfig:

@@ -31,6 +31,7 @@ import torch
 
 from kvtier.chunk_format import byte_view
 from kvtier.connectors.tiers.chunk_checks import admission_error
+from kvtier.kv_codecs import Codec
 from kvtier.policies.eviction import ChunkInfo
 
 if TYPE_CHECKING:
@@ -180,6 +181,9 @@ class Tier(ABC):
     """``lease(background=True)`` lends whole chunks while their later layers are read."""
 
     def __init__(self) -> None:
+        self.codec = Codec.NONE
+        """How the tier stack encodes the chunks it stores here (``tiers.<tier>_codec``;
+        the tier itself holds whatever bytes it is given)."""
         self.stats = TierStats()
         self._eviction_listeners: list[EvictionListener] = []
 

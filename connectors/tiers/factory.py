@@ -9,6 +9,7 @@ from kvtier.config import TiersConfig
 from kvtier.connectors.tiers.base import Tier
 from kvtier.connectors.tiers.manager import TierManager
 from kvtier.errors import ConfigError, InvalidArgumentError
+from kvtier.kv_codecs import Codec
 from kvtier.policies.eviction import EvictionPolicy, eviction_policy
 
 
@@ -70,4 +71,9 @@ def build_tiers(cfg: TiersConfig, slot_bytes: int, fingerprint: bytes) -> TierMa
         ))
     if not tiers:
         return None
-    return TierManager(tiers, cfg.write_policy, fingerprint=fingerprint, staging=staging)
+    for tier in tiers:
+        tier.codec = Codec(getattr(cfg, f"{tier.name}_codec"))
+    manager = TierManager(tiers, cfg.write_policy, fingerprint=fingerprint, staging=staging)
+    if cfg.accept_codecs is not None:
+        manager.accept_codecs = frozenset(cfg.accept_codecs)
+    return manager

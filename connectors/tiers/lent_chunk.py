@@ -30,7 +30,7 @@ from functools import cached_property
 
 import torch
 
-from kvtier.chunk_format import DTYPES, ChunkHeader, check_layers
+from kvtier.chunk_format import DTYPES, ChunkHeader, check_layers, decode_layers
 from kvtier.errors import ChunkFormatError
 
 
@@ -64,8 +64,17 @@ class LentChunk:
     def kv(self) -> torch.Tensor:
         """The chunk's KV ``[layers, 2, tokens, heads, dim]``: a view of the lent buffer
         (a copy for an older chunk whose payload is not aligned for its dtype, taken once
-        every layer was read)."""
+        every layer was read; the decoded KV of a lossy chunk, whose layers are still
+        checked by the reader before it uses them: bytes no encoder writes are a failed
+        check)."""
         payload, dtype = self.payload, DTYPES[self.header.dtype]
+        if self.header.lossy:
+            try:
+                self._wait(self.header.num_layers)
+                return decode_layers(payload, self.header)
+            except ChunkFormatError as exc:
+                self.error = self.error or exc
+                raise
         if payload.storage_offset() % dtype.itemsize:
             self._wait(self.header.num_layers)
             payload = payload.clone()

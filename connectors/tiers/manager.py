@@ -23,10 +23,12 @@ import torch
 from kvtier.chunk_format import chunk_view
 from kvtier.connectors.tiers.base import Blob, ChunkWrite, PutResult, Tier, blob_writes
 from kvtier.connectors.tiers.chunk_workers import map_restore
+from kvtier.connectors.tiers.codec_writes import encode_writes
 from kvtier.connectors.tiers.host_buffers import StagingPool
 from kvtier.connectors.tiers.lent_chunk import LentChunk, ReadingBuffer
 from kvtier.connectors.tiers.quotas import TenantQuotas
 from kvtier.errors import ChunkError, ChunkMismatchError, InvalidArgumentError
+from kvtier.kv_codecs import Codec
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +110,11 @@ class TierManager:
         index or None to drop it; unset: always the next tier. The engine sets its live
         policy's :meth:`~kvtier.policies.live.LivePolicy.demotion_target`, which the
         policy simulator's cascade asks too."""
+        self.accept_codecs: frozenset[str] | None = None
+        """The codecs of the chunks this stack's readers take (a chunk of another is a
+        mismatch: a miss, left in its tier); None: lossless and each tier's own codec
+        (``tiers.<tier>_codec``), so a reader that configured no lossy tier only ever
+        gets exact KV, even from tiers it shares with writers that compress."""
         self.tenant_quotas = TenantQuotas()
         self.tenant_quotas.evicted_bytes = self.stats.quota_evicted_bytes
         self._lock = threading.Lock()
@@ -122,6 +129,13 @@ class TierManager:
     @quotas.setter
     def quotas(self, limits: dict[str, dict[str, int]]) -> None:
         self.tenant_quotas.limits = limits
+
+    @property
+    def codecs(self) -> frozenset[str]:
+        """What :attr:`accept_codecs` resolves to."""
+        if self.accept_codecs is not None:
+            return self.accept_codecs
+        return frozenset({Codec.NONE.value, *(t.codec.value for t in self.tiers)})
 
     def tier_index(self, name: str) -> int:
         for i, t in enumerate(self.tiers):
@@ -202,7 +216,8 @@ class TierManager:
         self, tier: Tier, writes: Sequence[ChunkWrite],
         reraise: tuple[type[BaseException], ...] = (),
     ) -> PutResult:
-        admitted = self.tenant_quotas.admit(tier, writes)
+        encoded = encode_writes(writes, tier.codec, self.staging)
+        admitted = self.tenant_quotas.admit(tier, encoded.writes)
         try:
             res = tier.store_in_place(admitted.writes) if admitted.writes else PutResult()
         except reraise:
@@ -211,6 +226,9 @@ class TierManager:
             tier.stats.count_error(type(exc).__name__)
             log.warning("storing %d chunks in %s failed: %s", len(admitted.writes), tier.name, exc)
             res = PutResult(failed={w.key: f"error: {exc}" for w in admitted.writes})
+        if encoded.failed:
+            res.failed.update(encoded.failed)
+            tier.stats.count_error("invalid")
         if admitted.refused:
             res.failed.update(admitted.refused)
             for reason in admitted.refused.values():
@@ -279,7 +297,8 @@ class TierManager:
                     return None
                 assert isinstance(view, torch.Tensor)
                 try:
-                    return chunk_view(view, key, self.fingerprint, layers)[1]
+                    return chunk_view(view, key, self.fingerprint, layers,
+                                      codecs=self.codecs)[1]
                 except ChunkError as exc:
                     rejected.append(_Rejected(tier, key, exc))
                     return None
@@ -316,7 +335,8 @@ class TierManager:
         buf = reading.buf if reading is not None else view
         assert isinstance(buf, torch.Tensor)
         try:  # header, key, model and length (the header and first layers have landed)
-            header, _ = chunk_view(buf, key, self.fingerprint, verify=False, as_kv=False)
+            header, _ = chunk_view(buf, key, self.fingerprint, verify=False, as_kv=False,
+                                   codecs=self.codecs)
         except ChunkError as exc:
             rejected.append(_Rejected(tier, key, exc))
             return None

@@ -59,7 +59,8 @@ def _fused(part: LentChunk, kv: torch.Tensor) -> bool:
     """Whether a lent chunk is checked and scattered by the fused native kernel (one still
     to check, a host pool of its dtype, a contiguous chunk), else checked, then copied
     with numpy."""
-    return (host_native.AVAILABLE and not kv.is_cuda and part.kv.device.type == "cpu"
+    return (host_native.AVAILABLE and not kv.is_cuda and not part.header.lossy
+            and part.kv.device.type == "cpu"
             and part.kv.dtype == kv.dtype and part.kv.is_contiguous())
 
 
@@ -89,6 +90,24 @@ def _layer0_checked(parts: Sequence[LentChunk | None]) -> list[LentChunk | None]
         return part
 
     return map_restore(check, parts)
+
+
+def _decoded(parts: Sequence[LentChunk | torch.Tensor | None]
+             ) -> list[LentChunk | torch.Tensor | None]:
+    """Lossy lent chunks decoded (two at a time; their layers are still checked before
+    use): one whose bytes no encoder writes is a miss here, as one failing layer 0 is."""
+
+    def decode(part: LentChunk | torch.Tensor | None) -> LentChunk | torch.Tensor | None:
+        if isinstance(part, LentChunk) and part.header.lossy:
+            try:
+                part.kv  # noqa: B018 - decoded once, cached
+            except ChunkFormatError:
+                return None
+        return part
+
+    if not any(isinstance(p, LentChunk) and p.header.lossy for p in parts):
+        return list(parts)
+    return map_restore(decode, parts)
 
 
 class Restorer:
@@ -188,7 +207,7 @@ class Restorer:
         # it is checked first, and a chunk that fails it ends the restore before it.
         fused = deferred and (self._copies_first()
                               or all(_fused(p, kv) for p in lent if p is not None))
-        parts = _layer0_checked(lent) if deferred and not fused else lent
+        parts = _decoded(_layer0_checked(lent) if deferred and not fused else lent)
         chunks: list[ChunkKey] = []
         end = usable[0].start  # <= cached: the first chunk may overlap blocks still pooled
         for ck, part in zip(usable, parts, strict=True):

@@ -321,3 +321,36 @@ def test_a_session_leaving_for_a_faster_tier_is_written_there_though_a_deeper_co
         assert torch.equal(_session_kv(eng, "s"), kv_before)
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize(("medium", "codec"), [("disk", "int8"), ("disk", "int4"),
+                                              ("redis", "fp8")])
+def test_offload_to_a_compressed_tier_and_resume(model_dir, tmp_path, request, medium, codec):
+    """A session offloaded to a tier that keeps its KV encoded comes back decoded, every
+    value within the codec's bound of its vector's largest, and the next turn uses it; the
+    chunks at rest are smaller than the KV and checksummed."""
+    if medium == "disk":
+        tiers = dict(cpu_bytes=0, disk_bytes=256 << 20, disk_codec=codec)
+    else:
+        url = request.getfixturevalue("redis_server").url
+        tiers = dict(cpu_bytes=0, disk_bytes=0, redis_url=url, redis_codec=codec)
+    eng = _engine(model_dir, tmp_path, tiers)
+    try:
+        eng.chat("s", "Tell me about the mountains and the weather there.", GREEDY, system=SYSTEM)
+        kv_before = _session_kv(eng, "s")
+        off = eng.offload("s", medium)
+        assert off.stored_tokens == kv_before.shape[2] and not off.failed
+        tier = eng.tiers.tiers[eng.tiers.tier_index(medium)]
+        assert 0 < tier.used_bytes < kv_before.numel() * kv_before.element_size() * 0.6
+        restored = eng.restore("s")
+        assert restored.from_tiers == off.stored_tokens
+        kv_after = _session_kv(eng, "s")
+        assert kv_after.shape == kv_before.shape and not torch.equal(kv_after, kv_before)
+        bound = {"int8": 1 / 127, "fp8": 1 / 16, "int4": 1 / 7}[codec]
+        amax = kv_before.float().abs().amax(dim=(-3, -1), keepdim=True)  # per block, K/V, head
+        assert torch.all((kv_after.float() - kv_before.float()).abs() <= amax * bound + 1e-6)
+        eng.offload("s")
+        turn2 = eng.chat("s", "And in winter?", GREEDY)
+        assert turn2.stats.restored_tokens == off.stored_tokens
+    finally:
+        eng.close()
