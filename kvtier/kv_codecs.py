@@ -35,6 +35,15 @@ import torch
 
 from kvtier.errors import ChunkFormatError, InvalidArgumentError
 
+try:
+    from kvtier import _kv_codec as _native
+except ImportError:  # built optionally (see setup.py); the torch reference serves instead
+    _native = None
+
+NATIVE = _native is not None
+"""Whether host tensors are encoded and decoded by the native kernels (bit for bit the
+torch reference's results, at memory speed)."""
+
 GROUP = 32
 """Values sharing one exponent (along head_dim, or along tokens for int4 keys)."""
 
@@ -132,6 +141,16 @@ def encode(kv: torch.Tensor, codec: Codec) -> torch.Tensor:
     """``kv`` ``[layers, 2, tokens, heads, head_dim]`` as a uint8 payload of
     ``layout(codec, kv.shape, kv.dtype).nbytes`` bytes, on ``kv``'s device."""
     lay = layout(codec, tuple(kv.shape), kv.dtype)
+    if kv.dtype not in _FLOATS:
+        raise InvalidArgumentError(f"KV of dtype {kv.dtype}: a codec takes float32, bf16 or fp16")
+    if NATIVE and kv.device.type == "cpu" and codec is not Codec.NONE:
+        return _native_encode(kv.contiguous(), codec, lay)
+    return reference_encode(kv, codec)
+
+
+def reference_encode(kv: torch.Tensor, codec: Codec) -> torch.Tensor:
+    """:func:`encode` in torch ops (any device): the reference the native kernels match."""
+    lay = layout(codec, tuple(kv.shape), kv.dtype)
     _check_kv(kv)
     if codec is Codec.NONE:
         return kv.contiguous().view(-1).view(torch.uint8).clone()
@@ -196,6 +215,15 @@ def decode(payload: torch.Tensor, codec: Codec, shape: tuple[int, ...], dtype: t
         raise ChunkFormatError(
             f"{codec.value} payload of {payload.numel()} {payload.dtype} values for KV of shape "
             f"{lay.shape}: expected {lay.nbytes} bytes")
+    if NATIVE and payload.device.type == "cpu" and codec is not Codec.NONE:
+        return _native_decode(payload.contiguous(), codec, lay, dtype)
+    return reference_decode(payload, codec, shape, dtype)
+
+
+def reference_decode(payload: torch.Tensor, codec: Codec, shape: tuple[int, ...],
+                     dtype: torch.dtype) -> torch.Tensor:
+    """:func:`decode` in torch ops (any device): the reference the native kernels match."""
+    lay = layout(codec, shape, dtype)
     if codec is Codec.NONE:
         return payload.view(dtype).reshape(lay.shape).clone()
     values, exps = payload[: lay.values_nbytes], payload[lay.values_nbytes :].view(torch.int8)
@@ -215,7 +243,79 @@ def decode(payload: torch.Tensor, codec: Codec, shape: tuple[int, ...], dtype: t
         out = torch.ldexp(q, e.reshape(layers, 2, tokens, heads, dim // g, 1))
     if not torch.isfinite(out).all():
         raise ChunkFormatError(f"{codec.value} payload decodes to a NaN or an infinity")
-    return out.reshape(lay.shape).to(dtype)
+    out = out.reshape(lay.shape).to(dtype)
+    if not torch.isfinite(out).all():
+        raise ChunkFormatError(f"{codec.value} payload decodes to a value past its dtype's range")
+    return out
+
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_CODEC_CODES = {Codec.FP8: 1, Codec.INT8: 2, Codec.INT4: 3}
+_NATIVE_ERRORS = {
+    1: "KV holds a NaN or an infinity: it cannot be encoded",
+    2: "payload holds an exponent no encoder writes",
+    3: "payload holds a value no encoder writes",
+    4: "payload decodes to a value past its dtype's range",
+    5: "out of memory",
+}
+
+
+def _per_layer(lay: Layout) -> tuple[int, int, int]:
+    """Bytes of one layer's values, of its keys' exponents and of its values' exponents:
+    the payload holds every layer's values, then (int4) every layer's key exponents and
+    every layer's value exponents, or (fp8, int8) each layer's K then V exponents."""
+    layers, _, tokens, heads, dim = lay.shape
+    values = lay.values_nbytes // layers
+    if lay.codec is Codec.INT4:
+        k = tokens // _group(tokens) * heads * dim
+        return values, k, tokens * heads * (dim // _group(dim))
+    half = lay.exponents // layers // 2
+    return values, half, half
+
+
+def _exponent_at(lay: Layout, layer: int) -> tuple[int, int]:
+    """Offsets (from the payload's start) of ``layer``'s K and V exponents."""
+    layers = lay.shape[0]
+    _, k, v = _per_layer(lay)
+    base = lay.values_nbytes
+    if lay.codec is Codec.INT4:
+        return base + layer * k, base + layers * k + layer * v
+    return base + layer * (k + v), base + layer * (k + v) + k
+
+
+def _native_encode(kv: torch.Tensor, codec: Codec, lay: Layout) -> torch.Tensor:
+    assert _native is not None
+    out = torch.empty(lay.nbytes, dtype=torch.uint8)
+    layers, _, tokens, heads, dim = lay.shape
+    values, _, _ = _per_layer(lay)
+    step = kv[0].numel() * kv.element_size()
+    base = out.data_ptr()
+    for i in range(layers):
+        ek, ev = _exponent_at(lay, i)
+        status = _native.encode(_CODEC_CODES[codec], _DTYPE_CODES[kv.dtype],
+                                kv.data_ptr() + i * step, tokens, heads, dim,
+                                base + i * values, base + ek, base + ev)
+        if status:
+            raise InvalidArgumentError(_NATIVE_ERRORS[status])
+    return out
+
+
+def _native_decode(payload: torch.Tensor, codec: Codec, lay: Layout, dtype: torch.dtype
+                   ) -> torch.Tensor:
+    assert _native is not None
+    out = torch.empty(lay.shape, dtype=dtype)
+    layers, _, tokens, heads, dim = lay.shape
+    values, _, _ = _per_layer(lay)
+    step = out[0].numel() * out.element_size()
+    base = payload.data_ptr()
+    for i in range(layers):
+        ek, ev = _exponent_at(lay, i)
+        status = _native.decode(_CODEC_CODES[codec], _DTYPE_CODES[dtype], base + i * values,
+                                base + ek, base + ev, tokens, heads, dim,
+                                out.data_ptr() + i * step)
+        if status:
+            raise ChunkFormatError(f"{codec.value} {_NATIVE_ERRORS[status]}")
+    return out
 
 
 def _decode_int4(values: torch.Tensor, e: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

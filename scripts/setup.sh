@@ -11,7 +11,7 @@ fi
 VPY=.venv/bin/python
 stamp=.venv/.kvtier-installed
 stale=0
-for f in pyproject.toml setup.py gpu_pool/kernels/native/host_copy.c; do
+for f in pyproject.toml setup.py gpu_pool/kernels/native/*.c; do
   [ "$f" -nt "$stamp" ] && stale=1
 done
 if [ ! -f "$stamp" ] || [ "$stale" = 1 ]; then

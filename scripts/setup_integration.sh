@@ -17,7 +17,7 @@ build() {  # build VENV STEP...: create VENV and run the install steps once
   [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
   local stamp=$venv/.kvtier-installed
   if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
-      || [ gpu_pool/kernels/native/host_copy.c -nt "$stamp" ] || [ "$0" -nt "$stamp" ]; then
+      || [ -n "$(find gpu_pool/kernels/native -name "*.c" -newer "$stamp")" ] || [ "$0" -nt "$stamp" ]; then
     "$venv/bin/python" -m pip install -q --upgrade pip
     "$venv/bin/python" -m pip install -q "$TORCH"
     "$@"
