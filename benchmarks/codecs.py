@@ -10,9 +10,13 @@ with the exact KV. Figures: perplexity of the continuation (ratio to exact), top
 and mean KL divergence of the next-token distributions, and whether a greedy reply from the
 history alone is token for token the same.
 
-Speed: encoding and decoding a 256-token chunk of the model's KV (the torch reference, on
-the model's device), in GB/s of KV, against a copy of the same bytes into memory that
-already exists, in the same run.
+Speed: encoding and decoding a 256-token chunk of the model's KV (native kernels on the
+host, the torch reference on a GPU), in GB/s of KV, against a copy of the same bytes into
+memory that already exists, in the same run.
+
+Restores (:mod:`.codec_restores`): the same chunks stored uncompressed and by each codec in
+a disk tier (write + fsync, read cold) and a real Redis, restored as the engine restores;
+KV delivered per second against the uncompressed restore in the same run.
 """
 
 from __future__ import annotations
@@ -43,6 +47,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default=None, help="the pool's dtype (default float32)")
     p.add_argument("--device", default="auto")
     p.add_argument("--repeats", type=int, default=5, help="speed: median of this many")
+    p.add_argument("--restore-chunks", type=int, default=24,
+                   help="restores: chunks per tier and codec (0: no restore rows)")
+    p.add_argument("--restore-rounds", type=int, default=3)
+    p.add_argument("--restore-dtype", default="bfloat16",
+                   help="restores: the KV's dtype (what a server keeps in its pool)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None)
     p.set_defaults(func=run)
@@ -83,13 +92,14 @@ def run(args: argparse.Namespace) -> int:
                 quality = [_quality(runner, s, e, codec, args) for s, e in zip(samples, exact, strict=True)]
             rows.append({"codec": codec.value, **_speed(runner, codec, args.repeats),
                          **_mean_quality(quality)})
+    restores = _restores(runner, codecs, args, console) if args.restore_chunks else []
     payload = {"model": str(args.model), "dtype": str(runner.pool.storage.kv.dtype),
                "device": str(runner.device), "history": args.history,
                "continuation": args.continuation, "samples": len(samples),
                "text": "pydoc_data.topics (the Python reference)", "codecs": rows,
-               "restore": None,
-               "restore_note": "codecs are not yet used by the tiers: restore rows come with them"}
+               "restore": restores}
     _print(console, rows)
+    _print_restores(console, restores)
     if args.out:
         from kvtier.benchmarks.results import write_result
 
@@ -201,6 +211,43 @@ def _speed(runner: Any, codec: Codec, repeats: int) -> dict[str, float]:
             "encode_GBps": timed(lambda: encode(kv, codec)),
             "decode_GBps": timed(lambda: decode(payload, codec, shape, kv.dtype)),
             "copy_GBps": timed(lambda: dst.copy_(kv))}
+
+
+def _restores(runner: Any, codecs: list[Codec], args: argparse.Namespace, console: Any
+              ) -> list[dict[str, Any]]:
+    """Restore rows from a disk directory and a real Redis (see :mod:`.codec_restores`)."""
+    import shutil
+
+    from kvtier.benchmarks.codec_restores import RestoreSetup, default_workdir, restore_rows
+    from kvtier.benchmarks.tiers import _start_redis
+    from kvtier.chunk_format import DTYPES
+
+    storage = runner.pool.storage
+    _, _, _, _, heads, dim = storage.kv.shape
+    setup = RestoreSetup((storage.num_layers, 2, 256, heads, dim), DTYPES[args.restore_dtype],
+                         args.restore_chunks, args.restore_rounds)
+    redis = _start_redis()
+    workdir = default_workdir()
+    try:
+        with console.status("restores: disk and Redis, every codec"):
+            return restore_rows(setup, codecs, redis[1] if redis else None, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+        if redis:
+            redis[0].kill()
+            shutil.rmtree(redis[2], ignore_errors=True)
+
+
+def _print_restores(console: Any, rows: list[dict[str, Any]]) -> None:
+    from rich.table import Table
+
+    t = Table(title="Restores of compressed chunks against uncompressed ones (same run)")
+    for col in ("tier", "codec", "KV GB/s", "none KV GB/s", "speed-up", "tokens held"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(r["tier"], r["codec"], f"{r['kv_GBps']:.2f}", f"{r['none_kv_GBps']:.2f}",
+                  f"{r['speedup']:.2f}x", f"{r['tokens_held_ratio']:.2f}x")
+    console.print(t)
 
 
 def _print(console: Any, rows: list[dict[str, Any]]) -> None:

@@ -23,6 +23,7 @@ def test_every_codec_gets_quality_and_speed_figures(model_dir, tmp_path):
     rc = main(["bench", "codecs", "--model", str(model_dir), "--history", "96",
                "--continuation", "32", "--samples", "2", "--greedy-tokens", "4",
                "--repeats", "1", "--device", "cpu", "--out", str(out),
+               "--restore-chunks", "3", "--restore-rounds", "1",
                "--plot", str(tmp_path / "codecs.png")])
     assert rc == 0
     doc = json.loads(out.read_text())
@@ -35,7 +36,12 @@ def test_every_codec_gets_quality_and_speed_figures(model_dir, tmp_path):
     assert rows["int4"]["bytes_per_value"] < rows["fp8"]["bytes_per_value"] < 1.1
     assert rows["int4"]["ratio_vs_kv_dtype"] > 7  # float32 KV: 4 bytes a value
     assert rows["int4"]["kl"] > rows["int8"]["kl"]  # 4 bits lose more than 8
-    assert doc["restore"] is None and "not yet" in doc["restore_note"]
+    restores = {(r["tier"], r["codec"]): r for r in doc["restore"]}
+    assert {t for t, _ in restores} == {"disk", "redis"}  # redis-server is installed for CI
+    for (_, codec), r in restores.items():
+        assert r["kv_GBps"] > 0 and r["none_kv_GBps"] > 0 and r["dtype"] == "bfloat16"
+        assert r["stored_bytes"] < r["none_stored_bytes"]
+        assert r["tokens_held_ratio"] > (3 if codec == "int4" else 1.5)
     assert (tmp_path / "codecs.png").stat().st_size > 0
 
 
