@@ -217,8 +217,12 @@ class PolicyConfig(_Section):
     watermarks: WatermarksConfig = WatermarksConfig()
     check_every_s: float = 0.05
     """Least time between two watermark checks (each walks the idle sessions)."""
+    max_kv_error: float = 0.01
+    """The quality budget of ``tiers.<tier>_codec: auto``: the largest error of a stored KV
+    value relative to the largest magnitude of its group a codec may make (fp8 0.0625,
+    int8 1/127, int4 1/7; docs/tiers.md). 0: lossless only."""
 
-    @field_validator("check_every_s")
+    @field_validator("check_every_s", "max_kv_error")
     @classmethod
     def _non_negative(cls, v: float) -> float:
         if v < 0:

@@ -71,6 +71,16 @@ class Codec(str, Enum):
             ) from None
 
 
+ERROR_BOUND: dict[Codec, float] = {
+    Codec.NONE: 0.0,
+    Codec.FP8: 2.0**-4,  # 3 mantissa bits: half an ulp of the value, at most of the group's max
+    Codec.INT8: 1 / 127,  # half a step; the step is at most the group's max / 63.5
+    Codec.INT4: 1 / 7,  # half a step; the step is at most the group's max / 3.5
+}
+"""The largest error of a decoded value relative to the largest magnitude of its group: what
+a quality budget (``policy.max_kv_error``) is compared with (tested against the codecs)."""
+
+
 @dataclass(frozen=True)
 class Layout:
     """Where a codec's payload keeps what, for one KV shape."""

@@ -112,6 +112,17 @@ def _nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 @dataclass(frozen=True)
+class TierCodec:
+    """A tier's codec as the cost model sees it."""
+
+    name: str
+    bytes_ratio: float
+    """Stored bytes per byte of KV."""
+    decode_Bps: float
+    """KV bytes decoded per second."""
+
+
+@dataclass(frozen=True)
 class CostModel:
     """Costs of one model on one machine."""
 
@@ -129,6 +140,10 @@ class CostModel:
     engine does not stream today, and `kvtier calibrate` says so; the shipped GPU profiles
     model the overlap a layer-wise restore can reach)."""
 
+    codecs: dict[str, TierCodec] = field(default_factory=dict)
+    """How each tier keeps its chunks (none where absent): its reads move fewer bytes and
+    then decode them. Set by the engine from its tiers, not part of a profile."""
+
     def tier(self, name: str) -> TierCost:
         try:
             return self.tiers[name]
@@ -145,14 +160,20 @@ class CostModel:
         """Seconds to restore ``tokens`` tokens of KV from ``tier`` into the pool in
         ``chunks`` requests (a restore reads each tier's share in one request)."""
         t = self.tier(tier).read
-        return chunks * t.latency_s + tokens * self.kv_bytes_per_token / t.bandwidth_bps
+        kv = tokens * self.kv_bytes_per_token
+        codec = self.codecs.get(tier)
+        if codec is None:
+            return chunks * t.latency_s + kv / t.bandwidth_bps
+        return chunks * t.latency_s + kv * codec.bytes_ratio / t.bandwidth_bps + kv / codec.decode_Bps
 
     def store_time(self, tier: str, tokens: int, chunks: int = 1) -> float:
         t = self.tier(tier).write
         return chunks * t.latency_s + tokens * self.kv_bytes_per_token / t.bandwidth_bps
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        doc = asdict(self)
+        doc.pop("codecs")  # the engine's tiers', not the machine's: never in a profile
+        return doc
 
     @classmethod
     def from_dict(cls, doc: dict) -> CostModel:

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
 from kvtier.config import TiersConfig
 from kvtier.connectors.tiers.base import Tier
+from kvtier.connectors.tiers.codec_setup import CodecContext, resolve_codecs
 from kvtier.connectors.tiers.manager import TierManager
 from kvtier.errors import ConfigError, InvalidArgumentError
-from kvtier.kv_codecs import Codec
 from kvtier.policies.eviction import EvictionPolicy, eviction_policy
+
+log = logging.getLogger(__name__)
 
 
 def default_disk_dir() -> Path:
@@ -27,8 +30,10 @@ def configured_eviction(cfg: TiersConfig, field: str) -> EvictionPolicy:
         raise ConfigError(f"tiers.{field}: {exc}") from None
 
 
-def build_tiers(cfg: TiersConfig, slot_bytes: int, fingerprint: bytes) -> TierManager | None:
-    """CPU, disk and Redis tiers as configured, fastest first; None when all are off."""
+def build_tiers(cfg: TiersConfig, slot_bytes: int, fingerprint: bytes,
+                codecs: CodecContext | None = None) -> TierManager | None:
+    """CPU, disk and Redis tiers as configured, fastest first; None when all are off.
+    ``codecs``: what resolving a tier's ``auto`` codec needs (None: ``auto`` is none)."""
     from kvtier.connectors.tiers.host_buffers import StagingPool, round_up
 
     tiers: list[Tier] = []
@@ -71,8 +76,9 @@ def build_tiers(cfg: TiersConfig, slot_bytes: int, fingerprint: bytes) -> TierMa
         ))
     if not tiers:
         return None
+    resolve_codecs(tiers, {t.name: getattr(cfg, f"{t.name}_codec") for t in tiers}, codecs)
     for tier in tiers:
-        tier.codec = Codec(getattr(cfg, f"{tier.name}_codec"))
+        log.info("tier %s keeps its chunks as %s", tier.name, tier.codec.value)
     manager = TierManager(tiers, cfg.write_policy, fingerprint=fingerprint, staging=staging)
     if cfg.accept_codecs is not None:
         manager.accept_codecs = frozenset(cfg.accept_codecs)

@@ -20,6 +20,7 @@ import torch
 
 from kvtier.chunk_format import kv_payload_bytes, max_chunk_bytes
 from kvtier.config import KVTierConfig
+from kvtier.connectors.tiers.codec_setup import CodecContext, tier_codecs
 from kvtier.connectors.tiers.factory import build_tiers
 from kvtier.connectors.tiers.manager import TierManager
 from kvtier.engine.errors import (
@@ -38,6 +39,7 @@ from kvtier.engine.session import ChatSession, TurnResult
 from kvtier.errors import InvalidArgumentError
 from kvtier.models.chat_template import Message
 from kvtier.models.tokenizer import Tokenizer
+from kvtier.policies.cost_model import CostModel
 from kvtier.policies.eviction import SessionAware
 from kvtier.policies.live import LivePolicy, load_cost_model
 from kvtier.policies.offload import Watermarks
@@ -147,19 +149,34 @@ class Engine:
         slot = max_chunk_bytes(model.num_hidden_layers, kv_payload_bytes(
             model.num_hidden_layers, cfg.chunk_tokens, model.num_key_value_heads,
             model.head_dim, self.runner.pool.storage.kv.element_size()))
-        return build_tiers(cfg.tiers, slot, self.runner.fingerprint)
+        codecs = CodecContext(self._chunk_shape(cfg), self.runner.pool.storage.kv.dtype,
+                              cfg.policy.max_kv_error, self._cost_model(cfg))
+        return build_tiers(cfg.tiers, slot, self.runner.fingerprint, codecs)
+
+    def _chunk_shape(self, cfg: KVTierConfig) -> tuple[int, int, int, int, int]:
+        model = self.runner.config
+        return (model.num_hidden_layers, 2, cfg.chunk_tokens, model.num_key_value_heads,
+                model.head_dim)
+
+    def _cost_model(self, cfg: KVTierConfig) -> CostModel | None:
+        """The calibrated costs (loaded once: the tiers' codecs and the policy use them)."""
+        if not hasattr(self, "_cost"):
+            from kvtier.machine import this_machine
+
+            self._cost = load_cost_model(cfg.policy.profile, self.model_dir,
+                                         self.runner.fingerprint.hex(), this_machine())
+        return self._cost
 
     def _live_policy(
         self, cfg: KVTierConfig, kv: KVTransfer, clock: Callable[[], float]
     ) -> LivePolicy:
         """The policy over this engine's tiers: the calibrated costs, the session ranks the
         tiers' session-aware eviction asks for, and where their victims go."""
-        from kvtier.machine import this_machine
-
         pol = cfg.policy
-        cost = load_cost_model(
-            pol.profile, self.model_dir, self.runner.fingerprint.hex(), this_machine()
-        )
+        cost = self._cost_model(cfg)
+        if cost is not None:
+            cost = replace(cost, codecs=tier_codecs(kv.manager.tiers, self._chunk_shape(cfg),
+                                                    self.runner.pool.storage.kv.dtype))
         names = [t.name for t in kv.manager.tiers]
         marks = Watermarks(high=pol.watermarks.high, low=pol.watermarks.low)
         policy = LivePolicy(

@@ -1,0 +1,81 @@
+"""Each tier's codec, resolved from configuration (``auto`` chosen by the policy, issue 33)
+and described for the cost model: the bytes a codec stores per byte of KV (at the model's
+chunk shape) and how fast this machine decodes it (measured once per process)."""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.connectors.tiers.base import Tier
+from kvtier.kv_codecs import ERROR_BOUND, Codec, decode, encode, layout
+from kvtier.policies.codec_choice import CodecOption, choose_codec
+from kvtier.policies.cost_model import CostModel, TierCodec
+
+
+@dataclass(frozen=True)
+class CodecContext:
+    """What resolving ``auto`` needs: the model's chunk shape and KV dtype, the quality
+    budget, and the calibrated link speeds (None: no profile)."""
+
+    chunk_shape: tuple[int, int, int, int, int]
+    dtype: torch.dtype
+    max_error: float
+    cost: CostModel | None = None
+
+
+_SPEED_SHAPE = (1, 2, 256, 8, 128)
+
+
+@functools.lru_cache(maxsize=16)
+def decode_Bps(codec: Codec, dtype: torch.dtype) -> float:
+    """KV bytes per second this machine decodes ``codec`` into ``dtype`` (best of 3 decodes
+    of one layer of a 256-token, 8-head chunk; a few milliseconds)."""
+    if codec is Codec.NONE:
+        return float("inf")
+    kv = torch.randn(_SPEED_SHAPE, generator=torch.Generator().manual_seed(0)).to(dtype)
+    payload = encode(kv, codec)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        decode(payload, codec, _SPEED_SHAPE, dtype)
+        best = min(best, time.perf_counter() - t0)
+    return kv.numel() * kv.element_size() / max(best, 1e-9)
+
+
+def options(ctx: CodecContext) -> list[CodecOption]:
+    kv_bytes = layout(Codec.NONE, ctx.chunk_shape, ctx.dtype).nbytes
+    return [CodecOption(c.value, layout(c, ctx.chunk_shape, ctx.dtype).nbytes / kv_bytes,
+                        ERROR_BOUND[c], decode_Bps(c, ctx.dtype)) for c in Codec]
+
+
+def resolve_codecs(tiers: Sequence[Tier], configured: dict[str, str],
+                   ctx: CodecContext | None) -> None:
+    """Set each tier's codec: as configured, ``auto`` chosen (without a context: none)."""
+    opts = None
+    for tier in tiers:
+        name = configured.get(tier.name, "none")
+        if name != "auto":
+            tier.codec = Codec(name)
+            continue
+        if ctx is None:
+            tier.codec = Codec.NONE
+            continue
+        opts = opts or options(ctx)
+        link = None
+        if ctx.cost is not None and tier.name in ctx.cost.tiers:
+            link = ctx.cost.tiers[tier.name].read.bandwidth_bps
+        tier.codec = Codec(choose_codec(opts, ctx.max_error, link, tier.lends_memory).name)
+
+
+def tier_codecs(tiers: Sequence[Tier], chunk_shape: tuple[int, int, int, int, int],
+                dtype: torch.dtype) -> dict[str, TierCodec]:
+    """The lossy tiers' codecs as the cost model weighs them."""
+    kv_bytes = layout(Codec.NONE, chunk_shape, dtype).nbytes
+    return {t.name: TierCodec(t.codec.value, layout(t.codec, chunk_shape, dtype).nbytes / kv_bytes,
+                              decode_Bps(t.codec, dtype))
+            for t in tiers if t.codec is not Codec.NONE}
