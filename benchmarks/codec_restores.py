@@ -29,6 +29,7 @@ from kvtier.connectors.tiers.base import ChunkWrite, Tier
 from kvtier.connectors.tiers.chunk_workers import map_restore
 from kvtier.connectors.tiers.manager import TierManager
 from kvtier.kv_codecs import Codec
+from kvtier.transfer.restore import LOSSY_GROUP_BYTES, RESTORE_GROUP_BYTES, decode_scratch
 
 FP = b"bench-codec-restores"
 
@@ -100,14 +101,21 @@ def restore_rows(setup: RestoreSetup, codecs: list[Codec], redis_url: str | None
 def _restore(manager: TierManager, keys: list[str], kvs: list[torch.Tensor]) -> float:
     """Seconds to lease, check, decode and copy every chunk into existing memory; the KV
     delivered is checked against what was stored (exact for ``none``, close otherwise)."""
-    dst = [torch.empty_like(kv) for kv in kvs]
+    dst = [torch.zeros_like(kv) for kv in kvs]  # memory that exists (faulted in)
 
     def one(item: tuple[Any, torch.Tensor]) -> bool:
+        """As the engine's host restore: each group of layers checked, then (lossy)
+        decoded into the worker's scratch and copied on, or copied straight from the
+        lent buffer."""
         chunk, out = item
         if chunk is None:
             return False
-        chunk.verify()
-        out.copy_(chunk.kv)
+        if chunk.header.lossy:
+            for a, b in chunk.checked_groups(LOSSY_GROUP_BYTES):
+                out[a:b].copy_(chunk.layer_kv(a, b, decode_scratch(chunk, b - a)))
+        else:
+            for a, b in chunk.checked_groups(RESTORE_GROUP_BYTES):
+                out[a:b].copy_(chunk.kv[a:b])
         return True
 
     t0 = time.perf_counter()

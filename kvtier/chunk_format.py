@@ -217,19 +217,23 @@ def encode_layers(kv: torch.Tensor, codec: kv_codecs.Codec) -> torch.Tensor:
     return torch.cat([kv_codecs.encode(kv[i : i + 1], codec) for i in range(kv.shape[0])])
 
 
-def decode_layers(payload: torch.Tensor, header: ChunkHeader) -> torch.Tensor:
+def decode_layers(payload: torch.Tensor, header: ChunkHeader, out: torch.Tensor | None = None
+                  ) -> torch.Tensor:
     """The KV ``[layers, 2, tokens, heads, head_dim]`` of ``header``'s dtype that the
-    payload of a lossy chunk (every layer ``header`` names, encoded) holds: a new tensor.
-    Bytes no encoder writes are a :class:`ChunkFormatError`."""
+    payload of a lossy chunk (every layer ``header`` names, encoded) holds: into ``out``
+    (contiguous, of that shape and dtype) or a new tensor. Bytes no encoder writes are a
+    :class:`ChunkFormatError`."""
     codec = kv_codecs.Codec.parse(header.codec)
     dtype, step = DTYPES[header.dtype], header.layer_nbytes
     if payload.numel() != step * header.num_layers:
         raise ChunkFormatError(f"chunk {header.key}: {payload.numel()} payload bytes for "
                                f"{header.num_layers} {header.codec} layers of {step}")
-    out = torch.empty(header.shape, dtype=dtype)
-    one = (1, *header.shape[1:])
-    for i in range(header.num_layers):
-        out[i : i + 1] = kv_codecs.decode(payload[i * step : (i + 1) * step], codec, one, dtype)
+    if out is None:
+        out = torch.empty(header.shape, dtype=dtype)
+    elif tuple(out.shape) != tuple(header.shape) or out.dtype != dtype:
+        raise ChunkFormatError(f"chunk {header.key}: decode into {tuple(out.shape)} "
+                               f"{out.dtype}, not {header.shape} {header.dtype}")
+    kv_codecs.decode_layers_into(payload, codec, out)
     return out
 
 

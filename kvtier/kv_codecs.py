@@ -226,8 +226,57 @@ def decode(payload: torch.Tensor, codec: Codec, shape: tuple[int, ...], dtype: t
             f"{codec.value} payload of {payload.numel()} {payload.dtype} values for KV of shape "
             f"{lay.shape}: expected {lay.nbytes} bytes")
     if NATIVE and payload.device.type == "cpu" and codec is not Codec.NONE:
-        return _native_decode(payload.contiguous(), codec, lay, dtype)
+        out = torch.empty(lay.shape, dtype=dtype)
+        _native_decode(payload.contiguous(), codec, lay, out)
+        return out
     return reference_decode(payload, codec, shape, dtype)
+
+
+def decode_into(payload: torch.Tensor, codec: Codec, out: torch.Tensor) -> None:
+    """:func:`decode` into ``out`` (``[layers, 2, tokens, heads, head_dim]`` of the KV's
+    dtype, contiguous, on the payload's device): memory that already exists, such as a
+    reused scratch buffer, so a restore does not fault in fresh pages per chunk."""
+    if not out.is_contiguous() or out.dim() != 5:
+        raise InvalidArgumentError("decode_into needs a contiguous [layers, 2, tokens, heads, "
+                                   "head_dim] tensor")
+    lay = layout(codec, tuple(out.shape), out.dtype)
+    if NATIVE and payload.device.type == "cpu" and out.device.type == "cpu" and codec is not Codec.NONE:
+        _check_payload(payload, lay)
+        _native_decode(payload.contiguous(), codec, lay, out)
+        return
+    out.copy_(decode(payload, codec, tuple(out.shape), out.dtype))
+
+
+def decode_layers_into(payload: torch.Tensor, codec: Codec, out: torch.Tensor) -> None:
+    """Decode a payload of ``out.shape[0]`` layers each encoded apart (a chunk's, one
+    after another: what :func:`encode` of each layer alone gives) into ``out``
+    (contiguous ``[layers, 2, tokens, heads, head_dim]``). One native call on the host."""
+    layers = out.shape[0]
+    one = layout(codec, (1, *out.shape[1:]), out.dtype)
+    _check_payload(payload, Layout(codec, one.shape, one.values_nbytes * layers,
+                                   one.exponents * layers))
+    if not (NATIVE and payload.device.type == "cpu" and out.device.type == "cpu"
+            and codec is not Codec.NONE and out.is_contiguous()):
+        for i in range(layers):
+            decode_into(payload[i * one.nbytes : (i + 1) * one.nbytes], codec, out[i : i + 1])
+        return
+    assert _native is not None
+    payload = payload.contiguous()
+    _, two, tokens, heads, dim = one.shape
+    k_at, v_at = _exponent_at(one, 0)
+    status = _native.decode_layers(_CODEC_CODES[codec], _DTYPE_CODES[out.dtype],
+                                   payload.data_ptr(), layers, one.nbytes, k_at, v_at,
+                                   tokens, heads, dim, out.data_ptr(),
+                                   out[0].numel() * out.element_size())
+    if status:
+        raise ChunkFormatError(f"{codec.value} {_NATIVE_ERRORS[status]}")
+
+
+def _check_payload(payload: torch.Tensor, lay: Layout) -> None:
+    if payload.dtype != torch.uint8 or payload.dim() != 1 or payload.numel() != lay.nbytes:
+        raise ChunkFormatError(
+            f"{lay.codec.value} payload of {payload.numel()} {payload.dtype} values for KV of "
+            f"shape {lay.shape}: expected {lay.nbytes} bytes")
 
 
 def reference_decode(payload: torch.Tensor, codec: Codec, shape: tuple[int, ...],
@@ -310,10 +359,9 @@ def _native_encode(kv: torch.Tensor, codec: Codec, lay: Layout) -> torch.Tensor:
     return out
 
 
-def _native_decode(payload: torch.Tensor, codec: Codec, lay: Layout, dtype: torch.dtype
-                   ) -> torch.Tensor:
+def _native_decode(payload: torch.Tensor, codec: Codec, lay: Layout, out: torch.Tensor) -> None:
     assert _native is not None
-    out = torch.empty(lay.shape, dtype=dtype)
+    dtype = out.dtype
     layers, _, tokens, heads, dim = lay.shape
     values, _, _ = _per_layer(lay)
     step = out[0].numel() * out.element_size()
@@ -325,7 +373,6 @@ def _native_decode(payload: torch.Tensor, codec: Codec, lay: Layout, dtype: torc
                                 out.data_ptr() + i * step)
         if status:
             raise ChunkFormatError(f"{codec.value} {_NATIVE_ERRORS[status]}")
-    return out
 
 
 def _decode_int4(values: torch.Tensor, e: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

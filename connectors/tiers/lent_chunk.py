@@ -30,7 +30,7 @@ from functools import cached_property
 
 import torch
 
-from kvtier.chunk_format import DTYPES, ChunkHeader, check_layers, decode_layers
+from kvtier.chunk_format import DTYPES, ChunkHeader, check_layers, decode_layers, range_header
 from kvtier.errors import ChunkFormatError
 
 
@@ -79,6 +79,28 @@ class LentChunk:
             self._wait(self.header.num_layers)
             payload = payload.clone()
         return payload.view(dtype).view(self.header.shape)
+
+    def layer_kv(self, start: int, end: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Layers ``[start, end)`` of the KV (the caller checked them first): a view of the
+        lent buffer, or for a lossy chunk those layers decoded into ``out`` (contiguous,
+        ``[end - start, 2, tokens, heads, dim]``: a reused scratch) or a new tensor."""
+        if not self.header.lossy:
+            return self.kv[start:end]
+        self._wait(end)
+        part = range_header(self.header, (start, end))
+        step = self.header.layer_nbytes
+        payload = self.payload[start * step : end * step]
+        try:
+            return decode_layers(payload, part, out)
+        except ChunkFormatError as exc:
+            self.error = self.error or exc
+            raise
+
+    def kv_nbytes(self, start: int = 0) -> int:
+        """Bytes of KV (decoded) in layers ``start``..: what a restore of them delivers."""
+        _, two, tokens, heads, dim = self.header.shape
+        n = (self.header.num_layers - start) * two * tokens * heads * dim
+        return n * DTYPES[self.header.dtype].itemsize
 
     def verify(self) -> None:
         """Check every layer (a reader that uses the whole chunk at once)."""

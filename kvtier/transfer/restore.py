@@ -17,12 +17,15 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
+from kvtier.chunk_format import DTYPES
 from kvtier.chunk_keys import ChunkKey
 from kvtier.connectors.tiers.chunk_workers import map_restore
 from kvtier.connectors.tiers.lent_chunk import LentChunk
@@ -68,6 +71,26 @@ RESTORE_GROUP_BYTES = 4 << 20
 """A host restore checks and scatters a chunk's layers this many bytes at a time (a group
 is still in cache when it is copied)."""
 
+LOSSY_GROUP_BYTES = 256 << 10
+"""A lossy chunk is checked and decoded this many stored bytes at a time, into a scratch
+buffer of the restore worker's that stays in cache for the scatter right after."""
+
+_scratches = threading.local()
+
+
+def decode_scratch(part: LentChunk, layers: int) -> torch.Tensor:
+    """This thread's reused buffer for ``layers`` decoded layers of ``part`` (grown, never
+    shrunk: a restore faults in no fresh pages per chunk)."""
+    _, two, tokens, heads, dim = part.header.shape
+    shape = (layers, two, tokens, heads, dim)
+    dtype = DTYPES[part.header.dtype]
+    need = math.prod(shape) * dtype.itemsize
+    buf = getattr(_scratches, "buf", None)
+    if buf is None or buf.numel() < need:
+        buf = _scratches.buf = torch.empty(need, dtype=torch.uint8)
+    return buf[:need].view(dtype).view(shape)
+
+
 CPU_STREAM_MIN_TOKENS = 2048
 """On a CPU, restores stream layer by layer only from this many tokens (docs/tiers.md)."""
 
@@ -85,29 +108,13 @@ def _layer0_checked(parts: Sequence[LentChunk | None]) -> list[LentChunk | None]
             return None
         try:
             part.check(0, 1)
+            if part.header.lossy:
+                part.layer_kv(0, 1)  # bytes no encoder writes fail here, not mid-restore
         except ChunkFormatError:
             return None
         return part
 
     return map_restore(check, parts)
-
-
-def _decoded(parts: Sequence[LentChunk | torch.Tensor | None]
-             ) -> list[LentChunk | torch.Tensor | None]:
-    """Lossy lent chunks decoded (two at a time; their layers are still checked before
-    use): one whose bytes no encoder writes is a miss here, as one failing layer 0 is."""
-
-    def decode(part: LentChunk | torch.Tensor | None) -> LentChunk | torch.Tensor | None:
-        if isinstance(part, LentChunk) and part.header.lossy:
-            try:
-                part.kv  # noqa: B018 - decoded once, cached
-            except ChunkFormatError:
-                return None
-        return part
-
-    if not any(isinstance(p, LentChunk) and p.header.lossy for p in parts):
-        return list(parts)
-    return map_restore(decode, parts)
 
 
 class Restorer:
@@ -207,7 +214,7 @@ class Restorer:
         # it is checked first, and a chunk that fails it ends the restore before it.
         fused = deferred and (self._copies_first()
                               or all(_fused(p, kv) for p in lent if p is not None))
-        parts = _decoded(_layer0_checked(lent) if deferred and not fused else lent)
+        parts = _layer0_checked(lent) if deferred and not fused else lent
         chunks: list[ChunkKey] = []
         end = usable[0].start  # <= cached: the first chunk may overlap blocks still pooled
         for ck, part in zip(usable, parts, strict=True):
@@ -217,15 +224,16 @@ class Restorer:
             end = ck.end
         if end <= cached:
             return chunks, None
-        kvs = [p.kv if isinstance(p, LentChunk) else p for p in parts[: len(chunks)]]
-        layer0 = None if fused else [p if last is None else p[:1] for p in kvs if p is not None]
+        layer0 = None if fused else [
+            p.layer_kv(0, 1) if isinstance(p, LentChunk) else (p if last is None else p[:1])
+            for p in parts[: len(chunks)] if p is not None]
         begun = self._begin_load(prefix, end, chunks, layer0)
         if begun is not None and last is not None:
             _, load, spans = begun
             if deferred:
                 self._load_rest_checked(load, spans, parts[: len(chunks)], 0 if fused else 1)
             else:
-                self._load_rest(load, spans, [p[1:] for p in kvs if p is not None])
+                self._load_rest(load, spans, [p[1:] for p in parts[: len(chunks)] if p is not None])
         return chunks, begun
 
     def _finish_load(
@@ -332,10 +340,11 @@ class Restorer:
         with lease as parts:
             for i, (ck, part) in enumerate(zip(chunks, parts, strict=True)):
                 want = (stop - layer, 2, ck.num_tokens, kv.shape[4], kv.shape[5])
-                got = part.kv if isinstance(part, LentChunk) else part
-                if got is not None and tuple(got.shape) != want:
+                got = part.header.shape if isinstance(part, LentChunk) else (
+                    None if part is None else part.shape)
+                if got is not None and tuple(got) != want:
                     log.warning("chunk %s holds KV of shape %s, not %s: not restored",
-                                ck.key, tuple(got.shape), want)
+                                ck.key, tuple(got), want)
                     parts[i] = None  # a chunk another writer shaped otherwise: a miss
             yield parts
             if self._pool.storage.kv.is_cuda:
@@ -387,6 +396,11 @@ class Restorer:
                         bad = scatter_blocks_verified(src, sums, at, kv[a:b], ids)
                         if bad >= 0:
                             part.fail(a + bad)
+                elif part.header.lossy:  # each group checked, decoded into a reused scratch
+                    if ids:
+                        for a, b in part.checked_groups(LOSSY_GROUP_BYTES, start=first, end=n):
+                            src = part.layer_kv(a, b, decode_scratch(part, b - a))[:, :, off:]
+                            scatter_blocks_host(src, kv[a:b], ids, src.shape[2])
                 else:
                     for a, b in part.checked_groups(RESTORE_GROUP_BYTES, start=first, end=n):
                         if ids:
@@ -399,7 +413,7 @@ class Restorer:
         failed: list[tuple[int, str]] = []
         with self._finishing(load, "restore"):
             if n > first:
-                load.bytes += sum(p.kv[first:].numel() * p.kv.element_size() for p in good)
+                load.bytes += sum(p.kv_nbytes(first) for p in good)
                 if self._copies_first():  # to a GPU: copied while the workers check
                     failed = copy_then_check(kv, self._side_stream, good, spans, first)
                 else:

@@ -83,3 +83,22 @@ def test_bad_payloads_are_refused_like_the_reference(codec):
     nan[0, 1, 5, 0, 7] = float("nan")
     with pytest.raises(InvalidArgumentError):
         encode(nan, codec)
+
+
+@pytest.mark.parametrize("codec", LOSSY)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layers_encoded_apart_decode_in_one_call(codec, dtype):
+    """A chunk's payload (each layer encoded alone, one after another) decoded in one
+    native call equals each layer's reference decode."""
+    from kvtier.kv_codecs import decode_layers_into
+
+    kv = torch.randn((5, 2, 48, 2, 32), generator=torch.Generator().manual_seed(9)).to(dtype)
+    payload = torch.cat([reference_encode(kv[i : i + 1], codec) for i in range(5)])
+    out = torch.empty_like(kv)
+    decode_layers_into(payload, codec, out)
+    for i in range(5):
+        want = reference_decode(reference_encode(kv[i : i + 1], codec), codec,
+                                (1, 2, 48, 2, 32), dtype)
+        assert torch.equal(out[i : i + 1].view(torch.uint8), want.view(torch.uint8))
+    with pytest.raises(ChunkFormatError):
+        decode_layers_into(payload[:-1], codec, out)

@@ -393,7 +393,32 @@ static PyObject *py_decode(PyObject *self, PyObject *args)
     return PyLong_FromLong(status);
 }
 
+/* decode_layers(codec, dtype, src, layers, step, k_at, v_at, T, H, D, dst, dst_step) ->
+ * status: layers laid out one after another, each of step bytes (its values at 0, its
+ * exponents of K at k_at and of V at v_at), decoded into dst, one layer each dst_step
+ * bytes: a chunk whose layers were encoded apart, in one call. */
+static PyObject *py_decode_layers(PyObject *self, PyObject *args)
+{
+    int codec, dt;
+    unsigned long long src, dst;
+    Py_ssize_t layers, step, k_at, v_at, T, H, D, dst_step;
+    if (!PyArg_ParseTuple(args, "iiKnnnnnnnKn", &codec, &dt, &src, &layers, &step, &k_at, &v_at,
+                          &T, &H, &D, &dst, &dst_step))
+        return NULL;
+    int status = OK;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t l = 0; l < layers && status == OK; l++) {
+        const uint8_t *at = (const uint8_t *)(uintptr_t)src + l * step;
+        status = decode_any(codec, dt, at, (const int8_t *)(at + k_at), (const int8_t *)(at + v_at),
+                            T, H, D, (char *)(uintptr_t)dst + l * dst_step);
+    }
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(status);
+}
+
 static PyMethodDef methods[] = {
+    {"decode_layers", py_decode_layers, METH_VARARGS,
+     "Decode layers encoded apart, one after another; 0 or an error status."},
     {"encode", py_encode, METH_VARARGS, "Encode one layer of KV; 0 or an error status."},
     {"decode", py_decode, METH_VARARGS, "Decode one layer of KV; 0 or an error status."},
     {NULL, NULL, 0, NULL},
