@@ -120,6 +120,8 @@ class TierCodec:
     """Stored bytes per byte of KV."""
     decode_Bps: float
     """KV bytes decoded per second."""
+    encode_Bps: float = float("inf")
+    """KV bytes encoded per second (a store's extra cost)."""
 
 
 @dataclass(frozen=True)
@@ -168,7 +170,21 @@ class CostModel:
 
     def store_time(self, tier: str, tokens: int, chunks: int = 1) -> float:
         t = self.tier(tier).write
-        return chunks * t.latency_s + tokens * self.kv_bytes_per_token / t.bandwidth_bps
+        kv = tokens * self.kv_bytes_per_token
+        codec = self.codecs.get(tier)
+        if codec is None:
+            return chunks * t.latency_s + kv / t.bandwidth_bps
+        return chunks * t.latency_s + kv * codec.bytes_ratio / t.bandwidth_bps + kv / codec.encode_Bps
+
+    def stored_bytes(self, tier: str, tokens: float) -> float:
+        """Bytes ``tokens`` tokens of KV take in ``tier`` (fewer where it compresses)."""
+        codec = self.codecs.get(tier)
+        return tokens * self.kv_bytes_per_token * (1.0 if codec is None else codec.bytes_ratio)
+
+    def tokens_in(self, tier: str, nbytes: float) -> int:
+        """Tokens of KV that ``nbytes`` stored in ``tier`` hold."""
+        per = self.stored_bytes(tier, 1)
+        return max(1, int(round(nbytes / per))) if per > 0 else 1
 
     def to_dict(self) -> dict:
         doc = asdict(self)

@@ -163,7 +163,9 @@ class LivePolicy:
         name = self.tier_names[below]
         if self.cost is None or name not in self.cost.tiers:
             return below  # nothing measured: demote
-        tokens = max(1, nbytes // max(self.cost.kv_bytes_per_token, 1))
+        upper = self.tier_names[index]
+        tokens = (self.cost.tokens_in(upper, nbytes) if upper in self.cost.tiers
+                  else max(1, nbytes // max(self.cost.kv_bytes_per_token, 1)))
         return below if worth_storing(self.cost, name, tokens, self.chunk_tokens) else None
 
     # ----------------------------------------------------------------- restore

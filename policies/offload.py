@@ -93,9 +93,8 @@ class PredictiveOffload:
     ) -> str | None:
         """``room_bytes``: the most each tier can take for it (a tier's capacity, or its
         empty space for a speculative write that must not displace anything)."""
-        need = s.prefix_tokens * cost.kv_bytes_per_token
         for t in tiers:
-            if room_bytes.get(t, 0) >= need and worth_storing(cost, t, s.prefix_tokens, self.chunk_tokens):
+            if room_bytes.get(t, 0) >= cost.stored_bytes(t, s.prefix_tokens) and worth_storing(cost, t, s.prefix_tokens, self.chunk_tokens):
                 return t
         return None
 
@@ -124,7 +123,7 @@ class PredictiveOffload:
                 break
             tier = self.target_tier(s, cost, tiers, free)
             if tier is not None:
-                free[tier] = free.get(tier, 0) - s.prefix_tokens * cost.kv_bytes_per_token
+                free[tier] = free.get(tier, 0) - cost.stored_bytes(tier, s.prefix_tokens)
             out.append(OffloadDecision(s.session, tier))
             used -= s.gpu_tokens
         return out

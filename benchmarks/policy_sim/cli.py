@@ -75,6 +75,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "faster than the one a trace came from)")
     p.add_argument("--time-scale", type=float, default=None,
                    help="stretch arrival times by this factor instead of --target-load")
+    p.add_argument("--codecs", default="",
+                   help="tiers that keep KV compressed, e.g. disk=int8,redis=int4: their "
+                        "capacity holds more tokens, their transfers move fewer bytes and pay "
+                        "this machine's measured encode/decode (docs/tiers.md)")
+    p.add_argument("--codec-kv-dtype", default="bfloat16",
+                   help="the KV dtype the codecs' ratios are taken against")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="write JSON results here")
     p.add_argument("--plot", type=Path, default=None, help="write PNG plots into this directory")
@@ -108,6 +114,27 @@ def builtin_workload(name: str, sessions: int, seed: int):
                              turns_mean=5.0, think_median_s=30.0)
         return synthetic(spec, seed + 1, "slow-tiers")
     raise InvalidArgumentError(f"unknown workload {name!r}; built-in: {', '.join(BUILTIN_WORKLOADS)}")
+
+
+def with_codecs(cost, spec: str, kv_dtype: str):
+    """The profile with ``spec``'s tiers (``tier=codec,...``) keeping their KV compressed:
+    the ratio at a 256-token chunk of 128-wide heads, this machine's codec speeds."""
+    from kvtier.chunk_format import DTYPES
+    from kvtier.connectors.tiers.codec_setup import tier_codec
+    from kvtier.kv_codecs import Codec
+
+    codecs = dict(cost.codecs)
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        tier, sep, name = item.partition("=")
+        if not sep or tier not in cost.tiers:
+            raise InvalidArgumentError(f"--codecs {item!r}: give tier=codec with a tier of the "
+                                       f"profile ({', '.join(cost.tiers)})")
+        codec = Codec.parse(name)
+        if kv_dtype not in DTYPES:
+            raise InvalidArgumentError(f"--codec-kv-dtype {kv_dtype!r}: one of {sorted(DTYPES)}")
+        if codec is not Codec.NONE:
+            codecs[tier] = tier_codec(codec, (1, 2, 256, 8, 128), DTYPES[kv_dtype])
+    return dataclasses.replace(cost, codecs=codecs)
 
 
 def slow_tiers(cost):
@@ -176,6 +203,7 @@ def run(args: argparse.Namespace) -> int:
         cost = with_network(cost, args.network)
     for w in warnings:
         console.print(f"[yellow]warning:[/] {w}")
+    cost = with_codecs(cost, args.codecs, args.codec_kv_dtype)
     workloads = _workloads(args)
 
     results = _replay_all(args, workloads, budgets, systems, cost, console)
@@ -187,6 +215,7 @@ def run(args: argparse.Namespace) -> int:
                        "disk_frac": args.disk_frac, "seed": args.seed,
                        "sessions": args.sessions, "target_load": args.target_load,
                        "nodes": args.nodes, "router": args.router, "network": args.network,
+                       "codecs": {t: dataclasses.asdict(c) for t, c in cost.codecs.items()},
                        "profile_warnings": warnings},
             "workloads": results,
         })

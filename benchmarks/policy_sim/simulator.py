@@ -201,7 +201,7 @@ class Simulator:
             st.policy.access(key, now)
             return now
         # Pins protect running sessions' GPU blocks; their copies below may go.
-        victims = st.add(key, tokens * self.bpt, info, now, _NO_PINS)
+        victims = st.add(key, self.cost.stored_bytes(st.name, tokens), info, now, _NO_PINS)
         if victims is None:
             return now
         self.unstored.get(self._owner.get(key), KeySet()).discard(key)
@@ -209,7 +209,7 @@ class Simulator:
         done = self.links[st.name].transfer(now, cost)
         if self.gpu.has(key):
             self._landing[key] = done
-        self.count(self.res.write_bytes, st.name, tokens * self.bpt)
+        self.count(self.res.write_bytes, st.name, self.cost.stored_bytes(st.name, tokens))
         if self.spec.cascade:
             for vkey, vbytes in victims:
                 # kvtier asks the live policy (worth it below?); the others always demote.
@@ -217,7 +217,8 @@ class Simulator:
                          if self.spec.predictive
                          else tier_index + 1 if tier_index + 1 < len(self.tiers) else None)
                 if below is not None:
-                    self.write(below, vkey, vbytes // self.bpt, self.infos.get(vkey) or ChunkInfo(vbytes), now)
+                    self.write(below, vkey, self.cost.tokens_in(st.name, vbytes),
+                               self.infos.get(vkey) or ChunkInfo(vbytes), now)
         return done
 
     def evict_from_gpu(self, victims: list[tuple[Hashable, int]], now: float) -> float:
@@ -371,7 +372,7 @@ class Simulator:
             chunks = sum(1 for _, st in loads if st.name == name)
             secs = cost.load_time(name, tokens)  # each tier's share in one request
             load_end = max(load_end, self.links[name].transfer(load_from, secs))
-            self.count(self.res.read_bytes, name, tokens * self.bpt)
+            self.count(self.res.read_bytes, name, self.cost.stored_bytes(name, tokens))
             self.count(self.res.hits, name, chunks)
         self.count(self.res.hits, "gpu", gpu_n)
         self.count(self.res.hits, "miss", len(t.chunk_keys) - gpu_n - len(loads))

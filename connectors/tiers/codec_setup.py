@@ -47,6 +47,28 @@ def decode_Bps(codec: Codec, dtype: torch.dtype) -> float:
     return kv.numel() * kv.element_size() / max(best, 1e-9)
 
 
+@functools.lru_cache(maxsize=16)
+def encode_Bps(codec: Codec, dtype: torch.dtype) -> float:
+    """KV bytes per second this machine encodes into ``codec`` (as :func:`decode_Bps`)."""
+    if codec is Codec.NONE:
+        return float("inf")
+    kv = torch.randn(_SPEED_SHAPE, generator=torch.Generator().manual_seed(0)).to(dtype)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        encode(kv, codec)
+        best = min(best, time.perf_counter() - t0)
+    return kv.numel() * kv.element_size() / max(best, 1e-9)
+
+
+def tier_codec(codec: Codec, chunk_shape: tuple[int, int, int, int, int],
+               dtype: torch.dtype) -> TierCodec:
+    """``codec`` as the cost model weighs it, for chunks of ``chunk_shape`` and ``dtype``."""
+    kv_bytes = layout(Codec.NONE, chunk_shape, dtype).nbytes
+    return TierCodec(codec.value, layout(codec, chunk_shape, dtype).nbytes / kv_bytes,
+                     decode_Bps(codec, dtype), encode_Bps(codec, dtype))
+
+
 def options(ctx: CodecContext) -> list[CodecOption]:
     kv_bytes = layout(Codec.NONE, ctx.chunk_shape, ctx.dtype).nbytes
     return [CodecOption(c.value, layout(c, ctx.chunk_shape, ctx.dtype).nbytes / kv_bytes,
@@ -75,7 +97,5 @@ def resolve_codecs(tiers: Sequence[Tier], configured: dict[str, str],
 def tier_codecs(tiers: Sequence[Tier], chunk_shape: tuple[int, int, int, int, int],
                 dtype: torch.dtype) -> dict[str, TierCodec]:
     """The lossy tiers' codecs as the cost model weighs them."""
-    kv_bytes = layout(Codec.NONE, chunk_shape, dtype).nbytes
-    return {t.name: TierCodec(t.codec.value, layout(t.codec, chunk_shape, dtype).nbytes / kv_bytes,
-                              decode_Bps(t.codec, dtype))
+    return {t.name: tier_codec(t.codec, chunk_shape, dtype)
             for t in tiers if t.codec is not Codec.NONE}

@@ -221,3 +221,32 @@ def test_bench_policies_cli_runs_and_reports_bad_input(tmp_path, capsys):
     assert main(["bench", "policies", "--profile", str(tmp_path / "none.json")]) != 0
     err = capsys.readouterr().err
     assert "nope" in err and "kvtier calibrate" in err
+
+
+def test_a_compressing_tier_holds_more_sessions_and_moves_fewer_bytes():
+    """A CPU tier of 4 chunks, a GPU of 4: a and b (4 chunks each) take turns, then a comes
+    back. Uncompressed, the tier holds one session (b's displaced a's); at half the bytes it
+    holds both, so a's return loads from it (4 hits, half the bytes read) instead of
+    recomputing; with a decode slower than recompute, kvtier recomputes (its restore
+    decision sees the codec's costs) while a load-any-hit system pays the decode."""
+    from kvtier.policies.cost_model import TierCodec
+
+    def four(name):
+        return tuple((name, i) for i in range(4))
+
+    wl = Workload("cap", [Turn(n, at, four(n), CHUNK, 1024, 0) for n, at in
+                          (("a", 0.0), ("b", 10.0), ("a", 30.0))], CHUNK)
+    gpu, tiers = 4 * CHUNK * 1000, {"cpu": 4 * CHUNK * 1000}
+    half = dataclasses.replace(_cost(tier_bw=1e9), codecs={"cpu": TierCodec("int8", 0.5, 2e9)})
+    for name in ("lmcache-like", "kvtier"):
+        plain = Simulator(wl, SYSTEMS[name], _cost(tier_bw=1e9), gpu, tiers).run()
+        assert plain.hits.get("cpu", 0) == 0 and plain.ttft_s[2] == pytest.approx(1.024)
+        packed = Simulator(wl, SYSTEMS[name], half, gpu, tiers).run()
+        assert packed.hits.get("cpu", 0) == 4
+        assert packed.read_bytes["cpu"] == pytest.approx(0.5 * 4 * CHUNK * 1000)
+        assert packed.ttft_s[2] < 0.01  # loaded (about 1 ms of link and decode)
+    slow_decode = dataclasses.replace(half, codecs={"cpu": TierCodec("int8", 0.5, 1e5)})
+    k = Simulator(wl, SYSTEMS["kvtier"], slow_decode, gpu, tiers).run()  # 10 s of decode
+    assert k.hits.get("cpu", 0) == 0 and k.ttft_s[2] == pytest.approx(1.024)  # recomputed
+    lm = Simulator(wl, SYSTEMS["lmcache-like"], slow_decode, gpu, tiers).run()
+    assert lm.hits.get("cpu", 0) == 4 and lm.ttft_s[2] > 10
