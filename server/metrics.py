@@ -128,6 +128,16 @@ def _manager_metrics(m: dict[str, Any] | None) -> Iterator[Metric]:
     for reason, n in sorted(m["rejected"].items()):
         rej.add_metric([reason], n)
     yield rej
+    for key, doc in (
+        ("chunks_stored", "Chunks a compressing tier stored, by codec"),
+        ("bytes_stored", "Stored bytes of compressed chunks, by codec"),
+        ("kv_bytes_stored", "KV bytes the compressed chunks hold, by codec (over bytes_stored: the ratio)"),
+        ("reads", "Compressed chunks lent to readers, by codec"),
+    ):
+        c = CounterMetricFamily(f"kvtier_codec_{key}", doc, labels=["codec"])
+        for codec, row in sorted(m.get("codecs", {}).items()):
+            c.add_metric([codec], row[key])
+        yield c
 
 
 def _pool_metrics(p: dict[str, Any] | None) -> Iterator[Metric]:

@@ -155,6 +155,11 @@ def manager_stats(manager: TierManager | None) -> dict[str, Any] | None:
         "demotion_failures": s.demotion_failures,
         "demotions_skipped": s.demotions_skipped,
         "rejected": dict(s.rejected),
+        "codecs": {c: {"chunks_stored": s.codec_chunks_stored.get(c, 0),
+                       "bytes_stored": s.codec_bytes_stored.get(c, 0),
+                       "kv_bytes_stored": s.codec_kv_bytes_stored.get(c, 0),
+                       "reads": s.codec_reads.get(c, 0)}
+                   for c in sorted(s.codec_chunks_stored.keys() | s.codec_reads.keys())},
     }
 
 

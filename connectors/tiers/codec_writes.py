@@ -39,6 +39,15 @@ class EncodedWrites:
     writes: list[ChunkWrite] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
     """key -> why it could not be encoded (``invalid: ...``: the bytes failed their checks)."""
+    encoded: dict[str, EncodedChunk] = field(default_factory=dict)
+    """key -> what encoding it made (the writes that were re-encoded here)."""
+
+
+@dataclass(frozen=True)
+class EncodedChunk:
+    codec: str
+    stored_bytes: int
+    kv_bytes: int
 
 
 def target_codec(current: str, tier_codec: Codec, shape: tuple[int, ...],
@@ -63,24 +72,28 @@ def encode_writes(writes: Sequence[ChunkWrite], codec: Codec, staging: StagingPo
     for w in writes:
         try:
             if w.data is not None:
-                out.writes.append(_encoded(w, memoryview(w.data).cast("B"), codec, True))
-                continue
-            with staging.borrowed(w.nbytes) as buf:
-                n = w.write_into(buf)
-                out.writes.append(_encoded(w, memoryview(buf[:n].numpy()), codec, False))
+                got = _encoded(w, memoryview(w.data).cast("B"), codec, True)
+            else:
+                with staging.borrowed(w.nbytes) as buf:
+                    n = w.write_into(buf)
+                    got = _encoded(w, memoryview(buf[:n].numpy()), codec, False)
+            out.writes.append(got[0])
+            if got[1] is not None:
+                out.encoded[w.key] = got[1]
         except ChunkError as exc:
             out.failed[w.key] = f"invalid: {exc}"
     return out
 
 
-def _encoded(w: ChunkWrite, blob: memoryview, codec: Codec, verify: bool) -> ChunkWrite:
+def _encoded(w: ChunkWrite, blob: memoryview, codec: Codec, verify: bool
+             ) -> tuple[ChunkWrite, EncodedChunk | None]:
     header, offset = parse_header(blob)
     if verify:
         validate_chunk(blob, key=w.key)
     dtype = DTYPES[header.dtype]
     target = target_codec(header.codec, codec, tuple(header.shape), dtype)
     if target is None:
-        return w if w.data is not None else ChunkWrite.of_blob(w.key, bytes(blob), w.info)
+        return (w if w.data is not None else ChunkWrite.of_blob(w.key, bytes(blob), w.info)), None
     if header.first_layer:
         raise ChunkError(f"chunk {header.key} holds layers from {header.first_layer}: "
                          "only whole chunks are re-encoded")
@@ -91,5 +104,7 @@ def _encoded(w: ChunkWrite, blob: memoryview, codec: Codec, verify: bool) -> Chu
         kv = (payload if payload.storage_offset() % dtype.itemsize == 0 else payload.clone()
               ).view(dtype).view(header.shape)
     blob_out = encode_chunk(w.key, header.fingerprint, kv, target)
-    return ChunkWrite.of_blob(w.key, blob_out, w.info)
+    kv_bytes = kv.numel() * kv.element_size()
+    return (ChunkWrite.of_blob(w.key, blob_out, w.info),
+            EncodedChunk(target.value, len(blob_out), kv_bytes))
 

@@ -23,7 +23,7 @@ import torch
 from kvtier.chunk_format import chunk_view
 from kvtier.connectors.tiers.base import Blob, ChunkWrite, PutResult, Tier, blob_writes
 from kvtier.connectors.tiers.chunk_workers import map_restore
-from kvtier.connectors.tiers.codec_writes import encode_writes
+from kvtier.connectors.tiers.codec_writes import EncodedWrites, encode_writes
 from kvtier.connectors.tiers.host_buffers import StagingPool
 from kvtier.connectors.tiers.lent_chunk import LentChunk, ReadingBuffer
 from kvtier.connectors.tiers.quotas import TenantQuotas
@@ -72,6 +72,14 @@ class ManagerStats:
     """Evicted chunks the demotion policy dropped (not worth keeping in a lower tier)."""
     rejected: dict[str, int] = field(default_factory=dict)
     """Chunks refused on read, by reason (corrupt, mismatch)."""
+    codec_chunks_stored: dict[str, int] = field(default_factory=dict)
+    """Chunks a compressing tier stored, by codec (each encoded on its way in)."""
+    codec_bytes_stored: dict[str, int] = field(default_factory=dict)
+    """Their stored bytes, by codec."""
+    codec_kv_bytes_stored: dict[str, int] = field(default_factory=dict)
+    """The KV bytes they hold, by codec (over ``codec_bytes_stored``: the ratio)."""
+    codec_reads: dict[str, int] = field(default_factory=dict)
+    """Lossy chunks lent to readers, by codec."""
     quota_evicted_bytes: dict[tuple[str, str], int] = field(default_factory=dict)
     """(tenant, tier) -> bytes a tenant's quota made that tier evict (pushed down)."""
 
@@ -226,6 +234,8 @@ class TierManager:
             tier.stats.count_error(type(exc).__name__)
             log.warning("storing %d chunks in %s failed: %s", len(admitted.writes), tier.name, exc)
             res = PutResult(failed={w.key: f"error: {exc}" for w in admitted.writes})
+        if encoded.encoded:
+            self._count_encoded(encoded, res)
         if encoded.failed:
             res.failed.update(encoded.failed)
             tier.stats.count_error("invalid")
@@ -236,6 +246,22 @@ class TierManager:
         if res.stored or res.present:
             self.tenant_quotas.trim(tier, res.stored + res.present)
         return res
+
+    def _count_encoded(self, encoded: EncodedWrites, res: PutResult) -> None:
+        with self._lock:
+            st = self.stats
+            for key in res.stored:
+                e = encoded.encoded.get(key)
+                if e is not None:
+                    st.codec_chunks_stored[e.codec] = st.codec_chunks_stored.get(e.codec, 0) + 1
+                    st.codec_bytes_stored[e.codec] = st.codec_bytes_stored.get(e.codec, 0) + e.stored_bytes
+                    st.codec_kv_bytes_stored[e.codec] = (
+                        st.codec_kv_bytes_stored.get(e.codec, 0) + e.kv_bytes)
+
+    def _count_read(self, codec: str) -> None:
+        if codec != "none":
+            with self._lock:
+                self.stats.codec_reads[codec] = self.stats.codec_reads.get(codec, 0) + 1
 
     def lends_memory(self, tier: int | str = 0) -> bool:
         """Whether ``tier`` stores chunks in its own memory (a write's fill lands where the
@@ -297,8 +323,10 @@ class TierManager:
                     return None
                 assert isinstance(view, torch.Tensor)
                 try:
-                    return chunk_view(view, key, self.fingerprint, layers,
-                                      codecs=self.codecs)[1]
+                    header, kv = chunk_view(view, key, self.fingerprint, layers,
+                                            codecs=self.codecs)
+                    self._count_read(header.codec)
+                    return kv
                 except ChunkError as exc:
                     rejected.append(_Rejected(tier, key, exc))
                     return None
@@ -340,6 +368,7 @@ class TierManager:
         except ChunkError as exc:
             rejected.append(_Rejected(tier, key, exc))
             return None
+        self._count_read(header.codec)
         return LentChunk(buf, header, reading=reading)
 
     @contextlib.contextmanager

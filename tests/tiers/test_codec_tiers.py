@@ -80,6 +80,18 @@ def test_demoted_chunks_are_encoded_and_read_back_decoded(tmp_path, codec):
                 assert kv is not None and kv.dtype == torch.bfloat16
                 assert_within_bound(kv, kvs[k], codec)
         assert mgr.stats.hits_by_tier.get("disk", 0) == len(keys)
+        st = mgr.stats  # per codec: what was stored, the KV it holds, the reads
+        n = st.codec_chunks_stored[codec.value]
+        assert n == len(keys) and st.codec_reads[codec.value] == len(keys)
+        kv_bytes = kv_of(0).numel() * 2
+        assert st.codec_kv_bytes_stored[codec.value] == n * kv_bytes
+        assert st.codec_bytes_stored[codec.value] == sum(len(b) for b in on_disk.values())
+        from kvtier.server.metrics import _manager_metrics
+        from kvtier.server.state import manager_stats
+
+        exported = {m.name: m for m in _manager_metrics(manager_stats(mgr))}
+        sample = exported["kvtier_codec_kv_bytes_stored"].samples[0]
+        assert sample.labels == {"codec": codec.value} and sample.value == n * kv_bytes
     finally:
         mgr.close()
 
