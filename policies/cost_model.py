@@ -176,6 +176,16 @@ class CostModel:
             return chunks * t.latency_s + kv / t.bandwidth_bps
         return chunks * t.latency_s + kv * codec.bytes_ratio / t.bandwidth_bps + kv / codec.encode_Bps
 
+    def decode_time(self, tier: str, tokens: int) -> float:
+        """The part of :meth:`load_time` spent decoding (on the host's cores, not the link)."""
+        codec = self.codecs.get(tier)
+        return 0.0 if codec is None else tokens * self.kv_bytes_per_token / codec.decode_Bps
+
+    def encode_time(self, tier: str, tokens: int) -> float:
+        """The part of :meth:`store_time` spent encoding (before the link)."""
+        codec = self.codecs.get(tier)
+        return 0.0 if codec is None else tokens * self.kv_bytes_per_token / codec.encode_Bps
+
     def stored_bytes(self, tier: str, tokens: float) -> float:
         """Bytes ``tokens`` tokens of KV take in ``tier`` (fewer where it compresses)."""
         codec = self.codecs.get(tier)

@@ -205,8 +205,8 @@ class Simulator:
         if victims is None:
             return now
         self.unstored.get(self._owner.get(key), KeySet()).discard(key)
-        cost = self.cost.store_time(st.name, tokens)
-        done = self.links[st.name].transfer(now, cost)
+        encode = self.cost.encode_time(st.name, tokens)  # on the host's cores, then the link
+        done = self.links[st.name].transfer(now + encode, self.cost.store_time(st.name, tokens) - encode)
         if self.gpu.has(key):
             self._landing[key] = done
         self.count(self.res.write_bytes, st.name, self.cost.stored_bytes(st.name, tokens))
@@ -371,7 +371,8 @@ class Simulator:
         for name, tokens in per_tier.items():
             chunks = sum(1 for _, st in loads if st.name == name)
             secs = cost.load_time(name, tokens)  # each tier's share in one request
-            load_end = max(load_end, self.links[name].transfer(load_from, secs))
+            decode = cost.decode_time(name, tokens)  # after the link, on the host's cores
+            load_end = max(load_end, self.links[name].transfer(load_from, secs - decode) + decode)
             self.count(self.res.read_bytes, name, self.cost.stored_bytes(name, tokens))
             self.count(self.res.hits, name, chunks)
         self.count(self.res.hits, "gpu", gpu_n)
