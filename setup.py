@@ -18,6 +18,8 @@ setup(
         Extension(
             "kvtier._kv_codec",
             sources=["gpu_pool/kernels/native/kv_codec.c"],
+            include_dirs=["gpu_pool/kernels/native"],
+            depends=["gpu_pool/kernels/native/xxhash.h"],
             # no FP traps or errno: branch-free selects and inlined math (same results)
             extra_compile_args=["-O3", "-fno-trapping-math", "-fno-math-errno"],
             optional=True,

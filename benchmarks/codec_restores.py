@@ -3,9 +3,9 @@
 For each tier (a disk directory with write + fsync, read cold; a real ``redis-server``) and
 each codec, the same chunks of KV (``chunk_tokens`` tokens of the model's shape, random
 values, the serving dtype) are stored through the tier stack, which encodes them for a
-tier of that codec, then restored as the engine restores: leased, each chunk's layers
-checked, decoded where lossy and copied into memory that already exists (the pool's
-place), on the restore workers. ``kv_GBps`` is KV delivered per second (decoded bytes);
+tier of that codec, then restored as the engine's host restore does: leased, each layer
+checked and then copied, or decoded where lossy, straight into memory that already exists
+(the pool's place) in one native pass, on the restore workers. ``kv_GBps`` is KV delivered per second (decoded bytes);
 ``none_kv_GBps`` the same for the uncompressed chunks in the same round. Rounds interleave
 the codecs; the median round is reported. ``tokens_held_ratio``: how many more tokens a
 tier of fixed bytes holds (stored bytes of ``none`` over the codec's, headers included).
@@ -28,8 +28,9 @@ from kvtier.chunk_format import encode_chunk
 from kvtier.connectors.tiers.base import ChunkWrite, Tier
 from kvtier.connectors.tiers.chunk_workers import map_restore
 from kvtier.connectors.tiers.manager import TierManager
+from kvtier.gpu_pool.kernels.host_native import scatter_blocks_verified
 from kvtier.kv_codecs import Codec
-from kvtier.transfer.restore import LOSSY_GROUP_BYTES, RESTORE_GROUP_BYTES, decode_scratch
+from kvtier.transfer.restore import RESTORE_GROUP_BYTES, scatter_lossy
 
 FP = b"bench-codec-restores"
 
@@ -104,18 +105,20 @@ def _restore(manager: TierManager, keys: list[str], kvs: list[torch.Tensor]) -> 
     dst = [torch.zeros_like(kv) for kv in kvs]  # memory that exists (faulted in)
 
     def one(item: tuple[Any, torch.Tensor]) -> bool:
-        """As the engine's host restore: each group of layers checked, then (lossy)
-        decoded into the worker's scratch and copied on, or copied straight from the
-        lent buffer."""
+        """As the engine's host restore: each layer checked, then copied (uncompressed)
+        or decoded (lossy) into place in one native pass; ``out`` is a pool of one block
+        holding the whole chunk."""
         chunk, out = item
         if chunk is None:
             return False
+        layers, _, tokens, heads, dim = chunk.header.shape
+        pool = out.view(layers, 1, 2, tokens, heads, dim)
         if chunk.header.lossy:
-            for a, b in chunk.checked_groups(LOSSY_GROUP_BYTES):
-                out[a:b].copy_(chunk.layer_kv(a, b, decode_scratch(chunk, b - a)))
-        else:
-            for a, b in chunk.checked_groups(RESTORE_GROUP_BYTES):
-                out[a:b].copy_(chunk.kv[a:b])
+            scatter_lossy(chunk, 0, layers, 0, pool, [0])
+            return True
+        for a, b, sums in chunk.read_groups(RESTORE_GROUP_BYTES):
+            if scatter_blocks_verified(chunk.kv[a:b], sums, 0, pool[a:b], [0]) >= 0:
+                return False
         return True
 
     t0 = time.perf_counter()

@@ -319,6 +319,18 @@ _NATIVE_ERRORS = {
 }
 
 
+def native_id(codec: Codec) -> int:
+    """The codec's number in the native kernels (lossy codecs only)."""
+    return _CODEC_CODES[codec]
+
+
+def layer_exponents_at(codec: Codec, layer_shape: tuple[int, ...], dtype: torch.dtype
+                       ) -> tuple[int, int]:
+    """Where one layer encoded alone (``layer_shape`` ``[2, tokens, heads, head_dim]``)
+    keeps its K and V exponents, from the layer's first byte."""
+    return _exponent_at(layout(codec, (1, *layer_shape), dtype), 0)
+
+
 def _per_layer(lay: Layout) -> tuple[int, int, int]:
     """Bytes of one layer's values, of its keys' exponents and of its values' exponents:
     the payload holds every layer's values, then (int4) every layer's key exponents and

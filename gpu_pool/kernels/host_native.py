@@ -118,6 +118,63 @@ def scatter_blocks_verified(payload: torch.Tensor, expected: Sequence[int], offs
                                       len(srcs) // layers))
 
 
+try:
+    from kvtier import _kv_codec as _codec_native
+except ImportError:  # built optionally (see setup.py)
+    _codec_native = None
+
+CODEC_AVAILABLE = _codec_native is not None
+"""True where the fused check + decode + scatter of compressed chunks was built."""
+
+
+def scatter_decoded_verified(payload: torch.Tensor, codec_id: int, expected: Sequence[int],
+                             offset: int, kv: torch.Tensor, block_ids: Sequence[int],
+                             tokens: int, exponents_at: tuple[int, int]) -> tuple[int, int]:
+    """Check each layer of a compressed chunk's ``payload`` (uint8, its layers one after
+    another, each encoded apart: see :mod:`kvtier.kv_codecs`) against ``expected``, then
+    decode its tokens from ``offset`` on straight into ``block_ids`` of ``kv`` (a host pool
+    ``[layers, blocks, 2, block_size, H, D]``): one pass over the stored bytes, no scratch.
+    ``exponents_at``: where a layer's K and V exponents start within it. Returns (the first
+    layer that failed, -1 for its checksum or a decode status) or (-1, 0)."""
+    assert _codec_native is not None
+    if payload.device.type != "cpu" or kv.device.type != "cpu":
+        raise ValueError("host block copies need CPU tensors")
+    layers, blocks, two, bs, heads, dim = kv.shape
+    if two != 2 or kv.stride(5) != 1 or kv.stride(4) != dim or kv.stride(3) != heads * dim:
+        raise ValueError(f"pool layout {tuple(kv.shape)} / {kv.stride()} is not block-contiguous")
+    if payload.dtype != torch.uint8 or payload.dim() != 1 or not payload.is_contiguous():
+        raise ValueError("a compressed payload is a contiguous 1-D uint8 tensor")
+    if len(expected) != layers or payload.numel() % max(layers, 1):
+        raise ValueError(f"{layers} layers, {len(expected)} checksums, {payload.numel()} bytes")
+    if not 0 <= offset <= tokens or offset % bs:
+        raise ValueError(f"offset {offset}: not a block boundary of a {tokens}-token chunk")
+    ids = np.asarray(block_ids, dtype=np.int64)
+    if len(ids) != -(-(tokens - offset) // bs):
+        raise ValueError(f"{tokens - offset} tokens need {-(-(tokens - offset) // bs)} blocks")
+    if len(ids) and (ids.min() < 0 or ids.max() >= blocks):
+        raise ValueError(f"block id out of range [0, {blocks})")
+    if not layers or not len(ids):
+        return -1, 0
+    size = kv.element_size()
+    s0, s1, s2 = (kv.stride(i) * size for i in range(3))
+    t0 = offset + np.arange(len(ids), dtype=np.int64) * bs
+    t1 = np.minimum(t0 + bs, tokens)
+    pieces = np.empty((layers, 2, len(ids), 4), dtype=np.uint64)
+    pieces[..., 0] = np.arange(2, dtype=np.uint64)[None, :, None]
+    pieces[..., 1] = t0.astype(np.uint64)[None, None, :]
+    pieces[..., 2] = t1.astype(np.uint64)[None, None, :]
+    pieces[..., 3] = (kv.data_ptr() + np.arange(layers, dtype=np.int64)[:, None, None] * s0
+                      + np.arange(2, dtype=np.int64)[None, :, None] * s2
+                      + ids[None, None, :] * s1).astype(np.uint64)
+    sums = np.array([int(x) for x in expected], dtype=np.uint64)
+    dtype_id = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[kv.dtype]
+    step = payload.numel() // layers
+    layer, status = _codec_native.verify_decode_scatter(
+        codec_id, dtype_id, payload.data_ptr(), layers, step, exponents_at[0], exponents_at[1],
+        tokens, heads, dim, sums.ctypes.data, pieces.ctypes.data, 2 * len(ids))
+    return int(layer), int(status)
+
+
 class PieceLayout:
     """A chunk laid out as pieces elsewhere (vLLM's per-layer caches): ``lens`` bytes each,
     ``layers`` runs of equal size, in the chunk's byte order. Checked once; each copy then

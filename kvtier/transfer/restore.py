@@ -33,7 +33,8 @@ from kvtier.connectors.tiers.manager import Location, TierManager
 from kvtier.errors import ChunkFormatError, OutOfBlocksError
 from kvtier.gpu_pool import PagedKVPool
 from kvtier.gpu_pool.kernels import host_native, scatter_blocks, scatter_blocks_host
-from kvtier.gpu_pool.kernels.host_native import scatter_blocks_verified
+from kvtier.gpu_pool.kernels.host_native import scatter_blocks_verified, scatter_decoded_verified
+from kvtier.kv_codecs import Codec, layer_exponents_at, native_id
 from kvtier.transfer.device_restore import copy_then_check
 from kvtier.transfer.layer_load import LayerLoad
 from kvtier.transfer.pool_owner import PoolOwner
@@ -89,6 +90,33 @@ def decode_scratch(part: LentChunk, layers: int) -> torch.Tensor:
     if buf is None or buf.numel() < need:
         buf = _scratches.buf = torch.empty(need, dtype=torch.uint8)
     return buf[:need].view(dtype).view(shape)
+
+
+def fused_decode(part: LentChunk, kv: torch.Tensor) -> bool:
+    """Whether a lossy chunk is checked, decoded and scattered into the pool by one native
+    pass (a host pool of the chunk's dtype), else decoded into a scratch and copied."""
+    return (host_native.CODEC_AVAILABLE and not kv.is_cuda
+            and DTYPES[part.header.dtype] == kv.dtype)
+
+
+def scatter_lossy(part: LentChunk, first: int, end: int, offset: int, kv: torch.Tensor,
+                  block_ids: Sequence[int]) -> None:
+    """Layers ``first``..``end`` of a lossy chunk into ``block_ids`` of the host pool
+    ``kv`` (``[layers, blocks, 2, block_size, H, D]``), its tokens from ``offset`` on: each
+    layer checked, then decoded in place (a chunk in memory in one call; one still being
+    read, group by group as its layers land). A failed check or decode is recorded on the
+    chunk and raised (:class:`ChunkFormatError`)."""
+    header = part.header
+    _, _, tokens, heads, dim = header.shape
+    codec = Codec(header.codec)
+    step = header.layer_nbytes
+    at = layer_exponents_at(codec, (2, tokens, heads, dim), kv.dtype)
+    group = LOSSY_GROUP_BYTES if part.reading is not None else 1 << 62
+    for a, b, sums in part.read_groups(group, start=first, end=end):
+        bad, _ = scatter_decoded_verified(part.payload[a * step : b * step], native_id(codec),
+                                          sums, offset, kv[a:b], block_ids, tokens, at)
+        if bad >= 0:
+            part.fail(a + bad)
 
 
 CPU_STREAM_MIN_TOKENS = 2048
@@ -396,6 +424,9 @@ class Restorer:
                         bad = scatter_blocks_verified(src, sums, at, kv[a:b], ids)
                         if bad >= 0:
                             part.fail(a + bad)
+                elif part.header.lossy and fused_decode(part, kv):
+                    if ids:
+                        scatter_lossy(part, first, n, off, kv, ids)
                 elif part.header.lossy:  # each group checked, decoded into a reused scratch
                     if ids:
                         for a, b in part.checked_groups(LOSSY_GROUP_BYTES, start=first, end=n):

@@ -25,6 +25,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#define XXH_INLINE_ALL
+#include "xxhash.h"
+
 #define GROUP 32
 enum { CODEC_FP8 = 1, CODEC_INT8 = 2, CODEC_INT4 = 3 };
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
@@ -85,6 +88,16 @@ static inline uint8_t f32_to_e4m3(float v)
     uint32_t r = ax + 0x7FFFF + ((ax >> 20) & 1);
     uint32_t normal = (((r >> 23) - 120) << 3) | ((r >> 20) & 7);
     return (uint8_t)(sign | (ax < 0x3C800000 ? sub : normal));
+}
+
+/* e4m3 to float without a table (branch-free: loops of it vectorize); 0x7F/0xFF (NaN)
+ * give 480, so callers check for them apart. */
+static inline float e4m3_to_f32(uint8_t c)
+{
+    uint32_t sign = (uint32_t)(c & 0x80) << 24, e = (c >> 3) & 0xF, m = c & 7;
+    float normal = bits_f32(sign | ((e + 120) << 23) | (m << 20));
+    float sub = bits_f32(sign | f32_bits((float)m * 0.001953125f)); /* m * 2**-9 */
+    return e ? normal : sub;
 }
 
 static void init_fp8_lut(void)
@@ -340,6 +353,123 @@ INLINE int decode_layer(int codec, int dt, const uint8_t *vals, const int8_t *ek
     return bad ? OUT_OF_RANGE : OK;
 }
 
+/* Rows [t0, t1) of K (kv 0) or V (kv 1) of one layer decoded into dst, contiguous
+ * ([t1 - t0, H, D]): a pool block's piece. Every codec's groups lie within a token's row
+ * but int4 keys', whose exponents are indexed by the row's token group. */
+INLINE int decode_rows(int codec, int dt, const uint8_t *vals, const int8_t *ek,
+                       const int8_t *ev, Py_ssize_t T, Py_ssize_t H, Py_ssize_t D, int kv,
+                       Py_ssize_t t0, Py_ssize_t t1, void *dst)
+{
+    const size_t HD = (size_t)H * D, half = (size_t)T * HD, n = (size_t)(t1 - t0) * HD;
+    const size_t at = (kv ? half : 0) + (size_t)t0 * HD; /* first value, in the layer */
+    int bad = 0, bad_value = 0;
+    if (codec == CODEC_FP8 || codec == CODEC_INT8) {
+        const size_t g = codec == CODEC_INT8 ? (size_t)D : (D % GROUP ? (size_t)D : GROUP);
+        const int8_t *e = (kv ? ev : ek) + ((size_t)t0 * HD) / g;
+        const float qmax = codec == CODEC_FP8 ? 448.0f : 127.0f;
+        for (size_t k = 0; k < n / g; k++) {
+            if (e[k] < -127)
+                return BAD_EXPONENT;
+            const float scale = pow2(e[k]);
+            const uint8_t *in = vals + at + k * g;
+            char *out = (char *)dst + k * g * (dt == DT_F32 ? 4 : 2);
+            if (qmax * scale < fmax_of[dt]) {
+                if (codec == CODEC_FP8)
+                    for (size_t j = 0; j < g; j++) {
+                        bad_value |= (in[j] & 0x7F) == 0x7F;
+                        store_fast(out, dt, j, e4m3_to_f32(in[j]) * scale);
+                    }
+                else
+                    for (size_t j = 0; j < g; j++)
+                        store_fast(out, dt, j, (float)(int8_t)in[j] * scale);
+            } else {
+                for (size_t j = 0; j < g; j++) {
+                    float v = codec == CODEC_FP8 ? fp8_lut[in[j]] : (float)(int8_t)in[j];
+                    bad_value |= codec == CODEC_FP8 && (in[j] & 0x7F) == 0x7F;
+                    store(out, dt, j, v * scale, &bad);
+                }
+            }
+        }
+        return bad_value ? BAD_VALUE : (bad ? OUT_OF_RANGE : OK);
+    }
+    const Py_ssize_t gt = T % GROUP ? T : GROUP, gd = D % GROUP ? D : GROUP;
+    const uint8_t *in = vals + at / 2; /* HD is even: a row starts on a byte */
+    for (size_t i = 0; i < n / 2; i++)
+        bad_value |= (in[i] & 0xF) == 0 || (in[i] >> 4) == 0;
+    if (bad_value)
+        return BAD_VALUE;
+    if (!kv) { /* keys: a scale per channel, the same for a group of gt tokens */
+        float *scales = malloc(sizeof(float) * HD);
+        if (!scales)
+            return NO_MEMORY;
+        int safe = 0;
+        for (Py_ssize_t t = t0; t < t1; t++) {
+            if (t == t0 || t % gt == 0) {
+                const int8_t *e = ek + (size_t)(t / gt) * HD;
+                int emax = -127;
+                for (size_t c = 0; c < HD; c++) {
+                    if (e[c] < -127) {
+                        free(scales);
+                        return BAD_EXPONENT;
+                    }
+                    emax = e[c] > emax ? e[c] : emax;
+                    scales[c] = pow2(e[c]);
+                }
+                safe = 7.0f * pow2(emax) < fmax_of[dt];
+            }
+            const uint8_t *row = in + (size_t)(t - t0) * HD / 2;
+            char *out = (char *)dst + (size_t)(t - t0) * HD * (dt == DT_F32 ? 4 : 2);
+            if (safe) {
+                for (size_t c = 0; c < HD / 2; c++) {
+                    store_fast(out, dt, 2 * c, (float)((int)(row[c] & 0xF) - 8) * scales[2 * c]);
+                    store_fast(out, dt, 2 * c + 1, (float)((int)(row[c] >> 4) - 8) * scales[2 * c + 1]);
+                }
+            } else {
+                for (size_t c = 0; c < HD / 2; c++) {
+                    store(out, dt, 2 * c, (float)((int)(row[c] & 0xF) - 8) * scales[2 * c], &bad);
+                    store(out, dt, 2 * c + 1, (float)((int)(row[c] >> 4) - 8) * scales[2 * c + 1],
+                          &bad);
+                }
+            }
+        }
+        free(scales);
+        return bad ? OUT_OF_RANGE : OK;
+    }
+    const int8_t *e = ev + ((size_t)t0 * HD) / (size_t)gd;
+    for (size_t k = 0; k < n / (size_t)gd; k++) {
+        if (e[k] < -127)
+            return BAD_EXPONENT;
+        const float scale = pow2(e[k]);
+        if (7.0f * scale < fmax_of[dt]) {
+            char *out = (char *)dst + k * (size_t)gd * (dt == DT_F32 ? 4 : 2);
+            const uint8_t *grp = in + k * (size_t)gd / 2;
+            for (Py_ssize_t j = 0; j < gd / 2; j++) {
+                store_fast(out, dt, 2 * j, (float)((int)(grp[j] & 0xF) - 8) * scale);
+                store_fast(out, dt, 2 * j + 1, (float)((int)(grp[j] >> 4) - 8) * scale);
+            }
+            continue;
+        }
+        for (Py_ssize_t j = 0; j < gd; j += 2) {
+            uint8_t byte = in[(k * (size_t)gd + (size_t)j) / 2];
+            store(dst, dt, k * (size_t)gd + (size_t)j, (float)((int)(byte & 0xF) - 8) * scale, &bad);
+            store(dst, dt, k * (size_t)gd + (size_t)j + 1, (float)((int)(byte >> 4) - 8) * scale,
+                  &bad);
+        }
+    }
+    return bad ? OUT_OF_RANGE : OK;
+}
+
+static int decode_rows_any(int codec, int dt, const uint8_t *vals, const int8_t *ek,
+                           const int8_t *ev, Py_ssize_t T, Py_ssize_t H, Py_ssize_t D, int kv,
+                           Py_ssize_t t0, Py_ssize_t t1, void *dst)
+{
+    switch (dt) {
+    case DT_F32: return decode_rows(codec, DT_F32, vals, ek, ev, T, H, D, kv, t0, t1, dst);
+    case DT_BF16: return decode_rows(codec, DT_BF16, vals, ek, ev, T, H, D, kv, t0, t1, dst);
+    default: return decode_rows(codec, DT_F16, vals, ek, ev, T, H, D, kv, t0, t1, dst);
+    }
+}
+
 /* The three output dtypes as constants, so each loop is compiled for its own. */
 static int encode_any(int codec, int dt, const void *src, Py_ssize_t T, Py_ssize_t H,
                       Py_ssize_t D, uint8_t *vals, int8_t *ek, int8_t *ev)
@@ -416,7 +546,50 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *args)
     return PyLong_FromLong(status);
 }
 
+/* verify_decode_scatter(codec, dtype, src, layers, step, k_at, v_at, T, H, D, expected,
+ * pieces, per_layer) -> (layer, status): for each layer in order, the xxh3 of its step
+ * stored bytes is compared with expected[layer] (on a mismatch: (layer, -1), nothing of it
+ * or after it written), then its per_layer pieces, each four uint64 (kv, t0, t1, dst), are
+ * decoded into place (a decode error: (layer, status)). (-1, 0): all written. The layer is
+ * in cache from its check when it is decoded: the stored bytes cross memory once. */
+static PyObject *py_verify_decode_scatter(PyObject *self, PyObject *args)
+{
+    int codec, dt;
+    unsigned long long src, expected_a, pieces_a;
+    Py_ssize_t layers, step, k_at, v_at, T, H, D, per_layer;
+    if (!PyArg_ParseTuple(args, "iiKnnnnnnnKKn", &codec, &dt, &src, &layers, &step, &k_at,
+                          &v_at, &T, &H, &D, &expected_a, &pieces_a, &per_layer))
+        return NULL;
+    const uint64_t *expected = (const uint64_t *)(uintptr_t)expected_a;
+    const uint64_t *pieces = (const uint64_t *)(uintptr_t)pieces_a;
+    Py_ssize_t failed = -1;
+    int status = OK;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t l = 0; l < layers; l++) {
+        const uint8_t *at = (const uint8_t *)(uintptr_t)src + l * step;
+        if (XXH3_64bits(at, (size_t)step) != expected[l]) {
+            failed = l;
+            status = -1;
+            break;
+        }
+        for (Py_ssize_t p = 0; p < per_layer && status == OK; p++) {
+            const uint64_t *pc = pieces + 4 * (l * per_layer + p);
+            status = decode_rows_any(codec, dt, at, (const int8_t *)(at + k_at),
+                                     (const int8_t *)(at + v_at), T, H, D, (int)pc[0],
+                                     (Py_ssize_t)pc[1], (Py_ssize_t)pc[2], (void *)(uintptr_t)pc[3]);
+        }
+        if (status != OK) {
+            failed = l;
+            break;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(ni)", failed, status);
+}
+
 static PyMethodDef methods[] = {
+    {"verify_decode_scatter", py_verify_decode_scatter, METH_VARARGS,
+     "Check each layer's xxh3, then decode its pieces into place; (layer, status)."},
     {"decode_layers", py_decode_layers, METH_VARARGS,
      "Decode layers encoded apart, one after another; 0 or an error status."},
     {"encode", py_encode, METH_VARARGS, "Encode one layer of KV; 0 or an error status."},
