@@ -269,90 +269,6 @@ INLINE int encode_layer(int codec, int dt, const void *src, Py_ssize_t T, Py_ssi
     return OK;
 }
 
-INLINE int decode_layer(int codec, int dt, const uint8_t *vals, const int8_t *ek,
-                        const int8_t *ev, Py_ssize_t T, Py_ssize_t H, Py_ssize_t D, void *dst)
-{
-    const size_t half = (size_t)T * H * D;
-    int bad = 0, bad_value = 0;
-    if (codec == CODEC_FP8 || codec == CODEC_INT8) {
-        const Py_ssize_t g = codec == CODEC_INT8 ? D : (D % GROUP ? D : GROUP);
-        const size_t groups = 2 * half / (size_t)g;
-        for (size_t k = 0; k < groups; k++) {
-            int e = k < groups / 2 ? ek[k] : ev[k - groups / 2];
-            if (e < -127)
-                return BAD_EXPONENT;
-            const float scale = pow2(e);
-            const size_t base = k * (size_t)g;
-            const uint8_t *in = vals + base;
-            if (codec == CODEC_INT8 && 127.0f * scale < fmax_of[dt]) { /* nothing overflows */
-                for (Py_ssize_t j = 0; j < g; j++)
-                    store_fast(dst, dt, base + j, (float)(int8_t)in[j] * scale);
-            } else if (codec == CODEC_FP8 && 448.0f * scale < fmax_of[dt]) {
-                for (Py_ssize_t j = 0; j < g; j++) {
-                    bad_value |= (in[j] & 0x7F) == 0x7F;
-                    store_fast(dst, dt, base + j, fp8_lut[in[j]] * scale);
-                }
-            } else if (codec == CODEC_FP8) {
-                for (Py_ssize_t j = 0; j < g; j++) {
-                    bad_value |= (in[j] & 0x7F) == 0x7F;
-                    store(dst, dt, base + j, fp8_lut[in[j]] * scale, &bad);
-                }
-            } else {
-                for (Py_ssize_t j = 0; j < g; j++)
-                    store(dst, dt, base + j, (float)(int8_t)in[j] * scale, &bad);
-            }
-        }
-        return bad_value ? BAD_VALUE : (bad ? OUT_OF_RANGE : OK);
-    }
-    const Py_ssize_t gt = T % GROUP ? T : GROUP, gd = D % GROUP ? D : GROUP, HD = H * D;
-    for (size_t i = 0; i < half; i++)
-        bad_value |= (vals[i] & 0xF) == 0 || (vals[i] >> 4) == 0;
-    if (bad_value)
-        return BAD_VALUE;
-    for (size_t i = 0; i < (size_t)(T / gt) * HD; i++)
-        if (ek[i] < -127)
-            return BAD_EXPONENT;
-    float *scales = malloc(sizeof(float) * (size_t)HD);
-    if (!scales)
-        return NO_MEMORY;
-    for (Py_ssize_t t0 = 0; t0 < T; t0 += gt) { /* keys: per channel over gt tokens */
-        const int8_t *e_row = ek + (t0 / gt) * HD;
-        for (Py_ssize_t c = 0; c < HD; c++)
-            scales[c] = pow2(e_row[c]);
-        for (Py_ssize_t t = t0; t < t0 + gt; t++) {
-            const uint8_t *in = vals + ((size_t)t * HD) / 2;
-            const size_t at = (size_t)t * HD;
-            for (Py_ssize_t c = 0; c < HD / 2; c++) {
-                store(dst, dt, at + 2 * c, (float)((int)(in[c] & 0xF) - 8) * scales[2 * c], &bad);
-                store(dst, dt, at + 2 * c + 1, (float)((int)(in[c] >> 4) - 8) * scales[2 * c + 1],
-                      &bad);
-            }
-        }
-    }
-    free(scales);
-    for (size_t k = 0; k < half / (size_t)gd; k++) { /* values: per token, channel group */
-        int e = ev[k];
-        if (e < -127)
-            return BAD_EXPONENT;
-        const float scale = pow2(e);
-        const size_t base = half + k * (size_t)gd;
-        if (7.0f * scale < fmax_of[dt]) { /* nothing overflows */
-            for (Py_ssize_t j = 0; j < gd; j += 2) {
-                uint8_t byte = vals[(base + j) / 2];
-                store_fast(dst, dt, base + j, (float)((int)(byte & 0xF) - 8) * scale);
-                store_fast(dst, dt, base + j + 1, (float)((int)(byte >> 4) - 8) * scale);
-            }
-            continue;
-        }
-        for (Py_ssize_t j = 0; j < gd; j += 2) {
-            uint8_t byte = vals[(base + j) / 2];
-            store(dst, dt, base + j, (float)((int)(byte & 0xF) - 8) * scale, &bad);
-            store(dst, dt, base + j + 1, (float)((int)(byte >> 4) - 8) * scale, &bad);
-        }
-    }
-    return bad ? OUT_OF_RANGE : OK;
-}
-
 /* Rows [t0, t1) of K (kv 0) or V (kv 1) of one layer decoded into dst, contiguous
  * ([t1 - t0, H, D]): a pool block's piece. Every codec's groups lie within a token's row
  * but int4 keys', whose exponents are indexed by the row's token group. */
@@ -481,14 +397,15 @@ static int encode_any(int codec, int dt, const void *src, Py_ssize_t T, Py_ssize
     }
 }
 
+/* One whole layer: its K rows, then its V rows. */
 static int decode_any(int codec, int dt, const uint8_t *vals, const int8_t *ek,
                       const int8_t *ev, Py_ssize_t T, Py_ssize_t H, Py_ssize_t D, void *dst)
 {
-    switch (dt) {
-    case DT_F32: return decode_layer(codec, DT_F32, vals, ek, ev, T, H, D, dst);
-    case DT_BF16: return decode_layer(codec, DT_BF16, vals, ek, ev, T, H, D, dst);
-    default: return decode_layer(codec, DT_F16, vals, ek, ev, T, H, D, dst);
-    }
+    int status = decode_rows_any(codec, dt, vals, ek, ev, T, H, D, 0, 0, T, dst);
+    if (status != OK)
+        return status;
+    char *v = (char *)dst + (size_t)T * H * D * (dt == DT_F32 ? 4 : 2);
+    return decode_rows_any(codec, dt, vals, ek, ev, T, H, D, 1, 0, T, v);
 }
 
 /* encode(codec, dtype, src, T, H, D, vals, ek, ev) -> status */
