@@ -30,7 +30,8 @@ from kvtier.connectors.tiers.chunk_workers import map_restore
 from kvtier.connectors.tiers.manager import TierManager
 from kvtier.gpu_pool.kernels.host_native import scatter_blocks_verified
 from kvtier.kv_codecs import Codec
-from kvtier.transfer.restore import RESTORE_GROUP_BYTES, scatter_lossy
+from kvtier.transfer.lossy_restore import scatter_lossy
+from kvtier.transfer.restore import RESTORE_GROUP_BYTES
 
 FP = b"bench-codec-restores"
 

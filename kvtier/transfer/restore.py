@@ -17,15 +17,12 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import math
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
-from kvtier.chunk_format import DTYPES
 from kvtier.chunk_keys import ChunkKey
 from kvtier.connectors.tiers.chunk_workers import map_restore
 from kvtier.connectors.tiers.lent_chunk import LentChunk
@@ -33,10 +30,15 @@ from kvtier.connectors.tiers.manager import Location, TierManager
 from kvtier.errors import ChunkFormatError, OutOfBlocksError
 from kvtier.gpu_pool import PagedKVPool
 from kvtier.gpu_pool.kernels import host_native, scatter_blocks, scatter_blocks_host
-from kvtier.gpu_pool.kernels.host_native import scatter_blocks_verified, scatter_decoded_verified
-from kvtier.kv_codecs import Codec, layer_exponents_at, native_id
+from kvtier.gpu_pool.kernels.host_native import scatter_blocks_verified
 from kvtier.transfer.device_restore import copy_then_check
 from kvtier.transfer.layer_load import LayerLoad
+from kvtier.transfer.lossy_restore import (
+    LOSSY_GROUP_BYTES,
+    decode_scratch,
+    fused_decode,
+    scatter_lossy,
+)
 from kvtier.transfer.pool_owner import PoolOwner
 from kvtier.transfer.restore_plan import ChunkKeys, RestorePlanner, StoredPrefix
 
@@ -71,53 +73,6 @@ def _fused(part: LentChunk, kv: torch.Tensor) -> bool:
 RESTORE_GROUP_BYTES = 4 << 20
 """A host restore checks and scatters a chunk's layers this many bytes at a time (a group
 is still in cache when it is copied)."""
-
-LOSSY_GROUP_BYTES = 256 << 10
-"""A lossy chunk is checked and decoded this many stored bytes at a time, into a scratch
-buffer of the restore worker's that stays in cache for the scatter right after."""
-
-_scratches = threading.local()
-
-
-def decode_scratch(part: LentChunk, layers: int) -> torch.Tensor:
-    """This thread's reused buffer for ``layers`` decoded layers of ``part`` (grown, never
-    shrunk: a restore faults in no fresh pages per chunk)."""
-    _, two, tokens, heads, dim = part.header.shape
-    shape = (layers, two, tokens, heads, dim)
-    dtype = DTYPES[part.header.dtype]
-    need = math.prod(shape) * dtype.itemsize
-    buf = getattr(_scratches, "buf", None)
-    if buf is None or buf.numel() < need:
-        buf = _scratches.buf = torch.empty(need, dtype=torch.uint8)
-    return buf[:need].view(dtype).view(shape)
-
-
-def fused_decode(part: LentChunk, kv: torch.Tensor) -> bool:
-    """Whether a lossy chunk is checked, decoded and scattered into the pool by one native
-    pass (a host pool of the chunk's dtype), else decoded into a scratch and copied."""
-    return (host_native.CODEC_AVAILABLE and not kv.is_cuda
-            and DTYPES[part.header.dtype] == kv.dtype)
-
-
-def scatter_lossy(part: LentChunk, first: int, end: int, offset: int, kv: torch.Tensor,
-                  block_ids: Sequence[int]) -> None:
-    """Layers ``first``..``end`` of a lossy chunk into ``block_ids`` of the host pool
-    ``kv`` (``[layers, blocks, 2, block_size, H, D]``), its tokens from ``offset`` on: each
-    layer checked, then decoded in place (a chunk in memory in one call; one still being
-    read, group by group as its layers land). A failed check or decode is recorded on the
-    chunk and raised (:class:`ChunkFormatError`)."""
-    header = part.header
-    _, _, tokens, heads, dim = header.shape
-    codec = Codec(header.codec)
-    step = header.layer_nbytes
-    at = layer_exponents_at(codec, (2, tokens, heads, dim), kv.dtype)
-    group = LOSSY_GROUP_BYTES if part.reading is not None else 1 << 62
-    for a, b, sums in part.read_groups(group, start=first, end=end):
-        bad, _ = scatter_decoded_verified(part.payload[a * step : b * step], native_id(codec),
-                                          sums, offset, kv[a:b], block_ids, tokens, at)
-        if bad >= 0:
-            part.fail(a + bad)
-
 
 CPU_STREAM_MIN_TOKENS = 2048
 """On a CPU, restores stream layer by layer only from this many tokens (docs/tiers.md)."""
