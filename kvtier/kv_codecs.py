@@ -104,6 +104,14 @@ def _group(n: int) -> int:
     return GROUP if n % GROUP == 0 else n
 
 
+def groups(codec: Codec, tokens: int, dim: int) -> tuple[int, int, int]:
+    """How ``codec`` groups a layer of ``tokens`` x ``head_dim`` ``dim``: values sharing an
+    fp8 exponent along a head's vector, int4 keys' tokens per exponent, int4 values'
+    channels per exponent (what a decoder on another device needs besides the layout)."""
+    del codec  # every codec groups alike; its layout decides which groups it uses
+    return _group(dim), _group(tokens), _group(dim)
+
+
 def layout(codec: Codec, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> Layout:
     """The payload layout of KV of ``shape`` ``[layers, 2, tokens, heads, head_dim]``
     (``dtype``: the KV's own, which ``none`` stores as it is)."""
@@ -317,6 +325,11 @@ _NATIVE_ERRORS = {
     4: "payload decodes to a value past its dtype's range",
     5: "out of memory",
 }
+
+
+def native_error(status: int) -> str:
+    """What a native kernel's nonzero status means."""
+    return _NATIVE_ERRORS.get(status, f"native status {status}")
 
 
 def native_id(codec: Codec) -> int:

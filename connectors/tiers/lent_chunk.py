@@ -155,6 +155,13 @@ class LentChunk:
         self.error = self.error or exc
         raise exc
 
+    def refuse(self, reason: str) -> None:
+        """Record that the chunk's checked bytes do not decode (bytes no encoder writes,
+        found by the reader) and raise: it is dropped as a corrupt one is."""
+        exc = ChunkFormatError(f"chunk {self.header.key}: {reason}")
+        self.error = self.error or exc
+        raise exc
+
     def _groups(self, group_bytes: int, start: int, end: int | None) -> Iterator[tuple[int, int]]:
         layers, step = self.header.num_layers, self.header.layer_nbytes
         end = layers if end is None else end

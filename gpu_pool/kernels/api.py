@@ -12,10 +12,12 @@ from collections.abc import Sequence
 
 import torch
 
+from kvtier.errors import ChunkFormatError
 from kvtier.gpu_pool.kernels import reference
 from kvtier.gpu_pool.kernels import validation as check
 from kvtier.gpu_pool.kernels.dispatch import debug_enabled, device_guard, resolve_backend, sm_count
 from kvtier.gpu_pool.kernels.heuristics import choose_num_splits
+from kvtier.kv_codecs import Codec, decode_layers_into, groups, layer_exponents_at, layout
 
 
 def write_kv(
@@ -288,3 +290,82 @@ def scatter_blocks(
 
     with device_guard(pool.device):
         triton_blocks.copy_blocks(pool, buf, ids, tokens, to_pool=True)
+
+
+DECODE_ERRORS = {
+    2: "payload holds an exponent no encoder writes",
+    3: "payload holds a value no encoder writes",
+    4: "payload decodes to a value past its dtype's range",
+}
+"""What a nonzero status of :func:`scatter_decoded` means (the highest code found)."""
+
+
+def scatter_decoded(
+    payload: torch.Tensor,
+    codec: Codec | str,
+    kv: torch.Tensor,
+    block_ids: torch.Tensor | Sequence[int],
+    *,
+    tokens: int,
+    offset: int = 0,
+    status: torch.Tensor | None = None,
+    backend: str = "auto",
+    debug: bool | None = None,
+) -> torch.Tensor:
+    """Decode a compressed chunk into blocks of the pool in one pass (all layers, one
+    launch): ``payload`` (uint8, on the pool's device) holds ``kv.shape[0]`` layers one
+    after another, each encoded apart for ``[2, tokens, kv_heads, head_dim]``
+    (:mod:`kvtier.kv_codecs`); its tokens from ``offset`` on go to ``block_ids`` in order.
+
+    Bytes only a foreign writer puts in a payload are not raised (a launch cannot): the
+    highest code found (:data:`DECODE_ERRORS`) is written into ``status`` (an int32 ``[1]``
+    on the device, made when None, and returned); read it once the stream's work is done,
+    and treat the blocks as garbage where it is nonzero. Several chunks may share one."""
+    pool = check.kv_pool(kv)
+    layers, _, _, block_size, kv_heads, head_dim = pool.shape
+    try:
+        name = Codec(codec)
+    except ValueError:
+        check.fail(f"codec {codec!r} is not one of {[c.value for c in Codec]}")
+    if name is Codec.NONE:
+        check.fail("codec 'none' is not compressed: scatter the KV with scatter_blocks")
+    if pool.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        check.fail(f"a codec decodes into float32, bf16 or fp16, not {pool.dtype}")
+    if not 0 <= offset <= tokens:
+        check.fail(f"offset {offset} lies outside a {tokens}-token chunk")
+    one = layout(name, (1, 2, tokens, kv_heads, head_dim), pool.dtype)
+    if (not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8
+            or payload.dim() != 1 or not payload.is_contiguous()):
+        check.fail("payload must be a contiguous 1-D uint8 tensor")
+    if payload.numel() != layers * one.nbytes:
+        check.fail(f"payload of {payload.numel()} bytes: {layers} layers of {name.value} KV "
+                   f"{(2, tokens, kv_heads, head_dim)} take {layers * one.nbytes}")
+    ids = _block_ids(block_ids, pool.device)
+    need = -(-(tokens - offset) // block_size)
+    if ids.shape[0] != need:
+        check.fail(f"{tokens - offset} tokens from offset {offset} need {need} block ids, "
+                   f"got {ids.shape[0]}")
+    if status is None:
+        status = torch.zeros(1, dtype=torch.int32, device=pool.device)
+    elif status.dtype != torch.int32 or status.numel() != 1:
+        check.fail("status must be an int32 tensor of one element")
+    check.same_device({"kv": pool, "block_ids": ids, "payload": payload, "status": status})
+    if debug_enabled(debug):
+        check.scan_block_ids("block_ids", ids, pool.shape[1])
+    if resolve_backend(backend, pool.device) == "torch":
+        out = torch.empty((layers, 2, tokens, kv_heads, head_dim), dtype=pool.dtype,
+                          device=pool.device)
+        try:
+            decode_layers_into(payload, name, out)
+        except ChunkFormatError:
+            status.fill_(max(status.item(), 3))
+            return status
+        reference.scatter_blocks(out[:, :, offset:].contiguous(), pool, ids, tokens - offset)
+        return status
+    from kvtier.gpu_pool.kernels import triton_codec
+
+    at = layer_exponents_at(name, (2, tokens, kv_heads, head_dim), pool.dtype)
+    with device_guard(pool.device):
+        triton_codec.decode_scatter(payload, name.value, pool, ids, tokens, offset, at,
+                                    groups(name, tokens, head_dim), status)
+    return status

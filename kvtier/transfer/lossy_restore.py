@@ -15,7 +15,7 @@ from kvtier.chunk_format import DTYPES
 from kvtier.connectors.tiers.lent_chunk import LentChunk
 from kvtier.gpu_pool.kernels import host_native
 from kvtier.gpu_pool.kernels.host_native import scatter_decoded_verified
-from kvtier.kv_codecs import Codec, layer_exponents_at, native_id
+from kvtier.kv_codecs import Codec, layer_exponents_at, native_error, native_id
 
 LOSSY_GROUP_BYTES = 256 << 10
 """A lossy chunk is checked and decoded this many stored bytes at a time, into a scratch
@@ -58,7 +58,10 @@ def scatter_lossy(part: LentChunk, first: int, end: int, offset: int, kv: torch.
     at = layer_exponents_at(codec, (2, tokens, heads, dim), kv.dtype)
     group = LOSSY_GROUP_BYTES if part.reading is not None else 1 << 62
     for a, b, sums in part.read_groups(group, start=first, end=end):
-        bad, _ = scatter_decoded_verified(part.payload[a * step : b * step], native_id(codec),
-                                          sums, offset, kv[a:b], block_ids, tokens, at)
-        if bad >= 0:
+        bad, status = scatter_decoded_verified(part.payload[a * step : b * step],
+                                               native_id(codec), sums, offset, kv[a:b],
+                                               block_ids, tokens, at)
+        if bad >= 0 and status > 0:  # checksums passed: bytes no encoder writes
+            part.refuse(f"{codec.value} {native_error(status)} (layer {a + bad})")
+        elif bad >= 0:
             part.fail(a + bad)

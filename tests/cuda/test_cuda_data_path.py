@@ -146,6 +146,42 @@ def test_store_and_restore_are_bit_exact(device, sizes, model_dir, tmp_path, kin
     tier.close()
 
 
+@pytest.mark.parametrize("codec", ["fp8", "int8", "int4"])
+def test_compressed_restore_decodes_on_the_device(device, sizes, model_dir, tmp_path, codec):
+    """A compressed disk tier: the stored bytes cross to the device and are decoded in the
+    scatter, giving exactly the KV the host decode of the same chunks gives (a host pool
+    restoring them is the reference), within the codec's bound of the computed KV."""
+    from kvtier.kv_codecs import ERROR_BOUND, Codec
+
+    runner = _runner(model_dir, device)
+    tokens = _tokens(sizes.tokens, seed=2)
+    _compute(runner, "a", tokens)
+    before = _pool_kv(runner, tokens)
+    tier = _tier("disk", runner, sizes.chunk_tokens, tmp_path)
+    tier.codec = Codec(codec)
+    xfer = _transfer(runner, tier, sizes.chunk_tokens)
+    xfer.restorer.copy_then_check = True  # the device route, also on the CPU dry run
+    saved = xfer.save(tokens)
+    assert saved.tokens and not saved.failed
+    xfer.evict(tokens)
+    runner.pool.storage.kv.fill_(float("nan"))
+    loaded = xfer.load(tokens, saved.tokens)
+    assert loaded.from_tiers == saved.tokens
+    after = _pool_kv(runner, tokens[: saved.tokens])
+    sync(device)
+    host = _runner(model_dir, "cpu")
+    host_xfer = _transfer(host, tier, sizes.chunk_tokens)
+    assert host_xfer.load(tokens, saved.tokens).from_tiers == saved.tokens
+    assert torch.equal(after.cpu(), _pool_kv(host, tokens[: saved.tokens]))
+    exact = before[:, :, : saved.tokens].float().cpu()
+    err = (after.float().cpu() - exact).abs()
+    assert bool(torch.isfinite(after).all())
+    assert float(err.max()) <= ERROR_BOUND[Codec(codec)] * float(exact.abs().max()) + 1e-6
+    host_xfer.close()
+    xfer.close()
+    tier.close()
+
+
 def test_a_store_waits_for_the_kv_written_before_it(device, sizes, model_dir, tmp_path):
     """The store's gather runs on a side stream: it must see every write the current stream
     queued before the store was asked for, however long that stream is still busy."""
