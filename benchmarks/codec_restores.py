@@ -5,7 +5,9 @@ each codec, the same chunks of KV (``chunk_tokens`` tokens of the model's shape,
 values, the serving dtype) are stored through the tier stack, which encodes them for a
 tier of that codec, then restored as the engine's host restore does: leased, each layer
 checked and then copied, or decoded where lossy, straight into memory that already exists
-(the pool's place) in one native pass, on the restore workers. ``kv_GBps`` is KV delivered per second (decoded bytes);
+(the pool's place) in one native pass, on the restore workers. With ``device`` a GPU, as the
+engine's restore to a GPU pool does: each chunk copied as stored to the device while the
+host checks it, and decoded there in the scatter (``transfer.device_restore``). ``kv_GBps`` is KV delivered per second (decoded bytes);
 ``none_kv_GBps`` the same for the uncompressed chunks in the same round. Rounds interleave
 the codecs; the median round is reported. ``tokens_held_ratio``: how many more tokens a
 tier of fixed bytes holds (stored bytes of ``none`` over the codec's, headers included).
@@ -43,6 +45,8 @@ class RestoreSetup:
     dtype: torch.dtype
     chunks: int
     rounds: int
+    device: str = "cpu"
+    """Where the restored KV goes: a host pool (``cpu``) or a GPU pool (``cuda``)."""
 
 
 def restore_rows(setup: RestoreSetup, codecs: list[Codec], redis_url: str | None,
@@ -80,7 +84,8 @@ def restore_rows(setup: RestoreSetup, codecs: list[Codec], redis_url: str | None
                     stored[codec] = tier.used_bytes
                     if medium == "disk":
                         _fadvise_dontneed(sorted(where.rglob("*.kvc")))
-                    seconds[codec].append(_restore(manager, keys, kvs))
+                    restore = _restore_to_device if setup.device != "cpu" else _restore
+                    seconds[codec].append(restore(manager, keys, kvs, setup.device))
                 finally:
                     manager.delete(keys)
                     manager.close()
@@ -89,6 +94,7 @@ def restore_rows(setup: RestoreSetup, codecs: list[Codec], redis_url: str | None
         for codec in codecs:
             rows.append({
                 "tier": medium, "codec": codec.value, "dtype": str(setup.dtype).split(".")[-1],
+                "pool_device": setup.device,
                 "chunk_shape": list(setup.shape), "chunks": setup.chunks,
                 "kv_GBps": kv_bytes / statistics.median(seconds[codec]) / 1e9,
                 "none_kv_GBps": none,
@@ -100,7 +106,8 @@ def restore_rows(setup: RestoreSetup, codecs: list[Codec], redis_url: str | None
     return rows
 
 
-def _restore(manager: TierManager, keys: list[str], kvs: list[torch.Tensor]) -> float:
+def _restore(manager: TierManager, keys: list[str], kvs: list[torch.Tensor], device: str
+             ) -> float:
     """Seconds to lease, check, decode and copy every chunk into existing memory; the KV
     delivered is checked against what was stored (exact for ``none``, close otherwise)."""
     dst = [torch.zeros_like(kv) for kv in kvs]  # memory that exists (faulted in)
@@ -128,11 +135,42 @@ def _restore(manager: TierManager, keys: list[str], kvs: list[torch.Tensor]) -> 
     elapsed = time.perf_counter() - t0
     if not all(ok):
         raise RuntimeError(f"{ok.count(False)} of {len(keys)} chunks were not restored")
-    for got, want in zip(dst, kvs, strict=True):
+    _check_delivered(dst, kvs)
+    return elapsed
+
+
+def _restore_to_device(manager: TierManager, keys: list[str], kvs: list[torch.Tensor],
+                       device: str) -> float:
+    """Seconds to lease every chunk and restore it into a pool on ``device`` as the engine
+    does (copied as stored while the host checks it; lossy chunks decoded in the scatter),
+    all copies done; the pool holds one chunk per block."""
+    from kvtier.transfer.device_restore import copy_then_check
+
+    layers, two, tokens, heads, dim = kvs[0].shape
+    pool = torch.zeros((layers, len(kvs), two, tokens, heads, dim), dtype=kvs[0].dtype,
+                       device=device)
+    side = torch.cuda.Stream(pool.device) if pool.is_cuda else None
+    spans = [(0, [i]) for i in range(len(kvs))]
+    if pool.is_cuda:
+        torch.cuda.synchronize(pool.device)
+    t0 = time.perf_counter()
+    with manager.lease_chunks(keys) as lent:
+        if any(p is None for p in lent):
+            raise RuntimeError("a chunk was not found")
+        failed = copy_then_check(pool, lambda: side, lent, spans, 0)
+    elapsed = time.perf_counter() - t0
+    if failed:
+        raise RuntimeError(f"chunks failed to restore: {failed}")
+    _check_delivered([pool[:, i].cpu() for i in range(len(kvs))], kvs)
+    return elapsed
+
+
+def _check_delivered(got_kvs: list[torch.Tensor], kvs: list[torch.Tensor]) -> None:
+    """The KV delivered is what was stored (exact for ``none``, close otherwise)."""
+    for got, want in zip(got_kvs, kvs, strict=True):
         scale = want.float().abs().amax()
         if (got.float() - want.float()).abs().amax() > scale / 6:  # int4's bound, loosely
             raise RuntimeError("a restored chunk is not the KV that was stored")
-    return elapsed
 
 
 def default_workdir() -> Path:

@@ -52,6 +52,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--restore-rounds", type=int, default=3)
     p.add_argument("--restore-dtype", default="bfloat16",
                    help="restores: the KV's dtype (what a server keeps in its pool)")
+    p.add_argument("--restore-device", default="cpu",
+                   help="restores: the pool's device, cpu or cuda (a GPU pool: chunks cross as "
+                        "stored and are decoded on the device)")
+    p.add_argument("--restore-only", action="store_true",
+                   help="only the restore rows (no model run: --restore-shape gives the KV)")
+    p.add_argument("--restore-shape", default=None,
+                   help="restores: layers,kv_heads,head_dim (default: the model's)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None)
     p.set_defaults(func=run)
@@ -72,10 +79,13 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.errors import ConfigError
     from kvtier.models.tokenizer import Tokenizer
 
+    codecs = [Codec.parse(c.strip()) for c in args.codecs.split(",") if c.strip()]
+    console = Console()
+    if args.restore_only:
+        return _run_restores_only(args, codecs, console)
     if not (args.model / "config.json").is_file():
         raise ConfigError(f"no model at {args.model}: make one with `kvtier get-model "
                           "smollm2-135m-instruct --out out/models/smollm2-135m-instruct`")
-    codecs = [Codec.parse(c.strip()) for c in args.codecs.split(",") if c.strip()]
     span = args.history + args.continuation
     runner = ModelRunner(args.model, dtype=args.dtype or "float32", device=args.device,
                          num_blocks=2 * (span // 16 + 4), max_model_len=span + args.greedy_tokens,
@@ -83,7 +93,6 @@ def run(args: argparse.Namespace) -> int:
     ids = Tokenizer.from_dir(args.model).encode(held_text())
     step = max(span, (len(ids) - span) // max(args.samples, 1))
     samples = [ids[i : i + span] for i in range(0, len(ids) - span, step)][: args.samples]
-    console = Console()
     with torch.inference_mode():
         exact = [_reference(runner, s, args) for s in samples]
         rows = []
@@ -92,7 +101,9 @@ def run(args: argparse.Namespace) -> int:
                 quality = [_quality(runner, s, e, codec, args) for s, e in zip(samples, exact, strict=True)]
             rows.append({"codec": codec.value, **_speed(runner, codec, args.repeats),
                          **_mean_quality(quality)})
-    restores = _restores(runner, codecs, args, console) if args.restore_chunks else []
+    storage = runner.pool.storage
+    shape = (storage.num_layers, storage.kv.shape[4], storage.kv.shape[5])
+    restores = _restores(shape, codecs, args, console) if args.restore_chunks else []
     payload = {"model": str(args.model), "dtype": str(runner.pool.storage.kv.dtype),
                "device": str(runner.device), "history": args.history,
                "continuation": args.continuation, "samples": len(samples),
@@ -213,8 +224,34 @@ def _speed(runner: Any, codec: Codec, repeats: int) -> dict[str, float]:
             "copy_GBps": timed(lambda: dst.copy_(kv))}
 
 
-def _restores(runner: Any, codecs: list[Codec], args: argparse.Namespace, console: Any
-              ) -> list[dict[str, Any]]:
+def _run_restores_only(args: argparse.Namespace, codecs: list[Codec], console: Any) -> int:
+    """``--restore-only``: the restore rows of a KV shape, no model (a GPU loan's step)."""
+    from kvtier.errors import ConfigError
+
+    if args.restore_shape:
+        try:
+            layers, heads, dim = (int(x) for x in args.restore_shape.split(","))
+        except ValueError:
+            raise ConfigError(f"--restore-shape {args.restore_shape!r}: give "
+                              "layers,kv_heads,head_dim (e.g. 32,8,128)") from None
+    elif (args.model / "config.json").is_file():
+        from kvtier.models.config import ModelConfig
+
+        cfg = ModelConfig.from_pretrained(args.model)
+        layers, heads, dim = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    else:
+        raise ConfigError("--restore-only needs --restore-shape or a --model directory")
+    restores = _restores((layers, heads, dim), codecs, args, console)
+    _print_restores(console, restores)
+    if args.out:
+        from kvtier.benchmarks.results import write_result
+
+        console.print(f"wrote {write_result(args.out, 'codecs', {'codecs': [], 'restore': restores})}")
+    return 0
+
+
+def _restores(shape: tuple[int, int, int], codecs: list[Codec], args: argparse.Namespace,
+              console: Any) -> list[dict[str, Any]]:
     """Restore rows from a disk directory and a real Redis (see :mod:`.codec_restores`)."""
     import shutil
 
@@ -222,10 +259,9 @@ def _restores(runner: Any, codecs: list[Codec], args: argparse.Namespace, consol
     from kvtier.benchmarks.tiers import _start_redis
     from kvtier.chunk_format import DTYPES
 
-    storage = runner.pool.storage
-    _, _, _, _, heads, dim = storage.kv.shape
-    setup = RestoreSetup((storage.num_layers, 2, 256, heads, dim), DTYPES[args.restore_dtype],
-                         args.restore_chunks, args.restore_rounds)
+    layers, heads, dim = shape
+    setup = RestoreSetup((layers, 2, 256, heads, dim), DTYPES[args.restore_dtype],
+                         args.restore_chunks, args.restore_rounds, args.restore_device)
     redis = _start_redis()
     workdir = default_workdir()
     try:

@@ -9,7 +9,10 @@ subprocess with its own time limit, so a hang costs that step, not the lease:
    matrix product, gather/scatter against the copy;
 4. ``kvtier bench ttft`` on a Llama-3-8B-shaped random-weight model in bf16 at 2k/8k/32k
    tokens of history: restore from the CPU and disk tiers against recompute and a pool hit
-   (the checkpoint is written in the background while steps 1-3 run).
+   (the checkpoint is written in the background while steps 1-3 run);
+5. ``kvtier bench codecs --restore-only``: restores of compressed chunks (fp8, int8, int4)
+   from disk (and Redis where a ``redis-server`` exists) into a GPU pool, decoded on the
+   device, against uncompressed ones in the same run (issue 33).
 
 Then one JSON (``gpu-kit.json``: the machine with GPU, driver, torch and Triton; every step's
 outcome; every figure as a ratio to its reference and the issue's goal for it) and a table.
@@ -39,15 +42,18 @@ TTFT_PRESET = "llama-3.1-8b"
 """Llama-3.1-8B shapes: the 32k history needs its 128k context (Llama 3's is 8k)."""
 CUDA_TEST_PATHS = ("tests/cuda", "tests/gpu_pool")
 TTFT_HISTORIES = (2048, 8192, 32768)
-STEP_NAMES = ("cuda-tests", "host-transfer", "kernels", "ttft")
+STEP_NAMES = ("cuda-tests", "host-transfer", "kernels", "codec-restores", "ttft")
 GOALS = {
     "decode_vs_copy": 0.7,
     "transfer_vs_copy": 0.8,
     "restore_vs_h2d": 0.8,
     "speedup_8k": 10.0,
     "speedup_32k": 14.0,
+    "codec_8bit": 1.8,
+    "codec_4bit": 3.0,
 }
-"""Issue 29's goals for the GPU figures (benchmarks' goals, never test thresholds)."""
+"""Issue 29's goals for the GPU figures, and issue 33's for compressed restores
+(benchmarks' goals, never test thresholds)."""
 
 
 @dataclass(frozen=True)
@@ -151,7 +157,13 @@ def plan(out: Path, work: Path, dry_run: bool) -> list[Step]:
         "--dtype", "float32" if dry_run else "bfloat16", "--device", "cpu" if dry_run else "cuda",
         "--disk-dir", str(work / "ttft-disk"), "--out", str(out / "ttft.json"),
     ), cap_s=600, result=out / "ttft.json")
-    return [tests, host, kernels, ttft]
+    codecs = Step("codec-restores", _cli(
+        "bench", "codecs", "--restore-only", "--restore-device", "cpu" if dry_run else "cuda",
+        "--restore-shape", "2,2,32" if dry_run else "32,8,128",
+        "--restore-chunks", "2" if dry_run else "8", "--restore-rounds", "1" if dry_run else "3",
+        "--out", str(out / "codec-restores.json"),
+    ), cap_s=150, result=out / "codec-restores.json")
+    return [tests, host, kernels, codecs, ttft]
 
 
 # -------------------------------------------------------------------------------- run
@@ -340,10 +352,23 @@ def ttft_figures(doc: dict[str, Any], judge: bool) -> list[Figure]:
     return figs
 
 
+def codec_figures(doc: dict[str, Any], judge: bool) -> list[Figure]:
+    """KV per second restored from compressed chunks over uncompressed ones (issue 33's
+    goals: 1.8x for fp8 and int8, 3x for int4)."""
+    figs = []
+    for r in doc["restore"]:
+        goal = GOALS["codec_4bit"] if r["codec"] == "int4" else GOALS["codec_8bit"]
+        figs.append(Figure(
+            "codec-restores", f"{r['tier']} {r['codec']} restore to {r.get('pool_device', 'cpu')}",
+            f"{r['kv_GBps']:.2f} GB/s of KV", f"uncompressed {r['none_kv_GBps']:.2f} GB/s",
+            r["speedup"], f">= {goal:g}x", _met(judge, r["speedup"], goal)))
+    return figs
+
+
 def figures(out: Path, judge: bool) -> tuple[list[Figure], dict[str, Any]]:
     figs, tests = cuda_test_figures(out / "cuda-tests.xml")
     for name, fn in (("host-transfer", host_figures), ("kernels", kernel_figures),
-                     ("ttft", ttft_figures)):
+                     ("codec-restores", codec_figures), ("ttft", ttft_figures)):
         doc = _load(out / f"{name}.json")
         if doc is None:
             figs.append(Figure(name, "(no result)", "-", "-", None, "", False if judge else None))
