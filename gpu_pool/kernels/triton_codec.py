@@ -15,8 +15,8 @@ subnormals, which bf16 KV may hold). What only a foreign writer could put in a p
 a status word (the highest code found, as ``kv_codec.c`` numbers them), read by the host
 once the copy is waited for.
 
-Grid: ``(restored tokens, layers * 2)``; a program decodes one token's K or V row, every
-head, into its block slot.
+Grid: ``(restored tokens / ROWS, layers * 2)``; a program decodes ROWS tokens' K or V rows,
+every head, into their block slots.
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ BAD_EXPONENT, BAD_VALUE, OUT_OF_RANGE = 2, 3, 4
 """Status codes (kvtier/gpu_pool/kernels/native/kv_codec.c numbers them alike)."""
 
 _CODES = {"fp8": 1, "int8": 2, "int4": 3}
+ROW_VALUES = 4096
+"""Values a program decodes (several tokens' rows where a row is short): measured on an
+H200 (docs/gpu.md)."""
 
 
 @triton.jit
@@ -44,15 +47,17 @@ def decode_scatter_kernel(
     s_kv_layer, s_kv_block, s_kv_kv,
     HD: tl.constexpr, D: tl.constexpr, G: tl.constexpr, GT: tl.constexpr,
     GD: tl.constexpr, BLOCK_SIZE: tl.constexpr, CODEC: tl.constexpr, BLOCK: tl.constexpr,
-    OUT_BF16: tl.constexpr,
+    ROWS: tl.constexpr, OUT_BF16: tl.constexpr,
 ):
-    j = tl.program_id(0).to(tl.int64)  # the restored token, from offset on
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    j = rows[:, None]  # the restored tokens, from offset on
+    live = j < tokens - offset
     lk = tl.program_id(1)
     layer = (lk // 2).to(tl.int64)
     kv = lk % 2
-    t = offset + j  # the token in the chunk
-    idx = tl.arange(0, BLOCK)
-    mask = idx < HD
+    t = offset + j  # the tokens in the chunk
+    idx = tl.arange(0, BLOCK)[None, :]
+    mask = (idx < HD) & live
     base = payload_ptr + layer * step
     e_base = base + tl.where(kv == 0, k_at, v_at)
     if CODEC == 3:  # int4: two values a byte, even channel in the low nibble
@@ -94,12 +99,12 @@ def decode_scatter_kernel(
         out = val.to(kv_ptr.dtype.element_ty)
         wide = out.to(tl.float32)
         bad_range = ((wide != wide) | (tl.abs(wide) == float("inf"))) & mask
-    block = tl.load(ids_ptr + j // BLOCK_SIZE).to(tl.int64)
+    block = tl.load(ids_ptr + j // BLOCK_SIZE, mask=live, other=0).to(tl.int64)
     dst = (kv_ptr + layer * s_kv_layer + block * s_kv_block + kv * s_kv_kv
            + (j % BLOCK_SIZE) * HD + idx)
     tl.store(dst, out, mask=mask)
-    code = tl.max(tl.where(bad_exp, 2, tl.where(bad_value, 3, tl.where(bad_range, 4, 0))),
-                  axis=0)
+    code = tl.max(tl.max(tl.where(bad_exp, 2, tl.where(bad_value, 3, tl.where(bad_range, 4, 0))),
+                         axis=1), axis=0)
     if code > 0:
         tl.atomic_max(status_ptr, code)
 
@@ -107,7 +112,7 @@ def decode_scatter_kernel(
 def decode_scatter(
     payload: torch.Tensor, codec: str, kv: torch.Tensor, block_ids: torch.Tensor,
     tokens: int, offset: int, exponents_at: tuple[int, int], groups: tuple[int, int, int],
-    status: torch.Tensor,
+    status: torch.Tensor, rows: int | None = None, num_warps: int = 4,
 ) -> None:
     """Launch the decode + scatter of every layer of ``payload`` (checked by the caller:
     :func:`kvtier.gpu_pool.kernels.api.scatter_decoded`)."""
@@ -117,11 +122,14 @@ def decode_scatter(
         return
     g, gt, gd = groups
     hd = heads * dim
-    grid = (n, layers * 2)
+    block = triton.next_power_of_2(hd)
+    if rows is None:  # a program decodes about ROW_VALUES values
+        rows = max(1, min(triton.next_power_of_2(n), ROW_VALUES // block))
+    grid = (triton.cdiv(n, rows), layers * 2)
     decode_scatter_kernel[grid](
         payload, kv, block_ids, status,
         payload.numel() // layers, exponents_at[0], exponents_at[1], tokens, offset,
         kv.stride(0), kv.stride(1), kv.stride(2),
         HD=hd, D=dim, G=g, GT=gt, GD=gd, BLOCK_SIZE=block_size, CODEC=_CODES[codec],
-        BLOCK=triton.next_power_of_2(hd), OUT_BF16=kv.dtype == torch.bfloat16, num_warps=4,
+        BLOCK=block, ROWS=rows, OUT_BF16=kv.dtype == torch.bfloat16, num_warps=num_warps,
     )

@@ -65,7 +65,7 @@ def test_triton_decode_scatter_matches_reference(device, codec, dtype, tokens, h
     status = scatter_decoded(payload.to(device), codec, got, ids.to(device), tokens=tokens,
                              offset=offset, backend="triton")
     ref = _pool(layers, n_blocks + 3, bs, heads, dim, dtype, device)
-    scatter_decoded(payload.to(device), codec, ref, ids, tokens=tokens, offset=offset,
+    scatter_decoded(payload.to(device), codec, ref, ids.to(device), tokens=tokens, offset=offset,
                     backend="torch")
     assert int(status.item()) == 0
     assert torch.equal(got, ref)
