@@ -84,6 +84,9 @@ if ! (install) >"$log" 2>&1; then
 fi
 tail -n 1 "$log"
 echo "[gpu-kit] installed in $((SECONDS - start)) s"
+if ! command -v redis-server >/dev/null && [ -x "$wheels/redis/redis-server" ]; then
+  export PATH="$PWD/$wheels/redis:$PATH"  # the bundled server (scripts/gpu_wheels.py)
+fi
 left=$((budget - (SECONDS - start)))
 exec "$venv/bin/python" -m kvtier.cli bench gpu-kit --out "$out" --work "$work" --budget-s "$left" \
   --results-dir benchmarks/results "${steps[@]}"

@@ -8,6 +8,10 @@ isolation), resolved with their own dependencies by ``pip download``. Wheels of 
 GPU image provides and must never be replaced there (torch, triton, the CUDA libraries,
 numpy) are dropped; the other small ones stay, so pip can use them where the image's
 version does not satisfy a requirement. ``--list`` prints the requirements and exits.
+
+The GPU machines have no ``redis-server`` either: where this machine has one, it is bundled
+too (``redis/``: the binary, the shared libraries it links beyond glibc, and a wrapper that
+points it at them and nothing else), so the kit's Redis rows run there.
 """
 
 from __future__ import annotations
@@ -66,6 +70,36 @@ def download(reqs: list[str], dest: Path, python: str = "3.12") -> list[Path]:
     return kept
 
 
+GLIBC = re.compile(r"^(linux-vdso|libc|libm|libdl|librt|libpthread|ld-linux[-\w]*)\.so")
+"""Libraries of glibc itself, which the GPU image has (and must keep its own of)."""
+
+
+def bundle_redis(dest: Path) -> Path | None:
+    """Copy this machine's ``redis-server`` with its non-glibc shared libraries into
+    ``dest/redis`` behind a wrapper script; None where there is no redis-server here."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        return None
+    real = Path(exe).resolve()
+    out = dest / "redis"
+    (out / "lib").mkdir(parents=True, exist_ok=True)
+    shutil.copy2(real, out / "lib" / "redis-server.bin")
+    ldd = subprocess.run(["ldd", str(real)], capture_output=True, text=True, check=True).stdout
+    for line in ldd.splitlines():
+        m = re.match(r"\s*(\S+) => (\S+)", line)
+        if m and not GLIBC.match(m.group(1)):
+            shutil.copy2(m.group(2), out / "lib" / m.group(1))
+    wrapper = out / "redis-server"
+    wrapper.write_text('#!/bin/sh\nhere=$(dirname "$(readlink -f "$0")")\n'
+                       'LD_LIBRARY_PATH="$here/lib" exec "$here/lib/redis-server.bin" "$@"\n')
+    wrapper.chmod(0o755)
+    return out
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dest", type=Path, default=REPO / ".gpu-wheels")
@@ -81,6 +115,12 @@ def main() -> int:
     for p in kept:
         print(f"{p.stat().st_size / 2**20:7.2f} MiB  {p.name}")
     print(f"{len(kept)} wheels, {total / 2**20:.1f} MiB in {args.dest}")
+    redis = bundle_redis(args.dest)
+    if redis is None:
+        print("no redis-server here: the kit's Redis rows will not run on the GPU machine")
+    else:
+        total += _size(redis)
+        print(f"redis-server bundled: {_size(redis) / 2**20:.1f} MiB in {redis}")
     if total > MAX_BYTES:
         print(f"gpu_wheels: {total / 2**20:.1f} MiB is over the {MAX_BYTES >> 20} MiB the "
               "working tree can carry beside itself", file=sys.stderr)

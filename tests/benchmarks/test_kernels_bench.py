@@ -27,6 +27,10 @@ def test_quick_cpu_run_writes_json(tmp_path, capsys):
         assert row["paged_ms"] > 0 and row["paged_over_sdpa"] > 0
     for row in doc["gather_scatter"]:
         assert row["gather_vs_copy"] > 0 and row["scatter_vs_copy"] > 0
+    codecs = {r["codec"]: r for r in doc["codec_scatter"]}
+    assert set(codecs) == {"fp8", "int8", "int4"}
+    assert all(r["kv_gbps"] > 0 and r["vs_copy"] > 0 for r in codecs.values())
+    assert codecs["int4"]["stored_bytes"] < codecs["int8"]["stored_bytes"] < codecs["int8"]["kv_bytes"]
     assert set(doc["summary"]["met"]) == {"decode_bw_vs_copy", "paged_vs_contiguous",
                                           "gather_scatter_bw_vs_copy"}
     # GPU targets are never judged on a CPU run.
