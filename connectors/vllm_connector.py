@@ -19,13 +19,15 @@ This module only speaks vLLM's interface; the work is the scheduler side's
 request ends) and the worker side's (:mod:`.vllm_worker`: blocks gathered straight into the
 store's memory on a background thread, lent chunks scattered straight into the cache, one
 copy and one checksum pass each way; a missing or corrupt chunk is reported through
-``get_block_ids_with_load_errors`` and vLLM recomputes it: never wrong KV). Loads are
-synchronous (before the forward pass); saves run off the forward path and a finished
-request's blocks are held until they land (``get_finished``).
+``get_block_ids_with_load_errors`` and vLLM recomputes it: never wrong KV). Loads run
+before the forward pass, or with ``async_loads`` on a background thread while vLLM parks the
+request (its async-load protocol); saves run off the forward path and a finished request's
+blocks are held until they land (``get_finished``).
 
 Options (``kv_connector_extra_config``): ``url``/``token``/``shm`` (a ``kvtier serve``) or
 ``config``/``tiers`` (in-process tiers), ``chunk_tokens`` (256), ``save_decode`` (true: save
-a finished request's reply too), ``background_saves`` (true), ``save_priority``
+a finished request's reply too), ``background_saves`` (true), ``async_loads`` (false: load
+before the forward pass; true: vLLM's async-load protocol, :mod:`.vllm_loads`), ``save_priority``
 (``normal``; ``idle``: the save thread runs only on a core nothing else wants), ``policy``
 (true: load a
 stored prefix only where that beats recomputing it, :mod:`.vllm_policy`), ``profile`` (a
@@ -139,6 +141,9 @@ class KVTierConnector(KVConnectorBase_V1):
         self._deltas = Deltas()
         self._step_t0: float | None = None
         self.kv_role = Role(self._kv_transfer_config.kv_role or "kv_both")
+        self.async_loads = _flag(self.extra, "async_loads", False)
+        """Loads off the forward path: vLLM parks a request while its KV loads on a
+        background thread (:mod:`.vllm_loads`); else loads run before the forward pass."""
         self.scheduler_side = SchedulerSide(self._open_store, self.grid, self.world,
                                             save_decode=bool(self.extra.get("save_decode", True)),
                                             policy=self._policy(), role=self.kv_role)
@@ -222,7 +227,8 @@ class KVTierConnector(KVConnectorBase_V1):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         with self._scheduling():
-            return self.scheduler_side.matched_tokens(request, num_computed_tokens), False
+            n = self.scheduler_side.matched_tokens(request, num_computed_tokens)
+            return n, self.async_loads and n > 0
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -270,7 +276,8 @@ class KVTierConnector(KVConnectorBase_V1):
         if idle not in ("idle", "normal"):
             raise ConfigError(f"kvtier connector: save_priority must be idle or normal, not {idle!r}")
         self.worker_side = WorkerSide(self._open_store, self.grid, _worker_rank(self.world),
-                                      background=bool(background), idle_saves=idle == "idle")
+                                      background=bool(background), idle_saves=idle == "idle",
+                                      async_loads=self.async_loads)
         self.worker_side.register(kv_caches, self._kv_cache_config.num_blocks)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
@@ -300,6 +307,9 @@ class KVTierConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         plan = self._plan()
         self.worker_side.save(plan.finishing)  # finished requests' last chunks, blocks held
+        if self.async_loads:  # on the loading thread, after the saves they read
+            self.worker_side.load_async(plan.loads, after_saves=plan.needs_finishing())
+            return
         if plan.needs_finishing():
             self.worker_side.wait_saves()
         self.worker_side.load(plan.loads)
@@ -315,7 +325,8 @@ class KVTierConnector(KVConnectorBase_V1):
         self.worker_side.save(self._plan().saves)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self.worker_side.finished(finished_req_ids) or None, None
+        return (self.worker_side.finished(finished_req_ids) or None,
+                self.worker_side.finished_loading() or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.take_load_errors()
@@ -330,6 +341,16 @@ class KVTierConnector(KVConnectorBase_V1):
             self._store.close()
         if self._shared is not None and self.role == KVConnectorRole.SCHEDULER:
             private_sidecar.stop(self._shared)
+
+
+def _flag(extra: dict[str, Any], name: str, default: bool) -> bool:
+    """A boolean option of ``kv_connector_extra_config`` (JSON true/false, or a string)."""
+    value = extra.get(name, default)
+    if isinstance(value, str):
+        if value.strip().lower() not in ("true", "false", "1", "0", "yes", "no"):
+            raise ConfigError(f"kvtier connector: {name} must be true or false, not {value!r}")
+        return value.strip().lower() in ("true", "1", "yes")
+    return bool(value)
 
 
 def _worker_rank(world: int) -> Rank:

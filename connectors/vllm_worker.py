@@ -18,6 +18,7 @@ carries the bytes, the fingerprint names the real layout and the rank.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from kvtier.connectors.tiers.base import ChunkWrite
 from kvtier.connectors.tiers.chunk_workers import map_restore
 from kvtier.connectors.tiers.lent_chunk import LentChunk
 from kvtier.connectors.vllm_blocks import ChunkGrid, ChunkSpan, ChunkTransfer, Rank
+from kvtier.connectors.vllm_loads import LoadQueue
 from kvtier.connectors.vllm_pieces import BlockPieces, CacheLayer
 from kvtier.connectors.vllm_policy import LoadObservation
 from kvtier.connectors.vllm_saves import SaveQueue
@@ -60,7 +62,9 @@ class WorkerStats:
     saved_blocks: int = 0
     load_errors: int = 0
     load_s: float = 0.0
-    """Time loads held vLLM's forward path."""
+    """Time loads held vLLM's forward path (synchronous loads, or submitting async ones)."""
+    async_load_s: float = 0.0
+    """Time async loads took on the loading thread, off the forward path."""
     save_wait_s: float = 0.0
     """Time saves held it (submitting, and draining before a preempted request's blocks
     are reused)."""
@@ -84,7 +88,8 @@ class WorkerSide:
     at idle priority with ``idle_saves``."""
 
     def __init__(self, store: Callable[[], ChunkStore], grid: ChunkGrid, rank: Rank = Rank(),
-                 background: bool = False, idle_saves: bool = False) -> None:
+                 background: bool = False, idle_saves: bool = False,
+                 async_loads: bool = False) -> None:
         self._store = store
         self.grid = grid
         self.rank = rank
@@ -96,6 +101,11 @@ class WorkerSide:
         self.saves = SaveQueue(background, idle_saves)
         self._load_errors: set[int] = set()
         self._observed: list[LoadObservation] = []
+        self._lock = threading.Lock()
+        """Guards what the loading thread and vLLM's both touch: observations, counters."""
+        self.loads = LoadQueue(self._load_async_one) if async_loads else None
+        """Loads off the forward path (vLLM's async-load protocol, :mod:`.vllm_loads`)."""
+        self._load_stream: torch.cuda.Stream | None = None
 
     def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         """vLLM's cache tensors, one per layer, each with a block dimension of
@@ -203,10 +213,58 @@ class WorkerSide:
         that cannot be loaded are load errors (recomputed)."""
         t0 = time.perf_counter()
         for load in loads:
-            self._load_one(load)
+            self._load_errors |= self._load_one(load)
         self.stats.load_s += time.perf_counter() - t0
 
-    def _load_one(self, load: ChunkTransfer) -> None:
+    def load_async(self, loads: list[ChunkTransfer], after_saves: bool = False) -> None:
+        """Hand ``loads`` to the loading thread (vLLM parks their requests until
+        :meth:`finished_loading` names them); ``after_saves``: they read chunks the saves
+        submitted so far write. On CUDA they wait for what vLLM queued on the device so
+        far (blocks just freed may still be read) and run on their own stream."""
+        if not loads:
+            return
+        assert self.loads is not None, "async loads were not enabled"
+        t0 = time.perf_counter()
+        ready = None
+        if any(layer.kv.is_cuda for layer in self.layers):
+            ready = torch.cuda.Event()
+            ready.record()
+        saves = self.saves
+
+        def before() -> None:
+            if after_saves:
+                saves.drain()
+            if ready is not None:
+                ready.synchronize()
+
+        self.loads.submit(loads, before)
+        self.stats.load_s += time.perf_counter() - t0
+
+    def _load_async_one(self, load: ChunkTransfer) -> set[int]:
+        t0 = time.perf_counter()
+        try:
+            if not any(layer.kv.is_cuda for layer in self.layers):
+                return self._load_one(load)
+            if self._load_stream is None:
+                self._load_stream = torch.cuda.Stream(self.layers[0].kv.device)
+            with torch.cuda.stream(self._load_stream):
+                missed = self._load_one(load)
+            self._load_stream.synchronize()  # in the cache before vLLM hears it landed
+            return missed
+        finally:
+            self.stats.async_load_s += time.perf_counter() - t0
+
+    def finished_loading(self) -> set[str]:
+        """Requests whose async loads are over; the blocks they could not load join the
+        load errors vLLM reads in the same pass (and recomputes)."""
+        if self.loads is None:
+            return set()
+        done, missed = self.loads.finished()
+        self._load_errors |= missed
+        return done
+
+    def _load_one(self, load: ChunkTransfer) -> set[int]:
+        """One request's planned chunks scattered; the blocks not loaded."""
         t0 = time.perf_counter()
         keys = [ChunkGrid.rank_key(span.key, self.rank) for span in load.chunks]
         loaded: set[int] = set()
@@ -223,12 +281,15 @@ class WorkerSide:
         wanted = {b for span in load.chunks for b in span.targets}
         if loaded:
             block_bytes = self.layers[0].block(0).numel() * self.layers[0].kv.element_size()
-            self._observed.append(LoadObservation(
-                load.req_id, len(loaded) * block_bytes * len(self.layers), time.perf_counter() - t0))
+            seen = LoadObservation(load.req_id, len(loaded) * block_bytes * len(self.layers),
+                                   time.perf_counter() - t0)
+            with self._lock:
+                self._observed.append(seen)
         missed = wanted - loaded
-        self._load_errors.update(missed)
-        self.stats.load_errors += len(missed)
-        self.stats.loaded_blocks += len(loaded)
+        with self._lock:
+            self.stats.load_errors += len(missed)
+            self.stats.loaded_blocks += len(loaded)
+        return missed
 
     def _scatter_all(self, items: list[_Item]) -> list[ChunkError | None]:
         """Each lent chunk scattered into its blocks, or why not. Whole chunks of one size
@@ -346,7 +407,8 @@ class WorkerSide:
 
     def take_observations(self) -> list[LoadObservation]:
         """The loads made since the last call (bytes and seconds), for the scheduler's policy."""
-        out, self._observed = self._observed, []
+        with self._lock:
+            out, self._observed = self._observed, []
         return out
 
     def take_load_errors(self) -> set[int]:
@@ -354,6 +416,8 @@ class WorkerSide:
         return errors
 
     def close(self) -> None:
+        if self.loads is not None:
+            self.loads.close()
         self.saves.close()
 
 

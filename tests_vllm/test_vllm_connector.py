@@ -96,6 +96,17 @@ def test_in_process_tiers(model_dir, baseline, tmp_path):
     assert metrics["vllm:kvtier_recomputed_by_decision_tokens"] == 0
 
 
+def test_async_loads(model_dir, baseline, tmp_path):
+    """vLLM's async-load protocol: the second request waits for its prefix off the forward
+    path and then generates vLLM alone's tokens from it."""
+    extra = {"tiers": {"cpu_bytes": 64 << 20, "disk_dir": str(tmp_path / "c"), "disk_fsync": False},
+             "async_loads": True}
+    results, metrics = run_vllm(model_dir, "kvtier", extra)
+    check_against_baseline(results, metrics, baseline)
+    assert metrics["vllm:kvtier_loaded_blocks"] == shared_blocks(results)
+    assert metrics["vllm:kvtier_load_errors"] == 0
+
+
 def test_through_kvtier_serve(model_dir, baseline, tmp_path):
     server, url, _ = start_serve(tmp_path / "serve-chunks", "t0k")
     headers = {"Authorization": "Bearer t0k"}

@@ -8,6 +8,7 @@ never wrong KV."""
 from __future__ import annotations
 
 import os
+import time
 import tracemalloc
 
 import pytest
@@ -347,3 +348,84 @@ def test_in_process_tiers_for_several_ranks_live_in_a_private_sidecar(tmp_path):
         private_sidecar.stop(address)
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{address.url}/healthz", timeout=2)  # stopped
+
+
+class _GatedReads(LocalChunkStore):
+    """The in-process store, whose reads wait until the test opens the gate."""
+
+    def __init__(self, manager: TierManager) -> None:
+        super().__init__(manager)
+        import threading
+
+        self.gate = threading.Event()
+
+    def get_into(self, keys):
+        assert self.gate.wait(30)
+        return super().get_into(keys)
+
+
+def test_async_loads_run_off_the_forward_path_and_report_each_request_once(tmp_path):
+    """vLLM's async-load protocol: the step's loads go to the loading thread; a request is
+    reported finished (with the blocks it could not load, in the same pass) only once its
+    load is over, loaded or failed, and exactly once."""
+    src, dst = caches(NUM_BLOCKS, False, seed=40), caches(NUM_BLOCKS, False, seed=41)
+    slot = _chunk_bytes(src)
+    store = _GatedReads(TierManager([CPUTier(16 * slot, slot)]))
+    keys = _keys(6)
+    _worker(store, src).save(_transfer(keys[:2], [0, 1, 2, 3]))  # the third is never stored
+    reader = WorkerSide(lambda: store, GRID, async_loads=True)
+    reader.register(dst, NUM_BLOCKS)
+    try:
+        good = ChunkTransfer("good", _transfer(keys[:2], [4, 5, 6, 7])[0].chunks)
+        bad = ChunkTransfer("bad", _transfer(keys[2:], [8, 9])[0].chunks)
+        reader.load_async([good, bad])
+        assert reader.stats.loaded_blocks == 0  # vLLM's step went on: nothing read yet
+        assert reader.finished_loading() == set() and reader.take_load_errors() == set()
+        store.gate.set()
+        done: set[str] = set()
+        for _ in range(200):
+            done |= reader.finished_loading()
+            if done == {"good", "bad"}:
+                break
+            time.sleep(0.02)
+        assert done == {"good", "bad"}
+        assert reader.take_load_errors() == {8, 9}  # reported with "bad", recomputed
+        assert reader.finished_loading() == set()  # once
+        for s, d in ((0, 4), (1, 5), (2, 6), (3, 7)):
+            for a, b in zip(_block(src, s), _block(dst, d), strict=True):
+                assert torch.equal(a, b)
+        assert reader.stats.load_s < reader.stats.async_load_s  # the loading thread's time
+    finally:
+        store.gate.set()
+        reader.close()
+
+
+def test_an_async_load_waits_for_the_saves_it_reads(tmp_path):
+    """A returning request loads the reply its previous turn's last save writes: the load
+    runs after that save, on the loading thread, never before it."""
+    src = caches(NUM_BLOCKS, True, seed=42)
+    slot = _chunk_bytes(src)
+    store = _GatedStore(TierManager([CPUTier(16 * slot, slot)]))
+    keys = _keys(2)
+    worker = WorkerSide(lambda: store, GRID, background=True, async_loads=True)
+    worker.register(src, NUM_BLOCKS)
+    try:
+        worker.save([ChunkTransfer("turn1", _transfer(keys, [0, 1])[0].chunks)])
+        worker.load_async([ChunkTransfer("turn2", _transfer(keys, [2, 3])[0].chunks)],
+                          after_saves=True)
+        time.sleep(0.2)
+        assert worker.finished_loading() == set()  # still waiting for the save
+        store.gate.set()
+        for _ in range(200):
+            if worker.finished_loading() == {"turn2"}:
+                break
+            time.sleep(0.02)
+        else:
+            raise AssertionError("the load never finished")
+        assert worker.take_load_errors() == set()
+        for s, d in ((0, 2), (1, 3)):
+            for a, b in zip(_block(src, s), _block(src, d), strict=True):
+                assert torch.equal(a, b)
+    finally:
+        store.gate.set()
+        worker.close()
