@@ -17,26 +17,36 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-
-from kvtier.connectors.vllm_blocks import ChunkTransfer
+from typing import Generic, Protocol, TypeVar
 
 log = logging.getLogger(__name__)
 
 
-class LoadQueue:
-    """Background loads, one at a time in submission order. ``load`` scatters one
-    request's planned chunks and returns the blocks it could not load (it may raise: then
-    every planned block is an error)."""
+class Load(Protocol):
+    """One request's planned load (the connector's ``ChunkTransfer``)."""
 
-    def __init__(self, load: Callable[[ChunkTransfer], set[int]]) -> None:
+    @property
+    def req_id(self) -> str: ...
+
+
+L = TypeVar("L", bound=Load)
+
+
+class LoadQueue(Generic[L]):
+    """Background loads, one at a time in submission order. ``load`` scatters one
+    request's planned chunks and returns the blocks it could not load; where it raises,
+    ``blocks`` names every block the load planned (all of them errors)."""
+
+    def __init__(self, load: Callable[[L], set[int]], blocks: Callable[[L], set[int]]) -> None:
         self._load = load
+        self._blocks = blocks
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm-load")
         self._lock = threading.Lock()
         self._pending: Counter[str] = Counter()
         self._done: set[str] = set()
         self._missed: set[int] = set()
 
-    def submit(self, loads: list[ChunkTransfer], before: Callable[[], None] | None = None
+    def submit(self, loads: list[L], before: Callable[[], None] | None = None
                ) -> Future[None] | None:
         """Load ``loads`` after every load submitted before them; ``before`` runs first on
         the loading thread (waiting for what must land first: saves the loads read, the
@@ -47,7 +57,7 @@ class LoadQueue:
             self._pending.update(load.req_id for load in loads)
         return self._pool.submit(self._run, loads, before)
 
-    def _run(self, loads: list[ChunkTransfer], before: Callable[[], None] | None) -> None:
+    def _run(self, loads: list[L], before: Callable[[], None] | None) -> None:
         try:
             if before is not None:
                 before()
@@ -58,7 +68,7 @@ class LoadQueue:
                 missed = self._load(load)
             except Exception:  # noqa: BLE001 - never lose a load: vLLM holds its blocks
                 log.exception("kvtier load failed (recomputed)")
-                missed = {b for span in load.chunks for b in span.targets}
+                missed = self._blocks(load)
             with self._lock:
                 self._missed |= missed
                 self._pending[load.req_id] -= 1

@@ -103,7 +103,8 @@ class WorkerSide:
         self._observed: list[LoadObservation] = []
         self._lock = threading.Lock()
         """Guards what the loading thread and vLLM's both touch: observations, counters."""
-        self.loads = LoadQueue(self._load_async_one) if async_loads else None
+        self.loads = (LoadQueue(self._load_async_one, _planned_blocks) if async_loads
+                      else None)
         """Loads off the forward path (vLLM's async-load protocol, :mod:`.vllm_loads`)."""
         self._load_stream: torch.cuda.Stream | None = None
 
@@ -278,7 +279,7 @@ class WorkerSide:
                         log.warning("kvtier load of chunk %s failed (recomputed): %s", item.key, error)
         except Exception as exc:  # noqa: BLE001 - every block not loaded is an error
             log.warning("kvtier load failed (recomputed): %s", exc)
-        wanted = {b for span in load.chunks for b in span.targets}
+        wanted = _planned_blocks(load)
         if loaded:
             block_bytes = self.layers[0].block(0).numel() * self.layers[0].kv.element_size()
             seen = LoadObservation(load.req_id, len(loaded) * block_bytes * len(self.layers),
@@ -419,6 +420,10 @@ class WorkerSide:
         if self.loads is not None:
             self.loads.close()
         self.saves.close()
+
+
+def _planned_blocks(load: ChunkTransfer) -> set[int]:
+    return {b for span in load.chunks for b in span.targets}
 
 
 @lru_cache(maxsize=256)

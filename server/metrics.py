@@ -52,6 +52,18 @@ class _SnapshotCollector(Collector):
             for kind, n in sorted(policy.get("decisions", {}).items()):
                 c.add_metric([kind], n)
             yield c
+        reuse = snap.get("reuse")
+        if reuse is not None:
+            ceiling = GaugeMetricFamily(
+                "kvtier_reuse_ceiling_ratio",
+                "Share of recently requested blocks an unbounded cache could serve")
+            ceiling.add_metric([], reuse["ceiling"])
+            achieved = GaugeMetricFamily(
+                "kvtier_reuse_achieved_ratio",
+                "Share of the same requested blocks the cache did serve (pool or tiers)")
+            achieved.add_metric([], reuse["achieved"])
+            yield ceiling
+            yield achieved
 
 
 def _tenant_metrics(tenants: list[dict[str, Any]]) -> Iterator[Metric]:

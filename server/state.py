@@ -20,6 +20,7 @@ from kvtier.connectors.tiers.manager import TierManager
 from kvtier.engine.async_engine import AsyncEngine
 from kvtier.engine.engine import Engine
 from kvtier.engine.session import ChatSession
+from kvtier.policies.reuse_ceiling import ReuseCeiling
 from kvtier.server.chunk_versions import KeyLocks
 from kvtier.server.metrics import ServiceMetrics
 from kvtier.server.reply_budget import ReplyBudget
@@ -98,6 +99,7 @@ class ServiceState:
             "pool": None,
             "sessions": None,
             "policy": None,
+            "reuse": None,
         }
         if self.engine is not None:
             snap.update(await self.engine.call(engine_stats, self.engine.engine))
@@ -175,7 +177,14 @@ def engine_stats(engine: Engine) -> dict[str, Any]:
             "busy": len(engine.busy_sessions),
         },
         "policy": None if engine.policy is None else {"decisions": dict(engine.policy.decisions)},
+        "reuse": reuse_stats(engine.scheduler.reuse),
     }
+
+
+def reuse_stats(reuse: ReuseCeiling) -> dict[str, Any]:
+    """The reuse ceiling over the recent window, beside the hit rate achieved there."""
+    return {"ceiling": reuse.ratio(), "achieved": reuse.achieved(),
+            "window_blocks": reuse.window, "requested_blocks": reuse.requested_total}
 
 
 def session_info(engine: Engine, session: ChatSession, detail: bool = False) -> dict[str, Any]:

@@ -277,7 +277,8 @@ def _replay_all(args: argparse.Namespace, workloads: list, budgets: list[float],
                 "turns": len(wl.turns), "sessions": len({t.session for t in wl.turns}),
                 "time_scale": scale, "offered_load_recompute": offered_load(wl, wcost) / args.nodes,
                 "nodes": args.nodes, "router": args.router,
-                "working_set_bytes": working, "budgets": {},
+                "working_set_bytes": working, "reuse_ceiling": wl.reuse_ceiling(),
+                "budgets": {},
             }
             stats = wl.meta.get("session_stats")
             if stats is not None:

@@ -18,11 +18,13 @@ def print_tables(console, results: dict[str, Any]) -> None:
             t = Table(
                 title=f"{wname}: {entry['turns']} turns, {entry['sessions']} sessions, GPU budget "
                 f"{budget} of the working set ({_gb(entry['working_set_bytes'])} GB), "
-                f"time x{entry['time_scale']:.1f}",
+                f"time x{entry['time_scale']:.1f}"
+                + (f"; reuse ceiling {100 * entry['reuse_ceiling']['exact']:.0f}% of prompt chunks"
+                   if "reuse_ceiling" in entry else ""),
                 title_justify="left",
             )
             for col in ("system", "TTFT mean s", "p50 s", "p99 s", "vs recompute",
-                        "hits gpu/cpu/disk", "read GB", "written GB", "prefill saved",
+                        "hits gpu/cpu/disk", "hits of ceiling", "read GB", "written GB", "prefill saved",
                         "peak GPU GB"):
                 t.add_column(col, justify="left" if col == "system" else "right")
             base = rows.get("recompute-only", {}).get("ttft_mean_s")
@@ -34,12 +36,21 @@ def print_tables(console, results: dict[str, Any]) -> None:
                     f"{r['ttft_mean_s']:.3f}", f"{r['ttft_p50_s']:.3f}", f"{r['ttft_p99_s']:.3f}",
                     f"{r['ttft_mean_s'] / base:.3g}x" if base else "-",
                     "/".join(f"{100 * hr.get(k, 0):.0f}%" for k in ("gpu", "cpu", "disk")),
+                    _of_ceiling(hr, entry),
                     _gb(sum(r["read_bytes"].values())),
                     _gb(sum(r["write_bytes"].values())),
                     f"{100 * r['prefill_tokens_saved_frac']:.0f}%",
                     _gb(r["peak_gpu_kv_bytes"]),
                 )
             console.print(t)
+
+
+def _of_ceiling(hit_rate: dict[str, float], entry: dict[str, Any]) -> str:
+    """The prompt chunks a system served, as a share of what the workload allows."""
+    ceiling = entry.get("reuse_ceiling", {}).get("exact")
+    if not ceiling:
+        return "-"
+    return f"{100 * (1 - hit_rate.get('miss', 0.0)) / ceiling:.0f}%"
 
 
 def plot_results(results: dict[str, Any], directory: Path) -> list[Path]:

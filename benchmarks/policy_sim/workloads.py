@@ -48,6 +48,26 @@ class Workload:
     chunk_tokens: int
     meta: dict = field(default_factory=dict)
 
+    def reuse_ceiling(self) -> dict[str, float]:
+        """The share of prompt chunks an unbounded cache could serve (seen before in a
+        prompt, or completed by a reply): ``exact`` by counting, ``estimate`` as the live
+        metric computes it (:class:`~kvtier.policies.reuse_ceiling.ReuseCeiling`, a
+        window as long as the workload)."""
+        from kvtier.policies.reuse_ceiling import ReuseCeiling
+
+        total = sum(len(t.chunk_keys) for t in self.turns)
+        sketch = ReuseCeiling(window=max(total, 1))
+        seen: set[Hashable] = set()
+        new = 0
+        for t in sorted(self.turns, key=lambda t: t.arrival_s):
+            new += sum(1 for k in dict.fromkeys(t.chunk_keys) if k not in seen)
+            seen.update(t.chunk_keys)
+            sketch.requested(t.chunk_keys)
+            seen.update(t.reply_keys)
+            sketch.produced(t.reply_keys)
+        exact = (total - new) / total if total else 0.0
+        return {"exact": exact, "estimate": sketch.ratio(), "prompt_chunks": total}
+
     def peak_live_tokens(self) -> int:
         """Largest sum of live sessions' context (first to last turn): the working set
         that is actually live at once."""

@@ -24,7 +24,9 @@ import torch
 from kvtier.engine.model_runner import ModelRunner
 from kvtier.engine.sampling import SamplingParams, StopChecker, sample_one
 from kvtier.errors import InvalidArgumentError, OutOfBlocksError
+from kvtier.hashing import chain_hashes
 from kvtier.models.tokenizer import StreamDecoder, Tokenizer
+from kvtier.policies.reuse_ceiling import ReuseCeiling
 from kvtier.transfer.kv_transfer import KVTransfer
 from kvtier.transfer.layer_load import LayerLoadError
 
@@ -137,6 +139,8 @@ class Scheduler:
             self.sample_vocab = min(self.sample_vocab, tokenizer.vocab_size)
         self.steps = 0
         self.preemptions = 0
+        self.reuse = ReuseCeiling()
+        """The best hit rate the requests allow, beside the one achieved (a window)."""
 
     # ------------------------------------------------------------------ intake
     def add(
@@ -263,6 +267,7 @@ class Scheduler:
                 req._admitted_once = True
                 req.num_cached_tokens = added.num_cached_tokens
                 req.timings.first_scheduled = time.perf_counter()
+                self._count_reuse(req)
             n = min(max(len(req.all_ids) - added.num_cached_tokens, 1), budget)
             batch.append((req, n))
             budget -= n
@@ -347,7 +352,25 @@ class Scheduler:
             self.running.remove(req)
             self.runner.free_sequence(req.request_id)
 
+    def _count_reuse(self, req: Request) -> None:
+        """A request's prompt blocks against the reuse ceiling, with the ones it found."""
+        bs = self.runner.pool.block_size
+        full = len(req.prompt_ids) // bs * bs
+        self.reuse.requested(chain_hashes(req.prompt_ids[:full], bs),
+                             served=min(req.num_cached_tokens, full) // bs)
+
+    def _count_reply(self, req: Request) -> None:
+        """The full blocks a reply completed: the next turn's prompt may ask for them."""
+        bs = self.runner.pool.block_size
+        ids = req.all_ids
+        start = len(req.prompt_ids) // bs
+        full = len(ids) // bs
+        if full > start:
+            self.reuse.produced(chain_hashes(ids[: full * bs], bs)[start:])
+
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        if req._admitted_once and error is None:
+            self._count_reply(req)
         req.state = RequestState.FINISHED
         req.finish_reason = reason
         req.error = error

@@ -66,6 +66,12 @@ def test_a_reply_kept_in_the_gpu_is_reused_by_the_next_turn():
     first = Workload("first", wl.turns[:1], CHUNK)
     lm = Simulator(first, SYSTEMS["lmcache-like"], _cost(), 1e9, {"cpu": 1e9}).run()
     assert lm.write_bytes["cpu"] == 1024 * 1000  # 4 prompt chunks, not the 2 of the reply
+    # the reuse ceiling: of 11 prompt chunks, the second turn's 4 repeated and 2 from the
+    # reply could be served (6 / 11); keeping the reply, vllm-like reaches it
+    ceiling = wl.reuse_ceiling()
+    assert ceiling["exact"] == pytest.approx(6 / 11) and ceiling["prompt_chunks"] == 11
+    assert ceiling["estimate"] == pytest.approx(6 / 11, abs=0.01)
+    assert 1 - keep.summary()["hit_rate"]["miss"] == pytest.approx(6 / 11)
 
 
 def test_arrivals_are_stretched_for_the_busiest_stretch_of_the_workload():
@@ -213,6 +219,10 @@ def test_bench_policies_cli_runs_and_reports_bad_input(tmp_path, capsys):
     rows = doc["workloads"]["multiturn"]["budgets"]["0.5"]
     assert set(rows) == set(SYSTEMS)
     assert rows["kvtier"]["ttft_mean_s"] < rows["recompute-only"]["ttft_mean_s"]
+    ceiling = doc["workloads"]["multiturn"]["reuse_ceiling"]["exact"]
+    assert 0 < ceiling < 1  # shared system prompts and follow-ups: reuse, bounded
+    for r in rows.values():  # no system serves more than the workload allows
+        assert 1 - r["hit_rate"].get("miss", 0.0) <= ceiling + 1e-9
     assert doc["config"]["profile_warnings"]  # the test profile is from "another machine"
     assert (tmp_path / "plots" / "policies-multiturn-ttft-cdf.png").stat().st_size > 0
     with pytest.raises(InvalidArgumentError, match="unknown system policy 'nope'"):

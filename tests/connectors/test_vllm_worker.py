@@ -275,17 +275,23 @@ def test_each_rank_restores_its_own_part():
 
 
 class _GatedStore(LocalChunkStore):
-    """The in-process store, whose stores wait until the test opens the gate (a slow medium)."""
+    """The in-process store, whose stores (or, with ``reads``, whose reads) wait until the
+    test opens the gate (a slow medium)."""
 
-    def __init__(self, manager: TierManager) -> None:
+    def __init__(self, manager: TierManager, reads: bool = False) -> None:
         super().__init__(manager)
         import threading
 
         self.gate = threading.Event()
+        self.reads = reads
 
     def put_from(self, writes):
-        assert self.gate.wait(30)
+        assert self.reads or self.gate.wait(30)
         return super().put_from(writes)
+
+    def get_into(self, keys):
+        assert not self.reads or self.gate.wait(30)
+        return super().get_into(keys)
 
 
 def test_saves_run_off_the_forward_path_and_hold_a_finished_requests_blocks(tmp_path):
@@ -350,27 +356,13 @@ def test_in_process_tiers_for_several_ranks_live_in_a_private_sidecar(tmp_path):
         httpx.get(f"{address.url}/healthz", timeout=2)  # stopped
 
 
-class _GatedReads(LocalChunkStore):
-    """The in-process store, whose reads wait until the test opens the gate."""
-
-    def __init__(self, manager: TierManager) -> None:
-        super().__init__(manager)
-        import threading
-
-        self.gate = threading.Event()
-
-    def get_into(self, keys):
-        assert self.gate.wait(30)
-        return super().get_into(keys)
-
-
 def test_async_loads_run_off_the_forward_path_and_report_each_request_once(tmp_path):
     """vLLM's async-load protocol: the step's loads go to the loading thread; a request is
     reported finished (with the blocks it could not load, in the same pass) only once its
     load is over, loaded or failed, and exactly once."""
     src, dst = caches(NUM_BLOCKS, False, seed=40), caches(NUM_BLOCKS, False, seed=41)
     slot = _chunk_bytes(src)
-    store = _GatedReads(TierManager([CPUTier(16 * slot, slot)]))
+    store = _GatedStore(TierManager([CPUTier(16 * slot, slot)]), reads=True)
     keys = _keys(6)
     _worker(store, src).save(_transfer(keys[:2], [0, 1, 2, 3]))  # the third is never stored
     reader = WorkerSide(lambda: store, GRID, async_loads=True)

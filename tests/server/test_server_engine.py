@@ -241,3 +241,23 @@ def test_a_failing_step_fails_its_turns_with_500_and_the_engine_goes_on(server):
         assert r["kvtier"]["turn"] == 1  # the failed turn left no trace in the session
     stats = state.engine.engine.runner.pool.stats()
     assert stats.num_sequences == 0
+
+
+def test_the_reuse_ceiling_beside_the_hits_achieved(server, expected):
+    """A second turn asks for the first turn's prompt and reply again: the ceiling rises
+    above zero, and the blocks the pool still held count as achieved."""
+    url, _ = server
+    text1 = expected[0]
+    history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": Q1}]
+    with Client(url) as kv:
+        kv.chat(history, session_id="erin", **GREEDY)
+        first = kv.stats()["reuse"]
+        assert first["ceiling"] < 0.05 and first["achieved"] == 0.0  # all first sightings
+        history += [{"role": "assistant", "content": text1}, {"role": "user", "content": Q2}]
+        kv.chat(history, session_id="erin", **GREEDY)
+        second = kv.stats()["reuse"]
+        text = kv.metrics()
+    assert second["requested_blocks"] > first["requested_blocks"]
+    assert 0.3 < second["ceiling"] <= 1.0
+    assert 0 < second["achieved"] <= second["ceiling"] + 0.05
+    assert "kvtier_reuse_ceiling_ratio" in text and "kvtier_reuse_achieved_ratio" in text
