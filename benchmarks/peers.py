@@ -68,6 +68,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "LMCache's disk backend runs here)")
     p.add_argument("--no-connector", dest="connector", action="store_false",
                    help="skip the vLLM connector rows (with the CPU tier)")
+    p.add_argument("--codecs", default="",
+                   help="also kvtier's disk and Redis tiers keeping chunks encoded (fp8,int8,"
+                        "int4): KV delivered per second against the uncompressed tier, same run "
+                        "(the KV's NaN and infinite bit patterns zeroed first: codecs take "
+                        "finite KV)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None)
     p.set_defaults(func=run)
@@ -128,7 +133,16 @@ def _session_kv(owner: _Owner, tokens: list[int]):
 
 # ------------------------------------------------------------------------ kvtier side
 def _kvtier_tier(name: str, args: argparse.Namespace, workdir: Path, redis_url: str | None,
-                 chunk_bytes: int):
+                 chunk_bytes: int, codec: str = "none"):
+    from kvtier.kv_codecs import Codec
+
+    tier = _kvtier_medium(name, args, workdir, redis_url, chunk_bytes)
+    tier.codec = Codec.parse(codec)
+    return tier
+
+
+def _kvtier_medium(name: str, args: argparse.Namespace, workdir: Path, redis_url: str | None,
+                   chunk_bytes: int):
     from kvtier.chunk_format import max_chunk_bytes
     from kvtier.connectors.tiers.cpu_tier import CPUTier
     from kvtier.connectors.tiers.disk_tier import DiskTier
@@ -147,17 +161,16 @@ def _kvtier_tier(name: str, args: argparse.Namespace, workdir: Path, redis_url: 
 
 
 def _kvtier_run(name: str, args: argparse.Namespace, owner: _Owner, expected: list[Any],
-                workdir: Path, redis_url: str | None) -> dict[str, Any]:
+                workdir: Path, redis_url: str | None, codec: str = "none") -> dict[str, Any]:
     """Store every session, make the tier cold (disk), evict them from the pool, restore
-    them, check bit-exact."""
-    import torch
+    them, check bit-exact (within the codec's bound for a lossy ``codec``)."""
 
     from kvtier.connectors.tiers.manager import TierManager
     from kvtier.transfer.kv_transfer import KVTransfer
 
     sessions = _sessions(args)
     chunk_bytes = owner.pool.storage.bytes_per_token * args.chunk_tokens
-    tier = _kvtier_tier(name, args, workdir, redis_url, chunk_bytes)
+    tier = _kvtier_tier(name, args, workdir, redis_url, chunk_bytes, codec)
     manager = TierManager([tier], fingerprint=owner.fingerprint,
                           staging=getattr(tier, "staging", None))
     xfer = KVTransfer(owner, manager, args.chunk_tokens, stream=False)
@@ -178,7 +191,7 @@ def _kvtier_run(name: str, args: argparse.Namespace, owner: _Owner, expected: li
         retrieve_s = time.perf_counter() - t0
         restored = all(r.from_tiers == args.tokens for r in loads)
         exact = stored and restored and all(  # bit patterns: random bits include NaNs
-            torch.equal(_session_kv(owner, tokens).view(torch.int16), want.view(torch.int16))
+            _restored_as_stored(_session_kv(owner, tokens), want, codec)
             for tokens, want in zip(sessions, expected, strict=True)
         )
         for s, tokens in enumerate(sessions):  # hold them again for the next tier
@@ -192,6 +205,55 @@ def _kvtier_run(name: str, args: argparse.Namespace, owner: _Owner, expected: li
             _redis_flush(redis_url, "kvtier-peers:*")
         manager.close()
         shutil.rmtree(workdir / "kvtier-disk", ignore_errors=True)  # every run starts empty
+
+
+def _restored_as_stored(got: Any, want: Any, codec: str) -> bool:
+    """Bit for bit (uncompressed), or every value within the codec's bound of the largest."""
+    import torch
+
+    from kvtier.kv_codecs import ERROR_BOUND, Codec
+
+    if codec == "none":
+        return torch.equal(got.view(torch.int16), want.view(torch.int16))
+    err = (got.float() - want.float()).abs().amax()
+    # twice the bound: random bits reach the dtype's largest values, which round toward zero
+    return bool(err <= 2 * ERROR_BOUND[Codec(codec)] * want.float().abs().amax())
+
+
+def _put_back(owner: _Owner, sessions: list[list[int]], kvs: list[Any]) -> None:
+    """The sessions' blocks hold ``kvs`` again (a lossy restore left decoded KV there)."""
+    from kvtier.gpu_pool.kernels import scatter_blocks
+
+    for tokens, kv in zip(sessions, kvs, strict=True):
+        ids = owner.pool.manager.match_prefix(tokens, owner.fingerprint)
+        scatter_blocks(kv, owner.pool.storage.kv, ids)
+
+
+def _codec_rows(name: str, args: argparse.Namespace, owner: _Owner, workdir: Path,
+                redis_url: str | None, console: Any) -> list[dict[str, Any]]:
+    """kvtier's ``name`` tier keeping chunks encoded by each of ``--codecs``, against the
+    same tier uncompressed, in interleaved rounds (best kept): KV delivered per second."""
+    codecs = [c.strip() for c in args.codecs.split(",") if c.strip() and c.strip() != "none"]
+    sessions = _sessions(args)
+    expected = [_session_kv(owner, tokens).clone() for tokens in sessions]
+    nbytes = sum(e.numel() * e.element_size() for e in expected)
+    best: dict[str, dict[str, Any]] = {}
+    for r in range(1, max(1, args.repeats) + 1):
+        console.print(f"[bold]{name}[/bold] codecs round {r}: none, {', '.join(codecs)} ...")
+        for codec in ("none", *codecs):
+            got = _kvtier_run(name, args, owner, expected, workdir, redis_url, codec)
+            best[codec] = _keep_best(best.get(codec), got)
+            _put_back(owner, sessions, expected)  # the next run stores the original KV
+    rows = []
+    for codec in codecs:
+        for op in ("store", "retrieve"):
+            key = f"{op}_s"
+            kv = nbytes / best[codec][key] / 1e9
+            none = nbytes / best["none"][key] / 1e9
+            rows.append({"tier": name, "op": op, "codec": codec, "kv_GBps": round(kv, 3),
+                         "none_kv_GBps": round(none, 3), "vs_none": round(kv / none, 3),
+                         "within_bound": bool(best[codec]["bit_exact"])})
+    return rows
 
 
 def _warm_staging(staging: Any, chunk_bytes: int, args: argparse.Namespace) -> None:
@@ -404,6 +466,7 @@ def run(args: argparse.Namespace) -> int:
             console.print("redis: no redis-server (install it or pass --redis-url); skipped")
             tiers.remove("redis")
     rows: list[dict[str, Any]] = []
+    codec_rows: list[dict[str, Any]] = []
     try:
         owner = _make_pool(args)
         sessions = _sessions(args)
@@ -412,6 +475,10 @@ def run(args: argparse.Namespace) -> int:
         chunk_bytes = owner.pool.storage.bytes_per_token * args.chunk_tokens
         for name in tiers:
             rows += _tier_rows(name, args, owner, expected, src, workdir, redis_url, console)
+        if args.codecs.strip():
+            owner.pool.storage.kv.nan_to_num_(0.0, 0.0, 0.0)  # codecs take finite KV
+            for name in (t for t in tiers if t != "cpu"):
+                codec_rows += _codec_rows(name, args, owner, workdir, redis_url, console)
     finally:
         if started:
             started[0].kill()
@@ -419,6 +486,7 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(started[2], ignore_errors=True)
         shutil.rmtree(workdir, ignore_errors=True)
     _print(console, rows, args)
+    _print_codecs(console, codec_rows)
     config = {"model": args.model, "sessions": args.sessions, "tokens": args.tokens,
               "chunk_tokens": args.chunk_tokens, "dtype": "bfloat16",
               "chunk_bytes": chunk_bytes, "total_bytes": int(src.numel() * src.element_size()),
@@ -426,7 +494,8 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         from kvtier.benchmarks.results import write_result
 
-        path = write_result(args.out, "peers", {"config": config, "rows": rows})
+        path = write_result(args.out, "peers", {"config": config, "rows": rows,
+                                                "codec_rows": codec_rows})
         console.print(f"wrote {path}")
     if args.plot:
         _plot(rows, args.plot, config)
@@ -566,6 +635,22 @@ def _print(console: Any, rows: list[dict[str, Any]], args: argparse.Namespace) -
     for r in rows:
         if r.get("lmcache_error"):
             console.print(f"LMCache {r['tier']} {r['op']}: {r['lmcache_error']}")
+
+
+def _print_codecs(console: Any, rows: list[dict[str, Any]]) -> None:
+    if not rows:
+        return
+    from rich.table import Table
+
+    table = Table(title="kvtier tiers keeping chunks encoded, against the same tier "
+                  "uncompressed (GB/s of KV delivered; best of the rounds)")
+    for col in ("tier", "op", "codec", "KV GB/s", "uncompressed", "ratio", "within bound"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["tier"], r["op"], r["codec"], f"{r['kv_GBps']:.2f}",
+                      f"{r['none_kv_GBps']:.2f}", f"{r['vs_none']:.2f}x",
+                      "yes" if r["within_bound"] else "[red]NO[/red]")
+    console.print(table)
 
 
 def _plot(rows: list[dict[str, Any]], path: Path, config: dict[str, Any]) -> None:

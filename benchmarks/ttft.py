@@ -19,7 +19,10 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvtier.kv_codecs import Codec
 
 DEFAULT_HISTORIES = (512, 1024, 2048, 4096)
 NEW_TOKENS = 32
@@ -40,6 +43,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--chunk-tokens", type=int, default=256)
     p.add_argument("--disk-dir", type=Path, default=None, help="default: a temp dir")
     p.add_argument("--redis-url", default=None, help="also measure a Redis tier")
+    p.add_argument("--codecs", default="",
+                   help="also tiers keeping their chunks encoded (fp8,int8,int4): a disk tier "
+                        "per codec, and a Redis tier per codec with --redis-url")
     p.add_argument("--dtype", default=None)
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=None)
@@ -147,6 +153,7 @@ class _Resume:
         from kvtier.connectors.tiers.disk_tier import DiskTier
         from kvtier.connectors.tiers.manager import TierManager
         from kvtier.engine.model_runner import ModelRunner
+        from kvtier.kv_codecs import Codec
         from kvtier.transfer.kv_transfer import KVTransfer
 
         longest = max(histories) + NEW_TOKENS + 16
@@ -166,6 +173,15 @@ class _Resume:
             from kvtier.connectors.tiers.redis_tier import RedisTier
 
             tiers["redis"] = RedisTier(args.redis_url, timeout_s=5.0)
+        for codec in _codecs(args.codecs):  # the same media, chunks kept encoded
+            tiers[f"disk-{codec.value}"] = DiskTier(disk_dir / codec.value, capacity_bytes=None,
+                                                    fsync=True)
+            if args.redis_url:
+                tiers[f"redis-{codec.value}"] = RedisTier(args.redis_url, timeout_s=5.0,
+                                                          prefix=f"kvtier-{codec.value}:")
+        for name, tier in tiers.items():
+            if "-" in name:
+                tier.codec = Codec.parse(name.split("-", 1)[1])
         xfers = {name: KVTransfer(runner, TierManager([t], fingerprint=runner.fingerprint,
                                                       promote_on_hit=False), args.chunk_tokens)
                  for name, t in tiers.items()}
@@ -271,14 +287,22 @@ class _Resume:
                 prep.restore = restore
                 suffix = "_stream" if stream else ""
                 cases[name + suffix] = prep
-                if name == "disk":
+                if name.startswith("disk"):
                     def prep_cold():
                         evict()
                         _drop_page_cache(disk_dir)
 
                     prep_cold.restore = restore
-                    cases["disk_cold" + suffix] = prep_cold
+                    cold = "disk_cold" if name == "disk" else f"{name}_cold"
+                    cases[cold + suffix] = prep_cold
         return cases
+
+
+def _codecs(text: str) -> list[Codec]:
+    from kvtier.kv_codecs import Codec
+
+    codecs = [Codec.parse(c.strip()) for c in text.split(",") if c.strip()]
+    return [c for c in codecs if c is not Codec.NONE]
 
 
 def _copy_gbps(nbytes: int, repeats: int, device) -> tuple[float, str]:

@@ -78,7 +78,9 @@ ERROR_BOUND: dict[Codec, float] = {
     Codec.INT4: 1 / 7,  # half a step; the step is at most the group's max / 3.5
 }
 """The largest error of a decoded value relative to the largest magnitude of its group: what
-a quality budget (``policy.max_kv_error``) is compared with (tested against the codecs)."""
+a quality budget (``policy.max_kv_error``) is compared with (tested against the codecs).
+A group whose largest values lie within a step of the KV dtype's largest finite value may
+err by twice as much there: those round toward zero rather than decode to infinity."""
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ def test_bench_peers_small_run_writes_rows(tmp_path):
     rc = main(
         ["bench", "peers", "--model", "smollm-135m", "--sessions", "2", "--tokens", "512",
          "--tiers", "cpu,disk,redis", "--lmcache-python", str(tmp_path / "no-lmcache"),
-         "--disk-dir", str(tmp_path), "--out", str(out)]
+         "--codecs", "int8,int4", "--disk-dir", str(tmp_path), "--out", str(out)]
     )  # fmt: skip
     assert rc == 0
     doc = json.loads(out.read_text())
@@ -36,6 +36,11 @@ def test_bench_peers_small_run_writes_rows(tmp_path):
         assert r["round_ratios"]["raw"] == [pytest.approx(r["kvtier_vs_raw"], abs=2e-3)]
         assert r["lmcache_GBps"] is None  # no LMCache environment given: nothing made up
         assert "lmcache_fsync_GBps" not in r
+    codecs = {(r["tier"], r["op"], r["codec"]): r for r in doc["codec_rows"]}
+    assert set(codecs) == {(t, op, c) for t in ("disk", "redis") for op in ("store", "retrieve")
+                           for c in ("int8", "int4")}
+    for r in codecs.values():  # the same sessions, within each codec's bound
+        assert r["within_bound"] is True and r["kv_GBps"] > 0 and r["none_kv_GBps"] > 0
     cold = rows[("disk", "retrieve")]  # the reference is the quicker of two cold reads
     assert cold["raw_GBps"] == pytest.approx(max(cold["raw_buffered_GBps"], cold["raw_direct_GBps"]), rel=0.02)
 

@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 
 from kvtier.cli.main import main
+from tests import redis_servers
+
+redis_server = redis_servers.redis_server  # the real-server fixture, used by name
 
 
 def test_bench_tiers_writes_ratios_for_every_tier(tmp_path):
@@ -43,3 +46,18 @@ def test_bench_ttft_compares_restores_with_recompute(tmp_path):
             assert r[f"{case}_GBps"] is None or r[f"{case}_GBps"] > 0
     per_token = [r["restored_bytes"]["cpu"] / r["history_tokens"] for r in doc["rows"]]
     assert per_token[0] == per_token[1]  # the KV bytes of the history, whatever its length
+
+
+def test_bench_ttft_codec_rows_restore_the_same_kv_from_fewer_bytes(tmp_path, redis_server):
+    out = tmp_path / "ttft.json"
+    argv = ["bench", "ttft", "--preset", "tiny", "--models-dir", str(tmp_path / "models"),
+            "--histories", "96", "--chunk-tokens", "32", "--repeats", "1",
+            "--redis-url", redis_server.url, "--codecs", "int8,int4", "--out", str(out)]
+    assert main(argv) == 0
+    (r,) = json.loads(out.read_text())["rows"]
+    for tier in ("disk-int8", "disk-int4", "redis-int8", "redis-int4"):
+        assert r["stored_tokens"][tier] == 96  # every tier holds the history
+        assert r["restored_bytes"][tier] == r["restored_bytes"]["disk"]  # KV delivered
+        assert r[f"{tier}_s"] > 0 and f"{tier}_restore_overhead_s" in r
+    for case in ("disk-int8_cold", "disk-int4_cold_stream"):
+        assert r[f"{case}_s"] > 0
