@@ -41,25 +41,11 @@ def _pow2(x):
 
 
 @triton.jit
-def decode_scatter_kernel(
-    payload_ptr, kv_ptr, ids_ptr, status_ptr,
-    step, k_at, v_at, tokens, offset,
-    s_kv_layer, s_kv_block, s_kv_kv,
-    HD: tl.constexpr, D: tl.constexpr, G: tl.constexpr, GT: tl.constexpr,
-    GD: tl.constexpr, BLOCK_SIZE: tl.constexpr, CODEC: tl.constexpr, BLOCK: tl.constexpr,
-    ROWS: tl.constexpr, OUT_BF16: tl.constexpr,
-):
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
-    j = rows[:, None]  # the restored tokens, from offset on
-    live = j < tokens - offset
-    lk = tl.program_id(1)
-    layer = (lk // 2).to(tl.int64)
-    kv = lk % 2
-    t = offset + j  # the tokens in the chunk
-    idx = tl.arange(0, BLOCK)[None, :]
-    mask = (idx < HD) & live
-    base = payload_ptr + layer * step
-    e_base = base + tl.where(kv == 0, k_at, v_at)
+def _stored_values(base, e_base, kv, t, idx, mask, tokens,
+                   HD: tl.constexpr, D: tl.constexpr, G: tl.constexpr, GT: tl.constexpr,
+                   GD: tl.constexpr, CODEC: tl.constexpr):
+    """Each value's integer (or e4m3) part ``q`` and power of two ``shift``, its group's
+    exponent ``e``, and where the byte is one no encoder writes."""
     if CODEC == 3:  # int4: two values a byte, even channel in the low nibble
         byte = tl.load(base + (kv * tokens + t) * (HD // 2) + idx // 2, mask=mask, other=0x88)
         byte = byte.to(tl.int32)
@@ -87,18 +73,50 @@ def decode_scatter_kernel(
             e = tl.load(e_base + (t * HD + idx) // D, mask=mask, other=0)
             e = e.to(tl.int8, bitcast=True).to(tl.int32)
             shift = e
-    bad_exp = (e < -127) & mask
-    half = shift >> 1  # floor: both factors stay within [-69, 67]
-    val = q * _pow2(half) * _pow2(shift - half)
+    return q, shift, e, bad_value
+
+
+@triton.jit
+def _in_dtype(val, mask, out_ty: tl.constexpr, OUT_BF16: tl.constexpr):
+    """``val`` (fp32) in the pool's dtype, and where it does not fit (past its range)."""
     if OUT_BF16:  # round to nearest even by hand: exact for subnormals everywhere
         bits = val.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
         bad_range = ((bits & 0x7F80) == 0x7F80) & mask
         out = bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
-        out = val.to(kv_ptr.dtype.element_ty)
+        out = val.to(out_ty)
         wide = out.to(tl.float32)
         bad_range = ((wide != wide) | (tl.abs(wide) == float("inf"))) & mask
+    return out, bad_range
+
+
+@triton.jit
+def decode_scatter_kernel(
+    payload_ptr, kv_ptr, ids_ptr, status_ptr,
+    step, k_at, v_at, tokens, offset,
+    s_kv_layer, s_kv_block, s_kv_kv,
+    HD: tl.constexpr, D: tl.constexpr, G: tl.constexpr, GT: tl.constexpr,
+    GD: tl.constexpr, BLOCK_SIZE: tl.constexpr, CODEC: tl.constexpr, BLOCK: tl.constexpr,
+    ROWS: tl.constexpr, OUT_BF16: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    j = rows[:, None]  # the restored tokens, from offset on
+    live = j < tokens - offset
+    lk = tl.program_id(1)
+    layer = (lk // 2).to(tl.int64)
+    kv = lk % 2
+    t = offset + j  # the tokens in the chunk
+    idx = tl.arange(0, BLOCK)[None, :]
+    mask = (idx < HD) & live
+    base = payload_ptr + layer * step
+    e_base = base + tl.where(kv == 0, k_at, v_at)
+    q, shift, e, bad_value = _stored_values(base, e_base, kv, t, idx, mask, tokens,
+                                            HD, D, G, GT, GD, CODEC)
+    bad_exp = (e < -127) & mask
+    half = shift >> 1  # floor: both factors stay within [-69, 67]
+    out, bad_range = _in_dtype(q * _pow2(half) * _pow2(shift - half), mask,
+                               kv_ptr.dtype.element_ty, OUT_BF16)
     block = tl.load(ids_ptr + j // BLOCK_SIZE, mask=live, other=0).to(tl.int64)
     dst = (kv_ptr + layer * s_kv_layer + block * s_kv_block + kv * s_kv_kv
            + (j % BLOCK_SIZE) * HD + idx)
