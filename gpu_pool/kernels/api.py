@@ -321,6 +321,36 @@ def scatter_decoded(
     highest code found (:data:`DECODE_ERRORS`) is written into ``status`` (an int32 ``[1]``
     on the device, made when None, and returned); read it once the stream's work is done,
     and treat the blocks as garbage where it is nonzero. Several chunks may share one."""
+    pool, name, ids, status = _decoded_inputs(payload, codec, kv, block_ids, tokens, offset,
+                                              status)
+    layers, _, _, _, kv_heads, head_dim = pool.shape
+    if debug_enabled(debug):
+        check.scan_block_ids("block_ids", ids, pool.shape[1])
+    if resolve_backend(backend, pool.device) == "torch":
+        out = torch.empty((layers, 2, tokens, kv_heads, head_dim), dtype=pool.dtype,
+                          device=pool.device)
+        try:
+            decode_layers_into(payload, name, out)
+        except ChunkFormatError:
+            status.fill_(max(status.item(), 3))
+            return status
+        reference.scatter_blocks(out[:, :, offset:].contiguous(), pool, ids, tokens - offset)
+        return status
+    from kvtier.gpu_pool.kernels import triton_codec
+
+    at = layer_exponents_at(name, (2, tokens, kv_heads, head_dim), pool.dtype)
+    with device_guard(pool.device):
+        triton_codec.decode_scatter(payload, name.value, pool, ids, tokens, offset, at,
+                                    groups(name, tokens, head_dim), status)
+    return status
+
+
+def _decoded_inputs(payload: object, codec: Codec | str, kv: object,
+                    block_ids: torch.Tensor | Sequence[int], tokens: int, offset: int,
+                    status: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, Codec, torch.Tensor, torch.Tensor]:
+    """:func:`scatter_decoded`'s arguments checked: the pool, the codec, the block ids and
+    the status word (made where None)."""
     pool = check.kv_pool(kv)
     layers, _, _, block_size, kv_heads, head_dim = pool.shape
     try:
@@ -350,22 +380,4 @@ def scatter_decoded(
     elif status.dtype != torch.int32 or status.numel() != 1:
         check.fail("status must be an int32 tensor of one element")
     check.same_device({"kv": pool, "block_ids": ids, "payload": payload, "status": status})
-    if debug_enabled(debug):
-        check.scan_block_ids("block_ids", ids, pool.shape[1])
-    if resolve_backend(backend, pool.device) == "torch":
-        out = torch.empty((layers, 2, tokens, kv_heads, head_dim), dtype=pool.dtype,
-                          device=pool.device)
-        try:
-            decode_layers_into(payload, name, out)
-        except ChunkFormatError:
-            status.fill_(max(status.item(), 3))
-            return status
-        reference.scatter_blocks(out[:, :, offset:].contiguous(), pool, ids, tokens - offset)
-        return status
-    from kvtier.gpu_pool.kernels import triton_codec
-
-    at = layer_exponents_at(name, (2, tokens, kv_heads, head_dim), pool.dtype)
-    with device_guard(pool.device):
-        triton_codec.decode_scatter(payload, name.value, pool, ids, tokens, offset, at,
-                                    groups(name, tokens, head_dim), status)
-    return status
+    return pool, name, ids, status
