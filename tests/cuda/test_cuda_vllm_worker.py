@@ -1,9 +1,11 @@
 """kvtier's vLLM connector worker with vLLM's caches on the device: chunks of blocks
 gathered from GPU memory into the CPU arena's (pinned) slots on the background save thread
 (after the step's forward pass: a CUDA event) and scattered back from them, bit-exact, in
-both cache layouts."""
+both cache layouts, before the forward pass or on the loading thread (``async_loads``)."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -19,8 +21,10 @@ BLOCK, LAYERS, BLOCKS = 16, 4, 24
 FP = b"vllm-v2|cuda-test"
 
 
+@pytest.mark.parametrize("async_loads", [False, True], ids=["loads", "async-loads"])
 @pytest.mark.parametrize("blocks_first", [True, False])
-def test_device_cache_blocks_round_trip_through_the_cpu_arena(device, sizes, blocks_first):
+def test_device_cache_blocks_round_trip_through_the_cpu_arena(device, sizes, blocks_first,
+                                                               async_loads):
     heads, dim = sizes.kv_heads, sizes.head_dim
     shape = (BLOCKS, 2, BLOCK, heads, dim) if blocks_first else (2, BLOCKS, BLOCK, heads, dim)
     g = torch.Generator().manual_seed(0)
@@ -38,12 +42,19 @@ def test_device_cache_blocks_round_trip_through_the_cpu_arena(device, sizes, blo
 
     try:
         writer = WorkerSide(lambda: store, grid, background=True)
-        reader = WorkerSide(lambda: store, grid)
+        reader = WorkerSide(lambda: store, grid, async_loads=async_loads)
         writer.register(src, BLOCKS)
         reader.register(dst, BLOCKS)
         writer.save(spans(0))
         writer.wait_saves()  # the background save has landed
-        reader.load(spans(10))
+        if async_loads:  # on the loading thread and its own stream; done once reported
+            reader.load_async(spans(10))
+            deadline = time.monotonic() + 60
+            while reader.finished_loading() != {"r"}:
+                assert time.monotonic() < deadline, "the async load never finished"
+                time.sleep(0.01)
+        else:
+            reader.load(spans(10))
         assert reader.take_load_errors() == set() and reader.stats.loaded_blocks == 8
         dim_b = 0 if blocks_first else 1
         for name in src:
@@ -52,4 +63,5 @@ def test_device_cache_blocks_round_trip_through_the_cpu_arena(device, sizes, blo
             assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     finally:
         writer.close()
+        reader.close()
         store.manager.close()
