@@ -43,13 +43,13 @@ def setups(workdir: Path) -> dict[str, VllmSetup]:
                       "disk_fsync": False}}}),
         "kvtier-serve": VllmSetup("kvtier-serve", {**KVTIER, "kv_connector_extra_config": {"shm": True}},
                                   sidecar=True),
-        # the same, with vLLM's async-load protocol (loads off the forward path)
-        "kvtier-inprocess-async": VllmSetup("kvtier-inprocess-async", {
+        # the same, loading before the forward pass (``async_loads`` false)
+        "kvtier-inprocess-sync": VllmSetup("kvtier-inprocess-sync", {
             **KVTIER, "kv_connector_extra_config": {
-                "tiers": {"cpu_bytes": 1 << 30, "disk_dir": str(workdir / "inprocess-async-chunks"),
-                          "disk_fsync": False}, "async_loads": True}}),
-        "kvtier-serve-async": VllmSetup("kvtier-serve-async", {
-            **KVTIER, "kv_connector_extra_config": {"shm": True, "async_loads": True}},
+                "tiers": {"cpu_bytes": 1 << 30, "disk_dir": str(workdir / "inprocess-sync-chunks"),
+                          "disk_fsync": False}, "async_loads": False}}),
+        "kvtier-serve-sync": VllmSetup("kvtier-serve-sync", {
+            **KVTIER, "kv_connector_extra_config": {"shm": True, "async_loads": False}},
             sidecar=True),
         "lmcache": VllmSetup("lmcache", {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"},
                              extra_path=_site_packages(REPO / ".venv-lmcache")),

@@ -19,15 +19,15 @@ This module only speaks vLLM's interface; the work is the scheduler side's
 request ends) and the worker side's (:mod:`.vllm_worker`: blocks gathered straight into the
 store's memory on a background thread, lent chunks scattered straight into the cache, one
 copy and one checksum pass each way; a missing or corrupt chunk is reported through
-``get_block_ids_with_load_errors`` and vLLM recomputes it: never wrong KV). Loads run
-before the forward pass, or with ``async_loads`` on a background thread while vLLM parks the
-request (its async-load protocol); saves run off the forward path and a finished request's
+``get_block_ids_with_load_errors`` and vLLM recomputes it: never wrong KV). Loads run on a
+background thread while vLLM parks the request (its async-load protocol; ``async_loads``
+false: before the forward pass); saves run off the forward path and a finished request's
 blocks are held until they land (``get_finished``).
 
 Options (``kv_connector_extra_config``): ``url``/``token``/``shm`` (a ``kvtier serve``) or
 ``config``/``tiers`` (in-process tiers), ``chunk_tokens`` (256), ``save_decode`` (true: save
-a finished request's reply too), ``background_saves`` (true), ``async_loads`` (false: load
-before the forward pass; true: vLLM's async-load protocol, :mod:`.vllm_loads`), ``save_priority``
+a finished request's reply too), ``background_saves`` (true), ``async_loads`` (true: vLLM's
+async-load protocol, :mod:`.vllm_loads`; false: load before the forward pass), ``save_priority``
 (``normal``; ``idle``: the save thread runs only on a core nothing else wants), ``policy``
 (true: load a
 stored prefix only where that beats recomputing it, :mod:`.vllm_policy`), ``profile`` (a
@@ -141,7 +141,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self._deltas = Deltas()
         self._step_t0: float | None = None
         self.kv_role = Role(self._kv_transfer_config.kv_role or "kv_both")
-        self.async_loads = _flag(self.extra, "async_loads", False)
+        self.async_loads = _flag(self.extra, "async_loads", True)
         """Loads off the forward path: vLLM parks a request while its KV loads on a
         background thread (:mod:`.vllm_loads`); else loads run before the forward pass."""
         self.scheduler_side = SchedulerSide(self._open_store, self.grid, self.world,

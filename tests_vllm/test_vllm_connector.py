@@ -96,11 +96,12 @@ def test_in_process_tiers(model_dir, baseline, tmp_path):
     assert metrics["vllm:kvtier_recomputed_by_decision_tokens"] == 0
 
 
-def test_async_loads(model_dir, baseline, tmp_path):
-    """vLLM's async-load protocol: the second request waits for its prefix off the forward
-    path and then generates vLLM alone's tokens from it."""
+def test_loads_before_the_forward_pass(model_dir, baseline, tmp_path):
+    """``async_loads`` false: the second request's prefix is loaded in ``start_load_kv``,
+    before the step's forward pass (the other tests run the default, vLLM's async-load
+    protocol), with the same tokens."""
     extra = {"tiers": {"cpu_bytes": 64 << 20, "disk_dir": str(tmp_path / "c"), "disk_fsync": False},
-             "async_loads": True}
+             "async_loads": False}
     results, metrics = run_vllm(model_dir, "kvtier", extra)
     check_against_baseline(results, metrics, baseline)
     assert metrics["vllm:kvtier_loaded_blocks"] == shared_blocks(results)
