@@ -52,6 +52,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--csv", action="append", default=[], metavar="FILE",
                    help="a CSV of sessionised turns (see docs/policies.md; repeatable)")
     p.add_argument("--trace-limit", type=int, default=None, help="first N trace requests only")
+    p.add_argument("--family", type=int, default=0, metavar="N",
+                   help="also N synthetic workloads spanning published trace shapes (turns, "
+                        "think times and their tails, message and document lengths, shared "
+                        "prompts, arrival rates; Latin hypercube, --seed) and a robustness "
+                        "table: kvtier against the best other system on each")
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
                    help="systems to compare (names or dotted paths to a SystemSpec)")
     p.add_argument("--budgets", default="0.25,0.5,1.0",
@@ -208,6 +213,13 @@ def run(args: argparse.Namespace) -> int:
 
     results = _replay_all(args, workloads, budgets, systems, cost, console)
     _report(args, results, console)
+    robust = None
+    if args.family:
+        from kvtier.benchmarks.policy_sim.family import robustness
+        from kvtier.benchmarks.policy_sim.report import print_robustness
+
+        robust = robustness(results)
+        print_robustness(console, robust)
     if args.out:
         path = write_result(args.out, "policies", {
             "config": {"mode": "real" if args.real else "simulate", "profile": str(args.profile), "budgets": budgets,
@@ -218,6 +230,7 @@ def run(args: argparse.Namespace) -> int:
                        "codecs": {t: dataclasses.asdict(c) for t, c in cost.codecs.items()},
                        "profile_warnings": warnings},
             "workloads": results,
+            **({"robustness": robust} if robust is not None else {}),
         })
         console.print(f"wrote {path}")
     return 0
@@ -251,8 +264,14 @@ def _workloads(args: argparse.Namespace) -> list:
         workloads.append(mooncake(path, limit=args.trace_limit))
     for path in args.csv:
         workloads.append(from_csv(path))
+    if args.family < 0:
+        raise InvalidArgumentError(f"--family takes a number of members, not {args.family}")
+    if args.family:
+        from kvtier.benchmarks.policy_sim.family import family
+
+        workloads += family(args.family, args.seed, args.sessions)
     if not workloads:
-        raise InvalidArgumentError("nothing to replay: give --workloads, --trace or --csv")
+        raise InvalidArgumentError("nothing to replay: give --workloads, --trace, --csv or --family")
     return workloads
 
 
@@ -280,6 +299,8 @@ def _replay_all(args: argparse.Namespace, workloads: list, budgets: list[float],
                 "working_set_bytes": working, "reuse_ceiling": wl.reuse_ceiling(),
                 "budgets": {},
             }
+            if "family_spec" in wl.meta:
+                entry["family_spec"] = wl.meta["family_spec"]
             stats = wl.meta.get("session_stats")
             if stats is not None:
                 entry["session_stats"] = stats

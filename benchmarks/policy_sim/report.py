@@ -45,6 +45,29 @@ def print_tables(console, results: dict[str, Any]) -> None:
             console.print(t)
 
 
+def print_robustness(console, robust: dict[str, Any]) -> None:
+    """Each family member and budget: kvtier's mean and p99 TTFT over the best other's."""
+    from rich.table import Table
+
+    if not robust.get("cells"):
+        return
+    t = Table(title=f"{robust['system']} across the trace family ({robust['members']} members): "
+              "TTFT over the best other system (below 1: lowest)", title_justify="left")
+    for col in ("workload", "budget", "mean vs best", "p99 vs best", "best other"):
+        t.add_column(col, justify="left" if col in ("workload", "best other") else "right")
+    for c in robust["cells"]:
+        t.add_row(c["workload"], c["budget"], f"{c['mean_vs_best']:.3f}",
+                  f"{c['p99_vs_best']:.3f}", c["best_other"])
+    console.print(t)
+    console.print(
+        f"worst mean {robust['worst_mean_vs_best']:.3f}x, worst p99 "
+        f"{robust['worst_p99_vs_best']:.3f}x; mean within 1 % in "
+        f"{100 * robust['mean_within_1pct']:.0f} % of cells, p99 within 3 % in "
+        f"{100 * robust['p99_within_3pct']:.0f} %; lowest mean in "
+        f"{100 * robust['lowest_mean_share']:.0f} %; geometric mean "
+        f"{robust['geomean_mean_vs_best']:.3f}x")
+
+
 def _of_ceiling(hit_rate: dict[str, float], entry: dict[str, Any]) -> str:
     """The prompt chunks a system served, as a share of what the workload allows."""
     ceiling = entry.get("reuse_ceiling", {}).get("exact")
