@@ -44,19 +44,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", type=Path, default=None, help="model directory for --real")
     p.add_argument("--max-output", type=int, default=8,
                    help="--real: cap on generated reply tokens per turn")
-    p.add_argument("--workloads", default=",".join(BUILTIN_WORKLOADS),
-                   help=f"built-in synthetic workloads, comma-separated, or 'none' "
-                   f"({', '.join(BUILTIN_WORKLOADS)})")
-    p.add_argument("--trace", action="append", default=[], metavar="FILE",
-                   help="a Mooncake-format JSONL trace (repeatable)")
-    p.add_argument("--csv", action="append", default=[], metavar="FILE",
-                   help="a CSV of sessionised turns (see docs/policies.md; repeatable)")
-    p.add_argument("--trace-limit", type=int, default=None, help="first N trace requests only")
-    p.add_argument("--family", type=int, default=0, metavar="N",
-                   help="also N synthetic workloads spanning published trace shapes (turns, "
-                        "think times and their tails, message and document lengths, shared "
-                        "prompts, arrival rates; Latin hypercube, --seed) and a robustness "
-                        "table: kvtier against the best other system on each")
+    _workload_args(p)
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
                    help="systems to compare (names or dotted paths to a SystemSpec)")
     p.add_argument("--budgets", default="0.25,0.5,1.0",
@@ -90,6 +78,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, default=None, help="write JSON results here")
     p.add_argument("--plot", type=Path, default=None, help="write PNG plots into this directory")
     p.set_defaults(func=run)
+
+
+def _workload_args(p: argparse.ArgumentParser) -> None:
+    """What is replayed: built-in workloads, traces, CSVs, the trace family."""
+    p.add_argument("--workloads", default=",".join(BUILTIN_WORKLOADS),
+                   help=f"built-in synthetic workloads, comma-separated, or 'none' "
+                   f"({', '.join(BUILTIN_WORKLOADS)})")
+    p.add_argument("--trace", action="append", default=[], metavar="FILE",
+                   help="a Mooncake-format JSONL trace (repeatable)")
+    p.add_argument("--csv", action="append", default=[], metavar="FILE",
+                   help="a CSV of sessionised turns (see docs/policies.md; repeatable)")
+    p.add_argument("--trace-limit", type=int, default=None, help="first N trace requests only")
+    p.add_argument("--family", type=int, default=0, metavar="N",
+                   help="also N synthetic workloads spanning published trace shapes (turns, "
+                        "think times and their tails, message and document lengths, shared "
+                        "prompts, arrival rates; Latin hypercube, --seed) and a robustness "
+                        "table: kvtier against the best other system on each")
 
 
 def resolve_profile(text: str) -> Path:
