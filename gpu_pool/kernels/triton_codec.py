@@ -130,7 +130,7 @@ def decode_scatter_kernel(
 def decode_scatter(
     payload: torch.Tensor, codec: str, kv: torch.Tensor, block_ids: torch.Tensor,
     tokens: int, offset: int, exponents_at: tuple[int, int], groups: tuple[int, int, int],
-    status: torch.Tensor, rows: int | None = None, num_warps: int = 4,
+    status: torch.Tensor,
 ) -> None:
     """Launch the decode + scatter of every layer of ``payload`` (checked by the caller:
     :func:`kvtier.gpu_pool.kernels.api.scatter_decoded`)."""
@@ -141,13 +141,12 @@ def decode_scatter(
     g, gt, gd = groups
     hd = heads * dim
     block = triton.next_power_of_2(hd)
-    if rows is None:  # a program decodes about ROW_VALUES values
-        rows = max(1, min(triton.next_power_of_2(n), ROW_VALUES // block))
+    rows = max(1, min(triton.next_power_of_2(n), ROW_VALUES // block))  # ~ROW_VALUES a program
     grid = (triton.cdiv(n, rows), layers * 2)
     decode_scatter_kernel[grid](
         payload, kv, block_ids, status,
         payload.numel() // layers, exponents_at[0], exponents_at[1], tokens, offset,
         kv.stride(0), kv.stride(1), kv.stride(2),
         HD=hd, D=dim, G=g, GT=gt, GD=gd, BLOCK_SIZE=block_size, CODEC=_CODES[codec],
-        BLOCK=block, ROWS=rows, OUT_BF16=kv.dtype == torch.bfloat16, num_warps=num_warps,
+        BLOCK=block, ROWS=rows, OUT_BF16=kv.dtype == torch.bfloat16, num_warps=4,
     )
