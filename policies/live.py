@@ -17,11 +17,12 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
 from kvtier.policies.cost_model import CostModel
+from kvtier.policies.load import LoadMeter, LoadWeights
 from kvtier.policies.offload import (
     IdleSession,
     OffloadDecision,
@@ -31,6 +32,7 @@ from kvtier.policies.offload import (
 )
 from kvtier.policies.restore import StoredChunk, plan_restore
 from kvtier.policies.think_time import ThinkTimeModel
+from kvtier.policies.victim_reuse import VictimReuse
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +73,14 @@ class LivePolicy:
         """Idle sessions the pool lets go next (stage-ahead's reach): the tiers keep their
         copies, which let their blocks go with no write on the admission path."""
         self._next_check = -float("inf")
+        self.load = LoadMeter()
+        self.victims = VictimReuse()
+        """Of the blocks the pool let go, the share asked for again (the engine's
+        scheduler and offloads, or the simulator, feed it): how likely a victim is wanted,
+        whoever asks (a prefix shared across sessions comes back though its session
+        does not; a session's return may want none of its blocks)."""
+        """How busy the GPU and the tiers' links have been (what the engine's steps and
+        transfers, or the simulator's events, report): what makes decisions load-aware."""
 
     # ---------------------------------------------------------------- sessions
     def turn_started(self, session: Hashable, now: float | None = None) -> None:
@@ -86,9 +96,15 @@ class LivePolicy:
         self.idle_since[session] = self.clock() if at is None else at
         self.think.turn_ended(session)
 
-    def left_pool(self, session: Hashable) -> None:
-        """Its blocks are gone: what the tiers hold of it is ranked like any other copy."""
+    def left_pool(self, session: Hashable, blocks: Iterable[Hashable] = ()) -> None:
+        """Its blocks are gone: what the tiers hold of it is ranked like any other copy,
+        and whether ``blocks`` (their keys) are asked for again is watched."""
         self.leaving.discard(session)
+        self.victims.let_go(blocks)
+
+    def requested(self, blocks: Iterable[Hashable]) -> None:
+        """A request asks for these blocks (a prompt's full blocks, by key)."""
+        self.victims.requested(blocks)
 
     def forget(self, session: Hashable) -> None:
         self.leaving.discard(session)
@@ -119,6 +135,28 @@ class LivePolicy:
         out = (self.think.eviction_rank(session, idle), self.think.expected_next_s(session, idle))
         self._memo[session] = (since, idle, seen, out)
         return out
+
+    def p_return(self, session: Hashable, now: float | None = None) -> float:
+        """Chance that an idle session's KV is asked for again: its own return (the
+        think-time model) or, measured over the pool's victims, any request wanting a
+        block it let go. A session still running (or unknown) has not started its wait:
+        the chance any session comes back after a turn."""
+        since = self.idle_since.get(session)
+        now = self.clock() if now is None else now
+        idle = 0.0 if since is None or since > now else now - since
+        return max(self.think.p_alive(session, idle), self.victims.rate())
+
+    def idle_session(self, session: Hashable, gpu_tokens: int, prefix_tokens: int,
+                     now: float | None = None, context_tokens: int = 0) -> IdleSession:
+        """What the offload policy weighs of an idle session (its predictions included)."""
+        return IdleSession(session, gpu_tokens, prefix_tokens, self.predicted_next_s(session, now),
+                           self.p_return(session, now), context_tokens)
+
+    def weights(self, now: float | None = None,
+                link_wait_s: Mapping[str, float] | None = None) -> LoadWeights:
+        """What a second of the GPU's and each link's time costs now (``link_wait_s``: the
+        transfers each link has queued, where the caller knows them)."""
+        return self.load.weights(self.clock() if now is None else now, link_wait_s)
 
     def session_rank(self, session: Hashable, now: float | None = None) -> float:
         """Higher = let the session's KV go sooner; running sessions rank -1 (kept)."""
@@ -170,10 +208,12 @@ class LivePolicy:
 
     # ----------------------------------------------------------------- restore
     def plan_load(
-        self, chunks: Sequence[tuple[int, str]], prompt_tokens: int, cached_tokens: int
+        self, chunks: Sequence[tuple[int, str]], prompt_tokens: int, cached_tokens: int,
+        link_wait_s: Mapping[str, float] | None = None,
     ) -> int:
         """How many of the stored chunks (tokens, tier name), in order after what the pool
-        holds, to load; the rest of the prompt is recomputed. Without a cost model: all."""
+        holds, to load; the rest of the prompt is recomputed (under the load now,
+        :func:`plan_restore`). Without a cost model: all."""
         if self.cost is None or not chunks:
             return len(chunks)
         known = [StoredChunk(n, t) for n, t in chunks if t in self.cost.tiers]
@@ -181,12 +221,25 @@ class LivePolicy:
             # A tier the profile has not measured: load up to it, decide nothing about it.
             first_unknown = next(i for i, (_, t) in enumerate(chunks) if t not in self.cost.tiers)
             known = known[:first_unknown]
-        plan = plan_restore(self.cost, known, prompt_tokens, cached_tokens)
+        plan = plan_restore(self.cost, known, prompt_tokens, cached_tokens,
+                            load_weights=self.weights(link_wait_s=link_wait_s))
         self.decisions["restore_recompute" if plan.recompute_all else "restore_load"] += 1
         return plan.load_chunks
 
+    def observe_compute(self, seconds: float, end: float | None = None) -> None:
+        """The model ran for ``seconds`` (a step), ending ``end`` (default now)."""
+        end = self.clock() if end is None else end
+        self.load.observe_compute(end - seconds, seconds)
+
+    def observe_transfer(self, tier: str, seconds: float, end: float | None = None) -> None:
+        """A tier's link carried a read or a write for ``seconds``, ending ``end``."""
+        end = self.clock() if end is None else end
+        self.load.observe_link(tier, end - seconds, seconds)
+
     def observe_read(self, tier: str, nbytes: int, seconds: float) -> None:
-        """Refine a tier's read bandwidth from a restore that was timed end to end."""
+        """Refine a tier's read bandwidth from a restore that was timed end to end (and
+        count the link busy for it)."""
+        self.observe_transfer(tier, seconds)
         if self.cost is None or tier not in self.cost.tiers or nbytes <= 0:
             return
         tiers = dict(self.cost.tiers)
@@ -216,7 +269,7 @@ class LivePolicy:
         the high one, to admit a turn); ``room_bytes`` as in
         :meth:`PredictiveOffload.target_tier`; ``staged``: they are pre-staged (stored,
         kept in the pool), counted as such)."""
-        sessions = [IdleSession(s, g, p, self.predicted_next_s(s)) for s, g, p in idle]
+        sessions = [self.idle_session(s, g, p) for s, g, p in idle]
         if self.cost is None:
             # No measured costs: no "worth storing" test; the fastest tier with room.
             if not force and used_tokens <= self.offload.watermarks.high * max(capacity_tokens, 1):
@@ -231,11 +284,29 @@ class LivePolicy:
         else:
             names = [t for t in self.tier_names if t in self.cost.tiers]
             out = self.offload.decide(
-                sessions, used_tokens, capacity_tokens, self.cost, names, room_bytes, force
+                sessions, used_tokens, capacity_tokens, self.cost, names, room_bytes, force,
+                self.weights(),
             )
         for d in out:
             kind = "prestage" if staged else "offload"
             self.decisions[f"{kind}_{d.tier}" if d.tier else f"{kind}_drop"] += 1
+        return out
+
+    def prestage(
+        self, idle: Sequence[tuple[Hashable, int, int]], empty_bytes: Mapping[str, float]
+    ) -> list[OffloadDecision]:
+        """Idle sessions (id, tokens held, tokens a resume reuses) not stored yet to store
+        into the tiers' empty space now, whatever the pool's use, where the write pays
+        under the load now (:meth:`PredictiveOffload.prestage`): as the simulator stores
+        each computed chunk. Nothing without measured costs."""
+        if self.cost is None:
+            return []
+        names = [t for t in self.tier_names if t in self.cost.tiers]
+        out = self.offload.prestage([self.idle_session(s, g, p) for s, g, p in idle],
+                                    self.cost, names, empty_bytes, self.weights())
+        for d in out:
+            if d.tier is not None:
+                self.decisions[f"store_{d.tier}"] += 1
         return out
 
     def stage_ahead(
@@ -250,12 +321,13 @@ class LivePolicy:
         make room, so that a turn needing the room does not wait for their write
         (:meth:`PredictiveOffload.stage_ahead`; a full tier demotes its own victims).
         Without measured costs every such session goes to the fastest tier."""
-        sessions = [(IdleSession(s, g, p, self.predicted_next_s(s)), done) for s, g, p, done in idle]
+        sessions = [(self.idle_session(s, g, p), done) for s, g, p, done in idle]
         order = sorted(sessions, key=lambda x: -x[0].predicted_next_s)  # decide()'s order
         reach = list(self.offload.leaving_next(order, used_tokens, capacity_tokens, lambda x: x[0].gpu_tokens))
         self.set_leaving({s.session for s, _ in reach})
         names = list(self.tier_names) if self.cost is None else [t for t in self.tier_names if t in self.cost.tiers]
-        out = self.offload.stage_ahead(reach, used_tokens, capacity_tokens, self.cost, names, room_bytes)
+        out = self.offload.stage_ahead(reach, used_tokens, capacity_tokens, self.cost, names,
+                                       room_bytes, None if self.cost is None else self.weights())
         for d in out:
             self.decisions[f"stage_ahead_{d.tier}"] += 1
         return out

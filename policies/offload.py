@@ -14,6 +14,14 @@ pool (:meth:`PredictiveOffload.stage_ahead`). When a turn then needs the room th
 once; a full tier makes room for them by demoting its own victims, as the write on the
 admission path would have.
 
+Under load a write is weighed against what it saves (:func:`write_pays`): a write on the
+admission path holds up the turn being admitted and everything queued behind it, so a
+session leaving then is stored only when its chance of coming back times the time a
+restore saves (recompute minus load, at the GPU's load weight) beats the write's cost to
+everyone (:mod:`kvtier.policies.load`); otherwise it is dropped, as the pool's LRU would.
+Writes ahead of need (pre-stage, stage-ahead) hold up no admission: they only pay their
+link's load.
+
 Sending sessions predicted to stay away for hours straight to a deeper tier, so as not to
 displace sooner returns from the fastest one, was measured and lost: the fastest tier's own
 session-aware eviction already demotes them, and skipping it sent sessions that did come
@@ -29,6 +37,7 @@ from typing import TypeVar
 
 from kvtier.errors import InvalidArgumentError
 from kvtier.policies.cost_model import CostModel
+from kvtier.policies.load import LoadWeights
 from kvtier.policies.registry import register
 
 T = TypeVar("T")
@@ -43,6 +52,11 @@ class IdleSession:
     """Tokens a resume could reuse (what recompute would have to redo)."""
     predicted_next_s: float
     """Expected seconds until its next turn."""
+    p_return: float = 1.0
+    """Chance that it comes back at all (shared prefixes: about certain)."""
+    context_tokens: int = 0
+    """Tokens before ``prefix_tokens`` that a resume has anyway (a chunk deep in a
+    conversation costs more to recompute than one at its start)."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +88,43 @@ def worth_storing(cost: CostModel, tier: str, tokens: int, chunk_tokens: int = 2
     return cost.load_time(tier, tokens, chunks) < cost.prefill.time(0, tokens)
 
 
+def write_pays(
+    cost: CostModel, tier: str, s: IdleSession, weights: LoadWeights, blocking: bool,
+    chunk_tokens: int = 256,
+) -> bool:
+    """Storing ``s`` in ``tier`` now is worth what it costs everyone: with chance
+    ``p_return`` a return then saves recomputing its prefix minus loading it (at the GPU's
+    weight; the load also weighs on its link), against the write's link time at what the
+    link's weight adds and, when the write blocks an admission (``blocking``), the delay it
+    adds there at the GPU's weight: the write after what its link has queued, less any
+    slack (a negative wait: the turn waits for something else till then). Idle and
+    non-blocking, this is :func:`worth_storing`."""
+    chunks = max(1, -(-s.prefix_tokens // chunk_tokens))
+    recompute = cost.prefill.time(s.context_tokens, s.prefix_tokens)
+    load = cost.load_time(tier, s.prefix_tokens, chunks)
+    write = cost.store_time(tier, s.prefix_tokens, chunks)
+    wc, wl = weights.compute, weights.link(tier)
+    gain = s.p_return * (wc * (recompute - load) - (wl - 1.0) * load)
+    price = (wl - 1.0) * write + (wc * max(write + weights.wait(tier), 0.0) if blocking else 0.0)
+    return gain > price
+
+
+def landing_pays(
+    cost: CostModel, tier: str, s: IdleSession, weights: LoadWeights, remaining_s: float,
+    chunk_tokens: int = 256,
+) -> bool:
+    """A turn needs the blocks of ``s`` while their copy to ``tier`` is still in flight:
+    waiting ``remaining_s`` for it to land (the turn and the queue behind it, at the GPU's
+    weight) pays when its chance of reuse times what a restore then saves is more;
+    otherwise the copy is abandoned and the blocks go now."""
+    chunks = max(1, -(-s.prefix_tokens // chunk_tokens))
+    recompute = cost.prefill.time(s.context_tokens, s.prefix_tokens)
+    load = cost.load_time(tier, s.prefix_tokens, chunks)
+    wc, wl = weights.compute, weights.link(tier)
+    gain = s.p_return * (wc * (recompute - load) - (wl - 1.0) * load)
+    return gain > wc * remaining_s
+
+
 @register("offload", "predictive")
 class PredictiveOffload:
     """kvtier's offload policy (see the module docstring)."""
@@ -90,11 +141,19 @@ class PredictiveOffload:
         cost: CostModel,
         tiers: Sequence[str],
         room_bytes: Mapping[str, float],
+        weights: LoadWeights | None = None,
+        blocking: bool = False,
     ) -> str | None:
         """``room_bytes``: the most each tier can take for it (a tier's capacity, or its
-        empty space for a speculative write that must not displace anything)."""
+        empty space for a speculative write that must not displace anything);
+        ``weights``: the load now, when the write must also pay for itself under it
+        (:func:`write_pays`; ``blocking``: on the admission path)."""
         for t in tiers:
-            if room_bytes.get(t, 0) >= cost.stored_bytes(t, s.prefix_tokens) and worth_storing(cost, t, s.prefix_tokens, self.chunk_tokens):
+            if room_bytes.get(t, 0) < cost.stored_bytes(t, s.prefix_tokens):
+                continue
+            if not worth_storing(cost, t, s.prefix_tokens, self.chunk_tokens):
+                continue
+            if weights is None or write_pays(cost, t, s, weights, blocking, self.chunk_tokens):
                 return t
         return None
 
@@ -107,10 +166,11 @@ class PredictiveOffload:
         tiers: Sequence[str],
         room_bytes: Mapping[str, float],
         force: bool = False,
+        weights: LoadWeights | None = None,
     ) -> list[OffloadDecision]:
         """Sessions to move out now (``force``: free down to the low watermark even below
-        the high one, e.g. to admit a request); ``room_bytes`` as in :meth:`target_tier`,
-        used up as sessions are placed."""
+        the high one, to admit a request: the writes are on its path); ``room_bytes`` as
+        in :meth:`target_tier`, used up as sessions are placed; ``weights`` as there."""
         cap = max(gpu_capacity_tokens, 1)
         if not force and gpu_used_tokens <= self.watermarks.high * cap:
             return []
@@ -121,11 +181,33 @@ class PredictiveOffload:
         for s in sorted(idle, key=lambda s: -s.predicted_next_s):
             if used <= target:
                 break
-            tier = self.target_tier(s, cost, tiers, free)
+            tier = self.target_tier(s, cost, tiers, free, weights, blocking=force)
             if tier is not None:
                 free[tier] = free.get(tier, 0) - cost.stored_bytes(tier, s.prefix_tokens)
             out.append(OffloadDecision(s.session, tier))
             used -= s.gpu_tokens
+        return out
+
+    def prestage(
+        self,
+        idle: Sequence[IdleSession],
+        cost: CostModel,
+        tiers: Sequence[str],
+        empty_bytes: Mapping[str, float],
+        weights: LoadWeights | None = None,
+    ) -> list[OffloadDecision]:
+        """Idle sessions to store into the tiers' empty space now, keeping their blocks,
+        whatever the pool's use: a copy made while a link is idle lets the blocks go with
+        no write when a turn needs them, and costs no admission anything. Those predicted
+        away longest first (they leave first), each where a write pays under the load now
+        (:func:`write_pays`, not blocking); ``empty_bytes`` is used up as they are placed."""
+        free = dict(empty_bytes)
+        out: list[OffloadDecision] = []
+        for s in sorted(idle, key=lambda s: -s.predicted_next_s):
+            tier = self.target_tier(s, cost, tiers, free, weights)
+            if tier is not None:
+                free[tier] = free.get(tier, 0) - cost.stored_bytes(tier, s.prefix_tokens)
+            out.append(OffloadDecision(s.session, tier))
         return out
 
     def leaving_next(
@@ -157,6 +239,7 @@ class PredictiveOffload:
         cost: CostModel | None,
         tiers: Sequence[str],
         room_bytes: Mapping[str, float],
+        weights: LoadWeights | None = None,
     ) -> list[OffloadDecision]:
         """Which idle sessions to store now, keeping their blocks: the pool's next victims
         (``in_eviction_order``: each with whether it is stored already), as many as making
@@ -172,7 +255,7 @@ class PredictiveOffload:
             if cost is None:
                 tier = tiers[0] if tiers else None
             else:
-                tier = self.target_tier(s, cost, tiers, room_bytes)
+                tier = self.target_tier(s, cost, tiers, room_bytes, weights)
             if tier is not None:
                 out.append(OffloadDecision(s.session, tier))
         return out

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from kvtier.connectors.tiers.chunk_index import ChunkIndex
 from kvtier.policies.eviction import ChunkInfo, EvictionPolicy
+from kvtier.policies.load import BusyShare
 
 _NO_PINS: frozenset = frozenset()
 
@@ -83,16 +84,23 @@ class Store:
 
 @dataclass
 class Link:
-    """A tier's I/O path: transfers queue behind each other."""
+    """A tier's I/O path: transfers queue behind each other (and how busy that kept it,
+    which the policy's load weights read)."""
 
     free_at: float = 0.0
     read_bytes: int = 0
     write_bytes: int = 0
+    busy: BusyShare = field(default_factory=BusyShare)
 
     def transfer(self, start: float, seconds: float) -> float:
         begin = max(start, self.free_at)
         self.free_at = begin + seconds
+        self.busy.observe(begin, seconds)
         return self.free_at
+
+    def wait_s(self, now: float) -> float:
+        """Transfers queued ahead of one that starts ``now``."""
+        return max(self.free_at - now, 0.0)
 
 
 @dataclass

@@ -23,6 +23,7 @@ import heapq
 import math
 from collections import OrderedDict
 from collections.abc import Hashable
+from dataclasses import replace
 
 from kvtier.benchmarks.policy_sim.node import KeySet, Link, SessionState, SimResult, Store
 from kvtier.benchmarks.policy_sim.staging import Stager
@@ -37,8 +38,10 @@ from kvtier.policies.eviction import (
     make_eviction,
 )
 from kvtier.policies.live import LivePolicy
-from kvtier.policies.offload import IdleSession, worth_storing
+from kvtier.policies.load import IDLE, LoadWeights
+from kvtier.policies.offload import IdleSession, landing_pays, worth_storing
 from kvtier.policies.restore import StoredChunk, plan_restore
+from kvtier.policies.victim_reuse import VictimReuse
 
 __all__ = ["Link", "SessionState", "SimResult", "Simulator", "Store"]
 
@@ -69,13 +72,13 @@ def eviction_for(name: str, spec: SystemSpec, live: LivePolicy, gpu: bool, pay: 
 
 
 def restore_plan(cost: CostModel, t: Turn, gpu_tokens: int, lower: list[tuple[int, Store]],
-                 head_start: float = 0.0) -> int:
+                 head_start: float = 0.0, load_weights: LoadWeights = IDLE) -> int:
     """kvtier's restore plan, as the live engine makes it: the number of stored chunks to
     load (0 = recompute); loads that start ``head_start`` seconds before the turn can
-    compute are that much done."""
+    compute are that much done; ``load_weights``: the load now."""
     chunks = [StoredChunk(t.tokens_of(i), st.name) for i, st in lower]
     return plan_restore(cost, chunks, t.prompt_tokens, gpu_tokens,
-                        head_start_s=head_start).load_chunks
+                        head_start_s=head_start, load_weights=load_weights).load_chunks
 
 
 class Simulator:
@@ -110,6 +113,10 @@ class Simulator:
         self.tiers = [shared[t][0] if t in shared else
                       Store(t, tier_bytes[t], self._policy(system.tier_eviction)) for t in names]
         self.links = {t: shared[t][1] if t in shared else Link() for t in names}
+        self.live.load.links = {t: link.busy for t, link in self.links.items()}
+        chunk_bytes = workload.chunk_tokens * self.bpt
+        self.live.victims = VictimReuse(max(1, int(sum(tier_bytes.get(t, 0) for t in names) // chunk_bytes)))
+        """Victims remembered as long as the tiers could hold their copies."""
         self.res = SimResult(system.name)
         span = (workload.turns[-1].arrival_s - workload.turns[0].arrival_s) if workload.turns else 0
         self._sample_every = max(span / max(timeline_points, 1), 1e-9)
@@ -186,6 +193,16 @@ class Simulator:
         (``_forget_if_gone`` marks it unstored, so it is written back when it leaves)."""
         return self.gpu.has(key)
 
+    def weights(self, now: float, waiting_until: float | None = None) -> LoadWeights:
+        """The load now, as the policy weighs it: the server's and links' busy shares and
+        what each link has queued (``waiting_until``: a turn waits till then anyway, so
+        only what is queued beyond that delays it further, and a link that frees earlier
+        leaves it slack)."""
+        if waiting_until is None:
+            return self.live.weights(now, {t: link.wait_s(now) for t, link in self.links.items()})
+        after = max(now, waiting_until)  # negative: the link frees before the turn can start
+        return self.live.weights(now, {t: max(link.free_at, now) - after for t, link in self.links.items()})
+
     def where(self, key: Hashable) -> Store | None:
         for st in self.tiers:
             if st.has(key):
@@ -221,27 +238,34 @@ class Simulator:
                                self.infos.get(vkey) or ChunkInfo(vbytes), now)
         return done
 
-    def evict_from_gpu(self, victims: list[tuple[Hashable, int]], now: float) -> float:
+    def evict_from_gpu(self, victims: list[tuple[Hashable, int]], now: float,
+                       blocking: bool = False, waiting_until: float | None = None) -> float:
         """GPU victims leave; with write-back they go to a lower tier first, and their blocks
-        are free only once written: returns when that is (``now`` if nothing was written)."""
-        done = now
+        are free only once written: returns when that is (``now`` if nothing was written).
+        ``blocking``: a turn waits for these writes (they make its room), and for earlier
+        ones until ``waiting_until``."""
+        done = now if waiting_until is None else max(now, waiting_until)
         for key, nbytes in victims:
             tokens = nbytes // self.bpt
+            if self.spec.predictive:
+                self.live.victims.let_go((key,))
             landing = self._landing.pop(key, now)
             where = self.where(key) if self.tiers else None
             if where is not None and self.spec.predictive and self.spec.offload_on_evict:
-                raised = self._raise_copy(key, tokens, where, now)
+                raised = self._raise_copy(key, tokens, where, now, done if blocking else None)
                 if raised is not None:  # its blocks go once both copies are down
                     done = max(done, raised, landing)
                     continue
             if not self.spec.offload_on_evict or not self.tiers or where is not None:
                 self.count(self.res.decisions, "gpu_drop")
                 if self.spec.offload_on_evict:  # written ahead: its blocks go once it is down
+                    if blocking and landing > done and self._abandons(key, tokens, where, now, landing - done):
+                        continue
                     done = max(done, landing)
                 continue
             target = 0
             if self.spec.predictive:
-                target = self._offload_target(key, tokens, now)
+                target = self._offload_target(key, tokens, now, done if blocking else None)
                 if target is None:
                     self.count(self.res.decisions, "gpu_drop_not_worth")
                     continue
@@ -250,25 +274,54 @@ class Simulator:
             done = max(done, self.write(target, key, tokens, info, now))
         return done
 
-    def _raise_copy(self, key: Hashable, tokens: int, where: Store, now: float) -> float | None:
+    def _abandons(self, key: Hashable, tokens: int, where: Store | None, now: float,
+                  remaining_s: float) -> bool:
+        """A turn would wait ``remaining_s`` for this victim's copy to land: kvtier drops
+        the copy unfinished (never read) when the wait costs more than the copy is worth
+        (:func:`landing_pays`); True if it did."""
+        if not self.spec.predictive or where is None:
+            return False
+        s = self._victim(key, tokens, now)
+        if landing_pays(self.cost, where.name, s, self.weights(now), remaining_s, self.w.chunk_tokens):
+            return False
+        self.count(self.res.decisions, "abandon_copy")
+        where.remove(key)
+        return True
+
+    def _victim(self, key: Hashable, tokens: int, now: float) -> IdleSession:
+        """A GPU chunk as the offload policy weighs it: its owner's chance of coming back
+        (about certain for a chunk sessions share), its place in the conversation."""
+        owner = self._owner.get(key)
+        info = self.infos.get(key)
+        context = info.index * self.w.chunk_tokens if info is not None else 0
+        s = self.live.idle_session(owner, tokens, tokens, now, context)
+        return replace(s, p_return=1.0) if key in self._shared or owner is None else s
+
+    def _raise_copy(self, key: Hashable, tokens: int, where: Store, now: float,
+                    waiting_until: float | None = None) -> float | None:
         """A GPU victim whose only copy is on a slower tier than the offload policy picks
         for it now is written to that faster tier too (a restore from there beats one
         from where it lies); returns when the write is done, None if it wrote nothing."""
         if not self.live.raises_copies():
             return None
-        target = self._offload_target(key, tokens, now)
+        target = self._offload_target(key, tokens, now, waiting_until)
         if target is None or target >= self.tiers.index(where):
             return None
         self.count(self.res.decisions, f"raise_{self.tiers[target].name}")
         info = self.infos.get(key) or ChunkInfo(tokens * self.bpt)
         return self.write(target, key, tokens, info, now)
 
-    def _offload_target(self, key: Hashable, tokens: int, now: float) -> int | None:
-        owner = self._owner.get(key)
-        nxt = self.next_s(owner, now) if owner is not None else 0.0
+    def _offload_target(self, key: Hashable, tokens: int, now: float,
+                        waiting_until: float | None = None, empty_only: bool = False) -> int | None:
+        """The tier a GPU victim goes to (None: dropped), by the offload policy under the
+        load now; ``waiting_until``: the write is on a turn's admission path, which waits
+        till then already. A chunk other sessions share is about certain to be used again."""
+        s = self._victim(key, tokens, now)
         names = [t.name for t in self.tiers]
-        room = {t.name: t.capacity for t in self.tiers}  # tiers make room by evicting
-        choice = self.offload.target_tier(IdleSession(owner, tokens, tokens, nxt), self.cost, names, room)
+        # Tiers make room by evicting, except for a speculative copy (``empty_only``).
+        room = {t.name: t.capacity - (t.used if empty_only else 0) for t in self.tiers}
+        choice = self.offload.target_tier(s, self.cost, names, room, self.weights(now, waiting_until),
+                                          blocking=waiting_until is not None)
         return None if choice is None else names.index(choice)
 
     # -------------------------------------------------------------------- turns
@@ -290,14 +343,17 @@ class Simulator:
         if self.spec.prefetch_on_hint and t.hint_lead_s > 0:
             head_start += t.hint_lead_s
         gpu_n, lower, k = self._locate(t, head_start)
+        if self.spec.predictive:  # victims asked for again, as the engine's scheduler counts
+            self.live.victims.requested(t.chunk_keys[:t.prompt_tokens // t.chunk_tokens])
         gpu_tokens = sum(t.tokens_of(i) for i in range(gpu_n))
         load_tokens = sum(t.tokens_of(i) for i, _ in lower[:k])
         cached = min(gpu_tokens + load_tokens, t.prompt_tokens - 1)  # a full hit computes one
         compute = self.cost.prefill.time(cached, t.prompt_tokens - cached)
         queued = max(now, server_free)
-        start = max(queued, self._make_room(t, t.chunk_keys, now))
+        start = max(queued, self._make_room(t, t.chunk_keys, now, queued))
         finish = self._first_token(t, now, start, compute, gpu_n, lower[:k], load_tokens)
         self.res.ttft_s.append(finish - now)
+        self.live.observe_compute(finish - queued, end=finish)  # the server is held till then
         b = self.res.breakdown
         b["queue_s"] += queued - now
         b["write_back_s"] += start - queued
@@ -347,7 +403,8 @@ class Simulator:
                 lower.append((i, st))
         k = len(lower)
         if spec.restore == "cost" and lower:
-            k = restore_plan(self.cost, t, sum(t.tokens_of(i) for i in range(gpu_n)), lower, head_start)
+            k = restore_plan(self.cost, t, sum(t.tokens_of(i) for i in range(gpu_n)), lower, head_start,
+                             self.weights(t.arrival_s))
             self.count(self.res.decisions, "restore_recompute" if k == 0 else "restore_load")
         return gpu_n, lower, k
 
@@ -433,6 +490,11 @@ class Simulator:
         if self.spec.write_through and self.tiers and stored_at_prefill:
             for ti in range(len(self.tiers)):
                 self.write(ti, key, tokens, info, finish)
+        elif self.spec.store_computed and self.tiers and self.where(key) is None:
+            target = self._offload_target(key, tokens, finish, empty_only=True)
+            if target is not None:
+                self.count(self.res.decisions, f"store_{self.tiers[target].name}")
+                self.write(target, key, tokens, info, finish)
 
     def _end(self, t: Turn, sess: SessionState, now: float, finish: float) -> None:
         """The reply decodes; the session is idle from its end. (Its chunks are unpinned
@@ -449,19 +511,20 @@ class Simulator:
             self._next_sample = now + self._sample_every
             self.res.timeline.append((now, {"gpu": self.gpu.used, **{s.name: s.used for s in self.tiers}}))
 
-    def _make_room(self, t: Turn, keys: tuple, now: float) -> float:
-        """Free GPU space for the turn's new chunks before it computes; returns when the
-        write-back of the victims lets their blocks go."""
+    def _make_room(self, t: Turn, keys: tuple, now: float, queued: float | None = None) -> float:
+        """Free GPU space for the turn's new chunks before it computes (it waits in the
+        queue till ``queued`` anyway); returns when the write-back of the victims lets
+        their blocks go."""
         if self.spec.restore == "none":
             return now
         need = sum(t.chunk_tokens for i, k in enumerate(keys)
                    if t.tokens_of(i) == t.chunk_tokens and not self.gpu.has(k)) * self.bpt
-        done = now
+        done = now if queued is None else max(now, queued)
         pinned = self.pinned | set(keys)
         if self.spec.predictive and self.tiers_worth and self.gpu.used + need > self.gpu.capacity:
             self.stager.drop_stored_first(need, pinned, now)
         for victim in self.gpu.evict_while(lambda: self.gpu.used + need > self.gpu.capacity, pinned, now):
-            done = max(done, self.evict_from_gpu([victim], now))
+            done = max(done, self.evict_from_gpu([victim], now, blocking=True, waiting_until=done))
         return done
 
     def _unpin_finished(self, now: float) -> None:

@@ -127,12 +127,14 @@ class Stager:
             if not held:
                 continue
             tokens = held * self.sim.w.chunk_tokens  # the GPU holds full chunks only
-            idle.append(IdleSession(sid, tokens, tokens, self.sim.next_s(sid, now)))
+            idle.append(self.sim.live.idle_session(sid, tokens, tokens, now))
         names = [t.name for t in self.sim.tiers]
         # A pre-stage is speculative: it takes empty space only, never displaces a copy.
         free = {t.name: t.capacity - t.used for t in self.sim.tiers}
         busy_until = math.inf
-        for d in self.sim.offload.decide(idle, used_tokens, cap_tokens, self.sim.cost, names, free):
+        weights = self.sim.live.weights(now)
+        for d in self.sim.offload.decide(idle, used_tokens, cap_tokens, self.sim.cost, names, free,
+                                         weights=weights):
             if d.tier is None:
                 self.unstaged.discard(d.session)  # no tier pays: it will be dropped
                 continue
@@ -164,11 +166,15 @@ class Stager:
 
         def order():
             for sid, tokens, _ in reach:
-                stored = self._all_stored(sid, self.sim.pinned)  # then skipped: no prediction needed
-                yield IdleSession(sid, tokens, tokens, 0.0 if stored else self.sim.next_s(sid, now)), stored
+                stored = self._all_stored(sid, self.sim.pinned)
+                if stored:  # skipped: no prediction needed
+                    yield IdleSession(sid, tokens, tokens, 0.0), stored
+                else:
+                    yield self.sim.live.idle_session(sid, tokens, tokens, now), stored
 
         room = {t.name: t.capacity for t in self.sim.tiers}
-        for d in self.sim.offload.stage_ahead(order(), used_tokens, cap_tokens, self.sim.cost, names, room):
+        for d in self.sim.offload.stage_ahead(order(), used_tokens, cap_tokens, self.sim.cost, names, room,
+                                              self.sim.live.weights(now)):
             if self.sim.links[d.tier].free_at > now:
                 return
             ti = names.index(d.tier)

@@ -28,6 +28,11 @@ class SystemSpec:
     """Every computed chunk is written to every lower tier at once."""
     cascade: bool = False
     """A tier's victim is demoted to the next tier down."""
+    store_computed: bool = False
+    """kvtier: each chunk a turn computes is stored at once in the first tier where the
+    write pays for itself under the load now (its chance of reuse: the session's, or about
+    certain for a chunk sessions share), off the admission path; the copy is what lets its
+    blocks go later with no write."""
     prefetch_on_arrival: bool = False
     """Loads start when the request arrives (queue look-ahead), not when it is scheduled."""
     prefetch_on_hint: bool = False
@@ -61,8 +66,8 @@ SYSTEMS = {
     ),
     "kvtier": SystemSpec(
         "kvtier", restore="cost", gpu_eviction="session-aware", tier_eviction="session-aware",
-        offload_on_evict=True, cascade=True, prefetch_on_arrival=True, prefetch_on_hint=True,
-        predictive=True,
+        offload_on_evict=True, cascade=True, store_computed=True, prefetch_on_arrival=True,
+        prefetch_on_hint=True, predictive=True,
     ),
 }
 for _name, _spec in SYSTEMS.items():

@@ -130,6 +130,9 @@ class Engine:
         self.policy: LivePolicy | None = (
             None if self.kv is None else self._live_policy(cfg, self.kv, clock)
         )
+        if self.policy is not None:  # what makes its decisions load- and reuse-aware
+            self.scheduler.on_step = self.policy.observe_compute
+            self.scheduler.on_prompt_blocks = self.policy.requested
         self.sessions: dict[str, ChatSession] = {}
         self._busy: set[str] = set()
         self._turns: dict[str, PendingTurn] = {}

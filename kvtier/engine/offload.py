@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from kvtier.engine.model_runner import ModelRunner
     from kvtier.engine.scheduler import Scheduler
     from kvtier.policies.live import LivePolicy
+    from kvtier.policies.offload import OffloadDecision
     from kvtier.transfer.store_queue import StoreQueue
 
 log = logging.getLogger(__name__)
@@ -137,9 +138,13 @@ class Offloader:
         # where they lie; the policy's offloads ask LivePolicy.raises_copies, as the
         # simulator's ``_raise_copy`` does).
         if wait:
+            t0 = time.perf_counter()
             report = kv.save(session.token_ids, tier, session_id, raise_copies=raise_copies,
                              namespace=self.kv_namespace(session_id))
-            return self._complete_offload(session, report, tier, True)
+            result = self._complete_offload(session, report, tier, True)
+            if self.policy is not None and report.bytes:
+                self.policy.observe_transfer(result.tier, time.perf_counter() - t0)
+            return result
         assert self.transfers is not None
         out: Future[OffloadResult] = Future()
         fut = self.transfers.submit_save(session.token_ids, tier, session_id,
@@ -311,9 +316,9 @@ class Offloader:
         bs = self.runner.pool.block_size
         used = (bp.num_blocks - bp.num_empty) * bs
         assert self.policy is not None and self.kv is not None
-        if used <= self.policy.watermarks.high * bp.num_blocks * bs:
+        pressure = used > self.policy.watermarks.high * bp.num_blocks * bs
+        if not pressure:
             self.policy.leaving.clear()  # no pressure: no copy needs keeping for the pool
-            return
         if self.pending:
             return  # one batch of pre-stages at a time: they never queue ahead of reads
         idle = self._idle_sessions()
@@ -323,11 +328,17 @@ class Offloader:
             for t in tiers
         }
         unstored = [(sid, g, p) for sid, g, p, stored in idle if not stored]
+        if not pressure:  # copies into empty space where they pay: later, blocks go free
+            self._stage_all(self.policy.prestage(unstored, empty))
+            return
         chosen = self.policy.offloads(unstored, used, bp.num_blocks * bs, empty, staged=True)
         taken = {d.session for d in chosen if d.tier is not None}
         whole = {t.name: math.inf if t.capacity_bytes is None else float(t.capacity_bytes) for t in tiers}
         ahead = [(sid, g, p, stored or sid in taken) for sid, g, p, stored in idle]
         chosen += self.policy.stage_ahead(ahead, used, bp.num_blocks * bs, whole)
+        self._stage_all(chosen)
+
+    def _stage_all(self, chosen: list[OffloadDecision]) -> None:
         for d in chosen:
             if d.tier is None:
                 continue

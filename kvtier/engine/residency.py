@@ -17,11 +17,12 @@ from kvtier.hashing import chain_hashes
 
 
 class Residency:
-    """``on_leave(session_id)`` is told when a session's KV leaves the pool (the live
-    policy's ``left_pool``)."""
+    """``on_leave(session_id, block_hashes)`` is told when a session's KV leaves the pool
+    (the live policy's ``left_pool``: the blocks are what it watches being asked for
+    again)."""
 
     def __init__(self, block_size: int, fingerprint: bytes,
-                 on_leave: Callable[[str], None] | None = None) -> None:
+                 on_leave: Callable[[str, list[bytes]], None] | None = None) -> None:
         self.block_size = block_size
         self.fingerprint = fingerprint
         self.on_leave = on_leave
@@ -32,7 +33,7 @@ class Residency:
         """The session's KV is in the pool (all of its full blocks) or has left it."""
         old = self._hashes.pop(session.session_id, None)
         if not resident and self.on_leave is not None:
-            self.on_leave(session.session_id)
+            self.on_leave(session.session_id, old or [])
         for h in old or ():
             self._count[h] -= 1
             if self._count[h] <= 0:

@@ -141,6 +141,11 @@ class Scheduler:
         self.preemptions = 0
         self.reuse = ReuseCeiling()
         """The best hit rate the requests allow, beside the one achieved (a window)."""
+        self.on_step: Callable[[float], None] | None = None
+        """Told how long each model step ran (the live policy's load meter)."""
+        self.on_prompt_blocks: Callable[[list[bytes]], None] | None = None
+        """Told each admitted prompt's full blocks (chained hashes under the model's
+        fingerprint, as the residency keys them): the live policy watches victims."""
 
     # ------------------------------------------------------------------ intake
     def add(
@@ -211,6 +216,7 @@ class Scheduler:
         if not batch:
             return []
         self.steps += 1
+        t0 = time.perf_counter()
         try:
             logits = self.runner.run([(r.request_id, n) for r, n in batch])
         except LayerLoadError as exc:
@@ -220,6 +226,8 @@ class Scheduler:
         logits = logits[:, : self.sample_vocab]
         done: list[Request] = []
         now = time.perf_counter()
+        if self.on_step is not None:
+            self.on_step(now - t0)
         for row, (req, n) in enumerate(batch):
             req.num_computed_tokens += n
             if req.state is not RequestState.RUNNING:
@@ -356,8 +364,10 @@ class Scheduler:
         """A request's prompt blocks against the reuse ceiling, with the ones it found."""
         bs = self.runner.pool.block_size
         full = len(req.prompt_ids) // bs * bs
-        self.reuse.requested(chain_hashes(req.prompt_ids[:full], bs),
-                             served=min(req.num_cached_tokens, full) // bs)
+        hashes = chain_hashes(req.prompt_ids[:full], bs, self.runner.fingerprint)
+        self.reuse.requested(hashes, served=min(req.num_cached_tokens, full) // bs)
+        if self.on_prompt_blocks is not None:
+            self.on_prompt_blocks(hashes)
 
     def _count_reply(self, req: Request) -> None:
         """The full blocks a reply completed: the next turn's prompt may ask for them."""
@@ -366,7 +376,7 @@ class Scheduler:
         start = len(req.prompt_ids) // bs
         full = len(ids) // bs
         if full > start:
-            self.reuse.produced(chain_hashes(ids[: full * bs], bs)[start:])
+            self.reuse.produced(chain_hashes(ids[: full * bs], bs, self.runner.fingerprint)[start:])
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
         if req._admitted_once and error is None:

@@ -356,3 +356,24 @@ def test_a_full_cpu_tier_demotes_only_where_reloading_beats_recompute(model_dir,
             assert len(disk) == 0
     finally:
         eng.close()
+
+
+def test_the_engine_feeds_its_load_meter_and_watches_its_victims(model_dir, tmp_path):
+    """Model steps count as GPU busy time and a synchronous offload as its tier's link
+    time; a session that leaves the pool hands its blocks to the victim watch, and a later
+    prompt asking for the same blocks (another session, same text) counts a reuse."""
+    probe = Engine(model_dir, engine_config(num_blocks=16, tiers=None))
+    path = _profile(tmp_path / "p.json", probe.runner.fingerprint.hex(), 1e9)
+    eng = _engine(model_dir, tmp_path, profile=path, auto_offload=False)
+    try:
+        eng.chat("a", FIRST, GREEDY, system=SYSTEM)
+        now = eng.policy.clock()
+        assert eng.policy.load.compute.share(now) > 0
+        eng.offload("a", "cpu")
+        assert eng.policy.load.links["cpu"].share(eng.policy.clock()) > 0
+        victims = eng.policy.victims
+        assert victims.let_go_total > 0 and victims.reused_total == 0
+        eng.chat("b", FIRST, GREEDY, system=SYSTEM)  # the same rendered prompt: a's blocks
+        assert victims.reused_total > 0
+    finally:
+        eng.close()
