@@ -109,6 +109,31 @@ def write_pays(
     return gain > price
 
 
+def copy_value(cost: CostModel, tier: str, s: IdleSession, weights: LoadWeights,
+               chunk_tokens: int = 256) -> float:
+    """What a copy of ``s`` in ``tier`` is expected to save everyone: its chance of reuse
+    times recomputing minus loading (at the GPU's weight), less what the load costs its
+    link's other users."""
+    chunks = max(1, -(-s.prefix_tokens // chunk_tokens))
+    recompute = cost.prefill.time(s.context_tokens, s.prefix_tokens)
+    load = cost.load_time(tier, s.prefix_tokens, chunks)
+    return s.p_return * (weights.compute * (recompute - load) - (weights.link(tier) - 1.0) * load)
+
+
+def displace_pays(
+    cost: CostModel, tier: str, new: IdleSession, victim: IdleSession, weights: LoadWeights,
+    chunk_tokens: int = 256,
+) -> bool:
+    """A copy of ``new`` written ahead of need into a full ``tier`` would push out the
+    tier's next victim: worth it when it is expected to save more than the victim's copy
+    would, by more than the write costs the link's other users (the victim may still be
+    demoted rather than lost: this errs toward keeping what is there)."""
+    chunks = max(1, -(-new.prefix_tokens // chunk_tokens))
+    write = cost.store_time(tier, new.prefix_tokens, chunks)
+    gain = copy_value(cost, tier, new, weights, chunk_tokens) - copy_value(cost, tier, victim, weights, chunk_tokens)
+    return gain > (weights.link(tier) - 1.0) * write
+
+
 def landing_pays(
     cost: CostModel, tier: str, s: IdleSession, weights: LoadWeights, remaining_s: float,
     chunk_tokens: int = 256,

@@ -29,6 +29,7 @@ class VictimReuse:
         self._ghosts: OrderedDict[Hashable, None] = OrderedDict()
         self.let_go_total = 0
         self.reused_total = 0
+        self.requested_total = 0
 
     def let_go(self, keys: Iterable[Hashable]) -> None:
         """These blocks left the pool (stored below or dropped)."""
@@ -45,9 +46,17 @@ class VictimReuse:
         """A request asks for these blocks: each one the pool let go counts once as reused."""
         ghosts = self._ghosts
         for key in keys:
+            self.requested_total += 1
             if ghosts.pop(key, 0) is None:
                 self.reused_total += 1
 
     def rate(self) -> float:
         """Reused victims per victim (prior: 1 in 2)."""
         return (self.reused_total + 1) / (self.let_go_total + 2)
+
+    def turnover(self) -> float:
+        """Victims per block requested: how likely the pool lets a block go at all (1
+        before anything was requested)."""
+        if self.requested_total == 0:
+            return 1.0
+        return min(1.0, self.let_go_total / self.requested_total)

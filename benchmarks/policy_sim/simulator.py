@@ -39,7 +39,13 @@ from kvtier.policies.eviction import (
 )
 from kvtier.policies.live import LivePolicy
 from kvtier.policies.load import IDLE, LoadWeights
-from kvtier.policies.offload import IdleSession, landing_pays, worth_storing
+from kvtier.policies.offload import (
+    IdleSession,
+    displace_pays,
+    landing_pays,
+    worth_storing,
+    write_pays,
+)
 from kvtier.policies.restore import StoredChunk, plan_restore
 from kvtier.policies.victim_reuse import VictimReuse
 
@@ -491,10 +497,37 @@ class Simulator:
             for ti in range(len(self.tiers)):
                 self.write(ti, key, tokens, info, finish)
         elif self.spec.store_computed and self.tiers and self.where(key) is None:
-            target = self._offload_target(key, tokens, finish, empty_only=True)
-            if target is not None:
-                self.count(self.res.decisions, f"store_{self.tiers[target].name}")
-                self.write(target, key, tokens, info, finish)
+            self._store_computed(key, tokens, info, finish)
+
+    def _store_computed(self, key: Hashable, tokens: int, info: ChunkInfo, now: float) -> None:
+        """kvtier stores a chunk it just computed, off the admission path, in the first
+        tier where that pays under the load now: into empty space when the write pays
+        (:func:`write_pays`), into a full tier when the copy is worth more than the tier's
+        next victim (:func:`displace_pays`)."""
+        s = self._victim(key, tokens, now)
+        w = self.weights(now)
+        for ti, st in enumerate(self.tiers):
+            if not worth_storing(self.cost, st.name, tokens, self.w.chunk_tokens):
+                continue
+            if st.used + self.cost.stored_bytes(st.name, tokens) <= st.capacity:
+                pays = write_pays(self.cost, st.name, s, w, False, self.w.chunk_tokens)
+            elif ti > 0:
+                continue  # below the first tier, what is full fills by demotion
+            else:
+                v = st.index.victim(frozenset(), now)
+                vinfo = self.infos.get(v) if v is not None else None
+                if v is None or vinfo is None:
+                    continue
+                vs = self._victim(v, self.cost.tokens_in(st.name, st.size(v)), now)
+                # The copy matters only if the GPU lets the chunk go at all; the victim's is
+                # needed now (its chunk has left).
+                leaves = self.live.victims.turnover()
+                pays = displace_pays(self.cost, st.name, replace(s, p_return=s.p_return * leaves), vs, w,
+                                     self.w.chunk_tokens)
+            if pays:
+                self.count(self.res.decisions, f"store_{st.name}")
+                self.write(ti, key, tokens, info, now)
+                return
 
     def _end(self, t: Turn, sess: SessionState, now: float, finish: float) -> None:
         """The reply decodes; the session is idle from its end. (Its chunks are unpinned

@@ -17,6 +17,8 @@ from kvtier.policies.load import IDLE, MAX_SHARE, BusyShare, LoadMeter, LoadWeig
 from kvtier.policies.offload import (
     IdleSession,
     PredictiveOffload,
+    copy_value,
+    displace_pays,
     landing_pays,
     worth_storing,
     write_pays,
@@ -138,6 +140,18 @@ def test_prestage_fills_empty_space_longest_away_first():
     assert out == [("later", "cpu"), ("soon", None)]
 
 
+def test_a_copy_displaces_a_full_tiers_victim_only_when_it_is_worth_more():
+    cost = _cost(read_bps=1e7, write_bps=1e7)  # a copy saves 0.23 s when reused
+    likely = IdleSession("new", 256, 256, 10.0, p_return=0.9)
+    stale = IdleSession("old", 256, 256, 3600.0, p_return=0.1)
+    assert copy_value(cost, "cpu", likely, IDLE) == pytest.approx(0.9 * (0.256 - 0.0256))
+    assert displace_pays(cost, "cpu", likely, stale, IDLE)
+    assert not displace_pays(cost, "cpu", stale, likely, IDLE)
+    assert not displace_pays(cost, "cpu", likely, likely, IDLE)  # no gain: keep what is there
+    busy = LoadWeights(links={"cpu": 20.0})  # the write's 0.0256 s cost others 0.49 s
+    assert not displace_pays(cost, "cpu", likely, stale, busy)
+
+
 # -------------------------------------------------------------- restore plans
 def _chunks(n: int = 4) -> list[StoredChunk]:
     return [StoredChunk(256, "cpu")] * n
@@ -172,6 +186,14 @@ def test_victim_reuse_counts_each_victim_asked_for_again_once():
     v.let_go(["a"])  # a victim again: a new bet
     v.requested(["a"])
     assert v.reused_total == 2 and v.let_go_total == 5
+
+
+def test_turnover_is_victims_per_block_requested():
+    v = VictimReuse()
+    assert v.turnover() == 1.0  # nothing seen: assume the pool lets everything go
+    v.requested(range(10))
+    v.let_go([1, 2])
+    assert v.turnover() == pytest.approx(0.2)
 
 
 def test_victims_are_remembered_only_as_long_as_the_tiers_could_hold_them():
