@@ -23,12 +23,12 @@ import heapq
 import math
 from collections import OrderedDict
 from collections.abc import Hashable
-from dataclasses import replace
 
 from kvtier.benchmarks.policy_sim.node import KeySet, Link, SessionState, SimResult, Store
 from kvtier.benchmarks.policy_sim.staging import Stager
 from kvtier.benchmarks.policy_sim.systems import SystemSpec
 from kvtier.benchmarks.policy_sim.workloads import Turn, Workload
+from kvtier.benchmarks.policy_sim.writes import WriteDecisions
 from kvtier.policies.cost_model import CostModel
 from kvtier.policies.eviction import (
     ChunkInfo,
@@ -39,15 +39,8 @@ from kvtier.policies.eviction import (
 )
 from kvtier.policies.live import LivePolicy
 from kvtier.policies.load import IDLE, LoadWeights
-from kvtier.policies.offload import (
-    IdleSession,
-    displace_pays,
-    landing_pays,
-    worth_storing,
-    write_pays,
-)
+from kvtier.policies.offload import worth_storing
 from kvtier.policies.restore import StoredChunk, plan_restore
-from kvtier.policies.victim_reuse import VictimReuse
 
 __all__ = ["Link", "SessionState", "SimResult", "Simulator", "Store"]
 
@@ -119,10 +112,6 @@ class Simulator:
         self.tiers = [shared[t][0] if t in shared else
                       Store(t, tier_bytes[t], self._policy(system.tier_eviction)) for t in names]
         self.links = {t: shared[t][1] if t in shared else Link() for t in names}
-        self.live.load.links = {t: link.busy for t, link in self.links.items()}
-        chunk_bytes = workload.chunk_tokens * self.bpt
-        self.live.victims = VictimReuse(max(1, int(sum(tier_bytes.get(t, 0) for t in names) // chunk_bytes)))
-        """Victims remembered as long as the tiers could hold their copies."""
         self.res = SimResult(system.name)
         span = (workload.turns[-1].arrival_s - workload.turns[0].arrival_s) if workload.turns else 0
         self._sample_every = max(span / max(timeline_points, 1), 1e-9)
@@ -146,6 +135,7 @@ class Simulator:
         so stage-ahead need not look every chunk up at every turn)."""
         self.tiers_worth = self._tiers_pay()
         self.stager = Stager(self)
+        self.writes = WriteDecisions(self, sum(tier_bytes.get(t, 0) for t in names))
         self.gpu.on_remove = self._left_gpu
         for st in self.tiers:
             if st.name not in shared:  # a shared tier tells every node (the cluster wires it)
@@ -199,16 +189,6 @@ class Simulator:
         (``_forget_if_gone`` marks it unstored, so it is written back when it leaves)."""
         return self.gpu.has(key)
 
-    def weights(self, now: float, waiting_until: float | None = None) -> LoadWeights:
-        """The load now, as the policy weighs it: the server's and links' busy shares and
-        what each link has queued (``waiting_until``: a turn waits till then anyway, so
-        only what is queued beyond that delays it further, and a link that frees earlier
-        leaves it slack)."""
-        if waiting_until is None:
-            return self.live.weights(now, {t: link.wait_s(now) for t, link in self.links.items()})
-        after = max(now, waiting_until)  # negative: the link frees before the turn can start
-        return self.live.weights(now, {t: max(link.free_at, now) - after for t, link in self.links.items()})
-
     def where(self, key: Hashable) -> Store | None:
         for st in self.tiers:
             if st.has(key):
@@ -258,20 +238,20 @@ class Simulator:
             landing = self._landing.pop(key, now)
             where = self.where(key) if self.tiers else None
             if where is not None and self.spec.predictive and self.spec.offload_on_evict:
-                raised = self._raise_copy(key, tokens, where, now, done if blocking else None)
+                raised = self.writes.raise_copy(key, tokens, where, now, done if blocking else None)
                 if raised is not None:  # its blocks go once both copies are down
                     done = max(done, raised, landing)
                     continue
             if not self.spec.offload_on_evict or not self.tiers or where is not None:
                 self.count(self.res.decisions, "gpu_drop")
                 if self.spec.offload_on_evict:  # written ahead: its blocks go once it is down
-                    if blocking and landing > done and self._abandons(key, tokens, where, now, landing - done):
+                    if blocking and landing > done and self.writes.abandons(key, tokens, where, now, landing - done):
                         continue
                     done = max(done, landing)
                 continue
             target = 0
             if self.spec.predictive:
-                target = self._offload_target(key, tokens, now, done if blocking else None)
+                target = self.writes.target(key, tokens, now, done if blocking else None)
                 if target is None:
                     self.count(self.res.decisions, "gpu_drop_not_worth")
                     continue
@@ -279,56 +259,6 @@ class Simulator:
             info = self.infos.get(key) or ChunkInfo(nbytes)
             done = max(done, self.write(target, key, tokens, info, now))
         return done
-
-    def _abandons(self, key: Hashable, tokens: int, where: Store | None, now: float,
-                  remaining_s: float) -> bool:
-        """A turn would wait ``remaining_s`` for this victim's copy to land: kvtier drops
-        the copy unfinished (never read) when the wait costs more than the copy is worth
-        (:func:`landing_pays`); True if it did."""
-        if not self.spec.predictive or where is None:
-            return False
-        s = self._victim(key, tokens, now)
-        if landing_pays(self.cost, where.name, s, self.weights(now), remaining_s, self.w.chunk_tokens):
-            return False
-        self.count(self.res.decisions, "abandon_copy")
-        where.remove(key)
-        return True
-
-    def _victim(self, key: Hashable, tokens: int, now: float) -> IdleSession:
-        """A GPU chunk as the offload policy weighs it: its owner's chance of coming back
-        (about certain for a chunk sessions share), its place in the conversation."""
-        owner = self._owner.get(key)
-        info = self.infos.get(key)
-        context = info.index * self.w.chunk_tokens if info is not None else 0
-        s = self.live.idle_session(owner, tokens, tokens, now, context)
-        return replace(s, p_return=1.0) if key in self._shared or owner is None else s
-
-    def _raise_copy(self, key: Hashable, tokens: int, where: Store, now: float,
-                    waiting_until: float | None = None) -> float | None:
-        """A GPU victim whose only copy is on a slower tier than the offload policy picks
-        for it now is written to that faster tier too (a restore from there beats one
-        from where it lies); returns when the write is done, None if it wrote nothing."""
-        if not self.live.raises_copies():
-            return None
-        target = self._offload_target(key, tokens, now, waiting_until)
-        if target is None or target >= self.tiers.index(where):
-            return None
-        self.count(self.res.decisions, f"raise_{self.tiers[target].name}")
-        info = self.infos.get(key) or ChunkInfo(tokens * self.bpt)
-        return self.write(target, key, tokens, info, now)
-
-    def _offload_target(self, key: Hashable, tokens: int, now: float,
-                        waiting_until: float | None = None, empty_only: bool = False) -> int | None:
-        """The tier a GPU victim goes to (None: dropped), by the offload policy under the
-        load now; ``waiting_until``: the write is on a turn's admission path, which waits
-        till then already. A chunk other sessions share is about certain to be used again."""
-        s = self._victim(key, tokens, now)
-        names = [t.name for t in self.tiers]
-        # Tiers make room by evicting, except for a speculative copy (``empty_only``).
-        room = {t.name: t.capacity - (t.used if empty_only else 0) for t in self.tiers}
-        choice = self.offload.target_tier(s, self.cost, names, room, self.weights(now, waiting_until),
-                                          blocking=waiting_until is not None)
-        return None if choice is None else names.index(choice)
 
     # -------------------------------------------------------------------- turns
     def run(self) -> SimResult:
@@ -410,7 +340,7 @@ class Simulator:
         k = len(lower)
         if spec.restore == "cost" and lower:
             k = restore_plan(self.cost, t, sum(t.tokens_of(i) for i in range(gpu_n)), lower, head_start,
-                             self.weights(t.arrival_s))
+                             self.writes.weights(t.arrival_s))
             self.count(self.res.decisions, "restore_recompute" if k == 0 else "restore_load")
         return gpu_n, lower, k
 
@@ -497,37 +427,7 @@ class Simulator:
             for ti in range(len(self.tiers)):
                 self.write(ti, key, tokens, info, finish)
         elif self.spec.store_computed and self.tiers and self.where(key) is None:
-            self._store_computed(key, tokens, info, finish)
-
-    def _store_computed(self, key: Hashable, tokens: int, info: ChunkInfo, now: float) -> None:
-        """kvtier stores a chunk it just computed, off the admission path, in the first
-        tier where that pays under the load now: into empty space when the write pays
-        (:func:`write_pays`), into a full tier when the copy is worth more than the tier's
-        next victim (:func:`displace_pays`)."""
-        s = self._victim(key, tokens, now)
-        w = self.weights(now)
-        for ti, st in enumerate(self.tiers):
-            if not worth_storing(self.cost, st.name, tokens, self.w.chunk_tokens):
-                continue
-            if st.used + self.cost.stored_bytes(st.name, tokens) <= st.capacity:
-                pays = write_pays(self.cost, st.name, s, w, False, self.w.chunk_tokens)
-            elif ti > 0:
-                continue  # below the first tier, what is full fills by demotion
-            else:
-                v = st.index.victim(frozenset(), now)
-                vinfo = self.infos.get(v) if v is not None else None
-                if v is None or vinfo is None:
-                    continue
-                vs = self._victim(v, self.cost.tokens_in(st.name, st.size(v)), now)
-                # The copy matters only if the GPU lets the chunk go at all; the victim's is
-                # needed now (its chunk has left).
-                leaves = self.live.victims.turnover()
-                pays = displace_pays(self.cost, st.name, replace(s, p_return=s.p_return * leaves), vs, w,
-                                     self.w.chunk_tokens)
-            if pays:
-                self.count(self.res.decisions, f"store_{st.name}")
-                self.write(ti, key, tokens, info, now)
-                return
+            self.writes.store_computed(key, tokens, info, finish)
 
     def _end(self, t: Turn, sess: SessionState, now: float, finish: float) -> None:
         """The reply decodes; the session is idle from its end. (Its chunks are unpinned
