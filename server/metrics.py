@@ -52,6 +52,7 @@ class _SnapshotCollector(Collector):
             for kind, n in sorted(policy.get("decisions", {}).items()):
                 c.add_metric([kind], n)
             yield c
+            yield from _policy_load_metrics(policy)
         reuse = snap.get("reuse")
         if reuse is not None:
             ceiling = GaugeMetricFamily(
@@ -64,6 +65,25 @@ class _SnapshotCollector(Collector):
             achieved.add_metric([], reuse["achieved"])
             yield ceiling
             yield achieved
+
+
+def _policy_load_metrics(policy: dict[str, Any]) -> Iterator[Metric]:
+    """The load and victim reuse the policy's decisions weigh (docs/policies.md)."""
+    load, victims = policy["load"], policy["victims"]
+    gpu = GaugeMetricFamily("kvtier_policy_compute_busy_share",
+                            "Share of recent time the model was busy (decaying over a minute)")
+    gpu.add_metric([], load["compute_busy_share"])
+    links = GaugeMetricFamily("kvtier_policy_link_busy_share",
+                              "Share of recent time a tier's link carried a transfer", labels=["tier"])
+    for tier, share in sorted(load["link_busy_share"].items()):
+        links.add_metric([tier], share)
+    reuse = GaugeMetricFamily("kvtier_policy_victim_reuse_ratio",
+                              "Share of the blocks the pool let go that requests asked for again")
+    reuse.add_metric([], victims["reuse_ratio"])
+    turnover = GaugeMetricFamily("kvtier_policy_pool_turnover_ratio",
+                                 "Blocks the pool let go per block requested")
+    turnover.add_metric([], victims["turnover_ratio"])
+    yield from (gpu, links, reuse, turnover)
 
 
 def _tenant_metrics(tenants: list[dict[str, Any]]) -> Iterator[Metric]:

@@ -20,6 +20,7 @@ from kvtier.connectors.tiers.manager import TierManager
 from kvtier.engine.async_engine import AsyncEngine
 from kvtier.engine.engine import Engine
 from kvtier.engine.session import ChatSession
+from kvtier.policies.live import LivePolicy
 from kvtier.policies.reuse_ceiling import ReuseCeiling
 from kvtier.server.chunk_versions import KeyLocks
 from kvtier.server.metrics import ServiceMetrics
@@ -176,8 +177,22 @@ def engine_stats(engine: Engine) -> dict[str, Any]:
             "resident": sum(1 for s in sessions if not s.offloaded),
             "busy": len(engine.busy_sessions),
         },
-        "policy": None if engine.policy is None else {"decisions": dict(engine.policy.decisions)},
+        "policy": None if engine.policy is None else policy_stats(engine.policy),
         "reuse": reuse_stats(engine.scheduler.reuse),
+    }
+
+
+def policy_stats(policy: LivePolicy) -> dict[str, Any]:
+    """What the live policy decided, and what it weighs: how busy the GPU and each tier's
+    link have been, and how often what the pool let go was asked for again."""
+    now = policy.clock()
+    victims = policy.victims
+    return {
+        "decisions": dict(policy.decisions),
+        "load": {"compute_busy_share": policy.load.compute.share(now),
+                 "link_busy_share": {t: b.share(now) for t, b in policy.load.links.items()}},
+        "victims": {"let_go_blocks": victims.let_go_total, "reused_blocks": victims.reused_total,
+                    "reuse_ratio": victims.rate(), "turnover_ratio": victims.turnover()},
     }
 
 

@@ -136,6 +136,10 @@ def test_session_routes(server):
         stats = kv.stats()
         assert stats["mode"] == "engine" and stats["pool"]["num_blocks"] == 128
         assert stats["policy"] is not None and stats["sessions"]["total"] == 0
+        load, victims = stats["policy"]["load"], stats["policy"]["victims"]
+        assert 0 < load["compute_busy_share"] <= 1  # the model ran
+        assert 0 < load["link_busy_share"]["disk"] <= 1  # a synchronous offload to disk
+        assert victims["let_go_blocks"] > 0 and 0 < victims["reuse_ratio"] <= 1
         text = kv.metrics()
     for name in (
         "kvtier_ttft_seconds_count 1.0",
@@ -146,6 +150,10 @@ def test_session_routes(server):
         "kvtier_gpu_pool_alloc_seconds_per_block",
         'kvtier_chat_tokens_total{kind="output"}',
         "kvtier_policy_decisions_total",
+        "kvtier_policy_compute_busy_share",
+        'kvtier_policy_link_busy_share{tier="disk"}',
+        "kvtier_policy_victim_reuse_ratio",
+        "kvtier_policy_pool_turnover_ratio",
         'kvtier_sessions{state="offloaded"} 0.0',
     ):
         assert name in text, name
