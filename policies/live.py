@@ -74,13 +74,13 @@ class LivePolicy:
         copies, which let their blocks go with no write on the admission path."""
         self._next_check = -float("inf")
         self.load = LoadMeter()
+        """How busy the GPU and the tiers' links have been (what the engine's steps and
+        transfers, or the simulator's events, report): what makes decisions load-aware."""
         self.victims = VictimReuse()
         """Of the blocks the pool let go, the share asked for again (the engine's
         scheduler and offloads, or the simulator, feed it): how likely a victim is wanted,
         whoever asks (a prefix shared across sessions comes back though its session
         does not; a session's return may want none of its blocks)."""
-        """How busy the GPU and the tiers' links have been (what the engine's steps and
-        transfers, or the simulator's events, report): what makes decisions load-aware."""
 
     # ---------------------------------------------------------------- sessions
     def turn_started(self, session: Hashable, now: float | None = None) -> None:

@@ -88,6 +88,17 @@ def worth_storing(cost: CostModel, tier: str, tokens: int, chunk_tokens: int = 2
     return cost.load_time(tier, tokens, chunks) < cost.prefill.time(0, tokens)
 
 
+def copy_value(cost: CostModel, tier: str, s: IdleSession, weights: LoadWeights,
+               chunk_tokens: int = 256) -> float:
+    """What a copy of ``s`` in ``tier`` is expected to save everyone: its chance of reuse
+    times recomputing minus loading (at the GPU's weight), less what the load costs its
+    link's other users."""
+    chunks = max(1, -(-s.prefix_tokens // chunk_tokens))
+    recompute = cost.prefill.time(s.context_tokens, s.prefix_tokens)
+    load = cost.load_time(tier, s.prefix_tokens, chunks)
+    return s.p_return * (weights.compute * (recompute - load) - (weights.link(tier) - 1.0) * load)
+
+
 def write_pays(
     cost: CostModel, tier: str, s: IdleSession, weights: LoadWeights, blocking: bool,
     chunk_tokens: int = 256,
@@ -100,24 +111,10 @@ def write_pays(
     slack (a negative wait: the turn waits for something else till then). Idle and
     non-blocking, this is :func:`worth_storing`."""
     chunks = max(1, -(-s.prefix_tokens // chunk_tokens))
-    recompute = cost.prefill.time(s.context_tokens, s.prefix_tokens)
-    load = cost.load_time(tier, s.prefix_tokens, chunks)
     write = cost.store_time(tier, s.prefix_tokens, chunks)
     wc, wl = weights.compute, weights.link(tier)
-    gain = s.p_return * (wc * (recompute - load) - (wl - 1.0) * load)
     price = (wl - 1.0) * write + (wc * max(write + weights.wait(tier), 0.0) if blocking else 0.0)
-    return gain > price
-
-
-def copy_value(cost: CostModel, tier: str, s: IdleSession, weights: LoadWeights,
-               chunk_tokens: int = 256) -> float:
-    """What a copy of ``s`` in ``tier`` is expected to save everyone: its chance of reuse
-    times recomputing minus loading (at the GPU's weight), less what the load costs its
-    link's other users."""
-    chunks = max(1, -(-s.prefix_tokens // chunk_tokens))
-    recompute = cost.prefill.time(s.context_tokens, s.prefix_tokens)
-    load = cost.load_time(tier, s.prefix_tokens, chunks)
-    return s.p_return * (weights.compute * (recompute - load) - (weights.link(tier) - 1.0) * load)
+    return copy_value(cost, tier, s, weights, chunk_tokens) > price
 
 
 def displace_pays(
@@ -142,12 +139,7 @@ def landing_pays(
     waiting ``remaining_s`` for it to land (the turn and the queue behind it, at the GPU's
     weight) pays when its chance of reuse times what a restore then saves is more;
     otherwise the copy is abandoned and the blocks go now."""
-    chunks = max(1, -(-s.prefix_tokens // chunk_tokens))
-    recompute = cost.prefill.time(s.context_tokens, s.prefix_tokens)
-    load = cost.load_time(tier, s.prefix_tokens, chunks)
-    wc, wl = weights.compute, weights.link(tier)
-    gain = s.p_return * (wc * (recompute - load) - (wl - 1.0) * load)
-    return gain > wc * remaining_s
+    return copy_value(cost, tier, s, weights, chunk_tokens) > weights.compute * remaining_s
 
 
 @register("offload", "predictive")
