@@ -226,8 +226,6 @@ class Scheduler:
         logits = logits[:, : self.sample_vocab]
         done: list[Request] = []
         now = time.perf_counter()
-        if self.on_step is not None:
-            self.on_step(now - t0)
         for row, (req, n) in enumerate(batch):
             req.num_computed_tokens += n
             if req.state is not RequestState.RUNNING:
@@ -238,6 +236,8 @@ class Scheduler:
             token = sample_one(logits[row], req.params, req.generator)
             if self._emit(req, token, now):
                 done.append(req)
+        if self.on_step is not None:  # after sampling: on a GPU the step has run by then
+            self.on_step(time.perf_counter() - t0)
         return done
 
     def _schedule(self) -> list[tuple[Request, int]]:
