@@ -130,9 +130,6 @@ class Engine:
         self.policy: LivePolicy | None = (
             None if self.kv is None else self._live_policy(cfg, self.kv, clock)
         )
-        if self.policy is not None:  # what makes its decisions load- and reuse-aware
-            self.scheduler.on_step = self.policy.observe_compute
-            self.scheduler.on_prompt_blocks = self.policy.requested
         self.sessions: dict[str, ChatSession] = {}
         self._busy: set[str] = set()
         self._turns: dict[str, PendingTurn] = {}
@@ -174,7 +171,8 @@ class Engine:
         self, cfg: KVTierConfig, kv: KVTransfer, clock: Callable[[], float]
     ) -> LivePolicy:
         """The policy over this engine's tiers: the calibrated costs, the session ranks the
-        tiers' session-aware eviction asks for, and where their victims go."""
+        tiers' session-aware eviction asks for, and where their victims go; the scheduler
+        tells it each step's time and each prompt's blocks (load and victim reuse)."""
         pol = cfg.policy
         cost = self._cost_model(cfg)
         if cost is not None:
@@ -191,6 +189,8 @@ class Engine:
                 # idle times from two clocks must never meet in one prediction
                 tier.eviction.predictor = lambda session, _tier_now: policy.eviction_rank(session)
         kv.manager.demotion = policy.demotion_target  # as the simulator's cascade asks
+        self.scheduler.on_step = policy.observe_compute
+        self.scheduler.on_prompt_blocks = policy.requested
         return policy
 
     # ----------------------------------------------------------------- requests
