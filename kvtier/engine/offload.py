@@ -136,7 +136,7 @@ class Offloader:
         # The session leaves the pool for ``tier``: with ``raise_copies``, chunks only a
         # slower tier holds are written there too (a restore from ``tier`` beats one from
         # where they lie; the policy's offloads ask LivePolicy.raises_copies, as the
-        # simulator's ``_raise_copy`` does).
+        # simulator's ``WriteDecisions.raise_copy`` does).
         if wait:
             t0 = time.perf_counter()
             report = kv.save(session.token_ids, tier, session_id, raise_copies=raise_copies,
