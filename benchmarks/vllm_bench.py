@@ -59,6 +59,12 @@ def setups(workdir: Path) -> dict[str, VllmSetup]:
     }
 
 
+def round_setups(root: Path, round_index: int) -> dict[str, VllmSetup]:
+    """The setups of one round, storing into directories of that round's own: rounds replay
+    the same conversations, and a round must never restore what an earlier one stored."""
+    return setups(root / f"r{round_index}")
+
+
 def _site_packages(venv: Path) -> str | None:
     """The site-packages of ``venv`` (LMCache's environment, built by the test command)."""
     found = sorted(venv.glob("lib/python3*/site-packages"))
@@ -97,12 +103,12 @@ def run(args: argparse.Namespace) -> int:
     rounds: list[dict[str, Any]] = []
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-vllm-") as tmp:
-        known = setups(Path(tmp))
-        unknown = [n for n in names if n not in known]
+        unknown = [n for n in names if n not in setups(Path(tmp))]
         if unknown:
-            raise SystemExit(f"unknown setups {unknown}; known: {', '.join(known)}")
+            raise SystemExit(f"unknown setups {unknown}; known: {', '.join(setups(Path(tmp)))}")
         for r in range(args.rounds):
             rounds.append({})
+            known = round_setups(Path(tmp), r)
             for name in names:
                 console.print(f"round {r + 1}: [bold]{name}[/bold] ...")
                 rounds[-1][name] = _one(known[name], args, work, Path(tmp) / f"r{r}-{name}")

@@ -41,6 +41,10 @@ class ChunkStore(Protocol):
     def present(self, keys: Sequence[str]) -> list[bool]:
         """Whether each of ``keys`` is stored (one round trip)."""
 
+    def locate(self, keys: Sequence[str]) -> list[str | None]:
+        """The tier holding each of ``keys`` (the fastest that has it), prefix or not, or
+        None (one round trip): a lookup and its candidate tails in one question."""
+
     def prefetch(self, keys: Sequence[str]) -> int:
         """Raise the stored prefix of ``keys`` into the fastest tier (a request that will
         read them is coming); how many chunks were read from slower tiers."""
@@ -70,6 +74,10 @@ class LocalChunkStore:
 
     def present(self, keys: Sequence[str]) -> list[bool]:
         return self.manager.present(keys)
+
+    def locate(self, keys: Sequence[str]) -> list[str | None]:
+        tiers = self.manager.tiers
+        return [None if t is None else tiers[t].name for t in self.manager.locate(keys)]
 
     def prefetch(self, keys: Sequence[str]) -> int:
         return self.manager.prefetch(keys)
@@ -107,6 +115,9 @@ class RemoteChunkStore:
 
     def present(self, keys: Sequence[str]) -> list[bool]:
         return self.client.present(keys) if keys else []
+
+    def locate(self, keys: Sequence[str]) -> list[str | None]:
+        return self.client.locate(keys) if keys else []
 
     def prefetch(self, keys: Sequence[str]) -> int:
         return self.client.prefetch(keys) if keys else 0

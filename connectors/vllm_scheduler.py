@@ -22,15 +22,11 @@ from typing import Any
 from kvtier.chunk_keys import ChunkKey
 from kvtier.connectors.chunk_store import ChunkStore
 from kvtier.connectors.vllm_blocks import ChunkGrid, ChunkSpan, ChunkTransfer, Rank, Role, StepPlan
+from kvtier.connectors.vllm_lookup import FINISHING, PrefixProbe, Stored
 from kvtier.connectors.vllm_policy import LoadObservation, LoadPolicy
 from kvtier.policies.restore import StoredChunk
 
 log = logging.getLogger(__name__)
-
-FINISHING = "finishing"
-"""The tier of a chunk a finished request's final save is about to write (from vLLM's
-held blocks into the fastest tier, before the load that reads it)."""
-
 
 @dataclass
 class _ReqState:
@@ -51,17 +47,6 @@ class _ReqState:
 
 
 @dataclass(frozen=True)
-class _Stored:
-    """One stored chunk of a prompt's prefix: its key, its blocks, the tier holding it,
-    and how many of its leading blocks a load may take (not the prompt's last token's)."""
-
-    key: str
-    blocks: int
-    tier: str
-    take: int = 0
-
-
-@dataclass(frozen=True)
 class _Found:
     """What the last lookup of a request found: vLLM holds its first ``computed`` blocks;
     the store its first ``chunks`` full chunks and then ``tail`` if any; ``load``: the
@@ -69,8 +54,8 @@ class _Found:
 
     computed: int
     chunks: int
-    tail: _Stored | None
-    load: tuple[_Stored, ...]
+    tail: Stored | None
+    load: tuple[Stored, ...]
     declined: int = 0
     """Stored tokens the policy chose to recompute."""
 
@@ -95,6 +80,7 @@ class SchedulerSide:
         """Stored tokens the policy chose to recompute rather than load."""
         self._load_tiers: dict[str, set[str]] = {}
         self.ranks = [Rank(i, world) for i in range(world)]
+        self._probe = PrefixProbe(grid, self.ranks)
         self.save_decode = save_decode
         """Save a finished request's reply too (a returning turn restores it)."""
         self._requests: dict[str, _ReqState] = {}
@@ -156,18 +142,15 @@ class SchedulerSide:
         usable = (len(prompt) - 1) // bs
         full = [k.key for k in state.keys if not k.is_tail][: -(-usable // per)]
         try:
-            stored = self._stored_prefix(full)
-            tail = None
-            if len(stored) * per < usable:
-                tail = self._stored_tail(prompt, full, len(stored),
-                                         len(prompt) // bs - len(stored) * per)
+            found_now = self._probe.probe(self._store(), prompt, full, usable, self._finishing)
+            stored, tail = found_now.prefix, found_now.tail
         except Exception as exc:  # noqa: BLE001 - an unreachable store is a miss
             log.warning("kvtier lookup failed, recomputing: %s", exc)
             stored, tail = [], None
         computed = num_computed_tokens // bs
         chain, first = [], 0
         for s in stored + ([tail] if tail else []):  # no further than the usable blocks
-            chain.append(_Stored(s.key, s.blocks, s.tier, max(0, min(s.blocks, usable - first))))
+            chain.append(Stored(s.key, s.blocks, s.tier, max(0, min(s.blocks, usable - first))))
             first += s.blocks
         chain = [s for s in chain if s.take]
         load, declined = self._chosen(chain, computed, len(prompt))
@@ -175,8 +158,8 @@ class SchedulerSide:
         self._found[request.request_id] = found  # acted on once vLLM allocates (no side effect here)
         return max(0, found.blocks * bs - num_computed_tokens) if found.blocks > computed else 0
 
-    def _chosen(self, chain: list[_Stored], computed: int, prompt_tokens: int
-                ) -> tuple[tuple[_Stored, ...], int]:
+    def _chosen(self, chain: list[Stored], computed: int, prompt_tokens: int
+                ) -> tuple[tuple[Stored, ...], int]:
         """The leading stored chunks worth loading past vLLM's ``computed`` blocks, and the
         stored tokens left to recompute."""
         bs, first, new = self.grid.block_size, 0, []
@@ -192,49 +175,6 @@ class SchedulerSide:
     def _parts(self, keys: Sequence[str]) -> list[str]:
         """Every rank's storage key of each of ``keys``, rank by rank."""
         return [ChunkGrid.rank_key(k, r) for r in self.ranks for k in keys]
-
-    def _stored_prefix(self, keys: list[str]) -> list[_Stored]:
-        """The leading ``keys`` whose every rank's part is stored, or about to be (a
-        finished request's final save, in the fastest tier then), with their tiers."""
-        per, out = self.grid.chunk_blocks, []
-        while len(out) < len(keys):
-            key = keys[len(out)]
-            if key in self._finishing:
-                out.append(_Stored(key, per, FINISHING))
-                continue
-            rest = keys[len(out):]
-            got = self._located(rest)
-            out += [_Stored(k, per, t) for k, t in zip(rest, got, strict=False)]
-            if not got:
-                break
-        return out
-
-    def _located(self, keys: list[str]) -> list[str]:
-        """Tiers of the leading ``keys`` whose every rank's part is stored (rank 0's tiers)."""
-        store = self._store()
-        tiers = store.where([ChunkGrid.rank_key(k, self.ranks[0]) for k in keys])
-        for r in self.ranks[1:]:
-            tiers = tiers[: store.lookup([ChunkGrid.rank_key(k, r) for k in keys[: len(tiers)]])]
-        return tiers
-
-    def _stored_tail(self, prompt: list[int], full: list[str], chunk: int, room: int
-                     ) -> _Stored | None:
-        """The longest tail chunk stored after full chunk ``chunk - 1`` (every rank's part),
-        of at most ``room`` blocks (the prompt's full blocks past it; fewer than a chunk's)."""
-        most = min(room, self.grid.chunk_blocks - 1)
-        if most <= 0:
-            return None
-        parent = full[chunk - 1] if chunk else None
-        keys = [self.grid.tail_key(prompt, parent, chunk, m) for m in range(most, 0, -1)]
-        present = self._store().present(self._parts(keys))
-        n = len(keys)
-        for i, key in enumerate(keys):
-            if key in self._finishing:
-                return _Stored(key, most - i, FINISHING)
-            if all(present[r * n + i] for r in range(len(self.ranks))):
-                tier = self._store().where([ChunkGrid.rank_key(key, self.ranks[0])])
-                return _Stored(key, most - i, tier[0]) if tier else None
-        return None
 
     # -------------------------------------------------------------- allocation
     def allocated(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:

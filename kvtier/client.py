@@ -40,6 +40,8 @@ class Lookup:
     tiers: list[str]
     present: list[bool] | None = None
     """With ``each``: whether each key is stored, prefix or not."""
+    located: list[str | None] | None = None
+    """With ``each``: the fastest tier holding each key, or None."""
 
 
 @dataclass(frozen=True)
@@ -394,6 +396,13 @@ class Client:
     def present(self, keys: Sequence[str]) -> list[bool]:
         """Whether each of ``keys`` is stored (one request)."""
         return list(Lookup(**self._send(_Routes.lookup(keys, each=True)).json()).present or [])
+
+    def locate(self, keys: Sequence[str]) -> list[str | None]:
+        """The fastest tier holding each of ``keys``, prefix or not, or None (one request)."""
+        got = Lookup(**self._send(_Routes.lookup(keys, each=True)).json())
+        if got.located is None:
+            raise ServiceError(502, "old_server", "the lookup names no tier per key (an older kvtier)")
+        return list(got.located)
 
     def get_chunks(
         self, keys: Sequence[str], layers: tuple[int, int] | None = None

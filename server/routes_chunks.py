@@ -470,10 +470,19 @@ async def lookup(body: LookupRequest, request: Request) -> dict[str, Any]:
     _, manager = _manager(request)
     _check_keys(body.keys)
     keys = [_stored_as(request, k) for k in body.keys]
-    loc = await run_in_threadpool(manager.lookup, keys)
-    out: dict[str, Any] = {"length": loc.length, "tiers": [manager.tiers[i].name for i in loc.tiers]}
-    if body.each:
-        out["present"] = await run_in_threadpool(manager.present, keys)
+    return await run_in_threadpool(_lookup, manager, keys, body.each)
+
+
+def _lookup(manager: TierManager, keys: list[str], each: bool) -> dict[str, Any]:
+    """The lookup's answer, in one worker-thread hop (a connector waits on it in vLLM's
+    scheduler loop)."""
+    loc = manager.lookup(keys)
+    names = [t.name for t in manager.tiers]
+    out: dict[str, Any] = {"length": loc.length, "tiers": [names[i] for i in loc.tiers]}
+    if each:
+        located = manager.locate(keys)
+        out["present"] = [t is not None for t in located]
+        out["located"] = [None if t is None else names[t] for t in located]
     return out
 
 

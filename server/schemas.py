@@ -106,6 +106,9 @@ class LookupResponse(_Doc):
     """The fastest tier holding each of those keys."""
     present: list[bool] | None = None
     """With ``each``: whether each key is stored, in the prefix or not."""
+    located: list[str | None] | None = None
+    """With ``each``: the fastest tier holding each key, or null (what ``present`` says,
+    with the tier)."""
 
 
 class PrefetchResponse(_Doc):

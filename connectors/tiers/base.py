@@ -215,6 +215,11 @@ class Tier(ABC):
     def contains_prefix(self, keys: Sequence[str]) -> int:
         """How many leading ``keys`` are stored (one round trip)."""
 
+    def contains_each(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each of ``keys`` is stored, prefix or not. Tiers with a round trip per
+        call answer all of them in one."""
+        return [self.contains_prefix([k]) > 0 for k in keys]
+
     @abstractmethod
     def delete(self, keys: Sequence[str]) -> int:
         """Remove keys; returns how many were present."""

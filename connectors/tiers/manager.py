@@ -181,7 +181,26 @@ class TierManager:
 
     def present(self, keys: Sequence[str]) -> list[bool]:
         """Whether each of ``keys`` is stored in some tier (not only as a prefix)."""
-        return [self.lookup([key]).length > 0 for key in keys]
+        return [t is not None for t in self.locate(keys)]
+
+    def locate(self, keys: Sequence[str]) -> list[int | None]:
+        """The fastest tier holding each of ``keys`` (prefix or not), None where none
+        does: one ``contains_each`` per tier, over the keys the faster tiers lack."""
+        self.stats.lookups += 1
+        found: list[int | None] = [None] * len(keys)
+        for i, tier in enumerate(self.tiers):
+            missing = [j for j, t in enumerate(found) if t is None]
+            if not missing:
+                break
+            try:
+                here = tier.contains_each([keys[j] for j in missing])
+            except Exception as exc:  # noqa: BLE001 - a failing tier is a miss
+                tier.stats.count_error(type(exc).__name__)
+                continue
+            for j, held in zip(missing, here, strict=True):
+                if held:
+                    found[j] = i
+        return found
 
     # ------------------------------------------------------------------- store
     def store(

@@ -257,6 +257,16 @@ class RedisTier(Tier):
             n += 1
         return n
 
+    async def _contains_each(self, keys: Sequence[str]) -> list[bool]:
+        if not keys:
+            return []
+        pipe = self._pipeline()
+        for k in keys:
+            pipe.exists(self._rk(k))
+        replies = await pipe.execute(raise_on_error=False)
+        self._count_reply_faults(replies)
+        return [not isinstance(r, Exception) and bool(r) for r in replies]
+
     async def _delete(self, keys: Sequence[str]) -> int:
         if not keys:
             return 0
@@ -369,6 +379,10 @@ class RedisTier(Tier):
 
     def contains_prefix(self, keys: Sequence[str]) -> int:
         return self._guarded("contains_prefix", self._contains_prefix(keys), lambda _: 0)
+
+    def contains_each(self, keys: Sequence[str]) -> list[bool]:
+        return self._guarded("contains_each", self._contains_each(keys),
+                             lambda _: [False] * len(keys))
 
     def delete(self, keys: Sequence[str]) -> int:
         return self._guarded("delete", self._delete(keys), lambda _: 0)

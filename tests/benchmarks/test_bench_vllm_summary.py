@@ -50,3 +50,21 @@ def test_the_root_cause_of_a_failed_start_is_the_first_error_logged():
     assert root_cause(log) == "ValueError: invalid literal for int(): 'all'"
     assert root_cause("just a line\n") == "just a line"
     assert root_cause("Traceback\n  x\nKeyError: 'k'\n") == "KeyError: 'k'"
+
+
+def test_no_two_rounds_share_a_store(tmp_path):
+    """Rounds replay the same conversations: a setup whose tiers outlived its round would
+    restore the earlier round's KV and look faster than it is."""
+    from kvtier.benchmarks.vllm_bench import round_setups
+
+    def strings(value) -> list[str]:
+        if isinstance(value, dict):
+            return [s for v in value.values() for s in strings(v)]
+        return [value] if isinstance(value, str) else []
+
+    def paths(r: int) -> set[str]:
+        return {s for setup in round_setups(tmp_path, r).values()
+                for s in strings(setup.kv_transfer_config or {}) if s.startswith(str(tmp_path))}
+
+    first, second = paths(0), paths(1)
+    assert first and second and not first & second

@@ -276,3 +276,79 @@ def test_a_sessions_next_request_promotes_its_chunks_before_it_is_scheduled(tmp_
     assert sched.arrived(turn2).result(timeout=30) == 3  # read from disk, written to RAM
     assert store.where(keys) == ["cpu"] * 3
     assert sched.matched_tokens(turn2, 0) == 6 * BLOCK
+
+
+class _Counted:
+    """A real store, its round trips counted (what vLLM's scheduler loop waits on)."""
+
+    def __init__(self, store) -> None:
+        self.store, self.calls = store, 0
+
+    def __getattr__(self, name):
+        method = getattr(self.store, name)
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return method(*args, **kwargs)
+
+        return counted
+
+
+def test_a_lookup_is_one_round_trip_prefix_and_tail_together():
+    sched, (worker,), store = _sides()
+    turn1 = list(range(50, 50 + 5 * BLOCK + 4))
+    _run(sched, [worker], Request("t1", turn1), list(range(6)))
+    counted = _Counted(store)
+    asker = SchedulerSide(lambda: counted, GRID)
+    turn2 = turn1 + list(range(900, 900 + 3 * BLOCK))
+    assert asker.matched_tokens(Request("t2", turn2), 0) == 5 * BLOCK  # 2 chunks + the tail
+    assert counted.calls == 1
+    assert asker.matched_tokens(Request("t3", list(range(7000, 7000 + 9 * BLOCK))), 0) == 0
+    assert counted.calls == 2  # a miss is one round trip too
+
+
+def test_a_long_prompt_asks_for_the_tails_after_its_prefix_is_known(monkeypatch):
+    from kvtier.connectors import vllm_lookup
+
+    monkeypatch.setattr(vllm_lookup, "MAX_SPECULATIVE_KEYS", 4)
+    sched, (worker,), store = _sides()
+    turn1 = list(range(50, 50 + 5 * BLOCK + 4))
+    _run(sched, [worker], Request("t1", turn1), list(range(6)))
+    counted = _Counted(store)
+    asker = SchedulerSide(lambda: counted, GRID)
+    turn2 = turn1 + list(range(900, 900 + 3 * BLOCK))
+    assert asker.matched_tokens(Request("t2", turn2), 0) == 5 * BLOCK  # the same answer
+    assert counted.calls == 2
+
+
+def test_the_one_round_trip_lookup_through_a_running_kvtier_serve(tmp_path):
+    """The same question through the sidecar's lookup route: every rank's part, a tail
+    found after the stored prefix, and the tier of each."""
+    from kvtier.config import KVTierConfig
+    from kvtier.connectors.chunk_store import RemoteChunkStore
+    from kvtier.server.state import ServiceState
+    from tests.http_server import running
+
+    cfg = KVTierConfig()
+    cfg.tiers.cpu_bytes = 16 << 20
+    cfg.tiers.disk_dir = None
+    with running(ServiceState.sidecar(cfg)) as url:
+        store = RemoteChunkStore(url, 1 << 20)
+        try:
+            counted = _Counted(store)
+            sched = SchedulerSide(lambda: counted, GRID, world=2)
+            workers = []
+            for r in range(2):
+                w = WorkerSide(lambda: store, GRID, Rank(r, 2))
+                w.register(caches(32, True, seed=r), 32)
+                workers.append(w)
+            turn1 = list(range(50, 50 + 5 * BLOCK + 4))
+            _run(sched, workers, Request("t1", turn1), list(range(6)))
+            counted.calls = 0
+            turn2 = turn1 + list(range(900, 900 + 3 * BLOCK))
+            assert sched.matched_tokens(Request("t2", turn2), 0) == 5 * BLOCK
+            assert counted.calls == 1
+            assert store.locate(["ab" * 16, ChunkGrid.rank_key(GRID.keys(turn1)[0].key, Rank(1, 2))]
+                                ) == [None, "cpu"]
+        finally:
+            store.close()

@@ -117,6 +117,8 @@ def test_contains_prefix_with_gaps_and_delete(any_tier: RedisTier) -> None:
     assert any_tier.contains_prefix(keys) == 3
     assert any_tier.contains_prefix(keys[3:]) == 0
     assert any_tier.contains_prefix([]) == 0
+    assert any_tier.contains_each(keys) == [True, True, True, False, True, True]
+    assert any_tier.contains_each([]) == []
     assert any_tier.delete([key(1), key(3)]) == 1
     assert any_tier.contains_prefix(keys) == 1
     assert get_blobs(any_tier, [key(1)]) == [None]

@@ -166,6 +166,22 @@ def test_contains_prefix_stops_at_first_gap(make_tier) -> None:
     assert tier.contains_prefix(keys[3:]) == 0
     assert tier.contains_prefix(keys[4:]) == 2
     assert tier.contains_prefix([]) == 0
+    assert tier.contains_each(keys) == [True, True, True, False, True, True]
+
+
+def test_a_manager_locates_each_key_in_its_fastest_tier(tmp_path: Path) -> None:
+    from kvtier.connectors.tiers.manager import TierManager
+
+    cpu, disk = _make_cpu(tmp_path, None), _make_disk(tmp_path, None)
+    manager = TierManager([cpu, disk])
+    try:
+        keys = [make_blob(i)[0] for i in range(4)]
+        put_blobs(cpu, dict(make_blob(i) for i in (0, 1)))
+        put_blobs(disk, dict(make_blob(i) for i in (1, 3)))
+        assert manager.locate(keys) == [0, 0, None, 1]
+        assert manager.present(keys) == [True, True, False, True]
+    finally:
+        manager.close()
 
 
 def test_delete(make_tier) -> None:
