@@ -294,13 +294,18 @@ class _Counted:
         return counted
 
 
-def test_a_lookup_is_one_round_trip_prefix_and_tail_together():
+def _after_a_first_turn() -> tuple[SchedulerSide, _Counted, list[int]]:
+    """A scheduler side over a store holding a first turn (2 chunks and a one-block tail),
+    its round trips counted, and the conversation's second turn."""
     sched, (worker,), store = _sides()
     turn1 = list(range(50, 50 + 5 * BLOCK + 4))
     _run(sched, [worker], Request("t1", turn1), list(range(6)))
     counted = _Counted(store)
-    asker = SchedulerSide(lambda: counted, GRID)
-    turn2 = turn1 + list(range(900, 900 + 3 * BLOCK))
+    return SchedulerSide(lambda: counted, GRID), counted, turn1 + list(range(900, 900 + 3 * BLOCK))
+
+
+def test_a_lookup_is_one_round_trip_prefix_and_tail_together():
+    asker, counted, turn2 = _after_a_first_turn()
     assert asker.matched_tokens(Request("t2", turn2), 0) == 5 * BLOCK  # 2 chunks + the tail
     assert counted.calls == 1
     assert asker.matched_tokens(Request("t3", list(range(7000, 7000 + 9 * BLOCK))), 0) == 0
@@ -311,12 +316,7 @@ def test_a_long_prompt_asks_for_the_tails_after_its_prefix_is_known(monkeypatch)
     from kvtier.connectors import vllm_lookup
 
     monkeypatch.setattr(vllm_lookup, "MAX_SPECULATIVE_KEYS", 4)
-    sched, (worker,), store = _sides()
-    turn1 = list(range(50, 50 + 5 * BLOCK + 4))
-    _run(sched, [worker], Request("t1", turn1), list(range(6)))
-    counted = _Counted(store)
-    asker = SchedulerSide(lambda: counted, GRID)
-    turn2 = turn1 + list(range(900, 900 + 3 * BLOCK))
+    asker, counted, turn2 = _after_a_first_turn()
     assert asker.matched_tokens(Request("t2", turn2), 0) == 5 * BLOCK  # the same answer
     assert counted.calls == 2
 
