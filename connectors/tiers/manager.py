@@ -184,8 +184,7 @@ class TierManager:
         return [t is not None for t in self.locate(keys)]
 
     def locate(self, keys: Sequence[str]) -> list[int | None]:
-        """The fastest tier holding each of ``keys`` (prefix or not), None where none
-        does: one ``contains_each`` per tier, over the keys the faster tiers lack."""
+        """The fastest tier holding each key (prefix or not), else None: one ``contains_each`` per tier."""
         self.stats.lookups += 1
         found: list[int | None] = [None] * len(keys)
         for i, tier in enumerate(self.tiers):

@@ -243,19 +243,8 @@ class RedisTier(Tier):
         self._usage.removed(sum(corrupt.values()), len(corrupt))
 
     async def _contains_prefix(self, keys: Sequence[str]) -> int:
-        if not keys:
-            return 0
-        pipe = self._pipeline()
-        for k in keys:
-            pipe.exists(self._rk(k))
-        replies = await pipe.execute(raise_on_error=False)
-        self._count_reply_faults(replies)
-        n = 0
-        for r in replies:
-            if isinstance(r, Exception) or not r:
-                break
-            n += 1
-        return n
+        held = await self._contains_each(keys)
+        return held.index(False) if False in held else len(held)
 
     async def _contains_each(self, keys: Sequence[str]) -> list[bool]:
         if not keys:
