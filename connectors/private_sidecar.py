@@ -43,11 +43,16 @@ class SidecarAddress:
         return {"url": self.url, "token": self.token, "shm": True}
 
 
-def _env(options: Mapping[str, Any], slot_bytes: int, workdir: str) -> dict[str, str]:
+def _env(options: Mapping[str, Any], slot_bytes: int, workdir: str, token: str
+         ) -> dict[str, str]:
     """The child's configuration: the connector's ``tiers`` as ``KVTIER_TIERS__*``, CPU slots
-    sized to the connector's chunks, shared-memory regions in a directory of its own."""
+    sized to the connector's chunks, shared-memory regions in a directory of its own. The
+    token travels in the environment, not argv: argv is visible to every user in ``ps``, and
+    argparse reads a token that starts with ``-`` (one in 64 of ``token_urlsafe``) as an
+    option and refuses to start."""
     env = dict(os.environ, KVTIER_SERVER__CHUNK_SLOT_BYTES=str(slot_bytes),
-               KVTIER_SERVER__SHM_DIR=os.path.join(workdir, "shm"))
+               KVTIER_SERVER__SHM_DIR=os.path.join(workdir, "shm"),
+               KVTIER_SERVER__AUTH_TOKEN=token)
     for name, value in dict(options.get("tiers") or {}).items():
         env[f"KVTIER_TIERS__{name.upper()}"] = "" if value is None else str(value)
     return env
@@ -61,10 +66,10 @@ def start(options: Mapping[str, Any], slot_bytes: int) -> SidecarAddress:
     token = secrets.token_urlsafe(24)
     workdir = tempfile.mkdtemp(prefix="kvtier-vllm-sidecar-")
     cmd = [sys.executable, "-m", "kvtier.cli", "serve", "--host", "127.0.0.1",
-           "--port", str(port), "--auth-token", token, "--log-level", "warning"]
+           "--port", str(port), "--log-level", "warning"]
     if options.get("config"):
         cmd += ["--config", str(options["config"])]
-    proc = subprocess.Popen(cmd, env=_env(options, slot_bytes, workdir))
+    proc = subprocess.Popen(cmd, env=_env(options, slot_bytes, workdir, token))
     atexit.register(_stop, proc)
     address = SidecarAddress(f"http://127.0.0.1:{port}", token)
     _wait(proc, address)

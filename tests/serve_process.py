@@ -25,10 +25,10 @@ def start_serve(disk_dir: Path, token: str, env: dict[str, str] | None = None
     ``/healthz``; the caller terminates it. ``env``: more ``KVTIER_*`` settings."""
     port = free_port()
     env = dict(os.environ, KVTIER_TIERS__DISK_DIR=str(disk_dir), KVTIER_TIERS__DISK_FSYNC="false",
-               **(env or {}))
+               KVTIER_SERVER__AUTH_TOKEN=token, **(env or {}))
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvtier.cli.main", "serve", "--port", str(port),
-         "--log-level", "warning", "--auth-token", token],
+         "--log-level", "warning"],
         env=env,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"

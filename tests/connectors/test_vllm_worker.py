@@ -356,6 +356,29 @@ def test_in_process_tiers_for_several_ranks_live_in_a_private_sidecar(tmp_path):
         httpx.get(f"{address.url}/healthz", timeout=2)  # stopped
 
 
+def test_private_sidecar_starts_whatever_its_token_looks_like(tmp_path, monkeypatch):
+    """The token is random: one in 64 starts with ``-``, which argparse took for an option
+    (the server refused to start, vLLM with it). It travels in the environment, never in
+    argv where ``ps`` shows it to every user."""
+    import httpx
+
+    from kvtier.connectors import private_sidecar
+
+    token = "-" + "x" * 31
+    monkeypatch.setattr(private_sidecar.secrets, "token_urlsafe", lambda _n: token)
+    options = {"tiers": {"cpu_bytes": 4 << 20, "disk_dir": None}}
+    address = private_sidecar.start(options, 1 << 16)
+    try:
+        assert address.token == token
+        proc = private_sidecar._running[address.url]
+        assert token not in " ".join(proc.args)
+        headers = {"Authorization": f"Bearer {token}"}
+        assert httpx.post(f"{address.url}/v1/chunks/lookup", json={"keys": ["ab" * 8]},
+                          headers=headers).status_code == 200
+    finally:
+        private_sidecar.stop(address)
+
+
 def test_async_loads_run_off_the_forward_path_and_report_each_request_once(tmp_path):
     """vLLM's async-load protocol: the step's loads go to the loading thread; a request is
     reported finished (with the blocks it could not load, in the same pass) only once its
