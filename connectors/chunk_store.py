@@ -92,11 +92,16 @@ class LocalChunkStore:
         pass
 
 
+REGION_READ_BYTES = 64 << 20
+"""How much of one read a store takes through its thread's shared-memory region (the
+region stays that large; the server's ``server.shm_bytes`` is shared by every client)."""
+
+
 class RemoteChunkStore:
-    """A running ``kvtier serve`` (sidecar or engine mode) through its chunk data plane:
-    each chunk is filled into a reused staging buffer and sent from it (or copied into the
-    client's shared-memory region, ``shm``, for a server on this host), and read straight
-    into one."""
+    """A running ``kvtier serve`` (sidecar or engine mode) through its chunk data plane.
+    For a server on this host (``shm``) chunks are filled straight into the thread's
+    shared-memory region and lent straight out of it (up to ``REGION_READ_BYTES`` of a
+    read: the rest, and every chunk without ``shm``, through reused staging buffers)."""
 
     def __init__(self, url: str, chunk_bytes: int, token: str | None = None,
                  timeout: float = 30.0, shm: bool = False) -> None:
@@ -105,6 +110,7 @@ class RemoteChunkStore:
         self.client = Client(url, token=token, timeout=timeout, shm=shm)
         self.chunk_bytes = chunk_bytes
         """The largest chunk the connector writes: the room each read is given."""
+        self.region_chunks = max(1, REGION_READ_BYTES // chunk_bytes)
         self.staging = StagingPool(max_idle_bytes=256 << 20)
 
     def lookup(self, keys: Sequence[str]) -> int:
@@ -129,25 +135,33 @@ class RemoteChunkStore:
 
         failed: dict[str, str] = {}
         for write in writes:
-            with self.staging.borrowed(write.nbytes) as buf:
-                n = write.write_into(buf)
-                try:
-                    self.client.put_chunk(write.key, memoryview(buf[:n].numpy()))
-                except ServiceError as exc:
-                    if exc.status != 409:
-                        failed[write.key] = f"{exc.status}: {exc}"
+            try:
+                self._put(write)
+            except ServiceError as exc:
+                if exc.status != 409:
+                    failed[write.key] = f"{exc.status}: {exc}"
         return failed
+
+    def _put(self, write: ChunkWrite) -> None:
+        def fill(room: memoryview) -> int:
+            return write.write_into(torch.frombuffer(room, dtype=torch.uint8))
+
+        if self.client.shm and self.client.put_chunk_filled(write.key, fill, write.nbytes) is not None:
+            return
+        with self.staging.borrowed(write.nbytes) as buf:
+            n = write.write_into(buf)
+            self.client.put_chunk(write.key, memoryview(buf[:n].numpy()))
 
     @contextlib.contextmanager
     def get_into(self, keys: Sequence[str]) -> Iterator[list[LentChunk | None]]:
-        """Each chunk read into a staging buffer, up to the first one missing; its header
-        checked here (the service named it for this caller's namespace already), its
-        layers by the reader."""
+        """Each chunk lent from the thread's shared-memory region or read into a staging
+        buffer, up to the first one missing; its header checked here (the service named it
+        for this caller's namespace already), its layers by the reader."""
         held: list[torch.Tensor] = []
         out: list[LentChunk | None] = [None] * len(keys)
         try:
-            for i, key in enumerate(keys):
-                chunk = self._read(key, held)
+            for i in range(self._lend_from_region(keys, out), len(keys)):
+                chunk = self._read(keys[i], held)
                 if chunk is None:
                     break
                 out[i] = chunk
@@ -155,6 +169,26 @@ class RemoteChunkStore:
         finally:
             for buf in held:
                 self.staging.release(buf)
+
+    def _lend_from_region(self, keys: Sequence[str], out: list[LentChunk | None]) -> int:
+        """Lend the first chunks out of the region (filling ``out``); the index reads go
+        on from: 0 without a region, ``len(keys)`` once one is missing (a prefix ends
+        there)."""
+        if not self.client.shm or not keys:
+            return 0
+        head = list(keys[: self.region_chunks])
+        try:
+            views = self.client.get_chunks_in_region(head, self.chunk_bytes)
+        except InvalidArgumentError:  # larger than any chunk of ours: not one of ours
+            return len(keys)
+        if views is None:
+            return 0
+        for i, view in enumerate(views):
+            chunk = None if view is None else self._lent(keys[i], torch.frombuffer(view, dtype=torch.uint8))
+            if chunk is None:
+                return len(keys)  # a gap: nothing after it is used
+            out[i] = chunk
+        return len(head)
 
     def _read(self, key: str, held: list[torch.Tensor]) -> LentChunk | None:
         buf = self.staging.acquire(self.chunk_bytes)
@@ -165,7 +199,10 @@ class RemoteChunkStore:
             return None
         if got is None:
             return None
-        view = buf[: len(got)]
+        return self._lent(key, buf[: len(got)])
+
+    @staticmethod
+    def _lent(key: str, view: torch.Tensor) -> LentChunk | None:
         try:
             header, _ = chunk_view(view, key, verify=False, as_kv=False, any_namespace=True)
         except ChunkError:

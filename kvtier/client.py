@@ -15,12 +15,13 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import msgpack
+import numpy as np
 
 from kvtier.chunk_wire import ChunkWire, ServiceError, error_from
 from kvtier.client_region import RegionLink, RegionUnavailable
@@ -299,21 +300,16 @@ class Client:
     def put_chunk(self, key: str, blob: Blob, tier: str | None = None) -> dict[str, Any]:
         """Store one chunk; ``blob`` is sent from where it is (bytes or any buffer), or
         copied into this thread's shared-memory region (``shm``)."""
-        link = self._region()
-        for attempt in (0, 1) if link is not None else ():
-            try:
-                n = link.write(blob)
-            except RegionUnavailable as exc:
-                self._no_region(exc)
-                break
-            params = {"region": link.id, "offset": 0, "length": n, **({"tier": tier} if tier else {})}
-            status, body = self._region_call("PUT", f"/v1/chunks/{key}", params, None)
-            if _region_gone(status, body) and not attempt:  # the server restarted: a new one
-                link.forget()
-                continue
-            if status not in (200, 201):
-                raise error_from(status, body)
-            return json.loads(body)
+        if self.shm:
+            src = np.frombuffer(memoryview(blob).cast("B"), np.uint8)
+
+            def fill(room: memoryview) -> int:
+                np.copyto(np.frombuffer(room, np.uint8)[: len(src)], src)
+                return len(src)
+
+            done = self.put_chunk_filled(key, fill, len(src), tier)
+            if done is not None:
+                return done
         if self.wire is None:
             return self._send(_Routes.put_chunk(key, blob, tier)).json()
         params = {"tier": tier} if tier else None
@@ -322,6 +318,61 @@ class Client:
         if resp.status not in (200, 201):
             raise error_from(resp.status, body)
         return json.loads(body)
+
+    def put_chunk_filled(self, key: str, fill: Callable[[memoryview], int], nbytes: int,
+                         tier: str | None = None) -> dict[str, Any] | None:
+        """Store a chunk that ``fill`` writes straight into this thread's shared-memory
+        region (given ``nbytes`` of room, it returns the chunk's length): no buffer of the
+        caller's in between. None where no region can be used (``shm`` off, or the server
+        offers none): the caller sends the chunk from a buffer. A server that restarted
+        gets a new region, filled again."""
+        link = self._region()
+        for attempt in (0, 1) if link is not None else ():
+            try:
+                room = link.room(nbytes)
+            except RegionUnavailable as exc:
+                self._no_region(exc)
+                return None
+            n = fill(room)
+            params = {"region": link.id, "offset": 0, "length": n, **({"tier": tier} if tier else {})}
+            status, body = self._region_call("PUT", f"/v1/chunks/{key}", params, None)
+            if _region_gone(status, body) and not attempt:
+                link.forget()
+                continue
+            if status not in (200, 201):
+                raise error_from(status, body)
+            return json.loads(body)
+        return None
+
+    def get_chunks_in_region(self, keys: Sequence[str], room: int) -> list[memoryview | None] | None:
+        """Read chunks into this thread's shared-memory region, ``room`` bytes apart, up to
+        the first one not stored: each a view of the region (None from the first missing
+        one on), valid until this thread's next region call; no copy on this side. None
+        where no region can be used (the caller reads into buffers of its own)."""
+        link = self._region()
+        for attempt in (0, 1) if link is not None else ():
+            try:
+                region = link.room(room * len(keys))
+            except RegionUnavailable as exc:
+                self._no_region(exc)
+                return None
+            out: list[memoryview | None] = [None] * len(keys)
+            for i, key in enumerate(keys):
+                params = {"region": link.id, "offset": i * room, "room": room}
+                status, body = self._region_call("GET", f"/v1/chunks/{key}", params, None)
+                if _region_gone(status, body) and i == 0 and not attempt:
+                    break  # the server restarted: a new region, once
+                if status == 404:
+                    return out
+                if status == 413:
+                    raise InvalidArgumentError(f"chunk {key} does not fit a {room}-byte buffer")
+                if status != 200:
+                    raise error_from(status, body)
+                out[i] = region[i * room : i * room + json.loads(body)["length"]]
+            else:
+                return out
+            link.forget()
+        return None
 
     def get_chunk(self, key: str, layers: tuple[int, int] | None = None) -> bytes | None:
         """The chunk's bytes, or None when it is not stored."""

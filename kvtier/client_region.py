@@ -66,13 +66,6 @@ class RegionLink:
         assert self._mem is not None
         return memoryview(self._mem)[:nbytes]
 
-    def write(self, blob: Any) -> int:
-        """Copy ``blob`` to the region's start; its length."""
-        src = np.frombuffer(memoryview(blob).cast("B"), np.uint8)
-        with self.room(len(src)) as dst:
-            np.copyto(np.frombuffer(dst, np.uint8), src)
-        return len(src)
-
     def read(self, out: memoryview, nbytes: int) -> memoryview:
         """Copy the region's first ``nbytes`` bytes into ``out``; the filled part."""
         with self.room(nbytes) as src:

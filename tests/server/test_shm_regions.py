@@ -196,6 +196,20 @@ def test_a_client_makes_a_new_region_when_the_server_restarted(tmp_path):
             assert kv._local.link.id != first and kv.shm  # noqa: SLF001
             assert bytes(kv.get_chunk_into(key(2), bytearray(1 << 16))) == served(chunk(key(2)))
             assert url.endswith(str(port))
+        (tmp_path / "shm").rmdir()
+        with running(_state(tmp_path), port=port):  # again, for the in-place calls
+            blob = chunk(key(3))
+
+            def fill(room: memoryview) -> int:
+                room[: len(blob)] = blob
+                return len(blob)
+
+            assert kv.put_chunk_filled(key(3), fill, len(blob))["status"] == "stored"
+            link = kv._local.link  # noqa: SLF001 - a region this server does not know,
+            link.id = unknown = link.id[:-1] + ("0" if link.id[-1] != "0" else "1")
+            views = kv.get_chunks_in_region([key(3), key(4)], 1 << 16)
+            assert bytes(views[0]) == served(blob) and views[1] is None and kv.shm
+            assert link.id not in (None, unknown)  # a new region, made once
 
 
 def test_regions_of_any_dead_server_are_removed_at_start_whatever_its_pid(tmp_path):
