@@ -338,14 +338,17 @@ def _sim_row(wl, spec, cost, gpu_bytes: float, tier_bytes: dict[str, float], nod
              router: str = "cache-aware") -> dict:
     """One system in the simulator (one node, or a cluster of ``nodes`` sharing the redis
     tier; ``gpu_bytes`` per node), with how long the simulation itself took."""
+    from kvtier.benchmarks.policy_sim.adaptive import AdaptiveReplay
     from kvtier.benchmarks.policy_sim.cluster import Cluster
     from kvtier.benchmarks.policy_sim.simulator import Simulator
 
+    def make(s):
+        if nodes > 1:
+            return Cluster(wl, s, cost, gpu_bytes, tier_bytes, nodes, router)
+        return Simulator(wl, s, cost, gpu_bytes, tier_bytes)
+
     t0 = time.perf_counter()
-    if nodes > 1:
-        res = Cluster(wl, spec, cost, gpu_bytes, tier_bytes, nodes, router).run()
-    else:
-        res = Simulator(wl, spec, cost, gpu_bytes, tier_bytes).run()
+    res = AdaptiveReplay(wl, spec, make).run() if spec.adaptive else make(spec).run()
     secs = time.perf_counter() - t0
     return {**res.summary(), "sim_seconds": secs,
             "sim_turns_per_s": len(wl.turns) / max(secs, 1e-9),

@@ -110,12 +110,30 @@ class Cluster:
     # ----------------------------------------------------------------------- run
     def run(self) -> ClusterResult:
         for i, t in enumerate(self.w.turns):
-            j = self._route(i, t)
-            self._free[j] = self.nodes[j]._turn(t, self._free[j])
-            self.assignments.append(j)
-            self._turns[j] += 1
-            self._busy_s[j] = self.nodes[j].res.breakdown["compute_s"]
-            self._home[t.session] = j
+            self.step(i, t)
+        return self.finish()
+
+    def step(self, i: int, t: Turn) -> float:
+        """Route and replay turn ``i``; its TTFT."""
+        j = self._route(i, t)
+        node = self.nodes[j]
+        self._free[j] = node._turn(t, self._free[j])
+        self.assignments.append(j)
+        self._turns[j] += 1
+        self._busy_s[j] = node.res.breakdown["compute_s"]
+        self._home[t.session] = j
+        return node.res.ttft_s[-1]
+
+    @property
+    def through(self) -> bool:
+        return self.nodes[0].through
+
+    @through.setter
+    def through(self, on: bool) -> None:
+        for node in self.nodes:
+            node.through = on
+
+    def finish(self) -> ClusterResult:
         for node in self.nodes:
             node.res.peak_gpu_bytes = node.gpu.peak
         return ClusterResult(self)

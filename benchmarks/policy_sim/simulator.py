@@ -93,9 +93,7 @@ class Simulator:
     ) -> None:
         """``shared``: tiers this node shares with others (a cluster's Redis), by name:
         their contents and link are the same objects in every node (see ``cluster``)."""
-        self.w = workload
-        self.spec = system
-        self.cost = cost
+        self.w, self.spec, self.cost = workload, system, cost
         self.bpt = cost.kv_bytes_per_token
         self.sessions: dict[Hashable, SessionState] = {}
         self._tier_bytes = tier_bytes
@@ -113,6 +111,8 @@ class Simulator:
                       Store(t, tier_bytes[t], self._policy(system.tier_eviction)) for t in names]
         self.links = {t: shared[t][1] if t in shared else Link() for t in names}
         self.res = SimResult(system.name)
+        self.through = system.write_through  # LMCache's store rule (adaptive: switched per turn)
+        self._server_free = 0.0
         span = (workload.turns[-1].arrival_s - workload.turns[0].arrival_s) if workload.turns else 0
         self._sample_every = max(span / max(timeline_points, 1), 1e-9)
         self._next_sample = -math.inf
@@ -262,9 +262,16 @@ class Simulator:
 
     # -------------------------------------------------------------------- turns
     def run(self) -> SimResult:
-        server_free = 0.0
-        for turn in self.w.turns:
-            server_free = self._turn(turn, server_free)
+        for i, turn in enumerate(self.w.turns):
+            self.step(i, turn)
+        return self.finish()
+
+    def step(self, _index: int, t: Turn) -> float:
+        """Replay the next turn (``_index``: its place in the workload); its TTFT."""
+        self._server_free = self._turn(t, self._server_free)
+        return self.res.ttft_s[-1]
+
+    def finish(self) -> SimResult:
         self.res.peak_gpu_bytes = self.gpu.peak
         return self.res
 
@@ -423,7 +430,7 @@ class Simulator:
         if self.gpu.used > self.gpu.capacity:
             self.res.overcommits += 1
         self.evict_from_gpu(victims, finish)
-        if self.spec.write_through and self.tiers and stored_at_prefill:
+        if self.through and self.tiers and stored_at_prefill:
             for ti in range(len(self.tiers)):
                 self.write(ti, key, tokens, info, finish)
         elif self.spec.store_computed and self.tiers and self.where(key) is None:

@@ -41,6 +41,11 @@ class SystemSpec:
     """Think-time predictions drive eviction order, offload depth and watermark offloads."""
     retention_value: bool = False
     """Pensieve-style: GPU and tier victims have the lowest recompute-cost / idle-time."""
+    adaptive: bool = False
+    """kvtier: follow whichever of its store rules (what pays, or every computed chunk in
+    every tier) served recent turns best, judged on shadow replays of each
+    (:mod:`~kvtier.benchmarks.policy_sim.adaptive`). Simulated only: the engine (and so
+    ``--real``) stores by the ``pays`` rule alone."""
     keep_reply: bool = True
     """The GPU keeps the KV of generated tokens after a turn (vLLM caches full decode
     blocks, CachedAttention and Pensieve keep whole conversations, kvtier sessions hold
@@ -67,7 +72,7 @@ SYSTEMS = {
     "kvtier": SystemSpec(
         "kvtier", restore="cost", gpu_eviction="session-aware", tier_eviction="session-aware",
         offload_on_evict=True, cascade=True, store_computed=True, prefetch_on_arrival=True,
-        prefetch_on_hint=True, predictive=True,
+        prefetch_on_hint=True, predictive=True, adaptive=True,
     ),
 }
 for _name, _spec in SYSTEMS.items():
