@@ -201,13 +201,20 @@ def test_cache_tensors_without_a_block_dimension_are_refused():
         worker.register({"l": torch.zeros(3, 3, BLOCK, 2, 8)}, NUM_BLOCKS)
 
 
-@pytest.mark.parametrize("shm", [False, True])
-def test_blocks_round_trip_through_a_running_kvtier_serve(tmp_path, shm):
+def _sidecar_config(tmp_path) -> KVTierConfig:
+    """A sidecar's: a 16 MiB CPU tier, no disk, shared-memory regions in the test's own
+    directory."""
     cfg = KVTierConfig()
     cfg.tiers.cpu_bytes = 16 << 20
     cfg.tiers.disk_dir = None
     cfg.server.shm_dir = str(tmp_path / "shm")
     (tmp_path / "shm").mkdir()
+    return cfg
+
+
+@pytest.mark.parametrize("shm", [False, True])
+def test_blocks_round_trip_through_a_running_kvtier_serve(tmp_path, shm):
+    cfg = _sidecar_config(tmp_path)
     src, dst = caches(NUM_BLOCKS, True, seed=8), caches(NUM_BLOCKS, True, seed=9)
     keys = _keys(3)
     with running(ServiceState.sidecar(cfg)) as url:
@@ -234,11 +241,7 @@ def test_through_a_region_chunks_are_filled_and_lent_in_place(tmp_path, region_c
     scatters straight out of it: no staging buffer is made (beyond the region's share
     of a read, ``region_chunks``, the rest come through staging buffers); every block
     bit-exact, a missing chunk ends the prefix."""
-    cfg = KVTierConfig()
-    cfg.tiers.cpu_bytes = 16 << 20
-    cfg.tiers.disk_dir = None
-    cfg.server.shm_dir = str(tmp_path / "shm")
-    (tmp_path / "shm").mkdir()
+    cfg = _sidecar_config(tmp_path)
     src, dst = caches(NUM_BLOCKS, True, seed=12), caches(NUM_BLOCKS, True, seed=13)
     keys = _keys(10)  # five chunks: four stored, then one that is not
     with running(ServiceState.sidecar(cfg)) as url:
