@@ -218,13 +218,16 @@ def run(args: argparse.Namespace) -> int:
 
     results = _replay_all(args, workloads, budgets, systems, cost, console)
     _report(args, results, console)
-    robust = None
+    robust = robust_adaptive = None
     if args.family:
         from kvtier.benchmarks.policy_sim.family import robustness
         from kvtier.benchmarks.policy_sim.report import print_robustness
 
         robust = robustness(results)
         print_robustness(console, robust)
+        if any(s.adaptive for s in systems):
+            robust_adaptive = robustness(results, "kvtier-adaptive")
+            print_robustness(console, robust_adaptive)
     if args.out:
         path = write_result(args.out, "policies", {
             "config": {"mode": "real" if args.real else "simulate", "profile": str(args.profile), "budgets": budgets,
@@ -236,6 +239,7 @@ def run(args: argparse.Namespace) -> int:
                        "profile_warnings": warnings},
             "workloads": results,
             **({"robustness": robust} if robust is not None else {}),
+            **({"robustness_adaptive": robust_adaptive} if robust_adaptive is not None else {}),
         })
         console.print(f"wrote {path}")
     return 0

@@ -85,8 +85,9 @@ def family(n: int, seed: int = 0, sessions: int = 400) -> list[Workload]:
 def robustness(results: dict[str, Any], system: str = "kvtier") -> dict[str, Any]:
     """Over the family members in ``results`` (by workload name, as the replay writes them):
     for each member and budget, ``system``'s mean and p99 TTFT over the best other
-    system's (below 1: ``system`` is best), and the summary: the worst ratios, the share of
-    cells within 1 % (mean) and 3 % (p99), and how often ``system`` has the lowest mean."""
+    system's (below 1: ``system`` is best; kvtier's own variants are not others), and the
+    summary: the worst ratios, the share of cells within 1 % (mean) and 3 % (p99), and how
+    often ``system`` has the lowest mean."""
     cells = []
     for name, entry in results.items():
         if not name.startswith(PREFIX):
@@ -95,7 +96,9 @@ def robustness(results: dict[str, Any], system: str = "kvtier") -> dict[str, Any
             if system not in rows or len(rows) < 2:
                 continue
             ours = rows[system]
-            others = {k: r for k, r in rows.items() if k != system}
+            others = {k: r for k, r in rows.items() if k != system and not k.startswith("kvtier")}
+            if not others:
+                continue
             best_mean = min(r["ttft_mean_s"] for r in others.values())
             best_p99 = min(r["ttft_p99_s"] for r in others.values())
             cells.append({"workload": name, "budget": budget,

@@ -15,7 +15,7 @@ from kvtier.benchmarks.policy_sim.systems import SYSTEMS
 from kvtier.benchmarks.policy_sim.workloads import SyntheticSpec, synthetic
 from kvtier.policies.cost_model import CostModel, LinearCost, PrefillCost, TierCost
 
-ADAPTIVE = SYSTEMS["kvtier"]
+ADAPTIVE = SYSTEMS["kvtier-adaptive"]
 
 
 def _cost() -> CostModel:
@@ -43,7 +43,7 @@ def _make(wl, cost, nodes: int = 1):
 def test_before_it_judges_it_is_kvtiers_own_replay():
     wl, cost = _wl(), _cost()
     make = _make(wl, cost)
-    alone = make(replace(ADAPTIVE, adaptive=False)).run()  # the pays rule throughout
+    alone = make(replace(SYSTEMS["kvtier"], name=ADAPTIVE.name)).run()  # the pays rule throughout
     n = len(wl.turns) + 1
     res = AdaptiveReplay(wl, ADAPTIVE, make, window=n, min_turns=n).run()
     assert res.ttft_s == pytest.approx(alone.ttft_s)

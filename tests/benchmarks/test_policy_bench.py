@@ -9,7 +9,7 @@ import json
 import pytest
 
 from kvtier.benchmarks.policy_sim.simulator import Simulator
-from kvtier.benchmarks.policy_sim.systems import SYSTEMS, system
+from kvtier.benchmarks.policy_sim.systems import DEFAULT_SYSTEMS, SYSTEMS, system
 from kvtier.benchmarks.policy_sim.workloads import (
     SyntheticSpec,
     Turn,
@@ -219,7 +219,7 @@ def test_bench_policies_cli_runs_and_reports_bad_input(tmp_path, capsys):
     assert rc == 0
     doc = json.loads(out.read_text())
     rows = doc["workloads"]["multiturn"]["budgets"]["0.5"]
-    assert set(rows) == set(SYSTEMS)
+    assert set(rows) == set(DEFAULT_SYSTEMS)  # kvtier-adaptive is opt-in
     assert rows["kvtier"]["ttft_mean_s"] < rows["recompute-only"]["ttft_mean_s"]
     ceiling = doc["workloads"]["multiturn"]["reuse_ceiling"]["exact"]
     assert 0 < ceiling < 1  # shared system prompts and follow-ups: reuse, bounded

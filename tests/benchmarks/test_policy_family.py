@@ -52,6 +52,7 @@ def test_robustness_compares_with_the_best_other_system():
         "family-01": {"budgets": {"1": {"kvtier": _row(0.5, 1.0), "a": _row(0.6, 1.2)}}},
         "multiturn": {"budgets": {"1": {"kvtier": _row(9.0, 9.0), "a": _row(1.0, 1.0)}}},
     }
+    results["family-01"]["budgets"]["1"]["kvtier-adaptive"] = _row(0.1, 0.1)  # not a rival
     r = robustness(results)
     assert r["members"] == 2 and len(r["cells"]) == 2  # other workloads are not members
     first = r["cells"][0]
@@ -73,3 +74,10 @@ def test_bench_policies_family_writes_the_robustness_table(tmp_path):
     assert robust["members"] == 2 and len(robust["cells"]) == 2
     assert all(c["mean_vs_best"] > 0 and c["p99_vs_best"] > 0 for c in robust["cells"])
     assert main(["bench", "policies", "--workloads", "none", "--family", "-1"]) != 0
+    assert main(["bench", "policies", "--workloads", "none", "--family", "2", "--sessions", "20",
+                 "--budgets", "1.0", "--systems", "vllm-like,kvtier,kvtier-adaptive",
+                 "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    adaptive = doc["robustness_adaptive"]
+    assert adaptive["system"] == "kvtier-adaptive" and len(adaptive["cells"]) == 2
+    assert {c["best_other"] for c in adaptive["cells"] + doc["robustness"]["cells"]} == {"vllm-like"}
