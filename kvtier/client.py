@@ -360,8 +360,10 @@ class Client:
             for i, key in enumerate(keys):
                 params = {"region": link.id, "offset": i * room, "room": room}
                 status, body = self._region_call("GET", f"/v1/chunks/{key}", params, None)
-                if _region_gone(status, body) and i == 0 and not attempt:
-                    break  # the server restarted: a new region, once
+                if _region_gone(status, body):
+                    if i == 0 and not attempt:
+                        break  # the server restarted: a new region, once
+                    raise error_from(status, body)
                 if status == 404:
                     return out
                 if status == 413:
@@ -393,27 +395,14 @@ class Client:
         """Read the chunk straight into ``out`` (a writable buffer that holds it): the
         filled part of it, or None when it is not stored. No bytes object is made."""
         mem = memoryview(out).cast("B")
-        link = self._region() if layers is None else None
-        for attempt in (0, 1) if link is not None else ():
-            try:
-                link.room(len(mem))
-            except RegionUnavailable as exc:
-                self._no_region(exc)
-                break
-            params = {"region": link.id, "offset": 0, "room": len(mem)}
-            status, body = self._region_call("GET", f"/v1/chunks/{key}", params, None)
-            if _region_gone(status, body):
-                if not attempt:  # the server restarted: a new region, once
-                    link.forget()
-                    continue
-                raise error_from(status, body)
-            if status == 404:
-                return None
-            if status == 413:
-                raise InvalidArgumentError(f"chunk {key} does not fit a {len(mem)}-byte buffer")
-            if status != 200:
-                raise error_from(status, body)
-            return link.read(mem, json.loads(body)["length"])
+        if layers is None and self.shm:
+            views = self.get_chunks_in_region([key], len(mem))
+            if views is not None:
+                got = views[0]
+                if got is None:
+                    return None
+                np.copyto(np.frombuffer(mem[: len(got)], np.uint8), np.frombuffer(got, np.uint8))
+                return mem[: len(got)]
         if self.wire is None:
             blob = self.get_chunk(key, layers)
             if blob is None:

@@ -17,8 +17,6 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 log = logging.getLogger(__name__)
 
 MIN_REGION = 1 << 20
@@ -65,12 +63,6 @@ class RegionLink:
             self._open(max(nbytes, MIN_REGION, 2 * self.size))
         assert self._mem is not None
         return memoryview(self._mem)[:nbytes]
-
-    def read(self, out: memoryview, nbytes: int) -> memoryview:
-        """Copy the region's first ``nbytes`` bytes into ``out``; the filled part."""
-        with self.room(nbytes) as src:
-            np.copyto(np.frombuffer(out[:nbytes], np.uint8), np.frombuffer(src, np.uint8))
-        return out[:nbytes]
 
     def forget(self) -> None:
         """Drop a region the server no longer knows (the next use makes a new one)."""
