@@ -28,6 +28,7 @@ from kvtier.connectors.tiers.host_buffers import StagingPool
 from kvtier.connectors.tiers.lent_chunk import LentChunk
 from kvtier.connectors.tiers.manager import TierManager
 from kvtier.errors import ChunkError, ConfigError, InvalidArgumentError
+from kvtier.kv_codecs import Codec
 
 
 class ChunkStore(Protocol):
@@ -104,10 +105,11 @@ class RemoteChunkStore:
     read: the rest, and every chunk without ``shm``, through reused staging buffers)."""
 
     def __init__(self, url: str, chunk_bytes: int, token: str | None = None,
-                 timeout: float = 30.0, shm: bool = False) -> None:
+                 timeout: float = 30.0, shm: bool = False,
+                 accept_codecs: frozenset[str] | None = None) -> None:
         from kvtier.client import Client
 
-        self.client = Client(url, token=token, timeout=timeout, shm=shm)
+        self.client = Client(url, token=token, timeout=timeout, shm=shm, accept_codecs=accept_codecs)
         self.chunk_bytes = chunk_bytes
         """The largest chunk the connector writes: the room each read is given."""
         self.region_chunks = max(1, REGION_READ_BYTES // chunk_bytes)
@@ -218,30 +220,46 @@ _LOCAL: dict[str, LocalChunkStore] = {}
 _LOCAL_LOCK = threading.Lock()
 
 
+def accept_codecs(options: Mapping[str, Any]) -> frozenset[str] | None:
+    """The ``accept_codecs`` option: the codecs of stored KV a connector loads (``[none]``:
+    exact KV only); None where unset (what the store's readers take by default: exact KV
+    and what its own tiers write)."""
+    names = options.get("accept_codecs")
+    if names is None:
+        return None
+    if isinstance(names, str):
+        names = [n for n in names.split(",") if n.strip()]
+    if not isinstance(names, (list, tuple)) or not names:
+        raise ConfigError(f"accept_codecs: a list of codecs (none, fp8, int8, int4), not {names!r}")
+    try:
+        return frozenset(Codec.parse(str(n).strip()).value for n in names)
+    except InvalidArgumentError as exc:
+        raise ConfigError(f"accept_codecs: {exc}") from None
+
+
 def open_store(options: Mapping[str, Any], slot_bytes: int) -> ChunkStore:
     """A store from a connector's options.
 
     ``url`` (and ``token``, ``shm``): a running ``kvtier serve``. Otherwise in-process tiers
     from ``config`` (a YAML path) and/or ``tiers`` (a mapping of :class:`TiersConfig`
     fields); ``slot_bytes`` sizes the CPU arena's slots to the engine's chunks.
+    ``accept_codecs``: what the reads take (:func:`accept_codecs`).
     """
+    codecs = accept_codecs(options)
     if options.get("url"):
         return RemoteChunkStore(str(options["url"]), slot_bytes, options.get("token"),
-                                shm=bool(options.get("shm", False)))
+                                shm=bool(options.get("shm", False)), accept_codecs=codecs)
     from kvtier.config import load_config
     from kvtier.connectors.tiers.factory import build_tiers
 
     overrides = {"tiers": dict(options.get("tiers") or {})}
+    if codecs is not None:
+        overrides["tiers"]["accept_codecs"] = sorted(codecs)
     cache_key = json.dumps([options.get("config"), overrides, slot_bytes], sort_keys=True)
     with _LOCAL_LOCK:
         store = _LOCAL.get(cache_key)
         if store is None:
             cfg = load_config(options.get("config"), overrides=overrides)
-            lossy = [f"tiers.{t}_codec" for t in ("cpu", "disk", "redis")
-                     if getattr(cfg.tiers, f"{t}_codec") != "none"]
-            if lossy:
-                raise ConfigError(f"{', '.join(lossy)}: the vLLM connector stores exact KV "
-                                  "only (its blocks are not laid out for the codecs yet)")
             manager = build_tiers(cfg.tiers, slot_bytes, fingerprint=None)
             if manager is None:
                 raise ConfigError("the connector's tiers are all disabled; enable one or set url")

@@ -12,12 +12,21 @@ LMCache configuration (YAML or ``LMCACHE_*`` variables)::
       remote_storage_plugin.kvtier.class_name: KVTierAdapter
       kvtier_token: "..."            # when the server asks for a bearer token
       kvtier_fingerprint_salt: "..."  # optional: KV under another salt is never shared
+      kvtier_accept_codecs: "none"    # optional: exact KV only (default: what the server's
+                                      # tiers write, e.g. tiers.disk_codec: int8)
 
 Each LMCache chunk becomes one kvtier chunk: its bytes are the payload (checksummed per
 chunk by kvtier's format, so a corrupted chunk is a miss, never wrong KV), and LMCache's
 own metadata (length, shapes, dtypes, memory format) rides in the header's fingerprint
 field, so a read allocates exactly what was stored, partial chunks included. LMCache's key
 string is hashed (xxh3-128) into a kvtier key. ``batched_contains`` is one prefix lookup.
+
+Codecs (issue 33): a chunk of KV in one of LMCache's K/V-major formats (``KV_2LTD``,
+``KV_2TD``) of a float dtype is stored as the KV it is (``[1, 2, layers x tokens, 1,
+hidden]``), so a server tier that keeps chunks compressed (``tiers.disk_codec: int8``)
+encodes it, and a read decodes it back into LMCache's memory object; the backend takes
+only the codecs ``kvtier_accept_codecs`` names (the server's own by default). Any other
+format is stored *opaque*: its bytes as they are, never re-encoded by any tier.
 
 The key names the model as kvtier's own fingerprint does (:func:`backend_identity`).
 LMCache's key holds the model's name, world size, worker and dtype, not its weights: two
@@ -31,17 +40,29 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 import torch
 import xxhash
+from lmcache.v1.memory_management import MemoryFormat
 from lmcache.v1.protocol import RemoteMetadata
 from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorContext
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
-from kvtier.chunk_format import encode_chunk, parse_header, validate_chunk
+from kvtier.chunk_format import (
+    DTYPE_NAMES,
+    byte_view,
+    check_codec,
+    decode_layers,
+    encode_chunk,
+    parse_header,
+    validate_chunk,
+)
 from kvtier.client import AsyncClient, Client, ServiceError
+from kvtier.connectors.chunk_store import accept_codecs
 from kvtier.errors import ChunkError
 from kvtier.models.weights_digest import checkpoint_digest
 
@@ -76,22 +97,55 @@ def http_url(url: str) -> str:
     return "http://" + url[len(SCHEME) :].split("/", 1)[0]
 
 
+def kv_view(data: bytes, meta: RemoteMetadata) -> torch.Tensor | None:
+    """LMCache's bytes as kvtier KV ``[1, 2, layers x tokens, 1, hidden]`` where its
+    format keeps K apart from V (``[2, layers, tokens, hidden]`` or ``[2, tokens,
+    hidden]``) in a float dtype and the bytes are exactly that tensor; else None."""
+    shapes, dtypes = list(meta.shapes), list(meta.dtypes)
+    if len(shapes) != 1 or len(dtypes) != 1 or dtypes[0] not in DTYPE_NAMES:
+        return None
+    shape = [int(d) for d in shapes[0]]
+    fmt = meta.fmt
+    if not ((fmt == MemoryFormat.KV_2LTD and len(shape) == 4)
+            or (fmt == MemoryFormat.KV_2TD and len(shape) == 3)) or shape[0] != 2:
+        return None
+    if math.prod(shape) * dtypes[0].itemsize != len(data) or min(shape) < 1:
+        return None
+    rows = math.prod(shape[1:-1])
+    return torch.frombuffer(bytearray(data), dtype=dtypes[0]).view(1, 2, rows, 1, shape[-1])
+
+
 def encode(key: str, data: bytes, meta: RemoteMetadata) -> bytes:
-    """A kvtier chunk carrying LMCache's bytes; its metadata rides in the fingerprint."""
+    """A kvtier chunk carrying LMCache's bytes; its metadata rides in the fingerprint. KV a
+    tier may compress (:func:`kv_view`), else opaque: a nominal fp16 shape only sizes
+    LMCache's bytes (whatever their dtype and layout) and no tier re-encodes them."""
+    fp = FP_PREFIX + meta.serialize()
+    kv = kv_view(data, meta)
+    if kv is not None:
+        return encode_chunk(key, fp, kv)
     if len(data) % 4:
         raise ChunkError(f"an LMCache chunk of {len(data)} bytes is not a whole number of words")
     nominal = torch.frombuffer(bytearray(data), dtype=torch.float16).view(1, 2, -1, 1, 1)
-    return encode_chunk(key, FP_PREFIX + meta.serialize(), nominal)
+    return encode_chunk(key, fp, nominal, opaque=True)
 
 
-def decode(key: str, blob: bytes) -> tuple[RemoteMetadata, memoryview]:
-    """LMCache's metadata and bytes from a verified chunk (raises ChunkError)."""
+def decode(key: str, blob: bytes, codecs: Collection[str] | None = None
+           ) -> tuple[RemoteMetadata, memoryview]:
+    """LMCache's metadata and bytes from a verified chunk, a compressed one decoded
+    (raises ChunkError; a chunk of a codec not in ``codecs``, where given, is refused)."""
     header = validate_chunk(blob, key, any_namespace=True)  # the service checked its tenant
     if not header.fingerprint.startswith(FP_PREFIX):
         raise ChunkError(f"chunk {key} was not stored by LMCache")
+    check_codec(header, codecs)
     meta = RemoteMetadata.deserialize(header.fingerprint[len(FP_PREFIX) :])
     _, offset = parse_header(blob)
     payload = memoryview(blob)[offset:]
+    if header.lossy:
+        kv = decode_layers(byte_view(payload), header)
+        payload = memoryview(kv.reshape(-1).view(torch.uint8).numpy())
+        if len(payload) != meta.length:
+            raise ChunkError(f"chunk {key}: metadata says {meta.length} bytes, its KV is "
+                             f"{len(payload)}")
     if meta.length > len(payload):
         raise ChunkError(f"chunk {key}: metadata says {meta.length} bytes, payload holds fewer")
     return meta, payload[: meta.length]
@@ -106,13 +160,15 @@ class KVTierRemoteConnector(RemoteConnector):
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend
         self.identity = backend_identity(local_cpu_backend.metadata, extra)
-        self.sync = Client(self.base_url, token=self.token)
+        self.accept = accept_codecs({"accept_codecs": extra.get("kvtier_accept_codecs")})
+        """The codecs of stored KV this backend takes (None: what the server's tiers write)."""
+        self.sync = Client(self.base_url, token=self.token, accept_codecs=self.accept)
         self._async: AsyncClient | None = None
 
     @property
     def client(self) -> AsyncClient:
         if self._async is None:  # created on LMCache's event loop, where it is used
-            self._async = AsyncClient(self.base_url, token=self.token)
+            self._async = AsyncClient(self.base_url, token=self.token, accept_codecs=self.accept)
         return self._async
 
     def _key(self, key: Any) -> str:
@@ -136,7 +192,7 @@ class KVTierRemoteConnector(RemoteConnector):
         if blob is None:
             return None
         try:
-            meta, data = decode(k, blob)
+            meta, data = decode(k, blob, self.accept)
         except ChunkError as exc:
             log.warning("kvtier: refusing chunk for %s: %s", key, exc)
             return None

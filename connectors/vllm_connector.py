@@ -25,7 +25,10 @@ false: before the forward pass); saves run off the forward path and a finished r
 blocks are held until they land (``get_finished``).
 
 Options (``kv_connector_extra_config``): ``url``/``token``/``shm`` (a ``kvtier serve``) or
-``config``/``tiers`` (in-process tiers), ``chunk_tokens`` (256), ``save_decode`` (true: save
+``config``/``tiers`` (in-process tiers; ``tiers: {disk_codec: int8}`` keeps the disk's chunks
+compressed, docs/tiers.md), ``accept_codecs`` (the codecs of stored KV this instance loads:
+``[none]`` exact KV only; unset: exact KV and what the store's tiers write; a lossy chunk is
+decoded on load), ``chunk_tokens`` (256), ``save_decode`` (true: save
 a finished request's reply too), ``background_saves`` (true), ``async_loads`` (true: vLLM's
 async-load protocol, :mod:`.vllm_loads`; false: load before the forward pass), ``save_priority``
 (``normal``; ``idle``: the save thread runs only on a core nothing else wants), ``policy``
@@ -53,7 +56,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtier.chunk_format import max_chunk_bytes
 from kvtier.connectors import private_sidecar
-from kvtier.connectors.chunk_store import ChunkStore, open_store
+from kvtier.connectors.chunk_store import ChunkStore, accept_codecs, open_store
 from kvtier.connectors.private_sidecar import SidecarAddress
 from kvtier.connectors.vllm_blocks import DEFAULT_CHUNK_TOKENS, ChunkGrid, Rank, Role, StepPlan
 from kvtier.connectors.vllm_metrics import Deltas, KVTierPromMetrics, KVTierStats
@@ -277,7 +280,8 @@ class KVTierConnector(KVConnectorBase_V1):
             raise ConfigError(f"kvtier connector: save_priority must be idle or normal, not {idle!r}")
         self.worker_side = WorkerSide(self._open_store, self.grid, _worker_rank(self.world),
                                       background=bool(background), idle_saves=idle == "idle",
-                                      async_loads=self.async_loads)
+                                      async_loads=self.async_loads,
+                                      accept_codecs=accept_codecs(self.extra))
         self.worker_side.register(kv_caches, self._kv_cache_config.num_blocks)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:

@@ -12,7 +12,10 @@ straight into vLLM's cache, each group of layers checked right before it is copi
 vLLM computed already are left alone. A chunk that is missing, corrupt, of another layout
 or of another rank is reported as a load error and vLLM recomputes its blocks: never wrong
 KV. vLLM's blocks are copied whole, never reinterpreted: the chunk's nominal shape only
-carries the bytes, the fingerprint names the real layout and the rank.
+carries the bytes, the fingerprint names the real layout and the rank. A tier that keeps
+chunks compressed (``tiers.<tier>_codec``) encodes those values of the cache's dtype, K
+apart from V, in groups of the nominal rows; such a chunk is decoded on load (where this
+connector takes its codec, ``accept_codecs``).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from kvtier.gpu_pool.kernels.host_native import (
     scatter_pieces_verified,
 )
 from kvtier.policies.eviction import ChunkInfo
+from kvtier.transfer.lossy_restore import LOSSY_GROUP_BYTES, decode_scratch
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +93,11 @@ class WorkerSide:
 
     def __init__(self, store: Callable[[], ChunkStore], grid: ChunkGrid, rank: Rank = Rank(),
                  background: bool = False, idle_saves: bool = False,
-                 async_loads: bool = False) -> None:
+                 async_loads: bool = False, accept_codecs: frozenset[str] | None = None) -> None:
         self._store = store
+        self.accept_codecs = accept_codecs
+        """The codecs of stored KV this worker loads (None: whatever the store lends, which
+        gives each reader only the codecs it takes); a lossy chunk is decoded on load."""
         self.grid = grid
         self.rank = rank
         self.fingerprint = rank_fingerprint(grid.fingerprint, rank)
@@ -307,7 +314,7 @@ class WorkerSide:
             except ChunkError as exc:
                 out[i] = exc
                 continue
-            if item.chunk.reading is None:  # type: ignore[union-attr]
+            if item.chunk.reading is None and not item.chunk.header.lossy:  # type: ignore[union-attr]
                 whole.setdefault(len(item.span.block_ids), []).append(i)
             else:
                 rest.append(i)
@@ -348,7 +355,9 @@ class WorkerSide:
             self._check(item)
             chunk, span = item.chunk, item.span
             assert chunk is not None
-            if self._pieces is not None:
+            if chunk.header.lossy:
+                self._scatter_decoded(chunk, span)
+            elif self._pieces is not None:
                 self._scatter_fused(chunk, span, self._pieces)
             else:
                 self._scatter_copies(chunk, span)
@@ -375,6 +384,18 @@ class WorkerSide:
                     dst = layer.block(block_id)
                     dst.copy_(src[:, j].reshape(dst.shape))
 
+    def _scatter_decoded(self, chunk: LentChunk, span: ChunkSpan) -> None:
+        """A lossy chunk (kept encoded by its tier, issue 33): each group of layers
+        checked, decoded into this thread's reused scratch, then copied block by block."""
+        n = len(span.block_ids)
+        todo = [(j, b) for j, b in enumerate(span.block_ids) if b is not None]
+        for a, b in chunk.checked_groups(LOSSY_GROUP_BYTES):
+            src = chunk.layer_kv(a, b, decode_scratch(chunk, b - a)).view(b - a, 2, n, -1)
+            for i, layer in enumerate(self.layers[a:b]):
+                for j, block_id in todo:
+                    dst = layer.block(block_id)
+                    dst.copy_(src[i, :, j].reshape(dst.shape))
+
     @staticmethod
     def _scatter_fused(chunk: LentChunk, span: ChunkSpan, pieces: BlockPieces) -> None:
         """Each group of layers checked and copied in one native pass (a chunk in memory
@@ -398,9 +419,9 @@ class WorkerSide:
         if header.fingerprint != self.fingerprint:
             raise ChunkMismatchError(f"chunk {header.key} was written for another model, "
                                      "layout or rank")
-        if header.lossy:  # the connector's tiers store exact KV only (issue 33)
-            raise ChunkMismatchError(f"chunk {header.key} holds {header.codec} KV; the vLLM "
-                                     "connector takes exact KV only")
+        if header.lossy and self.accept_codecs is not None and header.codec not in self.accept_codecs:
+            raise ChunkMismatchError(f"chunk {header.key} holds {header.codec} KV; this "
+                                     f"connector takes {', '.join(sorted(self.accept_codecs))}")
         if header.first_layer or tuple(header.shape) != self.chunk_shape(len(item.span.block_ids)) or (
                 DTYPES.get(header.dtype) != self.dtype):
             raise ChunkMismatchError(f"chunk {header.key} holds {header.shape} of "

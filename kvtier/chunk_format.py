@@ -84,7 +84,7 @@ def check_names(header: ChunkHeader, key: str, any_namespace: bool = False) -> N
             f"chunk {header.key} belongs to namespace {header.namespace!r}, not to "
             f"{storage_namespace(key)!r} (it was stored for another tenant)")
 _HEADER_KEYS = frozenset({"v", "key", "fp", "dtype", "shape", "tokens", "l0", "xxh", "hxh",
-                          "ns", "codec", "pad", "padd"})
+                          "ns", "codec", "op", "pad", "padd"})
 """Every field a header may hold ("pad"/"padd": filler, the only bytes no checksum covers,
 meaningless by construction)."""
 _CODECS = frozenset(c.value for c in kv_codecs.Codec)
@@ -127,6 +127,10 @@ class ChunkHeader:
     """How the payload holds the KV (:mod:`kvtier.kv_codecs`): ``none``, the KV of
     ``dtype`` as it is; else each layer encoded apart (so a layer range is still one byte
     range), the checksums over the encoded bytes. ``dtype`` and ``shape`` are the KV's."""
+    opaque: bool = False
+    """The payload is a client's bytes in a layout of its own (an LMCache memory object),
+    kept under kvtier's checksums; ``dtype`` and ``shape`` only size it. A tier never
+    re-encodes such a chunk by its codec: the values are not KV of that shape."""
 
     @property
     def num_layers(self) -> int:
@@ -160,6 +164,8 @@ class ChunkHeader:
             fields.append(self.namespace)
         if self.lossy:
             fields.append(self.codec)
+        if self.opaque:
+            fields.append("opaque")
         return xxhash.xxh3_64_intdigest(_packb(fields))
 
     def fields(self) -> dict:
@@ -178,6 +184,8 @@ class ChunkHeader:
             out["ns"] = self.namespace
         if self.lossy:
             out["codec"] = self.codec
+        if self.opaque:
+            out["op"] = True
         return out
 
     def pack(self) -> bytes:
@@ -243,10 +251,13 @@ def _layer_checksums(payload: memoryview, num_layers: int) -> tuple[int, ...]:
 
 
 def encode_chunk(key: str, fingerprint: bytes, kv: torch.Tensor,
-                 codec: kv_codecs.Codec = kv_codecs.Codec.NONE) -> bytes:
+                 codec: kv_codecs.Codec = kv_codecs.Codec.NONE, opaque: bool = False) -> bytes:
     """Serialise ``kv`` (``[layers, 2, tokens, kv_heads, head_dim]``, any device), its
     payload encoded by ``codec``. ``key`` may be a storage key (``tenant.key``): the chunk
-    then names that namespace too."""
+    then names that namespace too. ``opaque``: ``kv`` only carries a client's bytes
+    (:attr:`ChunkHeader.opaque`)."""
+    if opaque and codec is not kv_codecs.Codec.NONE:
+        raise ChunkFormatError("an opaque chunk's bytes are stored as they are (no codec)")
     if kv.dim() != 5 or kv.shape[1] != 2:
         raise ChunkFormatError(
             f"a chunk tensor must be [layers, 2, tokens, kv_heads, head_dim], got {tuple(kv.shape)}"
@@ -265,6 +276,7 @@ def encode_chunk(key: str, fingerprint: bytes, kv: torch.Tensor,
         num_tokens=int(cpu.shape[2]),
         layer_checksums=_layer_checksums(payload, cpu.shape[0]),
         codec=codec.value,
+        opaque=opaque,
     )
     packed = header.pack()
     return b"".join((_PREFIX.pack(MAGIC, len(packed)), packed, payload))
@@ -498,6 +510,7 @@ def parse_header(buf: bytes | bytearray | memoryview) -> tuple[ChunkHeader, int]
             version=int(raw["v"]),
             namespace=None if raw.get("ns") is None else str(raw["ns"]),
             codec=str(raw.get("codec", "none")),
+            opaque=raw.get("op", False) is True,
         )
         hxh = int(raw["hxh"]) if header.version == FORMAT_VERSION else None
         if header.namespace is not None and not NAMESPACE_RE.fullmatch(header.namespace):
@@ -517,6 +530,8 @@ def parse_header(buf: bytes | bytearray | memoryview) -> tuple[ChunkHeader, int]
         raise ChunkFormatError(f"chunk dtype {header.dtype!r} is not one of {sorted(DTYPES)}")
     if header.codec not in _CODECS or (header.codec == "none" and "codec" in raw):
         raise ChunkFormatError(f"chunk codec {header.codec[:16]!r} is not one of {sorted(_CODECS)}")
+    if ("op" in raw and not header.opaque) or (header.opaque and header.lossy):
+        raise ChunkFormatError("chunk header is inconsistent: an opaque chunk is stored as it is")
     if (
         len(header.shape) != 5
         or header.shape[1] != 2

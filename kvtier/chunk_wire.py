@@ -16,13 +16,26 @@ from __future__ import annotations
 import http.client
 import json
 import threading
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 from urllib.parse import urlencode, urlsplit
 
 from kvtier.errors import InvalidArgumentError, KVTierError
 
 _STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
+
+ACCEPT_CODECS_HEADER = "X-KVTier-Accept-Codecs"
+"""The request header naming the codecs of stored KV a reader takes (comma-separated:
+``none`` is exact KV): its lookups skip tiers of other codecs, its reads refuse their
+chunks (see ``kvtier.server.reader_codecs``)."""
+
+
+def accept_header(codecs: Collection[str]) -> str:
+    """The :data:`ACCEPT_CODECS_HEADER` value for ``codecs`` (at least one)."""
+    names = sorted({str(c) for c in codecs})
+    if not names:
+        raise InvalidArgumentError("accept_codecs names no codec: give [none] for exact KV only")
+    return ",".join(names)
 
 
 class ServiceError(KVTierError):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,13 @@ import httpx
 import msgpack
 import numpy as np
 
-from kvtier.chunk_wire import ChunkWire, ServiceError, error_from
+from kvtier.chunk_wire import (
+    ACCEPT_CODECS_HEADER,
+    ChunkWire,
+    ServiceError,
+    accept_header,
+    error_from,
+)
 from kvtier.client_region import RegionLink, RegionUnavailable
 from kvtier.errors import InvalidArgumentError
 
@@ -196,8 +202,13 @@ class _Routes:
         )
 
 
-def _headers(token: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"} if token else {}
+def _headers(token: str | None, accept_codecs: Collection[str] | None = None) -> dict[str, str]:
+    """Every request's headers: the bearer token, and the codecs of stored KV this
+    client's reads take (unset: whatever the server's stack takes)."""
+    out = {"Authorization": f"Bearer {token}"} if token else {}
+    if accept_codecs is not None:
+        out[ACCEPT_CODECS_HEADER] = accept_header(accept_codecs)
+    return out
 
 
 def _region_gone(status: int, body: bytes) -> bool:
@@ -215,15 +226,14 @@ class Client:
 
     def __init__(
         self, base_url: str, token: str | None = None, timeout: float = 60.0,
-        shm: bool = False, **httpx_kwargs: Any,
+        shm: bool = False, accept_codecs: Collection[str] | None = None, **httpx_kwargs: Any,
     ) -> None:
-        self.http = httpx.Client(
-            base_url=base_url, headers=_headers(token), timeout=timeout, **httpx_kwargs
-        )
+        headers = _headers(token, accept_codecs)
+        self.http = httpx.Client(base_url=base_url, headers=headers, timeout=timeout, **httpx_kwargs)
         self.wire: ChunkWire | None = None
         """Single-chunk PUT/GET bodies over ``http://`` (see :mod:`kvtier.chunk_wire`)."""
         if base_url.startswith("http://") and not httpx_kwargs:
-            self.wire = ChunkWire(base_url, _headers(token), timeout)
+            self.wire = ChunkWire(base_url, headers, timeout)
         self.shm = shm
         """Whole chunks move through a shared-memory region (a server on this host, see
         :mod:`kvtier.client_region`); turned off, with a warning, where none can be used."""
@@ -495,11 +505,12 @@ class AsyncClient:
     """Asynchronous client: the same methods as :class:`Client`, awaited."""
 
     def __init__(
-        self, base_url: str, token: str | None = None, timeout: float = 60.0, **httpx_kwargs: Any
+        self, base_url: str, token: str | None = None, timeout: float = 60.0,
+        accept_codecs: Collection[str] | None = None, **httpx_kwargs: Any
     ) -> None:
         self.http = httpx.AsyncClient(
-            base_url=base_url, headers=_headers(token), timeout=timeout, **httpx_kwargs
-        )
+            base_url=base_url, headers=_headers(token, accept_codecs), timeout=timeout,
+            **httpx_kwargs)
 
     async def _send(self, call: _Call) -> httpx.Response:
         resp = await self.http.request(

@@ -49,6 +49,7 @@ from kvtier.server.chunk_map import chunk_list_parts, parse_chunk_map
 from kvtier.server.chunk_versions import Settled, Version, settle
 from kvtier.server.errors import RouteError, error_responses
 from kvtier.server.identity import identity_of
+from kvtier.server.reader_codecs import AcceptCodecs, reader_codecs
 from kvtier.server.schemas import (
     BatchGetRequest,
     BatchPutResponse,
@@ -301,7 +302,7 @@ def _verified_put(state: ServiceState, manager: TierManager, key: str, where: st
     responses={200: {"content": {OCTETS: {}}}, **_ERRORS},
 )
 async def get_chunk(key: Key, request: Request, layers: Layers = None,
-                    region: RegionArg = None, offset: OffsetArg = 0,
+                    region: RegionArg = None, offset: OffsetArg = 0, accept: AcceptCodecs = None,
                     room: Annotated[int | None, Query(ge=1, description=(
                         "with region: bytes the chunk may take there (default: to its end)"))] = None,
                     ) -> Response:
@@ -310,8 +311,10 @@ async def get_chunk(key: Key, request: Request, layers: Layers = None,
     a layer range, or a chunk the fastest tier holding it failed to give, is read whole.
     With ``region`` (a shared-memory region of the caller's) the whole chunk is written
     into the region at ``offset`` instead (at most ``room`` bytes), and the answer is JSON
-    with its length (413, nothing written, when it does not fit)."""
+    with its length (413, nothing written, when it does not fit). A chunk of a codec the
+    reader does not take (``X-KVTier-Accept-Codecs``) is not stored, for it."""
     state, manager = _manager(request)
+    codecs = reader_codecs(accept)
     span = _parse_layers(layers)
     where = _stored_as(request, key)
     tenant = identity_of(request.scope).tenant
@@ -320,7 +323,7 @@ async def get_chunk(key: Key, request: Request, layers: Layers = None,
         if span is not None:
             raise RouteError(400, "a GET into a region is of the whole chunk (no layers)")
         length, tier = await run_in_threadpool(_get_into_region, state, manager, tenant, region,
-                                               offset, room, key, where)
+                                               offset, room, key, where, codecs)
         state.metrics.transfer.labels("get").observe(time.perf_counter() - t0)
         state.metrics.transfer_bytes.labels("get").inc(length)
         state.metrics.tenant_bytes.labels(tenant, "get").inc(length)
@@ -328,7 +331,7 @@ async def get_chunk(key: Key, request: Request, layers: Layers = None,
         return Response(body.model_dump_json(), media_type="application/json",
                         headers={"X-KVTier-Tier": tier})
     if span is None:
-        leased = await run_in_threadpool(_lease_whole, manager, where)
+        leased = await run_in_threadpool(_lease_whole, manager, where, codecs)
         if leased == "missing":
             raise RouteError(404, f"chunk {key} is not stored")
         if leased is not None:
@@ -343,7 +346,7 @@ async def get_chunk(key: Key, request: Request, layers: Layers = None,
             state.metrics.tenant_bytes.labels(tenant, "get").inc(view.numel())
             return LeasedResponse(view, lease, {"X-KVTier-Tier": tier}, OCTETS, held,
                                   state.replies.write_timeout_s)
-    ((blob, tier),) = await run_in_threadpool(get_each, manager, [where], span)
+    ((blob, tier),) = await run_in_threadpool(get_each, manager, [where], span, codecs)
     if blob is None:
         where = "" if span is None else f" (or layers {layers} lie outside it)"
         raise RouteError(404, f"chunk {key} is not stored{where}")
@@ -356,24 +359,25 @@ async def get_chunk(key: Key, request: Request, layers: Layers = None,
 
 
 def _get_into_region(state: ServiceState, manager: TierManager, tenant: str, region_id: str,
-                     offset: int, room: int | None, key: str, where: str) -> tuple[int, str]:
+                     offset: int, room: int | None, key: str, where: str,
+                     codecs: frozenset[str] | None) -> tuple[int, str]:
     """Write the verified chunk into the caller's region (worker thread): (length, tier).
     Each group of layers is checked right before it is copied (the bytes are read from
     memory once); a copy that fails a check is dropped from its tier and the chunk is read
     through the slower tiers instead (404 where none holds it)."""
     with state.regions.using(tenant, region_id) as region:
         end = region.size if room is None else min(region.size, offset + room)
-        loc = manager.lookup([where])
+        loc = manager.lookup([where], codecs)
         if not loc.length:
             manager.count_misses()
             raise RouteError(404, f"chunk {key} is not stored")
-        with manager.lease_chunks([where], loc) as (part,):
+        with manager.lease_chunks([where], loc, codecs) as (part,):
             name = manager.tiers[loc.tiers[0]].name
             if part is not None and _checked_copy_to_region(region, offset, end, key, part):
                 if loc.tiers[0] > 0:
                     manager.promote({where: memoryview(part.buf.numpy())})
                 return part.buf.numel(), name
-        ((blob, tier),) = get_each(manager, [where])  # the other tiers, after a failed check
+        ((blob, tier),) = get_each(manager, [where], codecs=codecs)  # after a failed check
         if blob is None:
             raise RouteError(404, f"chunk {key} is not stored")
         _copy_to_region(region, offset, end, key, memoryview(blob))
@@ -409,18 +413,18 @@ def _copy_to_region(region: Region, offset: int, end: int, key: str, data: memor
     region.write_from(offset, data)
 
 
-def _lease_whole(manager: TierManager, key: str):
+def _lease_whole(manager: TierManager, key: str, codecs: frozenset[str] | None):
     """(verified view of the whole chunk, its open lease, tier name); ``"missing"`` when
     no tier holds it; None when the tier holding it did not lend it verified (a copy its
     checks rejected, or one gone meanwhile: the caller reads on through every tier). A hit
     below the fastest tier is promoted, as a read through ``get`` would be."""
-    loc = manager.lookup([key])
+    loc = manager.lookup([key], codecs)
     if not loc.length:
         manager.count_misses()
         return "missing"
     lease = contextlib.ExitStack()
     try:
-        (part,) = lease.enter_context(manager.lease_chunks([key], loc))
+        (part,) = lease.enter_context(manager.lease_chunks([key], loc, codecs))
         if part is not None:
             try:
                 part.verify()  # the whole chunk goes out: checked first
@@ -439,10 +443,10 @@ def _lease_whole(manager: TierManager, key: str):
 
 
 @router.head("/{key}", response_class=Response, responses={404: {"description": "not stored"}})
-async def head_chunk(key: Key, request: Request) -> Response:
+async def head_chunk(key: Key, request: Request, accept: AcceptCodecs = None) -> Response:
     """200 with ``X-KVTier-Tier`` when the chunk is stored, 404 otherwise (no body)."""
     _, manager = _manager(request)
-    loc = await run_in_threadpool(manager.lookup, [_stored_as(request, key)])
+    loc = await run_in_threadpool(manager.lookup, [_stored_as(request, key)], reader_codecs(accept))
     if not loc.length:
         return Response(status_code=404)
     return Response(status_code=200, headers={"X-KVTier-Tier": manager.tiers[loc.tiers[0]].name})
@@ -464,36 +468,40 @@ def _check_keys(keys: list[str]) -> None:
 
 
 @router.post("/lookup", response_model=LookupResponse, responses=_ERRORS)
-async def lookup(body: LookupRequest, request: Request) -> dict[str, Any]:
+async def lookup(body: LookupRequest, request: Request, accept: AcceptCodecs = None
+                 ) -> dict[str, Any]:
     """The longest stored prefix of ``keys`` and the tier holding each of its keys; with
-    ``each``, also whether each key is stored (a connector probing candidate tails)."""
+    ``each``, also whether each key is stored (a connector probing candidate tails). Tiers
+    keeping chunks in a codec the reader does not take are not counted."""
     _, manager = _manager(request)
     _check_keys(body.keys)
     keys = [_stored_as(request, k) for k in body.keys]
-    return await run_in_threadpool(_lookup, manager, keys, body.each)
+    return await run_in_threadpool(_lookup, manager, keys, body.each, reader_codecs(accept))
 
 
-def _lookup(manager: TierManager, keys: list[str], each: bool) -> dict[str, Any]:
+def _lookup(manager: TierManager, keys: list[str], each: bool, codecs: frozenset[str] | None
+            ) -> dict[str, Any]:
     """The lookup's answer, in one worker-thread hop (a connector waits on it in vLLM's
     scheduler loop)."""
-    loc = manager.lookup(keys)
+    loc = manager.lookup(keys, codecs)
     names = [t.name for t in manager.tiers]
     out: dict[str, Any] = {"length": loc.length, "tiers": [names[i] for i in loc.tiers]}
     if each:
-        located = manager.locate(keys)
+        located = manager.locate(keys, codecs)
         out["present"] = [t is not None for t in located]
         out["located"] = [None if t is None else names[t] for t in located]
     return out
 
 
 @router.post("/prefetch", response_model=PrefetchResponse, responses=_ERRORS)
-async def prefetch(body: LookupRequest, request: Request) -> dict[str, Any]:
+async def prefetch(body: LookupRequest, request: Request, accept: AcceptCodecs = None
+                   ) -> dict[str, Any]:
     """Raise the stored prefix of ``keys`` into the fastest tier (each chunk a slower tier
     holds is read, verified and written there): a request that will read them is coming."""
     _, manager = _manager(request)
     _check_keys(body.keys)
     keys = [_stored_as(request, k) for k in body.keys]
-    return {"promoted": await run_in_threadpool(manager.prefetch, keys)}
+    return {"promoted": await run_in_threadpool(manager.prefetch, keys, reader_codecs(accept))}
 
 
 @router.post(
@@ -504,9 +512,11 @@ async def prefetch(body: LookupRequest, request: Request) -> dict[str, Any]:
         **_ERRORS,
     },
 )
-async def batch_get(body: BatchGetRequest, request: Request) -> Response:
+async def batch_get(body: BatchGetRequest, request: Request, accept: AcceptCodecs = None
+                    ) -> Response:
     """Many chunks in one round trip: a msgpack list, in key order, of bytes or nil."""
     state, manager = _manager(request)
+    codecs = reader_codecs(accept)
     _check_keys(body.keys)
     span = _parse_layers(f"{body.layers[0]}:{body.layers[1]}") if body.layers else None
     if span is not None and span[0] < 0:
@@ -520,7 +530,7 @@ async def batch_get(body: BatchGetRequest, request: Request) -> Response:
     for i in range(0, len(unique), BATCH_GET_GROUP):  # read in groups: stop once too large
         group = unique[i : i + BATCH_GET_GROUP]
         found = await run_in_threadpool(
-            get_each, manager, [_stored_as(request, k) for k in group], span)
+            get_each, manager, [_stored_as(request, k) for k in group], span, codecs)
         for k, (blob, _) in zip(group, found, strict=True):
             by_key[k] = blob
             nbytes += len(blob) * (counts[k] if counts else 1) if blob else 0

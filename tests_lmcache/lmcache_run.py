@@ -44,6 +44,8 @@ def make_engine(port: int, token: str, salt: str = ""):
                 "kvtier_token": token,
                 "force_store_wait": True,  # a small CPU pool must not drop chunks
                 **({"kvtier_fingerprint_salt": salt} if salt else {}),
+                **({"kvtier_accept_codecs": os.environ["KVTIER_TEST_ACCEPT_CODECS"]}
+                   if os.environ.get("KVTIER_TEST_ACCEPT_CODECS") else {}),
             },
         }
     )
@@ -80,6 +82,9 @@ def main() -> None:
             "lookup": hit,
             "retrieved": got,
             "equal": bool(torch.equal(out[:, :, :got], kv[:, :, :got])),
+            "max_error": float((out[:, :, :got].float() - kv[:, :, :got].float()).abs().max())
+            if got else None,
+            "max_value": float(kv.float().abs().max()),
             "nothing_past_hit": not bool(out[:, :, got:].any()),
             "untouched": not bool(out.any()) if got == 0 else None,
             "other_lookup": engine.lookup(torch.arange(5000, 5000 + 2 * CHUNK)),

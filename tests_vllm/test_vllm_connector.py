@@ -124,6 +124,28 @@ def test_through_kvtier_serve(model_dir, baseline, tmp_path):
         server.wait(timeout=30)
 
 
+def test_a_compressing_tier_serves_those_who_take_its_codec(model_dir, baseline, tmp_path):
+    """The connector's disk keeps chunks as int8 (its RAM tier off): the second request
+    loads the shared prefix decoded, its reply within int8's noise of the exact one; an
+    instance that takes exact KV only (``accept_codecs: [none]``) sees no stored prefix and
+    computes everything, its tokens exactly the baseline's."""
+    tiers = {"cpu_bytes": 0, "disk_dir": str(tmp_path / "c"), "disk_fsync": False,
+             "disk_codec": "int8"}
+    results, metrics = run_vllm(model_dir, "kvtier", {"tiers": tiers})
+    first, second = results
+    hit = shared_blocks(results) * BLOCK
+    assert first["num_cached_tokens"] == 0 and second["num_cached_tokens"] == hit >= 10 * BLOCK
+    assert metrics["vllm:kvtier_loaded_blocks"] == shared_blocks(results)
+    assert metrics["vllm:kvtier_load_errors"] == 0
+    check_tokens(results[:1], baseline[:1])  # nothing loaded: exact
+    ref = baseline[1]["logprobs"][0]
+    got = second["logprobs"][0]
+    assert max(abs(got[t] - ref[t]) for t in ref.keys() & got.keys()) < 0.05  # lossy, close
+    exact, _ = run_vllm(model_dir, "kvtier", {"tiers": tiers, "accept_codecs": ["none"]})
+    assert [r["num_cached_tokens"] for r in exact] == [0, 0]
+    check_tokens(exact, baseline)
+
+
 @pytest.fixture(scope="module")
 def baseline_turns(model_dir):
     results, _ = run_vllm(model_dir, "none", scenario="turns")

@@ -7,7 +7,7 @@ makes a bytes object of a chunk.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from kvtier.chunk_format import layer_span, slice_chunk
 from kvtier.connectors.tiers.base import Blob, PutResult, Tier, blob_writes
@@ -39,11 +39,11 @@ def get_blobs(source: Tier | TierManager, keys: Sequence[str], layers: Layers = 
     return [blob for blob, _ in get_each(_stack(source), keys, layers)]
 
 
-def get_each(manager: TierManager, keys: Sequence[str], layers: Layers = None
-             ) -> list[tuple[bytes | None, str | None]]:
+def get_each(manager: TierManager, keys: Sequence[str], layers: Layers = None,
+             codecs: Collection[str] | None = None) -> list[tuple[bytes | None, str | None]]:
     """Each key on its own, not as a prefix: (verified copy, tier name) or (None, None);
     one lease per tier of the keys the faster tiers missed. Hits in a slower tier are
-    promoted (whole chunks)."""
+    promoted (whole chunks). ``codecs``: what the reader takes (the stack's by default)."""
     if layers is not None and not 0 <= layers[0] < layers[1]:
         raise InvalidArgumentError(f"layer range {layers} is empty or negative")
     out: list[tuple[bytes | None, str | None]] = [(None, None)] * len(keys)
@@ -52,7 +52,8 @@ def get_each(manager: TierManager, keys: Sequence[str], layers: Layers = None
     for ti, tier in enumerate(manager.tiers):
         if not todo:
             break
-        with manager.lease_chunks([keys[i] for i in todo], Location.all_in(ti, len(todo))) as lent:
+        with manager.lease_chunks([keys[i] for i in todo], Location.all_in(ti, len(todo)),
+                                  codecs) as lent:
             missed = []
             for i, chunk in zip(todo, lent, strict=True):
                 blob = _copied(chunk, layers)

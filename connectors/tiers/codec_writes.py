@@ -3,7 +3,8 @@
 A chunk on its way into such a tier (a demotion, a store, a promotion) is re-encoded by
 the tier's codec, once: its KV decoded from whatever it holds, each layer encoded, new
 checksums over the encoded bytes, the same key, model and tenant. What a chunk holds is
-never made larger or, once lossy, re-encoded by the same codec: a lossy chunk goes into a
+never made larger or, once lossy, re-encoded by the same codec, and an opaque chunk (a
+client's bytes in a layout of its own, LMCache's) is never encoded: a lossy chunk goes into a
 lossless tier as it is (the KV it gives back is already the decoded one), and into a tier
 of another codec only where that codec's bytes are fewer. A chunk given as bytes (at
 rest until now) is verified first, so re-encoding never blesses corrupted bytes with new
@@ -91,7 +92,7 @@ def _encoded(w: ChunkWrite, blob: memoryview, codec: Codec, verify: bool
     if verify:
         validate_chunk(blob, key=w.key)
     dtype = DTYPES[header.dtype]
-    target = target_codec(header.codec, codec, tuple(header.shape), dtype)
+    target = None if header.opaque else target_codec(header.codec, codec, tuple(header.shape), dtype)
     if target is None:
         return (w if w.data is not None else ChunkWrite.of_blob(w.key, bytes(blob), w.info)), None
     if header.first_layer:

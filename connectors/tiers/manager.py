@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -145,6 +145,14 @@ class TierManager:
             return self.accept_codecs
         return frozenset({Codec.NONE.value, *(t.codec.value for t in self.tiers)})
 
+    def _readable(self, codecs: Collection[str] | None) -> list[bool]:
+        """Per tier, whether a reader taking ``codecs`` (None: :attr:`codecs`) looks there:
+        a tier that encodes every chunk it holds by a codec the reader refuses holds
+        nothing it takes, so a lookup does not count its chunks (a lossless tier may still
+        hold a lossy chunk promoted into it as it was: the lease refuses that one)."""
+        take = self.codecs if codecs is None else codecs
+        return [t.codec is Codec.NONE or t.codec.value in take for t in self.tiers]
+
     def tier_index(self, name: str) -> int:
         for i, t in enumerate(self.tiers):
             if t.name == name:
@@ -154,16 +162,20 @@ class TierManager:
         )
 
     # ------------------------------------------------------------------ lookup
-    def lookup(self, keys: Sequence[str]) -> Location:
+    def lookup(self, keys: Sequence[str], codecs: Collection[str] | None = None) -> Location:
         """The longest prefix of ``keys`` stored anywhere, and which tier holds each key
         (the fastest one that has it). One ``contains_prefix`` round trip per tier per run
-        of consecutive keys in the same tier."""
+        of consecutive keys in the same tier. ``codecs``: what the reader takes (None:
+        :attr:`codecs`); a tier of another codec is not looked in."""
         self.stats.lookups += 1
+        readable = self._readable(codecs)
         loc = Location(0)
         pos = 0
         while pos < len(keys):
             best, best_n = -1, 0
             for i, tier in enumerate(self.tiers):
+                if not readable[i]:
+                    continue
                 try:
                     n = tier.contains_prefix(keys[pos:])
                 except Exception as exc:  # noqa: BLE001 - a failing tier is a miss
@@ -179,15 +191,20 @@ class TierManager:
         loc.length = pos
         return loc
 
-    def present(self, keys: Sequence[str]) -> list[bool]:
+    def present(self, keys: Sequence[str], codecs: Collection[str] | None = None) -> list[bool]:
         """Whether each of ``keys`` is stored in some tier (not only as a prefix)."""
-        return [t is not None for t in self.locate(keys)]
+        return [t is not None for t in self.locate(keys, codecs)]
 
-    def locate(self, keys: Sequence[str]) -> list[int | None]:
-        """The fastest tier holding each key (prefix or not), else None: one ``contains_each`` per tier."""
+    def locate(self, keys: Sequence[str], codecs: Collection[str] | None = None
+               ) -> list[int | None]:
+        """The fastest tier holding each key (prefix or not), else None: one ``contains_each`` per tier
+        (``codecs`` as :meth:`lookup` takes them)."""
         self.stats.lookups += 1
+        readable = self._readable(codecs)
         found: list[int | None] = [None] * len(keys)
         for i, tier in enumerate(self.tiers):
+            if not readable[i]:
+                continue
             missing = [j for j, t in enumerate(found) if t is None]
             if not missing:
                 break
@@ -302,13 +319,13 @@ class TierManager:
             res = self._store_in(self.tiers[0], blob_writes(chunks))
             self.stats.promotions += len(res.stored)
 
-    def prefetch(self, keys: Sequence[str]) -> int:
+    def prefetch(self, keys: Sequence[str], codecs: Collection[str] | None = None) -> int:
         """Raise the stored prefix of ``keys`` into the fastest tier (when
         ``promote_on_hit``): each chunk a slower tier holds is leased, verified and
         written into the fastest one from the lent memory (one copy). Returns how many
-        chunks were read."""
-        loc = self.lookup(keys)
-        with self.lease_chunks(keys[: loc.length], loc) as lent:
+        chunks were read. ``codecs``: what the reader who will read them takes."""
+        loc = self.lookup(keys, codecs)
+        with self.lease_chunks(keys[: loc.length], loc, codecs) as lent:
             writes: list[ChunkWrite] = []
             for key, ti, chunk in zip(keys, loc.tiers, lent, strict=False):
                 if chunk is None or ti == 0:
@@ -326,14 +343,17 @@ class TierManager:
     @contextlib.contextmanager
     def lease(
         self, keys: Sequence[str], layers: tuple[int, int] | None = None,
-        location: Location | None = None,
+        location: Location | None = None, codecs: Collection[str] | None = None,
     ) -> Iterator[list[torch.Tensor | None]]:
         """Verified KV of ``keys`` (layers ``layers`` only: only their checksums are read),
         each from the tier holding it, as a view of the memory the tier lends (the CPU
         arena's slot: no copy; a staging buffer a file or a reply was read into), valid
         until the block ends. A chunk that fails its checks is a miss and is dropped from
-        its tier. Checked two chunks at a time (the checksum releases the GIL)."""
-        with self._lent(keys, location, layers) as (lent, rejected):
+        its tier. Checked two chunks at a time (the checksum releases the GIL). ``codecs``:
+        what the reader takes (None: :attr:`codecs`); a chunk of another is a miss, left
+        in its tier."""
+        take = self.codecs if codecs is None else codecs
+        with self._lent(keys, location or self.lookup(keys, take), layers) as (lent, rejected):
             def check(item: tuple[str, Tier, torch.Tensor | ReadingBuffer | None]
                       ) -> torch.Tensor | None:
                 key, tier, view = item
@@ -341,8 +361,7 @@ class TierManager:
                     return None
                 assert isinstance(view, torch.Tensor)
                 try:
-                    header, kv = chunk_view(view, key, self.fingerprint, layers,
-                                            codecs=self.codecs)
+                    header, kv = chunk_view(view, key, self.fingerprint, layers, codecs=take)
                     self._count_read(header.codec)
                     return kv
                 except ChunkError as exc:
@@ -355,18 +374,22 @@ class TierManager:
 
     @contextlib.contextmanager
     def lease_chunks(
-        self, keys: Sequence[str], location: Location | None = None
+        self, keys: Sequence[str], location: Location | None = None,
+        codecs: Collection[str] | None = None,
     ) -> Iterator[list[LentChunk | None]]:
         """Whole chunks of ``keys`` as :class:`LentChunk` whose key, model and length are
         checked; their layers' checksums are checked by the reader right before it uses
         them (group by group: the bytes are read from memory once), or all at once with
         :meth:`LentChunk.verify`. A tier that reads in the background lends a chunk once
         its first layers are read. One that fails a check is dropped from its tier after
-        the block, as one that fails here is."""
-        with self._lent(keys, location, None, background=True) as (lent, rejected):
+        the block, as one that fails here is. ``codecs`` as :meth:`lease` takes them."""
+        take = self.codecs if codecs is None else codecs
+        with self._lent(keys, location or self.lookup(keys, take), None,
+                        background=True) as (lent, rejected):
             out: list[LentChunk | None] = []
             for key, tier, view in lent:
-                out.append(None if view is None else self._lent_chunk(key, tier, view, rejected))
+                out.append(None if view is None
+                           else self._lent_chunk(key, tier, view, rejected, take))
             self._count(lent, out)
             try:
                 yield out
@@ -376,13 +399,13 @@ class TierManager:
                         rejected.append(_Rejected(tier, key, chunk.error))
 
     def _lent_chunk(self, key: str, tier: Tier, view: torch.Tensor | ReadingBuffer,
-                    rejected: list[_Rejected]) -> LentChunk | None:
+                    rejected: list[_Rejected], codecs: Collection[str]) -> LentChunk | None:
         reading = view if isinstance(view, ReadingBuffer) else None
         buf = reading.buf if reading is not None else view
         assert isinstance(buf, torch.Tensor)
         try:  # header, key, model and length (the header and first layers have landed)
             header, _ = chunk_view(buf, key, self.fingerprint, verify=False, as_kv=False,
-                                   codecs=self.codecs)
+                                   codecs=codecs)
         except ChunkError as exc:
             rejected.append(_Rejected(tier, key, exc))
             return None
@@ -391,14 +414,14 @@ class TierManager:
 
     @contextlib.contextmanager
     def _lent(
-        self, keys: Sequence[str], location: Location | None, layers: tuple[int, int] | None,
+        self, keys: Sequence[str], location: Location, layers: tuple[int, int] | None,
         background: bool = False,
     ) -> Iterator[tuple[list[tuple[str, Tier, torch.Tensor | ReadingBuffer | None]],
                         list[_Rejected]]]:
         """What each tier lends of ``keys`` (key, tier, unverified bytes or None), one
         lease per tier; then the chunks the block rejected are dropped (after the leases
         end: a leased slot is freed on release)."""
-        loc = location or self.lookup(keys)
+        loc = location
         lent: list[tuple[str, Tier, torch.Tensor | ReadingBuffer | None]] = [
             (k, self.tiers[0], None) for k in keys]
         rejected: list[_Rejected] = []

@@ -17,6 +17,7 @@ from kvtier.connectors.tiers.cpu_tier import CPUTier
 from kvtier.connectors.tiers.disk_layout import CHUNK_SUFFIX
 from kvtier.connectors.tiers.disk_tier import DiskTier
 from kvtier.connectors.tiers.manager import TierManager
+from kvtier.errors import ChunkFormatError
 from kvtier.kv_codecs import Codec
 
 FP = b"model-fp"
@@ -216,3 +217,38 @@ def test_a_tier_of_fixed_bytes_holds_more_tokens(tmp_path, codec, ratio):
 
     plain, encoded = chunks_held(Codec.NONE, "none"), chunks_held(codec, codec.value)
     assert encoded < 60 and encoded >= ratio * plain
+
+
+@pytest.mark.parametrize("codec", [Codec.FP8, Codec.INT8, Codec.INT4])
+def test_an_opaque_chunk_is_stored_as_it_is_by_every_codec(tmp_path, codec):
+    """A client's bytes under kvtier's checksums (LMCache's memory objects: any dtype and
+    layout, carried as nominal fp16) are never quantized by a compressing tier: re-encoding
+    them as fp16 KV would hand their reader other bytes."""
+    mgr = stack(tmp_path, codec, cpu_chunks=1)
+    try:
+        raw = {key_of(i): torch.randint(0, 256, (SHAPE[0] * 2 * 64 * 4 * 64,), dtype=torch.uint8,
+                                        generator=torch.Generator().manual_seed(i))
+               for i in range(3)}
+        blobs = {k: encode_chunk(k, FP, v.view(torch.float16).view(SHAPE), opaque=True)
+                 for k, v in raw.items()}
+        assert not put_blobs(mgr, blobs).failed
+        for k, blob in blobs.items():
+            assert get_blobs(mgr, [k]) == [blob]  # byte for byte, from RAM or from disk
+        assert len(disk_files(tmp_path)) >= 2  # demoted, as they are
+        for stored in disk_files(tmp_path).values():
+            header = parse_header(stored)[0]
+            assert header.opaque and header.codec == "none"
+    finally:
+        mgr.close()
+
+
+def test_the_opaque_flag_is_under_the_header_checksum():
+    kv = kv_of(5)
+    blob = bytearray(encode_chunk(key_of(5), FP, kv, opaque=True))
+    assert parse_header(blob)[0].opaque and not parse_header(encode_chunk(key_of(5), FP, kv))[0].opaque
+    at = blob.index(b"\xa2op\xc3")  # "op": true
+    blob[at + 3] = 0xC2  # "op": false
+    with pytest.raises(ChunkFormatError):
+        parse_header(blob)
+    with pytest.raises(ChunkFormatError, match="opaque"):
+        encode_chunk(key_of(5), FP, kv, Codec.INT8, opaque=True)
