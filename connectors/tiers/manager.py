@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Collection, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -23,7 +23,7 @@ import torch
 from kvtier.chunk_format import chunk_view
 from kvtier.connectors.tiers.base import Blob, ChunkWrite, PutResult, Tier, blob_writes
 from kvtier.connectors.tiers.chunk_workers import map_restore
-from kvtier.connectors.tiers.codec_writes import EncodedWrites, encode_writes
+from kvtier.connectors.tiers.codec_writes import EncodedChunk, encode_writes
 from kvtier.connectors.tiers.host_buffers import StagingPool
 from kvtier.connectors.tiers.lent_chunk import LentChunk, ReadingBuffer
 from kvtier.connectors.tiers.quotas import TenantQuotas
@@ -82,6 +82,33 @@ class ManagerStats:
     """Lossy chunks lent to readers, by codec."""
     quota_evicted_bytes: dict[tuple[str, str], int] = field(default_factory=dict)
     """(tenant, tier) -> bytes a tenant's quota made that tier evict (pushed down)."""
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    """Guards the counters the stack's threads bump (readers, writers, demotions)."""
+
+    def count_encoded(self, encoded: Mapping[str, EncodedChunk], stored: Iterable[str]) -> None:
+        """The chunks of ``stored`` a compressing tier encoded on their way in."""
+        with self.lock:
+            for key in stored:
+                e = encoded.get(key)
+                if e is not None:
+                    for counts, n in ((self.codec_chunks_stored, 1),
+                                      (self.codec_bytes_stored, e.stored_bytes),
+                                      (self.codec_kv_bytes_stored, e.kv_bytes)):
+                        counts[e.codec] = counts.get(e.codec, 0) + n
+
+    def count_read(self, codec: str) -> None:
+        """A chunk of ``codec`` lent to a reader (lossy ones are counted)."""
+        if codec != "none":
+            with self.lock:
+                self.codec_reads[codec] = self.codec_reads.get(codec, 0) + 1
+
+
+def _readable(tiers: Sequence[Tier], take: Collection[str]) -> list[bool]:
+    """Per tier, whether a reader taking the codecs ``take`` looks there: a tier that
+    encodes every chunk it holds by a codec the reader refuses holds nothing it takes, so a
+    lookup does not count its chunks (a lossless tier may still hold a lossy chunk promoted
+    into it as it was: the lease refuses that one)."""
+    return [t.codec is Codec.NONE or t.codec.value in take for t in tiers]
 
 
 @dataclass
@@ -125,7 +152,6 @@ class TierManager:
         gets exact KV, even from tiers it shares with writers that compress."""
         self.tenant_quotas = TenantQuotas()
         self.tenant_quotas.evicted_bytes = self.stats.quota_evicted_bytes
-        self._lock = threading.Lock()
         for i, tier in enumerate(self.tiers[:-1]):
             tier.add_eviction_listener(self._demoter(i))
 
@@ -145,14 +171,6 @@ class TierManager:
             return self.accept_codecs
         return frozenset({Codec.NONE.value, *(t.codec.value for t in self.tiers)})
 
-    def _readable(self, codecs: Collection[str] | None) -> list[bool]:
-        """Per tier, whether a reader taking ``codecs`` (None: :attr:`codecs`) looks there:
-        a tier that encodes every chunk it holds by a codec the reader refuses holds
-        nothing it takes, so a lookup does not count its chunks (a lossless tier may still
-        hold a lossy chunk promoted into it as it was: the lease refuses that one)."""
-        take = self.codecs if codecs is None else codecs
-        return [t.codec is Codec.NONE or t.codec.value in take for t in self.tiers]
-
     def tier_index(self, name: str) -> int:
         for i, t in enumerate(self.tiers):
             if t.name == name:
@@ -168,7 +186,7 @@ class TierManager:
         of consecutive keys in the same tier. ``codecs``: what the reader takes (None:
         :attr:`codecs`); a tier of another codec is not looked in."""
         self.stats.lookups += 1
-        readable = self._readable(codecs)
+        readable = _readable(self.tiers, self.codecs if codecs is None else codecs)
         loc = Location(0)
         pos = 0
         while pos < len(keys):
@@ -200,7 +218,7 @@ class TierManager:
         """The fastest tier holding each key (prefix or not), else None: one ``contains_each`` per tier
         (``codecs`` as :meth:`lookup` takes them)."""
         self.stats.lookups += 1
-        readable = self._readable(codecs)
+        readable = _readable(self.tiers, self.codecs if codecs is None else codecs)
         found: list[int | None] = [None] * len(keys)
         for i, tier in enumerate(self.tiers):
             if not readable[i]:
@@ -270,7 +288,7 @@ class TierManager:
             log.warning("storing %d chunks in %s failed: %s", len(admitted.writes), tier.name, exc)
             res = PutResult(failed={w.key: f"error: {exc}" for w in admitted.writes})
         if encoded.encoded:
-            self._count_encoded(encoded, res)
+            self.stats.count_encoded(encoded.encoded, res.stored)
         if encoded.failed:
             res.failed.update(encoded.failed)
             tier.stats.count_error("invalid")
@@ -281,22 +299,6 @@ class TierManager:
         if res.stored or res.present:
             self.tenant_quotas.trim(tier, res.stored + res.present)
         return res
-
-    def _count_encoded(self, encoded: EncodedWrites, res: PutResult) -> None:
-        with self._lock:
-            st = self.stats
-            for key in res.stored:
-                e = encoded.encoded.get(key)
-                if e is not None:
-                    st.codec_chunks_stored[e.codec] = st.codec_chunks_stored.get(e.codec, 0) + 1
-                    st.codec_bytes_stored[e.codec] = st.codec_bytes_stored.get(e.codec, 0) + e.stored_bytes
-                    st.codec_kv_bytes_stored[e.codec] = (
-                        st.codec_kv_bytes_stored.get(e.codec, 0) + e.kv_bytes)
-
-    def _count_read(self, codec: str) -> None:
-        if codec != "none":
-            with self._lock:
-                self.stats.codec_reads[codec] = self.stats.codec_reads.get(codec, 0) + 1
 
     def lends_memory(self, tier: int | str = 0) -> bool:
         """Whether ``tier`` stores chunks in its own memory (a write's fill lands where the
@@ -362,7 +364,7 @@ class TierManager:
                 assert isinstance(view, torch.Tensor)
                 try:
                     header, kv = chunk_view(view, key, self.fingerprint, layers, codecs=take)
-                    self._count_read(header.codec)
+                    self.stats.count_read(header.codec)
                     return kv
                 except ChunkError as exc:
                     rejected.append(_Rejected(tier, key, exc))
@@ -409,7 +411,7 @@ class TierManager:
         except ChunkError as exc:
             rejected.append(_Rejected(tier, key, exc))
             return None
-        self._count_read(header.codec)
+        self.stats.count_read(header.codec)
         return LentChunk(buf, header, reading=reading)
 
     @contextlib.contextmanager
@@ -482,12 +484,12 @@ class TierManager:
                 return  # nothing to move (the tier could not hand the bytes over cheaply)
             target = index + 1 if self.demotion is None else self.demotion(index, len(blob))
             if target is None:
-                with self._lock:
+                with self.stats.lock:
                     self.stats.demotions_skipped += 1
                 return
             lower = self.tiers[target]
             res = self._store_in(lower, [ChunkWrite.of_blob(key, blob)])
-            with self._lock:
+            with self.stats.lock:
                 if res.stored or res.present:
                     self.stats.demotions += 1
                 else:
