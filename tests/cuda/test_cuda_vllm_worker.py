@@ -65,3 +65,44 @@ def test_device_cache_blocks_round_trip_through_the_cpu_arena(device, sizes, blo
         writer.close()
         reader.close()
         store.manager.close()
+
+
+@pytest.mark.parametrize("codec", ["fp8", "int8", "int4"])
+def test_device_cache_loads_compressed_chunks_decoded_on_the_device(device, sizes, tmp_path, codec):
+    """A disk tier keeping chunks compressed (issue 33): a load copies the stored bytes to
+    the device and decodes them there (on the CPU dry run, into the host scratch); the
+    blocks hold exactly the codec's decode of what was saved."""
+    from kvtier.connectors.tiers.disk_tier import DiskTier
+    from kvtier.kv_codecs import Codec, decode, encode
+
+    heads, dim = sizes.kv_heads, sizes.head_dim
+    shape = (2, BLOCKS, BLOCK, heads, dim)
+    g = torch.Generator().manual_seed(1)
+    src = {f"l{i}": torch.randn(shape, generator=g).to(torch.bfloat16).to(device) for i in range(LAYERS)}
+    dst = {n: torch.zeros_like(t) for n, t in src.items()}
+    grid = ChunkGrid(BLOCK, 2, FP)
+    disk = DiskTier(tmp_path / "d", fsync=False)
+    disk.codec = Codec(codec)
+    store = LocalChunkStore(TierManager([disk]))
+    keys = [k.key for k in grid.keys(list(range(4 * BLOCK)))]
+    try:
+        writer, reader = WorkerSide(lambda: store, grid), WorkerSide(lambda: store, grid)
+        writer.register(src, BLOCKS)
+        reader.register(dst, BLOCKS)
+        writer.save([ChunkTransfer("r", [ChunkSpan(keys[0], (0, 1)), ChunkSpan(keys[1], (2, 3))])])
+        reader.load([ChunkTransfer("r", [ChunkSpan(keys[0], (8, 9)), ChunkSpan(keys[1], (10, 11))])])
+        assert reader.take_load_errors() == set() and reader.stats.loaded_blocks == 4
+        assert store.manager.stats.codec_reads == {codec: 2}
+        for saved, loaded in ((0, 8), (2, 10)):
+            kv = torch.stack([src[n][:, saved : saved + 2].reshape(2, 2 * BLOCK, -1)
+                              for n in src]).unsqueeze(3).cpu()  # the chunk: [layers, 2, tokens, 1, rest]
+            want = torch.cat([decode(encode(kv[i : i + 1], Codec(codec)), Codec(codec),
+                                     tuple(kv[i : i + 1].shape), kv.dtype) for i in range(LAYERS)])
+            got = torch.stack([dst[n][:, loaded : loaded + 2].reshape(2, 2 * BLOCK, -1)
+                               for n in dst]).unsqueeze(3).cpu()
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+            assert not torch.equal(got, kv)  # lossy: the test sees the codec
+    finally:
+        writer.close()
+        reader.close()
+        store.manager.close()
