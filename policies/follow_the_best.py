@@ -6,8 +6,9 @@ chunks whose copy pays for itself keeps the tiers for what comes back, and loses
 one-shot requests share documents; storing every chunk as it is computed (LMCache's rule)
 wins there and floods the tiers where it does not. So each candidate runs as a shadow, a
 replay of the same requests that keeps bookkeeping only, and the live system follows the
-candidate whose shadow had the lowest mean time to first token over the last ``window``
-turns. A shadow's state is its own (what its rule would have stored), so a candidate is
+candidate whose shadow had the lowest mean time per turn over the last ``window`` turns
+(the caller says which time: the simulator gives each turn's own, without its wait behind
+earlier turns). A shadow's state is its own (what its rule would have stored), so a candidate is
 judged on what it would have done, not on the state the live rule left.
 
 The window trades reaction against noise; it is fixed, not fitted to any workload. Until
@@ -48,7 +49,7 @@ class FollowTheBest:
         self.turns_followed = dict.fromkeys(self.candidates, 0)
 
     def observe(self, candidate: str, ttft_s: float) -> None:
-        """The candidate's shadow served a turn in ``ttft_s`` seconds."""
+        """The candidate's shadow served a turn in ``ttft_s`` seconds (its time as judged)."""
         recent = self._recent[candidate]
         if len(recent) == recent.maxlen:
             self._sums[candidate] -= recent[0]

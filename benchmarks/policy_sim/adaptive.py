@@ -5,9 +5,13 @@ Beside the live replay run one shadow per rule, each a replay of the same turns 
 rule fixed: ``pays`` (kvtier's: a computed chunk is stored where its copy pays for itself,
 GPU victims written back where that pays) and ``through`` (every computed prompt chunk in
 every tier as it is computed, LMCache's rule, on top of the rest of kvtier's policy). Each
-turn the live replay uses the rule whose shadow had the lowest mean TTFT over the recent
-turns. A shadow's TTFT counts only from when its first token would have come: the choice for
-a turn sees the turns that had finished by its arrival, as a live engine would.
+turn the live replay uses the rule whose shadow served the recent turns fastest, each turn
+judged on its own time: its TTFT less its wait behind earlier turns (that wait is the
+shadow's history, which the live replay does not share: under a backlog a shadow that fell
+behind early stays behind whatever its rule does now, and one ahead for that reason is no
+reason to follow it). A shadow's turn counts only from when its first token would have
+come: the choice for a turn sees the turns that had finished by its arrival, as a live
+engine would.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Protocol
 
+from kvtier.benchmarks.policy_sim.node import TurnTime
 from kvtier.benchmarks.policy_sim.systems import SystemSpec
 from kvtier.benchmarks.policy_sim.workloads import Turn, Workload
 from kvtier.policies.follow_the_best import DEFAULT_MIN_TURNS, DEFAULT_WINDOW, FollowTheBest
@@ -30,7 +35,7 @@ class Replay(Protocol):
 
     through: bool
 
-    def step(self, index: int, t: Turn) -> float: ...
+    def step(self, index: int, t: Turn) -> TurnTime: ...
     def finish(self): ...
 
 
@@ -51,8 +56,8 @@ class AdaptiveReplay:
             self.live.through = RULES[self.judge.choose()]
             self.live.step(i, t)
             for rule, shadow in self.shadows.items():
-                ttft = shadow.step(i, t)
-                heapq.heappush(self._pending, (t.arrival_s + ttft, i, rule, ttft))
+                time = shadow.step(i, t)
+                heapq.heappush(self._pending, (t.arrival_s + time.ttft_s, i, rule, time.served_s))
         res = self.live.finish()
         merged = getattr(res, "merged", res)
         merged.decisions.update({f"follow_{rule}": n for rule, n in self.judge.turns_followed.items()})
@@ -61,5 +66,5 @@ class AdaptiveReplay:
 
     def _see_until(self, now: float) -> None:
         while self._pending and self._pending[0][0] <= now:
-            _, _, rule, ttft = heapq.heappop(self._pending)
-            self.judge.observe(rule, ttft)
+            _, _, rule, served = heapq.heappop(self._pending)
+            self.judge.observe(rule, served)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable
 
-from kvtier.benchmarks.policy_sim.node import Link, SimResult, Store
+from kvtier.benchmarks.policy_sim.node import Link, SimResult, Store, TurnTime
 from kvtier.benchmarks.policy_sim.simulator import Simulator
 from kvtier.benchmarks.policy_sim.systems import SystemSpec
 from kvtier.benchmarks.policy_sim.workloads import Turn, Workload
@@ -113,16 +113,17 @@ class Cluster:
             self.step(i, t)
         return self.finish()
 
-    def step(self, i: int, t: Turn) -> float:
-        """Route and replay turn ``i``; its TTFT."""
+    def step(self, i: int, t: Turn) -> TurnTime:
+        """Route and replay turn ``i``; its times."""
         j = self._route(i, t)
         node = self.nodes[j]
+        queued = node.res.breakdown["queue_s"]
         self._free[j] = node._turn(t, self._free[j])
         self.assignments.append(j)
         self._turns[j] += 1
         self._busy_s[j] = node.res.breakdown["compute_s"]
         self._home[t.session] = j
-        return node.res.ttft_s[-1]
+        return TurnTime(node.res.ttft_s[-1], node.res.breakdown["queue_s"] - queued)
 
     @property
     def through(self) -> bool:

@@ -103,6 +103,20 @@ class Link:
         return max(self.free_at - now, 0.0)
 
 
+@dataclass(frozen=True)
+class TurnTime:
+    """One replayed turn's time to first token, and the part of it spent queued behind
+    earlier turns (what the rest of the replay's history put before it)."""
+
+    ttft_s: float
+    queued_s: float
+
+    @property
+    def served_s(self) -> float:
+        """The turn's own time: its wait for write-backs, its compute and its loads."""
+        return self.ttft_s - self.queued_s
+
+
 @dataclass
 class SimResult:
     system: str

@@ -24,7 +24,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Hashable
 
-from kvtier.benchmarks.policy_sim.node import KeySet, Link, SessionState, SimResult, Store
+from kvtier.benchmarks.policy_sim.node import KeySet, Link, SessionState, SimResult, Store, TurnTime
 from kvtier.benchmarks.policy_sim.staging import Stager
 from kvtier.benchmarks.policy_sim.systems import SystemSpec
 from kvtier.benchmarks.policy_sim.workloads import Turn, Workload
@@ -266,10 +266,11 @@ class Simulator:
             self.step(i, turn)
         return self.finish()
 
-    def step(self, _index: int, t: Turn) -> float:
-        """Replay the next turn (``_index``: its place in the workload); its TTFT."""
+    def step(self, _index: int, t: Turn) -> TurnTime:
+        """Replay the next turn (``_index``: its place in the workload); its times."""
+        queued = self.res.breakdown["queue_s"]
         self._server_free = self._turn(t, self._server_free)
-        return self.res.ttft_s[-1]
+        return TurnTime(self.res.ttft_s[-1], self.res.breakdown["queue_s"] - queued)
 
     def finish(self) -> SimResult:
         self.res.peak_gpu_bytes = self.gpu.peak

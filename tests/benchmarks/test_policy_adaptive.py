@@ -4,6 +4,7 @@ shadow had finished by each arrival; and in a cluster it does the same."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -74,3 +75,28 @@ def test_it_follows_the_faster_shadow_on_what_had_finished(nodes):
     shadows = {rule: s.finish() for rule, s in replay.shadows.items()}
     for rule, r in shadows.items():
         assert len(getattr(r, "merged", r).ttft_s) == len(wl.turns), rule
+
+
+@pytest.mark.parametrize("nodes", [1, 3])
+def test_shadows_are_judged_on_each_turns_own_time_not_their_backlog(nodes):
+    """A replay's step gives each turn's TTFT and its wait behind earlier turns; the judge
+    sees the rest (a backlog is the shadow's history, not what its rule does now)."""
+    wl, cost = _wl(), _cost()
+    make = _make(wl, cost, nodes)
+    alone = make(replace(SYSTEMS["kvtier"], write_through=True))
+    times = [alone.step(i, t) for i, t in enumerate(wl.turns)]
+    res = alone.finish()
+    merged = getattr(res, "merged", res)
+    assert sorted(x.ttft_s for x in times) == pytest.approx(sorted(merged.ttft_s))
+    assert sum(x.queued_s for x in times) == pytest.approx(merged.breakdown["queue_s"])
+    assert any(x.queued_s > 0.01 * x.ttft_s for x in times)  # this workload queues
+    replay = AdaptiveReplay(wl, ADAPTIVE, make, window=8, min_turns=4)
+    judged: list[float] = []
+    observe = replay.judge.observe
+    replay.judge.observe = lambda rule, cost: (judged.append(cost) if rule == "through" else None,
+                                               observe(rule, cost))[1]
+    replay.run()
+    judged_n = Counter(judged)  # the same replay, deterministic: the very same floats
+    assert judged_n <= Counter(x.served_s for x in times) and len(judged) > len(times) // 2
+    assert not judged_n <= Counter(x.ttft_s for x in times)  # not the TTFTs
+    assert min(x.served_s for x in times) >= 0
