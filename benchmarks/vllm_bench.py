@@ -51,6 +51,13 @@ def setups(workdir: Path) -> dict[str, VllmSetup]:
         "kvtier-serve-sync": VllmSetup("kvtier-serve-sync", {
             **KVTIER, "kv_connector_extra_config": {"shm": True, "async_loads": False}},
             sidecar=True),
+        # a diagnostic: the same tiers, saving only (``kv_producer``, saves in the background
+        # as ``kv_both`` makes them): the connector's cost on turns with nothing restored,
+        # under the load vLLM alone sees (returning turns recompute, as there)
+        "kvtier-saves-only": VllmSetup("kvtier-saves-only", {
+            **KVTIER, "kv_role": "kv_producer", "kv_connector_extra_config": {
+                "tiers": {"cpu_bytes": 1 << 30, "disk_dir": str(workdir / "saves-only-chunks"),
+                          "disk_fsync": False}, "background_saves": True}}),
         "lmcache": VllmSetup("lmcache", {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"},
                              extra_path=_site_packages(REPO / ".venv-lmcache")),
         "vllm-native": VllmSetup("vllm-native", {
