@@ -133,10 +133,11 @@ class SchedulerSide:
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
         """Tokens past ``num_computed_tokens`` the store can provide and the policy chose to
         load: of the longest stored prefix of the prompt's full blocks, leaving at least
-        one token to compute."""
+        one token to compute. An instance that never loads (a prefill peer) still looks, so
+        that it does not upload again what the store holds."""
         state = self._state(request)
         prompt = state.tokens
-        if not self.role.loads:
+        if not self.role.loads and not self.role.saves:
             return 0
         bs, per = self.grid.block_size, self.grid.chunk_blocks
         usable = (len(prompt) - 1) // bs
@@ -148,6 +149,9 @@ class SchedulerSide:
             log.warning("kvtier lookup failed, recomputing: %s", exc)
             stored, tail = [], None
         computed = num_computed_tokens // bs
+        if not self.role.loads:  # what is stored is not saved again; nothing is loaded
+            self._found[request.request_id] = _Found(computed, len(stored), tail, ())
+            return 0
         chain, first = [], 0
         for s in stored + ([tail] if tail else []):  # no further than the usable blocks
             chain.append(Stored(s.key, s.blocks, s.tier, max(0, min(s.blocks, usable - first))))

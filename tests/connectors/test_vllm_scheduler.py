@@ -239,6 +239,16 @@ def test_a_resent_prompt_loads_all_but_its_last_block_from_a_longer_tail():
     plan = producer.step_plan(_new("p", list(range(7)), 0, len(prompt)))
     assert _blocks(plan.saves) == [[0, 1, 2, 3], [4, 5, 6]]
     worker.save(plan.saves)
+    producer.saves_landed(["p"])  # the store answers for those chunks now
+    again = Request("p2", prompt)  # the producer recomputes a prompt the store holds
+    assert producer.matched_tokens(again, 0) == 0
+    producer.allocated(again, list(range(20, 27)), 0)
+    assert producer.step_plan(_new("p2", list(range(20, 27)), 0, len(prompt))).saves == []  # not uploaded again
+    longer = Request("p3", prompt[: 4 * BLOCK] + list(range(900, 900 + 5 * BLOCK)))
+    assert producer.matched_tokens(longer, 0) == 0
+    producer.allocated(longer, list(range(20, 29)), 0)
+    plan = producer.step_plan(_new("p3", list(range(20, 29)), 0, 9 * BLOCK))
+    assert _blocks(plan.saves) == [[24, 25, 26, 27], [28]]  # only what the store lacks
     req = Request("d", prompt)
     assert consumer.matched_tokens(req, 0) == 6 * BLOCK  # all but the last block
     consumer.allocated(req, list(range(10, 17)), 6 * BLOCK)
