@@ -20,6 +20,7 @@ from kvtier.connectors.vllm_worker import WorkerSide
 from kvtier.errors import ConfigError
 from kvtier.kv_codecs import Codec, decode, encode
 from kvtier.server.state import ServiceState
+from tests.connectors.test_vllm_worker import _sidecar_config
 from tests.connectors.vllm_fakes import BLOCK, LAYERS, caches
 from tests.http_server import running
 
@@ -110,13 +111,12 @@ def test_a_connector_that_takes_exact_kv_never_loads_a_lossy_chunk(tmp_path):
 
 
 def _sidecar(tmp_path, codec: str) -> KVTierConfig:
-    cfg = KVTierConfig()
+    """A sidecar keeping every chunk on disk, compressed by ``codec`` (no RAM tier)."""
+    cfg = _sidecar_config(tmp_path)
     cfg.tiers.cpu_bytes = 0
     cfg.tiers.disk_dir = str(tmp_path / "disk")
     cfg.tiers.disk_fsync = False
     cfg.tiers.disk_codec = codec
-    cfg.server.shm_dir = str(tmp_path / "shm")
-    (tmp_path / "shm").mkdir()
     return cfg
 
 
