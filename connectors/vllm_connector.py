@@ -161,10 +161,11 @@ class KVTierConnector(KVConnectorBase_V1):
             s = self.scheduler_side
             return {"hit_blocks": s.hit_blocks, "recomputed_by_decision_tokens": s.recomputed_by_decision,
                     "schedule_seconds": s.busy_s}
-        w = self.worker_side.stats
+        w, saves = self.worker_side.stats, self.worker_side.saves
         return {"loaded_blocks": w.loaded_blocks, "saved_blocks": w.saved_blocks,
                 "load_errors": w.load_errors, "load_seconds": w.load_s,
-                "save_wait_seconds": w.save_wait_s, "step_seconds": w.step_s, "steps": w.steps}
+                "save_wait_seconds": w.save_wait_s, "step_seconds": w.step_s, "steps": w.steps,
+                "save_hold_seconds": saves.hold_s, "held_requests": saves.holds}
 
     def get_kv_connector_stats(self) -> KVTierStats | None:
         return self._deltas.since_last(self.stats)

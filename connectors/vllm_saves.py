@@ -15,6 +15,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -56,6 +57,13 @@ class SaveQueue:
         """Requests with a save submitted: the ones whose blocks vLLM holds at their end."""
         self._finishing: set[str] = set()
         """Requests vLLM finished, reported once their saves have landed."""
+        self._finished_at: dict[str, float] = {}
+        """When vLLM first named each of :attr:`_finishing` finished."""
+        self.hold_s = 0.0
+        """Time finished requests' blocks were held for their saves, summed: blocks a
+        waiting request could not take meanwhile."""
+        self.holds = 0
+        """Finished requests whose blocks were held for their saves."""
         self._last: Future[None] | None = None
 
     def submit(self, req_ids: Iterable[str], save: Callable[[], None]) -> None:
@@ -85,11 +93,18 @@ class SaveQueue:
     def finished(self, finished_req_ids: Iterable[str]) -> set[str]:
         """Of the requests vLLM finished (now or before) and that had saves, those whose
         saves have all landed: vLLM may free their blocks."""
+        now = time.monotonic()
         with self._lock:
-            self._finishing.update(i for i in finished_req_ids if i in self._seen)
+            for i in finished_req_ids:
+                if i in self._seen:
+                    self._finishing.add(i)
+                    self._finished_at.setdefault(i, now)
             done = {i for i in self._finishing if self._pending[i] <= 0}
             self._finishing -= done
             self._seen -= done
+            for i in done:
+                self.hold_s += now - self._finished_at.pop(i, now)
+                self.holds += 1
         return done
 
     def drain(self) -> None:

@@ -360,8 +360,10 @@ def test_saves_run_off_the_forward_path_and_hold_a_finished_requests_blocks(tmp_
         idle.wait_saves()
         idle.close()
         assert policy == [os.SCHED_OTHER, os.SCHED_IDLE]
+        assert worker.saves.holds == 0
         assert worker.finished(set()) == {"a"}  # reported once, when its save landed
         assert worker.finished({"a"}) == set()
+        assert worker.saves.holds == 1 and worker.saves.hold_s > 0  # held from its finish on
     finally:
         store.gate.set()
         worker.close()
