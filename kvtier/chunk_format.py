@@ -87,7 +87,7 @@ _HEADER_KEYS = frozenset({"v", "key", "fp", "dtype", "shape", "tokens", "l0", "x
                           "ns", "codec", "op", "pad", "padd"})
 """Every field a header may hold ("pad"/"padd": filler, the only bytes no checksum covers,
 meaningless by construction)."""
-_CODECS = frozenset(c.value for c in kv_codecs.Codec)
+_CODECS = kv_codecs.CODEC_NAMES
 _packer = msgpack.Packer(use_bin_type=True, autoreset=True)
 _packer_lock = threading.Lock()
 

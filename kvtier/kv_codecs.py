@@ -71,6 +71,9 @@ class Codec(str, Enum):
             ) from None
 
 
+CODEC_NAMES: frozenset[str] = frozenset(c.value for c in Codec)
+"""Every codec's name (``none`` included): what a chunk header or a reader may name."""
+
 ERROR_BOUND: dict[Codec, float] = {
     Codec.NONE: 0.0,
     Codec.FP8: 2.0**-4,  # 3 mantissa bits: half an ulp of the value, at most of the group's max

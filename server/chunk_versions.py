@@ -25,11 +25,8 @@ from kvtier.chunk_format import ChunkHeader, logical_key
 from kvtier.connectors.tiers.lent_chunk import LentChunk
 from kvtier.connectors.tiers.manager import TierManager
 from kvtier.errors import ChunkFormatError
-from kvtier.kv_codecs import Codec
+from kvtier.kv_codecs import CODEC_NAMES as ANY_CODEC
 from kvtier.server.errors import RouteError
-
-ANY_CODEC = frozenset(c.value for c in Codec)
-"""A stored version is compared whatever its codec (the stack's readers may refuse it)."""
 
 
 class Version(Enum):
@@ -70,7 +67,7 @@ class KeyLocks:
 def settle(manager: TierManager, where: str, upload: ChunkHeader) -> Settled:
     """Whether ``upload`` (verified, to be stored under ``where``) is new, the chunk already
     stored, or (409) another version of a stored key. Call with the key's lock held."""
-    loc = manager.lookup([where], ANY_CODEC)
+    loc = manager.lookup([where], ANY_CODEC)  # a stored version, whatever its codec
     if not loc.length:
         return Settled(Version.NEW)
     with manager.lease_chunks([where], loc, ANY_CODEC) as (stored,):

@@ -16,7 +16,7 @@ from typing import Annotated
 from fastapi import Header
 
 from kvtier.chunk_wire import ACCEPT_CODECS_HEADER as HEADER
-from kvtier.kv_codecs import Codec
+from kvtier.kv_codecs import CODEC_NAMES
 from kvtier.server.errors import RouteError
 
 AcceptCodecs = Annotated[str | None, Header(
@@ -31,7 +31,7 @@ def reader_codecs(header: str | None) -> frozenset[str] | None:
     if header is None:
         return None
     names = frozenset(n.strip() for n in header.split(",") if n.strip())
-    known = {c.value for c in Codec}
+    known = CODEC_NAMES
     bad = sorted(names - known)
     if bad or not names:
         raise RouteError(400, f"{HEADER}: {', '.join(n[:16] for n in bad) or 'empty'} — "
