@@ -137,8 +137,6 @@ class SchedulerSide:
         that it does not upload again what the store holds."""
         state = self._state(request)
         prompt = state.tokens
-        if not self.role.loads and not self.role.saves:
-            return 0
         bs, per = self.grid.block_size, self.grid.chunk_blocks
         usable = (len(prompt) - 1) // bs
         full = [k.key for k in state.keys if not k.is_tail][: -(-usable // per)]

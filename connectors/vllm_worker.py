@@ -378,11 +378,7 @@ class WorkerSide:
                         np.copyto(dst, src[i, :, j].reshape(dst.shape))
             return
         for a, b in chunk.checked_groups(GROUP_BYTES):
-            for i, layer in enumerate(self.layers[a:b], start=a):
-                src = chunk.kv[i].view(2, n, -1)
-                for j, block_id in todo:
-                    dst = layer.block(block_id)
-                    dst.copy_(src[:, j].reshape(dst.shape))
+            self._copy_into_blocks(chunk.kv[a:b].reshape(b - a, 2, n, -1), a, todo)
 
     def _scatter_decoded(self, chunk: LentChunk, span: ChunkSpan) -> None:
         """A lossy chunk (kept encoded by its tier, issue 33): each group of layers
@@ -391,11 +387,16 @@ class WorkerSide:
         todo = [(j, b) for j, b in enumerate(span.block_ids) if b is not None]
         device = self.layers[0].kv.device
         for a, b in chunk.checked_groups(LOSSY_GROUP_BYTES):
-            src = _decoded(chunk, a, b, device).view(b - a, 2, n, -1)
-            for i, layer in enumerate(self.layers[a:b]):
-                for j, block_id in todo:
-                    dst = layer.block(block_id)
-                    dst.copy_(src[i, :, j].reshape(dst.shape))
+            self._copy_into_blocks(_decoded(chunk, a, b, device).view(b - a, 2, n, -1), a, todo)
+
+    def _copy_into_blocks(self, src: torch.Tensor, first: int,
+                          todo: list[tuple[int, int]]) -> None:
+        """Layers ``first``.. of a chunk (``src``: ``[layers, 2, blocks, rest]``) into vLLM's
+        blocks: the chunk's ``j``-th block into block ``block_id`` for each of ``todo``."""
+        for i, layer in enumerate(self.layers[first : first + src.shape[0]]):
+            for j, block_id in todo:
+                dst = layer.block(block_id)
+                dst.copy_(src[i, :, j].reshape(dst.shape))
 
     @staticmethod
     def _scatter_fused(chunk: LentChunk, span: ChunkSpan, pieces: BlockPieces) -> None:
