@@ -12,7 +12,10 @@ subprocess with its own time limit, so a hang costs that step, not the lease:
    (the checkpoint is written in the background while steps 1-3 run);
 5. ``kvtier bench codecs --restore-only``: restores of compressed chunks (fp8, int8, int4)
    from disk (and Redis where a ``redis-server`` exists) into a GPU pool, decoded on the
-   device, against uncompressed ones in the same run (issue 33).
+   device, against uncompressed ones in the same run (issue 33);
+6. ``kvtier bench connector``: the vLLM connector's worker saving vLLM-layout caches on the
+   GPU into the CPU tier and loading them back (sync, async; per codec) against the pinned
+   copy of the same bytes (issue 31).
 
 Then one JSON (``gpu-kit.json``: the machine with GPU, driver, torch and Triton; every step's
 outcome; every figure as a ratio to its reference and the issue's goal for it) and a table.
@@ -42,7 +45,7 @@ TTFT_PRESET = "llama-3.1-8b"
 """Llama-3.1-8B shapes: the 32k history needs its 128k context (Llama 3's is 8k)."""
 CUDA_TEST_PATHS = ("tests/cuda", "tests/gpu_pool")
 TTFT_HISTORIES = (2048, 8192, 32768)
-STEP_NAMES = ("cuda-tests", "host-transfer", "kernels", "codec-restores", "ttft")
+STEP_NAMES = ("cuda-tests", "host-transfer", "kernels", "codec-restores", "connector", "ttft")
 GOALS = {
     "decode_vs_copy": 0.7,
     "transfer_vs_copy": 0.8,
@@ -163,7 +166,11 @@ def plan(out: Path, work: Path, dry_run: bool) -> list[Step]:
         "--restore-chunks", "2" if dry_run else "8", "--restore-rounds", "1" if dry_run else "3",
         "--out", str(out / "codec-restores.json"),
     ), cap_s=150, result=out / "codec-restores.json")
-    return [tests, host, kernels, codecs, ttft]
+    connector = Step("connector", _cli(
+        "bench", "connector", *device, *(["--rounds", "1"] if dry_run else []),
+        "--out", str(out / "connector.json"),
+    ), cap_s=120, result=out / "connector.json")
+    return [tests, host, kernels, codecs, connector, ttft]
 
 
 # -------------------------------------------------------------------------------- run
@@ -365,10 +372,25 @@ def codec_figures(doc: dict[str, Any], judge: bool) -> list[Figure]:
     return figs
 
 
+def connector_figures(doc: dict[str, Any], judge: bool) -> list[Figure]:
+    """The vLLM connector's saves and loads of GPU caches over the pinned copy of the same
+    bytes (no goal set: a measurement for issue 31)."""
+    figs = []
+    for r in doc["rows"]:
+        for case, label, ref in (("save", "save (background)", "d2h"), ("load", "load (sync)", "h2d"),
+                                 ("async_load", "load (async)", "h2d")):
+            figs.append(Figure(
+                "connector", f"{r['codec']} {label}", f"{r[f'{case}_GBps']:.2f} GB/s of KV",
+                f"pinned {ref.upper()} copy_ {doc[f'{ref}_GBps']:.1f} GB/s",
+                r[f"{case}_vs_{ref}"]))
+    return figs
+
+
 def figures(out: Path, judge: bool) -> tuple[list[Figure], dict[str, Any]]:
     figs, tests = cuda_test_figures(out / "cuda-tests.xml")
     for name, fn in (("host-transfer", host_figures), ("kernels", kernel_figures),
-                     ("codec-restores", codec_figures), ("ttft", ttft_figures)):
+                     ("codec-restores", codec_figures), ("connector", connector_figures),
+                     ("ttft", ttft_figures)):
         doc = _load(out / f"{name}.json")
         if doc is None:
             figs.append(Figure(name, "(no result)", "-", "-", None, "", False if judge else None))

@@ -20,6 +20,7 @@ connector takes its codec, ``accept_codecs``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -30,17 +31,23 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from kvtier.chunk_format import DTYPES, chunk_layout, decode_layers, encode_into, range_header
+from kvtier.chunk_format import DTYPES, chunk_layout, encode_into
 from kvtier.connectors.chunk_store import ChunkStore
 from kvtier.connectors.tiers.base import ChunkWrite
-from kvtier.connectors.tiers.chunk_workers import map_restore
+from kvtier.connectors.tiers.chunk_workers import map_restore, start_restore
 from kvtier.connectors.tiers.lent_chunk import LentChunk
 from kvtier.connectors.vllm_blocks import ChunkGrid, ChunkSpan, ChunkTransfer, Rank
+from kvtier.connectors.vllm_device_blocks import (
+    BlockMove,
+    DeviceBlocks,
+    decode_on_device,
+    refuse_bad,
+)
 from kvtier.connectors.vllm_loads import LoadQueue
 from kvtier.connectors.vllm_pieces import BlockPieces, CacheLayer
 from kvtier.connectors.vllm_policy import LoadObservation
 from kvtier.connectors.vllm_saves import SaveQueue
-from kvtier.errors import ChunkError, ChunkFormatError, ChunkMismatchError, InvalidArgumentError
+from kvtier.errors import ChunkError, ChunkMismatchError, InvalidArgumentError
 from kvtier.gpu_pool.kernels.host_native import (
     gather_pieces_hashed,
     scatter_chunks_verified,
@@ -53,6 +60,9 @@ log = logging.getLogger(__name__)
 
 GROUP_BYTES = 4 << 20
 """Layers are gathered and checksummed, or checked and scattered, this many bytes at a time."""
+DEVICE_WINDOW_BYTES = 256 << 20
+"""A load to a device cache copies at most this many stored bytes over before scattering
+them (the device memory a load borrows beside vLLM's)."""
 
 
 def rank_fingerprint(fingerprint: bytes, rank: Rank) -> bytes:
@@ -104,6 +114,8 @@ class WorkerSide:
         self.layers: list[CacheLayer] = []
         self._host = False
         self._pieces: BlockPieces | None = None
+        self._device: DeviceBlocks | None = None
+        self._save_stream: torch.cuda.Stream | None = None
         self.stats = WorkerStats()
         self.saves = SaveQueue(background, idle_saves)
         self._load_errors: set[int] = set()
@@ -131,7 +143,8 @@ class WorkerSide:
                                        "dtype and size (one chunk holds them all)")
         self.layers = layers
         self._host = all(layer.host is not None for layer in layers)
-        """Every layer a host cache: copies in numpy (else torch's, e.g. to a GPU)."""
+        """Every layer a host cache: copies in numpy (else index kernels, e.g. on a GPU)."""
+        self._device = None if self._host else DeviceBlocks.of(layers)
         self._pieces = BlockPieces.of(layers, num_blocks)
         """Host caches whose blocks the fused native copy can take (copy and checksum in
         one pass); None: numpy or torch copies, checksums apart."""
@@ -185,23 +198,39 @@ class WorkerSide:
             addrs, layout = pieces.at_chunk(ids), pieces.layout(len(ids))
             return ChunkWrite(key, total, info=info, fill=lambda slot: encode_into(
                 slot, key, fp, dtype, shape, lambda part: gather_pieces_hashed(part, addrs, layout)))
+        if self._device is not None:  # gathered on the device, one copy over
+            return ChunkWrite(key, total, info=info, fill=lambda slot: encode_into(
+                slot, key, fp, dtype, shape, lambda part: self._gather_device(part, ids)))
         return ChunkWrite(key, total, info=info, fill=lambda slot: encode_into(
-            slot, key, fp, dtype, shape, lambda part, a, b: self._gather(part, a, b, ids),
+            slot, key, fp, dtype, shape, lambda part, a, b: self._gather_host(part, a, b, ids),
             GROUP_BYTES))
 
-    def _gather(self, part: torch.Tensor, a: int, b: int, ids: list[int]) -> None:
-        """Layers ``[a, b)`` of blocks ``ids`` into ``part`` (numpy on the host, else torch)."""
+    def _gather_host(self, part: torch.Tensor, a: int, b: int, ids: list[int]) -> None:
+        """Layers ``[a, b)`` of blocks ``ids`` of host caches into ``part`` (numpy)."""
         n = len(ids)
-        if self._host:
-            dst = part.view(torch.uint8).numpy().reshape(b - a, 2, n, -1)
-            for i, layer in enumerate(self.layers[a:b]):
-                for j, block_id in enumerate(ids):
-                    np.copyto(dst[i, :, j], layer.host_block(block_id).reshape(2, -1))
-            return
+        dst = part.view(torch.uint8).numpy().reshape(b - a, 2, n, -1)
         for i, layer in enumerate(self.layers[a:b]):
-            dst = part[i].view(2, n, -1)
             for j, block_id in enumerate(ids):
-                dst[:, j].copy_(layer.block(block_id).reshape(2, -1))
+                np.copyto(dst[i, :, j], layer.host_block(block_id).reshape(2, -1))
+
+    def _gather_device(self, part: torch.Tensor, ids: list[int]) -> None:
+        """Every layer of blocks ``ids`` into ``part`` (the host slot): gathered on the
+        device into one tensor (on the save stream, on CUDA), then copied over at once."""
+        device = self._device
+        assert device is not None
+        with self._on_save_stream():
+            part.view(device.bits).copy_(device.gather(0, len(self.layers), ids).view(part.shape))
+
+    def _on_save_stream(self) -> contextlib.AbstractContextManager[object]:
+        """On CUDA, the saves' own stream (the save already waited for the step's work), so
+        their kernels do not queue behind the next forward pass's."""
+        device = self.layers[0].kv.device
+        if device.type != "cuda":
+            return contextlib.nullcontext()
+        with self._lock:
+            if self._save_stream is None:
+                self._save_stream = torch.cuda.Stream(device)
+        return torch.cuda.stream(self._save_stream)
 
     def finished(self, finished_req_ids: set[str]) -> set[str]:
         """Requests vLLM finished whose saves have all landed (their blocks may go)."""
@@ -303,6 +332,8 @@ class WorkerSide:
         """Each lent chunk scattered into its blocks, or why not. Whole chunks of one size
         into a fused host cache go in few native calls, half on each restore worker; the
         rest (a chunk still being read) one by one, two at a time."""
+        if self._device is not None:
+            return self._scatter_device(items)
         if self._pieces is None:
             return map_restore(self._scatter, items)
         out: list[ChunkError | None] = [None] * len(items)
@@ -366,37 +397,89 @@ class WorkerSide:
         return None
 
     def _scatter_copies(self, chunk: LentChunk, span: ChunkSpan) -> None:
-        """Each group of layers checked, then copied block by block (numpy or torch)."""
+        """Host caches without the native copy: each group of layers checked, then copied
+        block by block (numpy)."""
         n = len(span.block_ids)
-        todo = [(j, b) for j, b in enumerate(span.block_ids) if b is not None]
-        if self._host:
-            src = chunk.payload.numpy().reshape(len(self.layers), 2, n, -1)
-            for a, b in chunk.checked_groups(GROUP_BYTES):
-                for i, layer in enumerate(self.layers[a:b], start=a):
-                    for j, block_id in todo:
-                        dst = layer.host_block(block_id)
-                        np.copyto(dst, src[i, :, j].reshape(dst.shape))
-            return
+        src = chunk.payload.numpy().reshape(len(self.layers), 2, n, -1)
         for a, b in chunk.checked_groups(GROUP_BYTES):
-            self._copy_into_blocks(chunk.kv[a:b].reshape(b - a, 2, n, -1), a, todo)
+            for i, layer in enumerate(self.layers[a:b], start=a):
+                for j, block_id in _todo(span):
+                    dst = layer.host_block(block_id)
+                    np.copyto(dst, src[i, :, j].reshape(dst.shape))
 
     def _scatter_decoded(self, chunk: LentChunk, span: ChunkSpan) -> None:
-        """A lossy chunk (kept encoded by its tier, issue 33): each group of layers
-        checked, decoded (:func:`_decoded`), then copied block by block."""
+        """A lossy chunk (kept encoded by its tier, issue 33) into host caches: each group
+        of layers checked, decoded into this thread's reused scratch, then copied block by
+        block."""
         n = len(span.block_ids)
-        todo = [(j, b) for j, b in enumerate(span.block_ids) if b is not None]
-        device = self.layers[0].kv.device
         for a, b in chunk.checked_groups(LOSSY_GROUP_BYTES):
-            self._copy_into_blocks(_decoded(chunk, a, b, device).view(b - a, 2, n, -1), a, todo)
+            src = chunk.layer_kv(a, b, decode_scratch(chunk, b - a)).view(b - a, 2, n, -1)
+            for i, layer in enumerate(self.layers[a:b]):
+                for j, block_id in _todo(span):
+                    dst = layer.block(block_id)
+                    dst.copy_(src[i, :, j].reshape(dst.shape))
 
-    def _copy_into_blocks(self, src: torch.Tensor, first: int,
-                          todo: list[tuple[int, int]]) -> None:
-        """Layers ``first``.. of a chunk (``src``: ``[layers, 2, blocks, rest]``) into vLLM's
-        blocks: the chunk's ``j``-th block into block ``block_id`` for each of ``todo``."""
-        for i, layer in enumerate(self.layers[first : first + src.shape[0]]):
-            for j, block_id in todo:
-                dst = layer.block(block_id)
-                dst.copy_(src[i, :, j].reshape(dst.shape))
+    def _scatter_device(self, items: list[_Item]) -> list[ChunkError | None]:
+        """Caches off the host (:mod:`.vllm_device_blocks`), a window of chunks at a
+        time: each chunk's stored bytes copied to the device as soon as they are read while
+        the restore workers verify them, decoded there where lossy, and scattered into its
+        blocks only once verified. Every copy is done before the lent memory goes."""
+        out: list[ChunkError | None] = [None] * len(items)
+        window: list[int] = []
+        size = 0
+        for i, item in enumerate(items):
+            try:
+                self._check(item)
+            except ChunkError as exc:
+                out[i] = exc
+                continue
+            window.append(i)
+            size += item.chunk.payload.numel()  # type: ignore[union-attr]
+            if size >= DEVICE_WINDOW_BYTES:
+                self._device_window(items, window, out)
+                window, size = [], 0
+        if window:
+            self._device_window(items, window, out)
+        if self.layers[0].kv.is_cuda:
+            torch.cuda.current_stream(self.layers[0].kv.device).synchronize()
+        return out
+
+    def _device_window(self, items: list[_Item], window: list[int],
+                       out: list[ChunkError | None]) -> None:
+        device = self._device
+        assert device is not None
+        chunks: list[LentChunk] = [items[i].chunk for i in window]  # type: ignore[misc]
+        checks = start_restore(_verify, chunks)
+        copies: list[torch.Tensor | None] = []
+        on_host = device.device.type == "cpu"
+        for i, chunk in zip(window, chunks, strict=True):
+            try:
+                chunk.wait_read(chunk.header.num_layers)
+            except ChunkError as exc:
+                out[i] = exc
+                copies.append(None)
+                continue
+            copies.append(None if on_host else chunk.payload.to(device.device, non_blocking=True))
+        for i, error in zip(window, checks.result(), strict=True):
+            out[i] = out[i] or error
+        ok = [k for k, i in enumerate(window) if out[i] is None]
+        decoded: dict[int, torch.Tensor] = {}
+        lossy = [k for k in ok if chunks[k].header.lossy]
+        if on_host:  # a strided host cache: the verified chunk's KV, decoded natively
+            decoded = {k: chunks[k].kv for k in ok}
+        elif lossy:
+            statuses = torch.zeros(len(lossy), dtype=torch.int32, device=device.device)
+            decoded = {k: decode_on_device(chunks[k], copies[k], statuses[n : n + 1])  # type: ignore[arg-type]
+                       for n, k in enumerate(lossy)}
+            for k, error in zip(lossy, refuse_bad([chunks[k] for k in lossy], statuses), strict=True):
+                out[window[k]] = error
+        for k, i in enumerate(window):
+            if out[i] is not None:
+                continue
+            span = items[i].span
+            move = BlockMove(tuple(_todo(span)), len(span.block_ids))
+            kv = decoded.get(k, copies[k])
+            device.scatter(device.as_blocks(kv, move.blocks), 0, move)  # type: ignore[arg-type]
 
     @staticmethod
     def _scatter_fused(chunk: LentChunk, span: ChunkSpan, pieces: BlockPieces) -> None:
@@ -445,19 +528,17 @@ class WorkerSide:
         self.saves.close()
 
 
-def _decoded(chunk: LentChunk, a: int, b: int, device: torch.device) -> torch.Tensor:
-    """Layers ``[a, b)`` of a lossy chunk (checked) decoded where the cache is: on the host
-    into this thread's reused scratch; for a device cache, the stored bytes (2-4x fewer than
-    the KV) copied over and decoded there. Bytes no encoder writes refuse the chunk."""
-    if device.type == "cpu":
-        return chunk.layer_kv(a, b, decode_scratch(chunk, b - a))
-    step = chunk.header.layer_nbytes
-    stored = chunk.payload[a * step : b * step].to(device, non_blocking=True)
+def _verify(chunk: LentChunk) -> ChunkError | None:
     try:
-        return decode_layers(stored, range_header(chunk.header, (a, b)))
-    except ChunkFormatError as exc:
-        chunk.refuse(str(exc))
-        raise
+        chunk.verify()
+    except ChunkError as exc:
+        return exc
+    return None
+
+
+def _todo(span: ChunkSpan) -> list[tuple[int, int]]:
+    """``(j, block id)`` for the span's blocks to fill (vLLM computed the others)."""
+    return [(j, b) for j, b in enumerate(span.block_ids) if b is not None]
 
 
 def _planned_blocks(load: ChunkTransfer) -> set[int]:

@@ -49,7 +49,8 @@ if [ ! -d "$wheels" ]; then
 fi
 host_py=${KVTIER_GPU_PYTHON:-python3}
 venv=.venv-gpu
-log="$out/install.log"
+log="$work/install.log"  # $OUT returns at most eight files: the results and kit.log
+mkdir -p "$work"
 install() {
   set -e
   if [ ! -x "$venv/bin/python" ]; then

@@ -41,6 +41,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("kvtier.benchmarks.faults", "bench"),
     ("kvtier.benchmarks.vllm_bench", "bench"),
     ("kvtier.benchmarks.codecs", "bench"),
+    ("kvtier.benchmarks.connector_transfers", "bench"),
 ]
 
 

@@ -30,16 +30,16 @@ def test_dry_run_runs_every_step_and_writes_the_results(tmp_path):
     doc = json.loads((out / "gpu-kit.json").read_text())
     assert doc["suite"] == "gpu-kit" and doc["dry_run"] is True
     assert [s["name"] for s in doc["steps"]] == ["cuda-tests", "host-transfer", "kernels",
-                                                 "codec-restores", "model", "ttft"]
+                                                 "codec-restores", "connector", "model", "ttft"]
     assert all(s["ok"] for s in doc["steps"]), doc["steps"]
     # The CUDA suite ran (on the CPU) and passed: the marker selects it and nothing is skipped.
     assert doc["tests"]["passed"] >= 20 and doc["tests"]["failures"] == 0
     assert doc["tests"]["errors"] == 0 and doc["tests"]["skipped"] == 0
     groups = {f["group"] for f in doc["figures"]}
-    assert groups == {"tests", "host-transfer", "kernels", "codec-restores", "ttft"}
+    assert groups == {"tests", "host-transfer", "kernels", "codec-restores", "connector", "ttft"}
     assert all(f["met"] is None for f in doc["figures"] if f["group"] != "tests")  # not judged
     assert all(f["ratio"] > 0 for f in doc["figures"] if f["ratio"] is not None)
-    for name in ("host-transfer", "kernels", "codec-restores", "ttft"):
+    for name in ("host-transfer", "kernels", "codec-restores", "connector", "ttft"):
         result = json.loads((out / f"{name}.json").read_text())
         assert result["machine"]["cpu_count"] >= 1 and "torch" in result["machine"]
     ttft = json.loads((out / "ttft.json").read_text())
@@ -131,5 +131,6 @@ def test_failing_cuda_tests_fail_the_kit(tmp_path):
     # Missing benchmark results are listed, judged as failures on a GPU.
     figs, _ = figures(tmp_path, judge=True)
     missing = [f for f in figs if f.name == "(no result)"]
-    assert {f.group for f in missing} == {"host-transfer", "kernels", "codec-restores", "ttft"}
+    assert {f.group for f in missing} == {"host-transfer", "kernels", "codec-restores", "connector",
+                                          "ttft"}
     assert all(f.met is False for f in missing)
