@@ -53,6 +53,10 @@ class ChunkStore(Protocol):
     def put_from(self, writes: Sequence[ChunkWrite]) -> dict[str, str]:
         """Store chunks, each filled by its write; returns the keys that failed, with why."""
 
+    def landing_codec(self) -> Codec:
+        """The codec the tier a save lands in keeps chunks in: a writer on a GPU encodes
+        its chunks there, so only the encoded bytes cross (NONE: the store encodes)."""
+
     def get_into(self, keys: Sequence[str]) -> contextlib.AbstractContextManager[list[LentChunk | None]]:
         """The stored prefix of ``keys`` lent (None past it, or for a chunk refused),
         valid until the block ends; the reader checks each group of layers before use."""
@@ -85,6 +89,9 @@ class LocalChunkStore:
 
     def put_from(self, writes: Sequence[ChunkWrite]) -> dict[str, str]:
         return dict(self.manager.store(writes).failed)
+
+    def landing_codec(self) -> Codec:
+        return self.manager.tiers[0].codec if self.manager.tiers else Codec.NONE
 
     def get_into(self, keys: Sequence[str]) -> contextlib.AbstractContextManager[list[LentChunk | None]]:
         return self.manager.lease_chunks(keys)
@@ -129,6 +136,9 @@ class RemoteChunkStore:
 
     def prefetch(self, keys: Sequence[str]) -> int:
         return self.client.prefetch(keys) if keys else 0
+
+    def landing_codec(self) -> Codec:
+        return Codec.NONE  # the service encodes what it stores compressed
 
     def put_from(self, writes: Sequence[ChunkWrite]) -> dict[str, str]:
         """Keys not stored, with why. A ``conflict`` is not among them: another writer

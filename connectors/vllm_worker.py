@@ -31,7 +31,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from kvtier.chunk_format import DTYPES, chunk_layout, encode_into
+from kvtier.chunk_format import DTYPES, chunk_layout, encode_chunk, encode_into
 from kvtier.connectors.chunk_store import ChunkStore
 from kvtier.connectors.tiers.base import ChunkWrite
 from kvtier.connectors.tiers.chunk_workers import map_restore, start_restore
@@ -53,6 +53,8 @@ from kvtier.gpu_pool.kernels.host_native import (
     scatter_chunks_verified,
     scatter_pieces_verified,
 )
+from kvtier.kv_codecs import Codec
+from kvtier.layer_sums import layer_sums
 from kvtier.policies.eviction import ChunkInfo
 from kvtier.transfer.lossy_restore import LOSSY_GROUP_BYTES, decode_scratch
 
@@ -60,6 +62,8 @@ log = logging.getLogger(__name__)
 
 GROUP_BYTES = 4 << 20
 """Layers are gathered and checksummed, or checked and scattered, this many bytes at a time."""
+ENCODABLE = (torch.float32, torch.bfloat16, torch.float16)
+"""Cache dtypes a codec encodes (an fp8 cache is stored as it is)."""
 DEVICE_WINDOW_BYTES = 256 << 20
 """A load to a device cache copies at most this many stored bytes over before scattering
 them (the device memory a load borrows beside vLLM's)."""
@@ -115,7 +119,7 @@ class WorkerSide:
         self._host = False
         self._pieces: BlockPieces | None = None
         self._device: DeviceBlocks | None = None
-        self._save_stream: torch.cuda.Stream | None = None
+        self._save_streams = threading.local()
         self.stats = WorkerStats()
         self.saves = SaveQueue(background, idle_saves)
         self._load_errors: set[int] = set()
@@ -198,6 +202,10 @@ class WorkerSide:
             addrs, layout = pieces.at_chunk(ids), pieces.layout(len(ids))
             return ChunkWrite(key, total, info=info, fill=lambda slot: encode_into(
                 slot, key, fp, dtype, shape, lambda part: gather_pieces_hashed(part, addrs, layout)))
+        if self._device is not None and self._device.device.type == "cuda":
+            codec = self._store().landing_codec()
+            if codec is not Codec.NONE and self.dtype in ENCODABLE:  # encoded on the GPU
+                return ChunkWrite.of_blob(key, self._encoded_on_device(key, ids, shape, codec), info)
         if self._device is not None:  # gathered on the device, one copy over
             return ChunkWrite(key, total, info=info, fill=lambda slot: encode_into(
                 slot, key, fp, dtype, shape, lambda part: self._gather_device(part, ids)))
@@ -213,24 +221,54 @@ class WorkerSide:
             for j, block_id in enumerate(ids):
                 np.copyto(dst[i, :, j], layer.host_block(block_id).reshape(2, -1))
 
-    def _gather_device(self, part: torch.Tensor, ids: list[int]) -> None:
+    def _gather_device(self, part: torch.Tensor, ids: list[int]) -> tuple[int, ...]:
         """Every layer of blocks ``ids`` into ``part`` (the host slot): gathered on the
-        device into one tensor (on the save stream, on CUDA), then copied over at once."""
+        device into one tensor, copied over a group of layers at a time (on this thread's
+        save stream, on CUDA), each group checksummed as soon as it landed while the next
+        crosses. Returns the layers' checksums (the fill's)."""
+        device = self._device
+        assert device is not None
+        layers = len(self.layers)
+        host = part.view(device.bits).view(layers, 2, len(ids), device.half)
+        step = host[0].numel() * host.element_size()
+        per = max(1, GROUP_BYTES // step)
+        groups = [(a, min(a + per, layers)) for a in range(0, layers, per)]
+        landed: list[torch.cuda.Event | None] = []
+        with self._on_save_stream():
+            staging = device.gather(0, layers, ids)
+            for a, b in groups:
+                host[a:b].copy_(staging[a:b], non_blocking=True)
+                landed.append(torch.cuda.Event() if staging.is_cuda else None)
+                if landed[-1] is not None:
+                    landed[-1].record()
+        mem = part.view(torch.uint8).numpy().reshape(-1)
+        sums: tuple[int, ...] = ()
+        for (a, b), event in zip(groups, landed, strict=True):
+            if event is not None:
+                event.synchronize()
+            sums += layer_sums(mem[a * step : b * step], b - a)
+        return sums
+
+    def _encoded_on_device(self, key: str, ids: list[int], shape: tuple[int, ...],
+                           codec: Codec) -> bytes:
+        """The chunk of blocks ``ids`` encoded by ``codec`` on the device (a lossy tier
+        first in line): gathered and encoded there, only the encoded bytes cross."""
         device = self._device
         assert device is not None
         with self._on_save_stream():
-            part.view(device.bits).copy_(device.gather(0, len(self.layers), ids).view(part.shape))
+            kv = device.gather(0, len(self.layers), ids).view(self.dtype).view(shape)
+            return encode_chunk(key, self.fingerprint, kv, codec)
 
     def _on_save_stream(self) -> contextlib.AbstractContextManager[object]:
-        """On CUDA, the saves' own stream (the save already waited for the step's work), so
-        their kernels do not queue behind the next forward pass's."""
+        """On CUDA, this thread's save stream (the save already waited for the step's
+        work), so saves do not queue behind the next forward pass or each other."""
         device = self.layers[0].kv.device
         if device.type != "cuda":
             return contextlib.nullcontext()
-        with self._lock:
-            if self._save_stream is None:
-                self._save_stream = torch.cuda.Stream(device)
-        return torch.cuda.stream(self._save_stream)
+        stream = getattr(self._save_streams, "stream", None)
+        if stream is None:
+            stream = self._save_streams.stream = torch.cuda.Stream(device)
+        return torch.cuda.stream(stream)
 
     def finished(self, finished_req_ids: set[str]) -> set[str]:
         """Requests vLLM finished whose saves have all landed (their blocks may go)."""

@@ -36,6 +36,7 @@ import xxhash
 
 from kvtier import kv_codecs
 from kvtier.errors import ChunkFormatError, ChunkMismatchError, InvalidArgumentError
+from kvtier.layer_sums import first_bad_layer, layer_sums
 
 MAGIC = b"KVTC"
 FORMAT_VERSION = 2
@@ -246,14 +247,13 @@ def decode_layers(payload: torch.Tensor, header: ChunkHeader, out: torch.Tensor 
 
 
 def _layer_checksums(payload: memoryview, num_layers: int) -> tuple[int, ...]:
-    step = len(payload) // num_layers if num_layers else 0
-    return tuple(xxhash.xxh3_64_intdigest(payload[i * step : (i + 1) * step]) for i in range(num_layers))
+    return layer_sums(payload, num_layers)
 
 
 def encode_chunk(key: str, fingerprint: bytes, kv: torch.Tensor,
                  codec: kv_codecs.Codec = kv_codecs.Codec.NONE, opaque: bool = False) -> bytes:
     """Serialise ``kv`` (``[layers, 2, tokens, kv_heads, head_dim]``, any device), its
-    payload encoded by ``codec``. ``key`` may be a storage key (``tenant.key``): the chunk
+    payload encoded by ``codec`` (on ``kv``'s device). ``key`` may be a storage key (``tenant.key``): the chunk
     then names that namespace too. ``opaque``: ``kv`` only carries a client's bytes
     (:attr:`ChunkHeader.opaque`)."""
     if opaque and codec is not kv_codecs.Codec.NONE:
@@ -264,8 +264,12 @@ def encode_chunk(key: str, fingerprint: bytes, kv: torch.Tensor,
         )
     if kv.dtype not in DTYPE_NAMES:
         raise ChunkFormatError(f"unsupported chunk dtype {kv.dtype}; use {sorted(DTYPES)}")
-    cpu = kv.detach().to("cpu").contiguous()
-    data = cpu.view(torch.uint8) if codec is kv_codecs.Codec.NONE else encode_layers(cpu, codec)
+    if codec is kv_codecs.Codec.NONE:
+        cpu = kv.detach().to("cpu").contiguous()
+        data = cpu.view(torch.uint8)
+    else:  # encoded where the KV is (on a GPU: only the encoded bytes cross)
+        cpu = kv.detach()
+        data = encode_layers(cpu.contiguous(), codec).to("cpu")
     payload = memoryview(data.numpy()).cast("B")
     header = ChunkHeader(
         key=logical_key(key),
@@ -480,10 +484,9 @@ def check_layers(buf: torch.Tensor, header: ChunkHeader, start: int, end: int) -
     mem = memoryview(buf.numpy()).cast("B")
     offset = len(mem) - header.payload_nbytes
     step = header.layer_nbytes
-    for i in range(start, end):
-        lo = offset + i * step
-        if xxhash.xxh3_64_intdigest(mem[lo : lo + step]) != header.layer_checksums[i]:
-            raise ChunkFormatError(f"chunk {header.key}: checksum mismatch (corrupted bytes)")
+    part = mem[offset + start * step : offset + end * step]
+    if first_bad_layer(part, header.layer_checksums[start:end]) >= 0:
+        raise ChunkFormatError(f"chunk {header.key}: checksum mismatch (corrupted bytes)")
 
 
 def parse_header(buf: bytes | bytearray | memoryview) -> tuple[ChunkHeader, int]:

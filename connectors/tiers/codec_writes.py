@@ -16,6 +16,7 @@ fusing the encode into the store's gather is the fast path's job.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -94,7 +95,11 @@ def _encoded(w: ChunkWrite, blob: memoryview, codec: Codec, verify: bool
     dtype = DTYPES[header.dtype]
     target = None if header.opaque else target_codec(header.codec, codec, tuple(header.shape), dtype)
     if target is None:
-        return (w if w.data is not None else ChunkWrite.of_blob(w.key, bytes(blob), w.info)), None
+        same = w if w.data is not None else ChunkWrite.of_blob(w.key, bytes(blob), w.info)
+        if header.lossy and header.codec == codec.value:  # its writer encoded it already
+            kv_bytes = dtype.itemsize * math.prod(header.shape)
+            return same, EncodedChunk(codec.value, len(blob), kv_bytes)
+        return same, None
     if header.first_layer:
         raise ChunkError(f"chunk {header.key} holds layers from {header.first_layer}: "
                          "only whole chunks are re-encoded")

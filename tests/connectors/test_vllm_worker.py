@@ -106,12 +106,14 @@ def test_one_copy_and_one_checksum_pass_per_block_each_way(tmp_path, monkeypatch
     scattered in one native call per restore worker (the kernel hashes each layer once, as
     it copies); else numpy copies and one xxh3 per layer each way. Either way nothing
     chunk-sized is allocated and no staging buffer is used (chunks go straight into slots)."""
+    from kvtier import layer_sums
     from kvtier.gpu_pool.kernels import host_native
 
     if fused:
         assert host_native.AVAILABLE  # built at install (setup.py); CI has a compiler
-    else:
+    else:  # neither native kernel: the xxhash package's checksums, counted
         monkeypatch.setattr(host_native, "AVAILABLE", False)
+        monkeypatch.setattr(layer_sums, "_native", None)
     big = {"heads": 8, "dim": 128}  # chunks of 200 KB: far above the Python objects a step makes
     src, dst = caches(NUM_BLOCKS, True, seed=3, **big), caches(NUM_BLOCKS, True, seed=4, **big)
     store = _local(src, tmp_path)

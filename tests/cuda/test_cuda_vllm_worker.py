@@ -69,9 +69,10 @@ def test_device_cache_blocks_round_trip_through_the_cpu_arena(device, sizes, blo
 
 @pytest.mark.parametrize("codec", ["fp8", "int8", "int4"])
 def test_device_cache_loads_compressed_chunks_decoded_on_the_device(device, sizes, tmp_path, codec):
-    """A disk tier keeping chunks compressed (issue 33): a load copies the stored bytes to
-    the device and decodes them there (on the CPU dry run, into the host scratch); the
-    blocks hold exactly the codec's decode of what was saved."""
+    """A disk tier keeping chunks compressed (issue 33): a save encodes on the device (the
+    tier's codec), a load copies the stored bytes to the device and decodes them there (on
+    the CPU dry run, both on the host); the blocks hold exactly the codec's decode of what
+    was saved, the host encoder's bytes."""
     from kvtier.connectors.tiers.disk_tier import DiskTier
     from kvtier.kv_codecs import Codec, decode, encode
 
@@ -93,6 +94,8 @@ def test_device_cache_loads_compressed_chunks_decoded_on_the_device(device, size
         reader.load([ChunkTransfer("r", [ChunkSpan(keys[0], (8, 9)), ChunkSpan(keys[1], (10, 11))])])
         assert reader.take_load_errors() == set() and reader.stats.loaded_blocks == 4
         assert store.manager.stats.codec_reads == {codec: 2}
+        # encoded where the cache is (on a GPU: only the encoded bytes crossed), counted
+        assert store.manager.stats.codec_chunks_stored == {codec: 2}
         for saved, loaded in ((0, 8), (2, 10)):
             kv = torch.stack([src[n][:, saved : saved + 2].reshape(2, 2 * BLOCK, -1)
                               for n in src]).unsqueeze(3).cpu()  # the chunk: [layers, 2, tokens, 1, rest]

@@ -252,3 +252,23 @@ def test_the_opaque_flag_is_under_the_header_checksum():
         parse_header(blob)
     with pytest.raises(ChunkFormatError, match="opaque"):
         encode_chunk(key_of(5), FP, kv, Codec.INT8, opaque=True)
+
+
+@pytest.mark.parametrize("codec", [Codec.FP8, Codec.INT4])
+def test_a_chunk_its_writer_encoded_is_stored_as_it_is_and_counted(tmp_path, codec):
+    """A writer on a GPU encodes its chunks in the tier's codec where the KV is (only the
+    encoded bytes cross): the tier stores them byte for byte, and its codec counters count
+    them as it counts the chunks it encodes itself."""
+    tier = disk(tmp_path / "d", codec)
+    mgr = TierManager([tier], fingerprint=FP)
+    try:
+        blobs = {key_of(i): encode_chunk(key_of(i), FP, kv_of(i), codec) for i in range(2)}
+        assert not put_blobs(mgr, blobs).failed
+        assert disk_files(tmp_path) == blobs
+        assert get_blobs(mgr, list(blobs)) == list(blobs.values())
+        kv_bytes = kv_of(0).numel() * 2
+        assert mgr.stats.codec_chunks_stored == {codec.value: 2}
+        assert mgr.stats.codec_bytes_stored == {codec.value: sum(map(len, blobs.values()))}
+        assert mgr.stats.codec_kv_bytes_stored == {codec.value: 2 * kv_bytes}
+    finally:
+        mgr.close()
