@@ -223,6 +223,8 @@ def encode_layers(kv: torch.Tensor, codec: kv_codecs.Codec) -> torch.Tensor:
     """The payload of a ``codec`` chunk holding ``kv`` (``[layers, 2, tokens, heads,
     head_dim]``): each layer encoded apart, one after the other (uint8, on ``kv``'s
     device)."""
+    if kv.device.type != "cpu":  # all layers in one pass of torch ops (few launches)
+        return kv_codecs.encode_each_layer(kv, codec)
     return torch.cat([kv_codecs.encode(kv[i : i + 1], codec) for i in range(kv.shape[0])])
 
 

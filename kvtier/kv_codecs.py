@@ -177,6 +177,30 @@ def reference_encode(kv: torch.Tensor, codec: Codec) -> torch.Tensor:
     _check_kv(kv)
     if codec is Codec.NONE:
         return kv.contiguous().view(-1).view(torch.uint8).clone()
+    values, exps = _encode_parts(kv, codec, lay)
+    out = torch.cat([values.reshape(-1), *(e.reshape(-1) for e in exps)])
+    assert out.numel() == lay.nbytes
+    return out
+
+
+def encode_each_layer(kv: torch.Tensor, codec: Codec) -> torch.Tensor:
+    """Each layer of ``kv`` encoded apart, one payload after another (a chunk's), in one
+    pass over all layers in torch ops: what ``torch.cat`` of :func:`encode` of each layer
+    gives, with a few launches instead of a few per layer (on a GPU)."""
+    lay = layout(codec, tuple(kv.shape), kv.dtype)
+    _check_kv(kv)
+    if codec is Codec.NONE:
+        return kv.contiguous().view(-1).view(torch.uint8).clone()
+    values, exps = _encode_parts(kv, codec, lay)
+    layers = kv.shape[0]
+    out = torch.cat([values.reshape(layers, -1), *(e.reshape(layers, -1) for e in exps)], dim=1)
+    return out.reshape(-1)
+
+
+def _encode_parts(kv: torch.Tensor, codec: Codec, lay: Layout
+                  ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The encoded values and the exponent parts, each with the layers first (groups never
+    cross a layer, so a layer's payload is its values then its part of each exponent part)."""
     x = kv.float()
     floor = _floor(kv.dtype, codec)
     if codec is Codec.INT4:
@@ -194,10 +218,8 @@ def reference_encode(kv: torch.Tensor, codec: Codec) -> torch.Tensor:
             values = values.view(torch.uint8) - over.to(torch.uint8)  # the next value down
         else:
             values = _round_within(scaled, qmax, limit).to(torch.int8).view(torch.uint8)
-        exps = e.to(torch.int8).view(torch.uint8)
-    out = torch.cat([values.reshape(-1), exps.reshape(-1)])
-    assert out.numel() == lay.nbytes
-    return out
+        exps = [e.to(torch.int8).view(torch.uint8)]
+    return values, exps
 
 
 def _round_within(scaled: torch.Tensor, qmax: float, limit: torch.Tensor) -> torch.Tensor:
@@ -207,7 +229,7 @@ def _round_within(scaled: torch.Tensor, qmax: float, limit: torch.Tensor) -> tor
     return torch.where(q.abs() > limit, scaled.trunc(), q)
 
 
-def _encode_int4(x: torch.Tensor, floor: int, fmax: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _encode_int4(x: torch.Tensor, floor: int, fmax: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
     layers, _, tokens, heads, dim = x.shape
     gt, gd = _group(tokens), _group(dim)
     # keys: per channel over gt tokens -> groups [L, T/gt, gt, H, D] reduced over gt
@@ -222,8 +244,7 @@ def _encode_int4(x: torch.Tensor, floor: int, fmax: float) -> tuple[torch.Tensor
     qv = _round_within(torch.ldexp(v, -ev.float()), 7.0, lv).reshape(layers, tokens, heads, dim)
     q = (torch.stack([qk, qv], 1).to(torch.int16) + 8).to(torch.uint8)  # 1..15
     packed = q[..., 0::2] | (q[..., 1::2] << 4)
-    exps = torch.cat([ek.reshape(-1), ev.reshape(-1)]).to(torch.int8).view(torch.uint8)
-    return packed, exps
+    return packed, [e.to(torch.int8).view(torch.uint8) for e in (ek, ev)]
 
 
 def decode(payload: torch.Tensor, codec: Codec, shape: tuple[int, ...], dtype: torch.dtype

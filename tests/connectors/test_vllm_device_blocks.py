@@ -50,14 +50,22 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({1: torch.uint8, 2: torch.int16}[t.element_size()])
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("layout", ["blocks-first", "kv-first", "strided"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn])
-def test_gather_and_scatter_equal_block_by_block_copies(layout, dtype):
+def test_gather_and_scatter_equal_block_by_block_copies(layout, dtype, backend):
+    """Index kernels a layer, or one Triton launch over a table of the layers' addresses
+    (under the interpreter here; CUDA in tests/cuda)."""
     kv = caches(NUM_BLOCKS, layout == "blocks-first", seed=1, dtype=dtype)
     if layout == "strided":
         kv = _strided(kv)
     layers = _layers(kv)
-    device = DeviceBlocks.of(layers)
+    if layout == "strided" and backend == "triton":  # no contiguous halves: refused
+        with pytest.raises(ValueError, match="contiguous halves"):
+            DeviceBlocks.of(layers, backend)
+        return
+    device = DeviceBlocks.of(layers, backend)
+    assert (device.table is not None) == (backend == "triton")
     ids = [7, 2, 9]
     got = device.gather(1, LAYERS, ids)
     want = torch.stack([torch.stack([_bits(layer.block(b)).reshape(2, -1) for b in ids], dim=1)
@@ -70,7 +78,7 @@ def test_gather_and_scatter_equal_block_by_block_copies(layout, dtype):
     out_layers = _layers(dst)
     before = [_bits(layer.kv).clone() for layer in out_layers]
     # the chunk's blocks 0 and 2 into cache blocks 4 and 0; block 1 vLLM's own (left alone)
-    DeviceBlocks.of(out_layers).scatter(got, 1, BlockMove(((0, 4), (2, 0)), 3))
+    DeviceBlocks.of(out_layers, backend).scatter(got, 1, BlockMove(((0, 4), (2, 0)), 3))
     for i, layer in enumerate(out_layers):
         for b in range(NUM_BLOCKS):
             block = _bits(layer.block(b))
@@ -94,6 +102,13 @@ def _store(kv: dict[str, torch.Tensor], tmp_path, codec: Codec = Codec.NONE) -> 
 def _transfer(keys: list[str], blocks: list[int | None]) -> list[ChunkTransfer]:
     spans = [ChunkSpan(k, tuple(blocks[2 * i : 2 * i + 2])) for i, k in enumerate(keys)]
     return [ChunkTransfer("r", spans)]
+
+
+def test_caches_whose_blocks_are_not_two_contiguous_halves_take_the_index_kernels():
+    kv = {n: t.transpose(-1, -2) for n, t in caches(NUM_BLOCKS, True, seed=3).items()}
+    assert DeviceBlocks.of(_layers(kv)).table is None
+    with pytest.raises(ValueError, match="contiguous halves"):
+        DeviceBlocks.of(_layers(kv), "triton")
 
 
 def test_a_corrupt_chunk_is_never_scattered_and_the_rest_load(tmp_path):

@@ -127,3 +127,18 @@ def test_values_near_the_dtypes_largest_never_decode_past_it(codec):
     kv[..., ::2] = -6.5e4
     back = decode(encode(kv, codec), codec, tuple(kv.shape), torch.float16)
     assert torch.isfinite(back).all()
+
+
+@pytest.mark.parametrize("codec", LOSSY)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("tokens", [64, 20])  # whole groups, and a tail chunk's one group
+def test_every_layer_encoded_in_one_pass_is_each_layer_encoded_apart(codec, dtype, tokens):
+    """What a GPU writer stores (all layers in one pass of torch ops) is byte for byte the
+    chunk payload of each layer encoded apart."""
+    from kvtier.kv_codecs import encode_each_layer, reference_encode
+
+    kv = (torch.randn(3, 2, tokens, 2, 64, generator=torch.Generator().manual_seed(7)) * 3).to(dtype)
+    kv[1, 0, 3] = 0  # an all-zero group
+    apart = torch.cat([encode(kv[i : i + 1], codec) for i in range(3)])
+    assert torch.equal(encode_each_layer(kv, codec), apart)
+    assert torch.equal(torch.cat([reference_encode(kv[i : i + 1], codec) for i in range(3)]), apart)
