@@ -20,7 +20,6 @@ connector takes its codec, ``accept_codecs``).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -31,18 +30,14 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from kvtier.chunk_format import DTYPES, chunk_layout, encode_chunk, encode_into
+from kvtier.chunk_format import DTYPES, chunk_layout, encode_into
 from kvtier.connectors.chunk_store import ChunkStore
 from kvtier.connectors.tiers.base import ChunkWrite
-from kvtier.connectors.tiers.chunk_workers import map_restore, start_restore
+from kvtier.connectors.tiers.chunk_workers import map_restore
 from kvtier.connectors.tiers.lent_chunk import LentChunk
 from kvtier.connectors.vllm_blocks import ChunkGrid, ChunkSpan, ChunkTransfer, Rank
-from kvtier.connectors.vllm_device_blocks import (
-    BlockMove,
-    DeviceBlocks,
-    decode_on_device,
-    refuse_bad,
-)
+from kvtier.connectors.vllm_device_blocks import BlockMove, DeviceBlocks
+from kvtier.connectors.vllm_device_io import DeviceIO
 from kvtier.connectors.vllm_loads import LoadQueue
 from kvtier.connectors.vllm_pieces import BlockPieces, CacheLayer
 from kvtier.connectors.vllm_policy import LoadObservation
@@ -54,7 +49,6 @@ from kvtier.gpu_pool.kernels.host_native import (
     scatter_pieces_verified,
 )
 from kvtier.kv_codecs import Codec
-from kvtier.layer_sums import layer_sums
 from kvtier.policies.eviction import ChunkInfo
 from kvtier.transfer.lossy_restore import LOSSY_GROUP_BYTES, decode_scratch
 
@@ -62,11 +56,6 @@ log = logging.getLogger(__name__)
 
 GROUP_BYTES = 4 << 20
 """Layers are gathered and checksummed, or checked and scattered, this many bytes at a time."""
-ENCODABLE = (torch.float32, torch.bfloat16, torch.float16)
-"""Cache dtypes a codec encodes (an fp8 cache is stored as it is)."""
-DEVICE_WINDOW_BYTES = 256 << 20
-"""A load to a device cache copies at most this many stored bytes over before scattering
-them (the device memory a load borrows beside vLLM's)."""
 
 
 def rank_fingerprint(fingerprint: bytes, rank: Rank) -> bytes:
@@ -118,8 +107,7 @@ class WorkerSide:
         self.layers: list[CacheLayer] = []
         self._host = False
         self._pieces: BlockPieces | None = None
-        self._device: DeviceBlocks | None = None
-        self._save_streams = threading.local()
+        self._device: DeviceIO | None = None
         self.stats = WorkerStats()
         self.saves = SaveQueue(background, idle_saves)
         self._load_errors: set[int] = set()
@@ -148,7 +136,8 @@ class WorkerSide:
         self.layers = layers
         self._host = all(layer.host is not None for layer in layers)
         """Every layer a host cache: copies in numpy (else index kernels, e.g. on a GPU)."""
-        self._device = None if self._host else DeviceBlocks.of(layers)
+        self._device = (None if self._host else
+                        DeviceIO(DeviceBlocks.of(layers), layers[0].kv.dtype, len(layers)))
         self._pieces = BlockPieces.of(layers, num_blocks)
         """Host caches whose blocks the fused native copy can take (copy and checksum in
         one pass); None: numpy or torch copies, checksums apart."""
@@ -202,13 +191,13 @@ class WorkerSide:
             addrs, layout = pieces.at_chunk(ids), pieces.layout(len(ids))
             return ChunkWrite(key, total, info=info, fill=lambda slot: encode_into(
                 slot, key, fp, dtype, shape, lambda part: gather_pieces_hashed(part, addrs, layout)))
-        if self._device is not None and self._device.device.type == "cuda":
-            codec = self._store().landing_codec()
-            if codec is not Codec.NONE and self.dtype in ENCODABLE:  # encoded on the GPU
-                return ChunkWrite.of_blob(key, self._encoded_on_device(key, ids, shape, codec), info)
-        if self._device is not None:  # gathered on the device, one copy over
+        device = self._device
+        if device is not None:  # gathered on the device (encoded there for a lossy tier)
+            codec = self._store().landing_codec() if device.on_cuda else Codec.NONE
+            if device.encodes(codec):
+                return ChunkWrite.of_blob(key, device.encoded(key, fp, ids, shape, codec), info)
             return ChunkWrite(key, total, info=info, fill=lambda slot: encode_into(
-                slot, key, fp, dtype, shape, lambda part: self._gather_device(part, ids)))
+                slot, key, fp, dtype, shape, lambda part: device.fill(part, ids)))
         return ChunkWrite(key, total, info=info, fill=lambda slot: encode_into(
             slot, key, fp, dtype, shape, lambda part, a, b: self._gather_host(part, a, b, ids),
             GROUP_BYTES))
@@ -220,58 +209,6 @@ class WorkerSide:
         for i, layer in enumerate(self.layers[a:b]):
             for j, block_id in enumerate(ids):
                 np.copyto(dst[i, :, j], layer.host_block(block_id).reshape(2, -1))
-
-    def _gather_device(self, part: torch.Tensor, ids: list[int]) -> tuple[int, ...]:
-        """Every layer of blocks ``ids`` into ``part`` (the host slot): gathered on the
-        device into one tensor, copied over a group of layers at a time (on this thread's
-        save stream, on CUDA), each group checksummed as soon as it landed while the next
-        crosses, on the restore workers. Returns the layers' checksums (the fill's)."""
-        device = self._device
-        assert device is not None
-        layers = len(self.layers)
-        host = part.view(device.bits).view(layers, 2, len(ids), device.half)
-        step = host[0].numel() * host.element_size()
-        per = max(1, GROUP_BYTES // step)
-        groups = [(a, min(a + per, layers)) for a in range(0, layers, per)]
-        landed: list[torch.cuda.Event | None] = []
-        with self._on_save_stream():
-            staging = device.gather(0, layers, ids)
-            for a, b in groups:
-                host[a:b].copy_(staging[a:b], non_blocking=True)
-                landed.append(torch.cuda.Event() if staging.is_cuda else None)
-                if landed[-1] is not None:
-                    landed[-1].record()
-        mem = part.view(torch.uint8).numpy().reshape(-1)
-
-        def group_sums(k: int) -> tuple[int, ...]:
-            a, b = groups[k]
-            if landed[k] is not None:
-                landed[k].synchronize()  # type: ignore[union-attr]
-            return layer_sums(mem[a * step : b * step], b - a)
-
-        # hashing a slot the DMA just wrote runs at a few GB/s a core: on every restore worker
-        return tuple(x for sums in map_restore(group_sums, range(len(groups))) for x in sums)
-
-    def _encoded_on_device(self, key: str, ids: list[int], shape: tuple[int, ...],
-                           codec: Codec) -> bytes:
-        """The chunk of blocks ``ids`` encoded by ``codec`` on the device (a lossy tier
-        first in line): gathered and encoded there, only the encoded bytes cross."""
-        device = self._device
-        assert device is not None
-        with self._on_save_stream():
-            kv = device.gather(0, len(self.layers), ids).view(self.dtype).view(shape)
-            return encode_chunk(key, self.fingerprint, kv, codec)
-
-    def _on_save_stream(self) -> contextlib.AbstractContextManager[object]:
-        """On CUDA, this thread's save stream (the save already waited for the step's
-        work), so saves do not queue behind the next forward pass or each other."""
-        device = self.layers[0].kv.device
-        if device.type != "cuda":
-            return contextlib.nullcontext()
-        stream = getattr(self._save_streams, "stream", None)
-        if stream is None:
-            stream = self._save_streams.stream = torch.cuda.Stream(device)
-        return torch.cuda.stream(stream)
 
     def finished(self, finished_req_ids: set[str]) -> set[str]:
         """Requests vLLM finished whose saves have all landed (their blocks may go)."""
@@ -374,7 +311,7 @@ class WorkerSide:
         into a fused host cache go in few native calls, half on each restore worker; the
         rest (a chunk still being read) one by one, two at a time."""
         if self._device is not None:
-            return self._scatter_device(items)
+            return self._scatter_device(items, self._device)
         if self._pieces is None:
             return map_restore(self._scatter, items)
         out: list[ChunkError | None] = [None] * len(items)
@@ -460,67 +397,22 @@ class WorkerSide:
                     dst = layer.block(block_id)
                     dst.copy_(src[i, :, j].reshape(dst.shape))
 
-    def _scatter_device(self, items: list[_Item]) -> list[ChunkError | None]:
-        """Caches off the host (:mod:`.vllm_device_blocks`), a window of chunks at a
-        time: each chunk's stored bytes copied to the device as soon as they are read while
-        the restore workers verify them, decoded there where lossy, and scattered into its
-        blocks only once verified. Every copy is done before the lent memory goes."""
+    def _scatter_device(self, items: list[_Item], device: DeviceIO) -> list[ChunkError | None]:
+        """Caches off the host (:mod:`.vllm_device_io`): each chunk checked as this
+        connector's, then verified and scattered there."""
         out: list[ChunkError | None] = [None] * len(items)
-        window: list[int] = []
-        size = 0
+        ready: list[int] = []
         for i, item in enumerate(items):
             try:
                 self._check(item)
+                ready.append(i)
             except ChunkError as exc:
                 out[i] = exc
-                continue
-            window.append(i)
-            size += item.chunk.payload.numel()  # type: ignore[union-attr]
-            if size >= DEVICE_WINDOW_BYTES:
-                self._device_window(items, window, out)
-                window, size = [], 0
-        if window:
-            self._device_window(items, window, out)
-        if self.layers[0].kv.is_cuda:
-            torch.cuda.current_stream(self.layers[0].kv.device).synchronize()
+        moves = [BlockMove(tuple(_todo(items[i].span)), len(items[i].span.block_ids)) for i in ready]
+        errors = device.scatter([items[i].chunk for i in ready], moves)  # type: ignore[misc]
+        for i, error in zip(ready, errors, strict=True):
+            out[i] = error
         return out
-
-    def _device_window(self, items: list[_Item], window: list[int],
-                       out: list[ChunkError | None]) -> None:
-        device = self._device
-        assert device is not None
-        chunks: list[LentChunk] = [items[i].chunk for i in window]  # type: ignore[misc]
-        checks = start_restore(_verify, chunks)
-        copies: list[torch.Tensor | None] = []
-        on_host = device.device.type == "cpu"
-        for i, chunk in zip(window, chunks, strict=True):
-            try:
-                chunk.wait_read(chunk.header.num_layers)
-            except ChunkError as exc:
-                out[i] = exc
-                copies.append(None)
-                continue
-            copies.append(None if on_host else chunk.payload.to(device.device, non_blocking=True))
-        for i, error in zip(window, checks.result(), strict=True):
-            out[i] = out[i] or error
-        ok = [k for k, i in enumerate(window) if out[i] is None]
-        decoded: dict[int, torch.Tensor] = {}
-        lossy = [k for k in ok if chunks[k].header.lossy]
-        if on_host:  # a strided host cache: the verified chunk's KV, decoded natively
-            decoded = {k: chunks[k].kv for k in ok}
-        elif lossy:
-            statuses = torch.zeros(len(lossy), dtype=torch.int32, device=device.device)
-            decoded = {k: decode_on_device(chunks[k], copies[k], statuses[n : n + 1])  # type: ignore[arg-type]
-                       for n, k in enumerate(lossy)}
-            for k, error in zip(lossy, refuse_bad([chunks[k] for k in lossy], statuses), strict=True):
-                out[window[k]] = error
-        for k, i in enumerate(window):
-            if out[i] is not None:
-                continue
-            span = items[i].span
-            move = BlockMove(tuple(_todo(span)), len(span.block_ids))
-            kv = decoded.get(k, copies[k])
-            device.scatter(device.as_blocks(kv, move.blocks), 0, move)  # type: ignore[arg-type]
 
     @staticmethod
     def _scatter_fused(chunk: LentChunk, span: ChunkSpan, pieces: BlockPieces) -> None:
@@ -567,14 +459,6 @@ class WorkerSide:
         if self.loads is not None:
             self.loads.close()
         self.saves.close()
-
-
-def _verify(chunk: LentChunk) -> ChunkError | None:
-    try:
-        chunk.verify()
-    except ChunkError as exc:
-        return exc
-    return None
 
 
 def _todo(span: ChunkSpan) -> list[tuple[int, int]]:

@@ -122,6 +122,11 @@ class TiersConfig(_Section):
     """Bytes per second a Redis call is assumed to move at least: its deadline is the
     latency bound plus its bytes at this rate."""
     write_policy: Literal["write_through", "write_back"] = "write_back"
+    cpu_free_reserve: float = 0.05
+    """Fraction of the CPU arena's slots kept free by handing its coldest chunks down in
+    the background (a store then waits for its own copy only, not for a disk write or a
+    Redis SET; vLLM holds a finished request's blocks until its saves land). 0: a store
+    into a full arena hands its victim down itself."""
     cpu_eviction: str = "session-aware"
     """Which chunk a full CPU tier gives up: lru, slru, lfu, arc, cost-aware,
     session-aware (kvtier's: whole sessions, tail first, those predicted to stay away
@@ -136,6 +141,13 @@ class TiersConfig(_Section):
     accept_codecs: list[Literal["none", "fp8", "int8", "int4"]] | None = None
     """The codecs of the stored KV this engine takes (others are misses: it recomputes);
     unset: lossless and the ones its own tiers write. ``[none]``: exact KV only."""
+
+    @field_validator("cpu_free_reserve")
+    @classmethod
+    def _reserve_fraction(cls, v: float) -> float:
+        if not 0 <= v < 1:
+            raise ValueError(f"must be in [0, 1), got {v}")
+        return v
 
     @classmethod
     def pool_only(cls) -> TiersConfig:

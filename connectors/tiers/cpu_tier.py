@@ -36,6 +36,7 @@ from kvtier.connectors.tiers.base import (
 from kvtier.connectors.tiers.chunk_index import ChunkIndex
 from kvtier.connectors.tiers.chunk_workers import map_store
 from kvtier.connectors.tiers.host_buffers import HostBuffer
+from kvtier.connectors.tiers.slot_reserve import SlotReserve
 from kvtier.errors import InvalidArgumentError, TierError
 from kvtier.policies.eviction import EvictionPolicy, eviction_policy
 
@@ -53,7 +54,11 @@ class CPUTier(Tier):
         slot_bytes: int,
         pin: bool | None = None,
         eviction: str | EvictionPolicy = "lru",
+        reserve_slots: int = 0,
     ) -> None:
+        """``reserve_slots``: slots kept free by handing the coldest chunks down in the
+        background (:mod:`.slot_reserve`), where a lower tier listens; 0: a store into a
+        full arena hands its victim down itself."""
         super().__init__()
         self._eviction = eviction
         if slot_bytes < 1:
@@ -80,6 +85,8 @@ class CPUTier(Tier):
         """Victims being handed to the eviction listeners (key -> slot, length): out of the
         index but still readable, so a chunk on its way down is never in no tier at all."""
         """Leased slots whose chunk was deleted: freed when their last lease ends."""
+        self.reserve_slots = max(0, min(reserve_slots, num_slots - 1))
+        self._reserve: SlotReserve | None = None
 
     @property
     def pinned(self) -> bool:
@@ -88,6 +95,8 @@ class CPUTier(Tier):
 
     def close(self) -> None:
         """Unpin and free the arena; the tier holds nothing afterwards."""
+        if self._reserve is not None:
+            self._reserve.close()
         with self._lock:
             if self._arena is None:
                 return
@@ -131,6 +140,7 @@ class CPUTier(Tier):
 
         parallel = len(writes) > 1 and all(w.fill is not None for w in writes)
         outcomes = map_store(one, writes) if parallel else [one(w) for w in writes]
+        self._keep_reserve()
         for write, outcome in zip(writes, outcomes, strict=True):
             if outcome is PutOutcome.STORED:
                 result.stored.append(write.key)
@@ -162,6 +172,37 @@ class CPUTier(Tier):
             victims.append((victim, slot, length))
             self._departing[victim] = (slot, length)
         return victims[0][1] if victims else None
+
+    def _keep_reserve(self) -> None:
+        """Wake the reserve (started with the first store that finds a lower tier)."""
+        if not self.reserve_slots or not self._eviction_listeners:
+            return
+        if self._reserve is None:
+            with self._lock:
+                if self._reserve is None and self._arena is not None:
+                    self._reserve = SlotReserve(self._replenish)
+        if self._reserve is not None and len(self._free) < self.reserve_slots:
+            self._reserve.wake()
+
+    def _replenish(self) -> bool:
+        """Hand the policy's next victim down and free its slot, while fewer than
+        ``reserve_slots`` are free; whether one was freed."""
+        victims: list[tuple[str, int, int]] = []
+        with self._lock:
+            arena = self._arena
+            if arena is None or len(self._free) >= self.reserve_slots:
+                return False
+            for victim, slot, length in self._index.evict_while(
+                    lambda: not victims, set(self._leased_keys)):
+                victims.append((victim, slot, length))
+                self._departing[victim] = (slot, length)
+            if not victims:
+                return False
+        self._hand_down(victims, arena)
+        with self._lock:
+            if self._landed(victims, victims[0][1]) and self._arena is arena:
+                self._free.append(victims[0][1])
+        return True
 
     def _landed(self, victims: list[tuple[str, int, int]], slot: int | None) -> bool:
         """The victims are handed down: they leave for good. False when a reader leased

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 from pathlib import Path
 
@@ -49,7 +50,9 @@ def build_tiers(cfg: TiersConfig, slot_bytes: int, fingerprint: bytes,
                 f"tiers.cpu_bytes={cfg.cpu_bytes} holds no chunk of this model "
                 f"({slot_bytes} bytes); raise it or set 0 to disable the CPU tier"
             )
-        tiers.append(CPUTier(cfg.cpu_bytes, slot_bytes, eviction=cpu_eviction))
+        reserve = math.ceil(cfg.cpu_free_reserve * (cfg.cpu_bytes // slot_bytes))
+        tiers.append(CPUTier(cfg.cpu_bytes, slot_bytes, eviction=cpu_eviction,
+                             reserve_slots=reserve))
     if cfg.disk_bytes != 0:
         from kvtier.connectors.tiers.disk_tier import DiskTier
 

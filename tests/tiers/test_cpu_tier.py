@@ -119,3 +119,41 @@ def test_arena_is_pinned_exactly_when_cuda_is_present(caplog: pytest.LogCaptureF
     tier.close()
     assert not arena.is_pinned()
     assert not CPUTier(SLOT, SLOT, pin=False).pinned
+
+
+def test_a_reserve_of_free_slots_hands_the_coldest_chunks_down_in_the_background(tmp_path) -> None:
+    """With ``reserve_slots`` and a lower tier, stores into a full arena find a free slot:
+    the coldest chunks go down on the reserve's thread, not the storing one, and every
+    chunk stays readable (from the arena or the tier below)."""
+    import threading
+
+    from kvtier.connectors.tiers.disk_tier import DiskTier
+    from kvtier.connectors.tiers.manager import TierManager
+
+    cpu = CPUTier(6 * SLOT, SLOT, reserve_slots=2)
+    mgr = TierManager([cpu, DiskTier(tmp_path / "d", fsync=False)], fingerprint=FP)
+    demoted_on: list[str] = []
+    cpu.add_eviction_listener(lambda key, view: demoted_on.append(threading.current_thread().name))
+    try:
+        chunks = dict(blob(i) for i in range(12))
+        for i, (key, data) in enumerate(chunks.items()):
+            assert not put_blobs(mgr, {key: data}).failed
+            assert cpu._reserve is None or cpu._reserve.wait_idle(10)
+            assert cpu.free_slots >= min(2, 6 - (i + 1)) if i < 4 else cpu.free_slots == 2
+        assert demoted_on and set(demoted_on) == {"kvtier-cpu-reserve"}  # never inline
+        assert len(demoted_on) == 12 - 4  # the arena keeps 4 chunks, 2 slots free
+        assert get_blobs(mgr, list(chunks)) == list(chunks.values())  # nothing lost
+    finally:
+        mgr.close()
+    assert cpu._reserve is not None and not cpu._reserve._thread.is_alive()
+
+
+def test_without_a_lower_tier_the_reserve_evicts_nothing_early() -> None:
+    cpu = CPUTier(4 * SLOT, SLOT, reserve_slots=2)
+    try:
+        chunks = dict(blob(i) for i in range(4))
+        assert not put_blobs(cpu, chunks).failed
+        assert cpu._reserve is None and cpu.free_slots == 0
+        assert get_blobs(cpu, list(chunks)) == list(chunks.values())
+    finally:
+        cpu.close()

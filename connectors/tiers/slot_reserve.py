@@ -1,0 +1,60 @@
+"""Free slots kept ready in the CPU arena: its coldest chunks handed down ahead of need.
+
+A store into a full arena first hands its victim down (a write to disk, with fsync, or a
+Redis SET) and only then fills the slot: whoever waits for the store waits for the
+demotion too. For the vLLM connector that is vLLM itself, which holds a finished request's
+blocks until its saves land; a block held is one a waiting request cannot take. The
+reserve keeps ``target`` slots free on a background thread: after each store it hands the
+policy's victims down until that many are free, so a store finds a free slot and pays
+only its own copy. The victims are the ones the arena would give up a moment later.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+
+class SlotReserve:
+    """``replenish()`` frees one slot (a victim handed down) and says whether it did;
+    :meth:`wake` asks the thread to run it until it says no."""
+
+    def __init__(self, replenish: Callable[[], bool], name: str = "kvtier-cpu-reserve") -> None:
+        self._replenish = replenish
+        self._wanted = threading.Event()
+        self._stopped = False
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def wake(self) -> None:
+        self._idle.clear()
+        self._wanted.set()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until the reserve has nothing left to do (tests, shutdown)."""
+        return self._idle.wait(timeout)
+
+    def close(self) -> None:
+        self._stopped = True
+        self._wanted.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while True:
+            self._wanted.wait()
+            self._wanted.clear()
+            if self._stopped:
+                self._idle.set()
+                return
+            try:
+                while not self._stopped and self._replenish():
+                    pass
+            except Exception:  # noqa: BLE001 - a failed hand-down: stores evict inline
+                log.exception("the CPU tier's free-slot reserve failed to hand a chunk down")
+            if not self._wanted.is_set():
+                self._idle.set()
