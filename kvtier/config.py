@@ -122,11 +122,13 @@ class TiersConfig(_Section):
     """Bytes per second a Redis call is assumed to move at least: its deadline is the
     latency bound plus its bytes at this rate."""
     write_policy: Literal["write_through", "write_back"] = "write_back"
-    cpu_free_reserve: float = 0.05
+    cpu_free_reserve: float = 0.0
     """Fraction of the CPU arena's slots kept free by handing its coldest chunks down in
     the background (a store then waits for its own copy only, not for a disk write or a
-    Redis SET; vLLM holds a finished request's blocks until its saves land). 0: a store
-    into a full arena hands its victim down itself."""
+    Redis SET). 0: a store into a full arena hands its victim down itself. The vLLM
+    connector's own tiers default to 0.05 (vLLM holds a finished request's blocks until its
+    saves land); a shared service keeps 0 so that one tenant's stores never push another's
+    chunks down early."""
     cpu_eviction: str = "session-aware"
     """Which chunk a full CPU tier gives up: lru, slru, lfu, arc, cost-aware,
     session-aware (kvtier's: whole sessions, tail first, those predicted to stay away

@@ -495,3 +495,16 @@ def test_an_async_load_waits_for_the_saves_it_reads(tmp_path):
     finally:
         store.gate.set()
         worker.close()
+
+
+def test_the_connectors_own_tiers_keep_free_slots_unless_told_otherwise(tmp_path):
+    """vLLM holds a finished request's blocks until its saves land: the connector's
+    in-process CPU arena keeps 5 % of its slots free (a save never waits for a demotion);
+    ``tiers.cpu_free_reserve`` sets it, 0 turns it off."""
+    from kvtier.connectors.chunk_store import open_store
+
+    slot = 1 << 20
+    tiers = {"cpu_bytes": 40 * slot, "disk_dir": str(tmp_path / "a"), "disk_fsync": False}
+    default = open_store({"tiers": tiers}, slot)
+    off = open_store({"tiers": {**tiers, "disk_dir": str(tmp_path / "b"), "cpu_free_reserve": 0}}, slot)
+    assert default.manager.tiers[0].reserve_slots == 2 and off.manager.tiers[0].reserve_slots == 0
