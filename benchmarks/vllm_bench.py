@@ -58,6 +58,26 @@ def setups(workdir: Path) -> dict[str, VllmSetup]:
             **KVTIER, "kv_role": "kv_producer", "kv_connector_extra_config": {
                 "tiers": {"cpu_bytes": 1 << 30, "disk_dir": str(workdir / "saves-only-chunks"),
                           "disk_fsync": False}, "background_saves": True}}),
+        # saves on vLLM's forward path (``background_saves`` false): between steps, when
+        # vLLM's threads wait, not beside them; a finished request's blocks go at once
+        "kvtier-inprocess-inline": VllmSetup("kvtier-inprocess-inline", {
+            **KVTIER, "kv_connector_extra_config": {
+                "tiers": {"cpu_bytes": 1 << 30, "disk_dir": str(workdir / "inline-chunks"),
+                          "disk_fsync": False}, "background_saves": False}}),
+        "kvtier-saves-only-inline": VllmSetup("kvtier-saves-only-inline", {
+            **KVTIER, "kv_role": "kv_producer", "kv_connector_extra_config": {
+                "tiers": {"cpu_bytes": 1 << 30, "disk_dir": str(workdir / "saves-only-inline-chunks"),
+                          "disk_fsync": False}, "background_saves": False}}),
+        # a diagnostic: the connector present and doing nothing (a consumer of an empty
+        # store: it looks up, misses, never loads or saves): vLLM's cost of running with one
+        "kvtier-presence": VllmSetup("kvtier-presence", {
+            **KVTIER, "kv_role": "kv_consumer", "kv_connector_extra_config": {
+                "tiers": {"cpu_bytes": 1 << 30, "disk_dir": str(workdir / "presence-chunks"),
+                          "disk_fsync": False}}}),
+        # a diagnostic: a connector that does nothing (vLLM's own cost of running with one)
+        "null-connector": VllmSetup("null-connector", {
+            "kv_connector": "NullConnector", "kv_role": "kv_both",
+            "kv_connector_module_path": "kvtier.benchmarks.null_vllm_connector"}),
         "lmcache": VllmSetup("lmcache", {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"},
                              extra_path=_site_packages(REPO / ".venv-lmcache")),
         "vllm-native": VllmSetup("vllm-native", {
