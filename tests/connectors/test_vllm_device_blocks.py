@@ -23,22 +23,11 @@ from kvtier.connectors.vllm_device_blocks import (
 from kvtier.connectors.vllm_pieces import CacheLayer
 from kvtier.connectors.vllm_worker import WorkerSide
 from kvtier.kv_codecs import Codec
-from tests.connectors.vllm_fakes import BLOCK, LAYERS, caches
+from tests.connectors.vllm_fakes import BLOCK, LAYERS, caches, strided
 
 NUM_BLOCKS = 12
 FP = b"vllm-v3|device-blocks-test"
 GRID = ChunkGrid(BLOCK, 2, FP)
-
-
-def _strided(kv: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The same caches as views into wider tensors: no host (numpy) view, so the worker
-    takes the device path."""
-    out = {}
-    for name, t in kv.items():
-        wide = torch.zeros(*t.shape[:-1], t.shape[-1] + 8, dtype=t.dtype)
-        out[name] = wide[..., : t.shape[-1]]
-        out[name].copy_(t)
-    return out
 
 
 def _layers(kv: dict[str, torch.Tensor]) -> list[CacheLayer]:
@@ -58,7 +47,7 @@ def test_gather_and_scatter_equal_block_by_block_copies(layout, dtype, backend):
     (under the interpreter here; CUDA in tests/cuda)."""
     kv = caches(NUM_BLOCKS, layout == "blocks-first", seed=1, dtype=dtype)
     if layout == "strided":
-        kv = _strided(kv)
+        kv = strided(kv)
     layers = _layers(kv)
     if layout == "strided" and backend == "triton":  # no contiguous halves: refused
         with pytest.raises(ValueError, match="contiguous halves"):
@@ -74,7 +63,7 @@ def test_gather_and_scatter_equal_block_by_block_copies(layout, dtype, backend):
 
     dst = caches(NUM_BLOCKS, layout == "blocks-first", seed=2, dtype=dtype)
     if layout == "strided":
-        dst = _strided(dst)
+        dst = strided(dst)
     out_layers = _layers(dst)
     before = [_bits(layer.kv).clone() for layer in out_layers]
     # the chunk's blocks 0 and 2 into cache blocks 4 and 0; block 1 vLLM's own (left alone)
@@ -112,7 +101,7 @@ def test_caches_whose_blocks_are_not_two_contiguous_halves_take_the_index_kernel
 
 
 def test_a_corrupt_chunk_is_never_scattered_and_the_rest_load(tmp_path):
-    src, dst = _strided(caches(NUM_BLOCKS, False, seed=5)), _strided(caches(NUM_BLOCKS, False, seed=6))
+    src, dst = strided(caches(NUM_BLOCKS, False, seed=5)), strided(caches(NUM_BLOCKS, False, seed=6))
     before = {n: t.clone() for n, t in dst.items()}
     store = _store(src, tmp_path)
     keys = [k.key for k in GRID.keys(list(range(8 * BLOCK)))]
@@ -134,8 +123,8 @@ def test_a_corrupt_chunk_is_never_scattered_and_the_rest_load(tmp_path):
 
 @pytest.mark.parametrize("codec", [Codec.FP8, Codec.INT8, Codec.INT4])
 def test_lossy_chunks_are_decoded_before_the_scatter(tmp_path, codec):
-    src, dst = _strided(caches(NUM_BLOCKS, True, seed=7)), _strided(caches(NUM_BLOCKS, True, seed=8))
-    exact = _strided(caches(NUM_BLOCKS, True, seed=8))
+    src, dst = strided(caches(NUM_BLOCKS, True, seed=7)), strided(caches(NUM_BLOCKS, True, seed=8))
+    exact = strided(caches(NUM_BLOCKS, True, seed=8))
     keys = [k.key for k in GRID.keys(list(range(4 * BLOCK)))]
     for kv, tier_codec in ((dst, codec), (exact, Codec.NONE)):
         store = _store(src, tmp_path / tier_codec.value, tier_codec)

@@ -25,7 +25,7 @@ from kvtier.connectors.tiers.manager import TierManager
 from kvtier.connectors.vllm_blocks import ChunkGrid, ChunkSpan, ChunkTransfer, Rank
 from kvtier.connectors.vllm_worker import WorkerSide, rank_fingerprint
 from kvtier.server.state import ServiceState
-from tests.connectors.vllm_fakes import BLOCK, LAYERS, caches
+from tests.connectors.vllm_fakes import BLOCK, LAYERS, caches, strided
 from tests.http_server import running
 
 FP = b"vllm-v3|test-model|fp16|bs16"
@@ -71,23 +71,12 @@ def _transfer(keys: list[str], blocks: list[int], skip: int = 0) -> list[ChunkTr
     return [ChunkTransfer("r", spans)]
 
 
-def _strided(kv: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The same caches as views into wider tensors: not contiguous (copied by torch, as a
-    device cache is, not numpy)."""
-    out = {}
-    for name, t in kv.items():
-        wide = torch.zeros(*t.shape[:-1], t.shape[-1] + 8, dtype=t.dtype)
-        out[name] = wide[..., : t.shape[-1]]
-        out[name].copy_(t)
-    return out
-
-
-@pytest.mark.parametrize(("blocks_first", "strided"), [(True, False), (False, False), (False, True)])
-def test_blocks_saved_and_loaded_back_are_bit_exact(tmp_path, blocks_first, strided):
+@pytest.mark.parametrize(("blocks_first", "wide"), [(True, False), (False, False), (False, True)])
+def test_blocks_saved_and_loaded_back_are_bit_exact(tmp_path, blocks_first, wide):
     src = caches(NUM_BLOCKS, blocks_first, seed=1)
     dst = caches(NUM_BLOCKS, blocks_first, seed=2)
-    if strided:
-        src, dst = _strided(src), _strided(dst)
+    if wide:  # strided caches: the path a device cache takes
+        src, dst = strided(src), strided(dst)
     store = _local(src, tmp_path, cpu_chunks=2)  # two in RAM, the third (a tail) on disk
     keys = _keys(5)
     writer, reader = _worker(store, src), _worker(store, dst)

@@ -57,3 +57,14 @@ def caches(num_blocks: int, blocks_first: bool, seed: int = 0,
     g = torch.Generator().manual_seed(seed)
     shape = (num_blocks, 2, BLOCK, heads, dim) if blocks_first else (2, num_blocks, BLOCK, heads, dim)
     return {f"layer.{i}": torch.randn(shape, generator=g).to(dtype) for i in range(LAYERS)}
+
+
+def strided(kv: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same caches as views into wider tensors: not contiguous, so no host (numpy) view
+    of them exists and the worker copies them as it does a device cache's."""
+    out = {}
+    for name, t in kv.items():
+        wide = torch.zeros(*t.shape[:-1], t.shape[-1] + 8, dtype=t.dtype)
+        out[name] = wide[..., : t.shape[-1]]
+        out[name].copy_(t)
+    return out
