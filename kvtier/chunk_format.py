@@ -267,20 +267,18 @@ def encode_chunk(key: str, fingerprint: bytes, kv: torch.Tensor,
     if kv.dtype not in DTYPE_NAMES:
         raise ChunkFormatError(f"unsupported chunk dtype {kv.dtype}; use {sorted(DTYPES)}")
     if codec is kv_codecs.Codec.NONE:
-        cpu = kv.detach().to("cpu").contiguous()
-        data = cpu.view(torch.uint8)
+        data = kv.detach().to("cpu").contiguous().view(torch.uint8)
     else:  # encoded where the KV is (on a GPU: only the encoded bytes cross)
-        cpu = kv.detach()
-        data = encode_layers(cpu.contiguous(), codec).to("cpu")
+        data = encode_layers(kv.detach().contiguous(), codec).to("cpu")
     payload = memoryview(data.numpy()).cast("B")
     header = ChunkHeader(
         key=logical_key(key),
         namespace=storage_namespace(key),
         fingerprint=bytes(fingerprint),
         dtype=DTYPE_NAMES[kv.dtype],
-        shape=tuple(cpu.shape),
-        num_tokens=int(cpu.shape[2]),
-        layer_checksums=_layer_checksums(payload, cpu.shape[0]),
+        shape=tuple(kv.shape),
+        num_tokens=int(kv.shape[2]),
+        layer_checksums=_layer_checksums(payload, kv.shape[0]),
         codec=codec.value,
         opaque=opaque,
     )
