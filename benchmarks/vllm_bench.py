@@ -35,6 +35,9 @@ KVTIER = {"kv_connector": "KVTierConnector", "kv_role": "kv_both",
           "kv_connector_module_path": "kvtier.connectors.vllm_connector"}
 
 
+ONE_PROCESS = (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),)
+
+
 def setups(workdir: Path) -> dict[str, VllmSetup]:
     return {
         "alone": VllmSetup("alone"),
@@ -78,6 +81,17 @@ def setups(workdir: Path) -> dict[str, VllmSetup]:
         "null-connector": VllmSetup("null-connector", {
             "kv_connector": "NullConnector", "kv_role": "kv_both",
             "kv_connector_module_path": "kvtier.benchmarks.null_vllm_connector"}),
+        # one process (vLLM's engine core runs its one worker inside it): the connector's
+        # tiers in vLLM's own process, no private sidecar; with vLLM alone in the same mode
+        "alone-1proc": VllmSetup("alone-1proc", env=ONE_PROCESS),
+        "kvtier-presence-1proc": VllmSetup("kvtier-presence-1proc", {
+            **KVTIER, "kv_role": "kv_consumer", "kv_connector_extra_config": {
+                "tiers": {"cpu_bytes": 1 << 30, "disk_dir": str(workdir / "presence-1proc-chunks"),
+                          "disk_fsync": False}}}, env=ONE_PROCESS),
+        "kvtier-inprocess-1proc": VllmSetup("kvtier-inprocess-1proc", {
+            **KVTIER, "kv_connector_extra_config": {
+                "tiers": {"cpu_bytes": 1 << 30, "disk_dir": str(workdir / "inprocess-1proc-chunks"),
+                          "disk_fsync": False}}}, env=ONE_PROCESS),
         "lmcache": VllmSetup("lmcache", {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"},
                              extra_path=_site_packages(REPO / ".venv-lmcache")),
         "vllm-native": VllmSetup("vllm-native", {

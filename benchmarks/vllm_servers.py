@@ -29,6 +29,8 @@ class VllmSetup:
     """Start a ``kvtier serve`` first; its URL goes into the connector's options."""
     extra_path: str | None = None
     """Site-packages to append to vLLM's path (a peer's environment, e.g. LMCache's)."""
+    env: tuple[tuple[str, str], ...] = ()
+    """Environment for vLLM beyond the bench's (e.g. one process: no multiprocessing)."""
 
 
 @dataclass
@@ -123,6 +125,7 @@ def start_vllm(python: str, model: str, setup: VllmSetup, workdir: Path, args: A
     cores = args.cpu_bind or f"0-{(os.cpu_count() or 1) - 1}"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1",
                VLLM_CPU_OMP_THREADS_BIND=cores)  # the same cores in every setup
+    env.update(setup.env)
     if setup.extra_path:  # a peer installed beside vLLM's own packages, not into them
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), setup.extra_path]))
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
