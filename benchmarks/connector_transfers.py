@@ -221,13 +221,12 @@ def print_report(payload: dict[str, Any]) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from kvtier.benchmarks.machine import bench_device
     from kvtier.benchmarks.results import write_result
     from kvtier.errors import InvalidArgumentError
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise InvalidArgumentError("--device cuda asked for but CUDA is not available")
-    gpu = args.device != "cpu" and torch.cuda.is_available()
-    device = torch.device("cuda" if gpu else "cpu")
+    device = bench_device(args.device)
+    gpu = device.type == "cuda"
     try:
         layers, heads, dim = (int(x) for x in (args.shape or ("32,8,128" if gpu else "4,2,64")).split(","))
     except ValueError as exc:

@@ -69,3 +69,15 @@ def machine_info() -> dict[str, Any]:
     except ImportError:
         pass
     return info
+
+
+def bench_device(choice: str) -> Any:
+    """The torch device of a ``--device auto|cuda|cpu`` option: CUDA where asked for or,
+    with ``auto``, present; ``cuda`` without CUDA is an error, not a silent CPU run."""
+    import torch
+
+    from kvtier.errors import InvalidArgumentError
+
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise InvalidArgumentError("--device cuda asked for but CUDA is not available")
+    return torch.device("cuda" if choice != "cpu" and torch.cuda.is_available() else "cpu")
