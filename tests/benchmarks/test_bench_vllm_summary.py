@@ -43,6 +43,15 @@ def test_rounds_are_summarised_against_vllm_alone_of_the_same_round():
     assert peer["rounds"] == [] and peer["could_not_run"].startswith("ValueError: No supported")
 
 
+def test_medians_are_reported_beside_means():
+    """One slow turn (the opening burst) moves the mean, not the median."""
+    turns = [TurnResult(c, 0, 9.0 if c == 0 else 1.0, [0.1], [c]) for c in range(5)]
+    (alone,) = _summarise(["alone"], [{"alone": {"turns": turns, "wall_s": 1.0, "metrics": {}}}])
+    assert alone["first_ttft_mean_s"] == pytest.approx(2.6)
+    assert alone["first_ttft_median_s"] == pytest.approx(1.0)
+    assert alone["returning_ttft_median_s"] is None  # no returning turns
+
+
 def test_the_root_cause_of_a_failed_start_is_the_first_error_logged():
     log = "WARNING ulimit: this can cause fd limit errors like `OSError: [Errno 24] Too many`\n" \
           "(EngineCore) ERROR [core.py] ValueError: invalid literal for int(): 'all'\n" \
