@@ -247,6 +247,7 @@ def _round_row(got: dict[str, Any], reference: dict[str, Any] | None) -> dict[st
         "recomputed_by_decision_tokens": m.get("vllm:kvtier_recomputed_by_decision_tokens_total"),
         "connector_forward_share": forward / step if step else None,
         "connector_schedule_s": m.get("vllm:kvtier_schedule_seconds_total"),
+        "kvtier_lookups": m.get("vllm:kvtier_lookups_total"),
         "save_hold_s": m.get("vllm:kvtier_save_hold_seconds_total"),
         "held_requests": m.get("vllm:kvtier_held_requests_total"),
         "external_hit_tokens": m.get("vllm:external_prefix_cache_hits_total"),

@@ -160,7 +160,7 @@ class KVTierConnector(KVConnectorBase_V1):
         if self.role == KVConnectorRole.SCHEDULER:
             s = self.scheduler_side
             return {"hit_blocks": s.hit_blocks, "recomputed_by_decision_tokens": s.recomputed_by_decision,
-                    "schedule_seconds": s.busy_s}
+                    "schedule_seconds": s.busy_s, "lookups": s.lookups}
         w, saves = self.worker_side.stats, self.worker_side.saves
         return {"loaded_blocks": w.loaded_blocks, "saved_blocks": w.saved_blocks,
                 "load_errors": w.load_errors, "load_seconds": w.load_s,

@@ -54,6 +54,8 @@ class PrefixProbe:
     def __init__(self, grid: ChunkGrid, ranks: Sequence[Rank]) -> None:
         self.grid = grid
         self.ranks = list(ranks)
+        self.round_trips = 0
+        """Questions asked of the store so far."""
 
     def probe(self, store: ChunkStore, prompt: Sequence[int], full: Sequence[str], usable: int,
               finishing: Collection[str]) -> Probe:
@@ -96,6 +98,7 @@ class PrefixProbe:
         if not keys:
             return {}
         parts = [ChunkGrid.rank_key(k, r) for r in self.ranks for k in keys]
+        self.round_trips += 1
         where = store.locate(parts)
         n = len(keys)
         return {k: where[i] for i, k in enumerate(keys)

@@ -24,6 +24,7 @@ COUNTERS: dict[str, str] = {
     "step_seconds": "Time of vLLM's steps the connector took part in (its share: the two above).",
     "steps": "vLLM steps the connector took part in.",
     "schedule_seconds": "Time vLLM's scheduler spent in the connector's hooks (lookups, plans).",
+    "lookups": "Questions the scheduler asked the store (vLLM asks again for a request it could not schedule).",
     "save_hold_seconds": "Time finished requests' blocks were held until their saves landed.",
     "held_requests": "Finished requests whose blocks were held for their saves.",
 }

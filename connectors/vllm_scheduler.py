@@ -101,6 +101,12 @@ class SchedulerSide:
         """Time vLLM's scheduler spent in this side's hooks (kept by the connector)."""
         self._prefetcher: ThreadPoolExecutor | None = None
 
+    @property
+    def lookups(self) -> int:
+        """Questions asked of the store (a request vLLM could not schedule is asked about
+        again at its next try)."""
+        return self._probe.round_trips
+
     # ------------------------------------------------------------------ arrivals
     def arrived(self, request: Any) -> Future[int] | None:
         """vLLM added a request (it may wait in the queue before it is scheduled): raise

@@ -278,6 +278,20 @@ class Client:
         _raise_for(resp, call.ok)
         return resp
 
+    def _ask(self, call: _Call) -> Any:
+        """A small JSON question and its JSON answer: over the chunk wire where there is
+        one (a connector's lookups wait in vLLM's scheduler loop, and httpx's own cost per
+        request is about a third of a loopback lookup's), else through httpx."""
+        if self.wire is None or call.content is not None:
+            return self._send(call).json()
+        headers = {"Content-Type": "application/json", **(call.headers or {})}
+        data = json.dumps(call.json).encode() if call.json is not None else None
+        resp = self.wire.request(call.method, call.path, call.params, data, headers)
+        body = resp.read()
+        if not (resp.status in call.ok or resp.status < 300 and 200 in call.ok):
+            raise error_from(resp.status, body)
+        return json.loads(body)
+
     # control
     def health(self) -> dict[str, Any]:
         return self._send(_Routes.health()).json()
@@ -436,20 +450,20 @@ class Client:
         return self._send(_Routes.delete_chunk(key)).status_code == 204
 
     def lookup(self, keys: Sequence[str]) -> Lookup:
-        return Lookup(**self._send(_Routes.lookup(keys)).json())
+        return Lookup(**self._ask(_Routes.lookup(keys)))
 
     def prefetch(self, keys: Sequence[str]) -> int:
         """Raise the stored prefix of ``keys`` into the server's fastest tier (a request
         that will read them is on its way); how many chunks were read from slower ones."""
-        return int(self._send(_Routes.prefetch(keys)).json()["promoted"])
+        return int(self._ask(_Routes.prefetch(keys))["promoted"])
 
     def present(self, keys: Sequence[str]) -> list[bool]:
         """Whether each of ``keys`` is stored (one request)."""
-        return list(Lookup(**self._send(_Routes.lookup(keys, each=True)).json()).present or [])
+        return list(Lookup(**self._ask(_Routes.lookup(keys, each=True))).present or [])
 
     def locate(self, keys: Sequence[str]) -> list[str | None]:
         """The fastest tier holding each of ``keys``, prefix or not, or None (one request)."""
-        got = Lookup(**self._send(_Routes.lookup(keys, each=True)).json())
+        got = Lookup(**self._ask(_Routes.lookup(keys, each=True)))
         if got.located is None:
             raise ServiceError(502, "old_server", "the lookup names no tier per key (an older kvtier)")
         return list(got.located)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI
 
 from kvtier import __version__
 from kvtier.server import routes_chat, routes_chunks, routes_control, routes_regions
 from kvtier.server.errors import install_error_handlers
 from kvtier.server.identity import identities
-from kvtier.server.middleware import BearerAuth, BodyLimit
+from kvtier.server.middleware import BearerAuth, BodyLimit, RequestCounter
 from kvtier.server.reply_budget import ReplyBudget
 from kvtier.server.state import ServiceState
 
@@ -41,13 +41,8 @@ def create_app(state: ServiceState) -> FastAPI:
     app.include_router(routes_regions.router)
     app.include_router(routes_chat.router)
 
-    @app.middleware("http")
-    async def count_requests(request: Request, call_next) -> Response:
-        response = await call_next(request)
-        route = request.scope.get("route")
-        path = getattr(route, "path", "unmatched")
-        state.metrics.requests.labels(request.method, path, str(response.status_code)).inc()
-        return response
+    app.add_middleware(RequestCounter, count=lambda method, route, status:
+                       state.metrics.requests.labels(method, route, status).inc())
 
     server = state.config.server
     # Outermost first to run: auth, then the size limit, then the app.

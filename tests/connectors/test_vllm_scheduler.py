@@ -320,6 +320,7 @@ def test_a_lookup_is_one_round_trip_prefix_and_tail_together():
     assert counted.calls == 1
     assert asker.matched_tokens(Request("t3", list(range(7000, 7000 + 9 * BLOCK))), 0) == 0
     assert counted.calls == 2  # a miss is one round trip too
+    assert asker.lookups == 2  # what the connector reports as vllm:kvtier_lookups_total
 
 
 def test_a_long_prompt_asks_for_the_tails_after_its_prefix_is_known(monkeypatch):

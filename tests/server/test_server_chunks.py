@@ -85,6 +85,10 @@ def test_put_to_a_named_tier_and_lookup_reports_where(sidecar):
         found = kv.lookup([key(1), key(2), key(3), key(4)])
         assert (found.length, found.tiers) == (2, ["cpu", "disk"])
         assert kv.lookup([key(3), key(1)]).length == 0  # a prefix, not a set
+        assert kv.locate([key(2), key(3), key(1)]) == ["disk", None, "cpu"]
+        with pytest.raises(ServiceError) as err:
+            kv.locate(["not a key"])  # over the chunk wire: the same error as through httpx
+        assert err.value.status == 400 and "not chunk keys" in err.value.message
         with pytest.raises(ServiceError) as err:
             kv.put_chunk(key(5), chunk(key(5)), tier="nvme9")
         assert err.value.status == 400 and "unknown tier" in err.value.message
@@ -265,6 +269,9 @@ def test_stats_and_metrics_count_what_happened(sidecar):
             kv.put_chunk(key(i), chunk(key(i), i))
         kv.get_chunk(key(0))
         kv.get_chunk(key(9))
+        with pytest.raises(ServiceError):
+            kv.lookup(["not a key"])
+        assert kv.http.get("/v1/nowhere").status_code == 404
         stats = kv.stats()
         cpu = stats["tiers"][0]
         assert stats["mode"] == "sidecar" and cpu["name"] == "cpu" and cpu["chunks"] == 3
@@ -275,6 +282,8 @@ def test_stats_and_metrics_count_what_happened(sidecar):
     assert 'kvtier_transfer_seconds_count{direction="put"} 3.0' in text
     assert 'kvtier_http_requests_total{method="PUT",route="/v1/chunks/{key}",status="201"} 3.0' in text
     assert 'kvtier_errors_total{kind="not_found"}' in text
+    assert 'kvtier_http_requests_total{method="POST",route="/v1/chunks/lookup",status="400"} 1.0' in text
+    assert 'kvtier_http_requests_total{method="GET",route="unmatched",status="404"} 1.0' in text
 
 
 def test_sessions_in_sidecar_mode_are_unknown(sidecar):
