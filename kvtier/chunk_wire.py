@@ -1,4 +1,5 @@
-"""Chunk bodies over plain HTTP/1.1 with the standard library, for :class:`kvtier.client.Client`.
+"""Chunk bodies over plain HTTP/1.1 with the standard library, for :class:`kvtier.client.Client`
+(which sends its lookups and prefetches this way too: a vLLM scheduler waits on them).
 
 httpx moves a 32 MiB body through h11's receive buffer in 64 KiB reads and joins the pieces
 at the end; for the chunk routes that costs more than the loopback socket itself. Here a
