@@ -260,8 +260,8 @@ def open_store(options: Mapping[str, Any], slot_bytes: int) -> ChunkStore:
         return RemoteChunkStore(str(options["url"]), slot_bytes, options.get("token"),
                                 shm=bool(options.get("shm", False)), accept_codecs=codecs)
     from kvtier.config import load_config
+    from kvtier.connectors.tiers.connector_defaults import unset_defaults
     from kvtier.connectors.tiers.factory import build_tiers
-    from kvtier.connectors.tiers.slot_reserve import CONNECTOR_FREE_RESERVE
 
     overrides = {"tiers": dict(options.get("tiers") or {})}
     if codecs is not None:
@@ -271,8 +271,8 @@ def open_store(options: Mapping[str, Any], slot_bytes: int) -> ChunkStore:
         store = _LOCAL.get(cache_key)
         if store is None:
             cfg = load_config(options.get("config"), overrides=overrides)
-            if "cpu_free_reserve" not in cfg.tiers.model_fields_set:
-                cfg.tiers.cpu_free_reserve = CONNECTOR_FREE_RESERVE
+            for name, value in unset_defaults(cfg.tiers.model_fields_set).items():
+                setattr(cfg.tiers, name, value)
             manager = build_tiers(cfg.tiers, slot_bytes, fingerprint=None)
             if manager is None:
                 raise ConfigError("the connector's tiers are all disabled; enable one or set url")

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.connectors.tiers.slot_reserve import CONNECTOR_FREE_RESERVE
+from kvtier.connectors.tiers.connector_defaults import unset_defaults
 from kvtier.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -54,9 +54,10 @@ def _env(options: Mapping[str, Any], slot_bytes: int, workdir: str, token: str
     env = dict(os.environ, KVTIER_SERVER__CHUNK_SLOT_BYTES=str(slot_bytes),
                KVTIER_SERVER__SHM_DIR=os.path.join(workdir, "shm"),
                KVTIER_SERVER__AUTH_TOKEN=token)
-    if not options.get("config"):  # the connector's own tiers (chunk_store.open_store's default)
-        env["KVTIER_TIERS__CPU_FREE_RESERVE"] = str(CONNECTOR_FREE_RESERVE)
-    for name, value in dict(options.get("tiers") or {}).items():
+    tiers = dict(options.get("tiers") or {})
+    if not options.get("config"):  # the connector's own tiers (chunk_store.open_store's too)
+        tiers = {**unset_defaults(tiers), **tiers}
+    for name, value in tiers.items():
         env[f"KVTIER_TIERS__{name.upper()}"] = "" if value is None else str(value)
     return env
 

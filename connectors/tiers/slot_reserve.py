@@ -17,13 +17,6 @@ from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
-CONNECTOR_FREE_RESERVE = 0.05
-"""The vLLM connector's own tiers (in-process, or its private sidecar) keep this much of the
-CPU arena free unless told otherwise (``tiers.cpu_free_reserve``): vLLM holds a finished
-request's blocks until its saves land, and a save into a full arena would otherwise wait
-for a demotion."""
-
-
 class SlotReserve:
     """``replenish()`` frees one slot (a victim handed down) and says whether it did;
     :meth:`wake` asks the thread to run it until it says no."""

@@ -497,3 +497,25 @@ def test_the_connectors_own_tiers_keep_free_slots_unless_told_otherwise(tmp_path
     default = open_store({"tiers": tiers}, slot)
     off = open_store({"tiers": {**tiers, "disk_dir": str(tmp_path / "b"), "cpu_free_reserve": 0}}, slot)
     assert default.manager.tiers[0].reserve_slots == 2 and off.manager.tiers[0].reserve_slots == 0
+
+
+def test_the_connectors_own_disk_tier_bypasses_the_page_cache_unless_told_otherwise(tmp_path):
+    """The CPU arena is the RAM cache above the disk: the connector's own disk tier writes
+    and reads with O_DIRECT (the page cache would copy every demoted byte again);
+    ``tiers.disk_o_direct: false`` turns it off. The private sidecar gets the same."""
+    from kvtier.connectors import private_sidecar
+    from kvtier.connectors.chunk_store import open_store
+
+    slot = 1 << 20
+    tiers = {"cpu_bytes": 4 * slot, "disk_dir": str(tmp_path / "a"), "disk_fsync": False}
+    direct = open_store({"tiers": tiers}, slot).manager.tiers[1]
+    buffered = open_store({"tiers": {**tiers, "disk_dir": str(tmp_path / "b"),
+                                     "disk_o_direct": False}}, slot).manager.tiers[1]
+    assert direct.name == "disk" and direct.o_direct and not buffered.o_direct
+    env = private_sidecar._env({"tiers": tiers}, slot, str(tmp_path), "t")
+    assert env["KVTIER_TIERS__DISK_O_DIRECT"] == "True"
+    assert env["KVTIER_TIERS__CPU_FREE_RESERVE"] == "0.05"
+    told = private_sidecar._env({"tiers": {**tiers, "disk_o_direct": False}}, slot, str(tmp_path), "t")
+    assert told["KVTIER_TIERS__DISK_O_DIRECT"] == "False"
+    from_file = private_sidecar._env({"config": "kvtier.yaml"}, slot, str(tmp_path), "t")
+    assert "KVTIER_TIERS__DISK_O_DIRECT" not in from_file  # a config file is taken as written
