@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
+
 class SlotReserve:
     """``replenish()`` frees one slot (a victim handed down) and says whether it did;
     :meth:`wake` asks the thread to run it until it says no."""
