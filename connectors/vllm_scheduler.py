@@ -102,6 +102,15 @@ class SchedulerSide:
         self._prefetcher: ThreadPoolExecutor | None = None
 
     @property
+    def tails_at_finish(self) -> bool:
+        """A prompt's tail chunk is saved only by the request's final save, as part of the
+        tail that holds its reply: saving it as the prompt completes too wrote every block
+        of it twice a turn (and a tier kept both copies; the prompt's tail is a prefix of
+        the reply's, which a returning turn's lookup finds). A prefill peer (no final save
+        of the reply, a decode peer asking at once) saves it with the prompt."""
+        return self.save_decode and self.role is Role.BOTH
+
+    @property
     def lookups(self) -> int:
         """Questions asked of the store (a request vLLM could not schedule is asked about
         again at its next try)."""
@@ -268,12 +277,14 @@ class SchedulerSide:
 
     def _completed(self, req_id: str, done: int) -> ChunkTransfer | None:
         """The chunks of ``req_id``'s prompt that ``done`` computed tokens complete and that
-        are not stored yet: full chunks as they fill, the tail once the prompt is done."""
+        are not stored yet: full chunks as they fill; the tail once the prompt is done, where
+        no final save will store it (:attr:`tails_at_finish`)."""
         state = self._requests[req_id]
         if not self.role.saves:
             return None
         blocks = min(done, len(state.tokens)) // self.grid.block_size
-        spans = self._unsaved(state, state.keys, blocks)
+        keys = [k for k in state.keys if not k.is_tail] if self.tails_at_finish else state.keys
+        spans = self._unsaved(state, keys, blocks)
         if not spans:
             return None
         state.saving = True

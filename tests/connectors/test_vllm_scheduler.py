@@ -7,6 +7,7 @@ a miss, not an error."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvtier.connectors.chunk_store import LocalChunkStore
@@ -55,17 +56,32 @@ def _blocks(transfers: list[ChunkTransfer]) -> list[list[int]]:
     return [list(c.block_ids) for t in transfers for c in t.chunks]
 
 
-def _run(sched: SchedulerSide, workers: list[WorkerSide], req: Request, blocks: list[int]) -> None:
-    """Schedule ``req`` from nothing, prefill it in one step and save what the plan says."""
+def _run(sched: SchedulerSide, workers: list[WorkerSide], req: Request, blocks: list[int],
+         end: bool = True) -> None:
+    """Schedule ``req`` from nothing, prefill it in one step, save what the plan says, and
+    (``end``) end it there: its final save stores the prompt's tail."""
     sched.matched_tokens(req, 0)
     sched.allocated(req, blocks, 0)
     plan = sched.step_plan(_new(req.request_id, blocks, 0, len(req.prompt_token_ids)))
     for w in workers:
         w.save(plan.saves)
+    if not end:
+        return
+    req.num_computed_tokens = len(req.prompt_token_ids)
+    sched.finished(req, blocks)
+    final = sched.step_plan(SchedulerOutput())
+    for w in workers:
+        w.save(final.finishing)
+    sched.saves_landed([req.request_id])
 
 
-def test_a_prompt_is_saved_chunk_by_chunk_as_vllm_computes_it_then_its_tail():
+@pytest.mark.parametrize("role", [Role.BOTH, Role.PRODUCER])
+def test_a_prompt_is_saved_chunk_by_chunk_as_vllm_computes_it_then_its_tail(role):
+    """Full chunks as they fill. The prompt's tail: a prefill peer saves it with the prompt
+    (its decode peer asks at once); an instance that saves the reply saves it once, at the
+    request's end, inside the tail that holds the reply (never the same blocks twice)."""
     sched, (worker,), store = _sides()
+    sched.role = role
     prompt = list(range(100, 100 + 5 * BLOCK + 3))  # two chunks, a one-block tail, 3 tokens
     req = Request("a", prompt)
     assert sched.matched_tokens(req, 0) == 0  # nothing stored yet
@@ -74,13 +90,29 @@ def test_a_prompt_is_saved_chunk_by_chunk_as_vllm_computes_it_then_its_tail():
     assert step1.loads == [] and _blocks(step1.saves) == [[3, 4]]  # the first chunk is full
     worker.save(step1.saves)
     step2 = sched.step_plan(_cached("a", 3 * BLOCK + 5, len(prompt) - 3 * BLOCK - 5))
-    assert _blocks(step2.saves) == [[5, 6], [7]]  # the second chunk, then the prompt's tail
-    worker.save(step2.saves)
     keys = GRID.keys(prompt)
-    assert [c.key for t in step1.saves + step2.saves for c in t.chunks] == [k.key for k in keys]
-    assert keys[-1].is_tail and store.present([k.key for k in keys]) == [True] * 3
+    if role is Role.PRODUCER:
+        assert _blocks(step2.saves) == [[5, 6], [7]]  # the second chunk, then the prompt's tail
+        worker.save(step2.saves)
+        assert [c.key for t in step1.saves + step2.saves for c in t.chunks] == [k.key for k in keys]
+        assert keys[-1].is_tail and store.present([k.key for k in keys]) == [True] * 3
+        return
+    assert _blocks(step2.saves) == [[5, 6]]  # the second chunk; the tail waits for the reply
+    worker.save(step2.saves)
+    assert store.present([k.key for k in keys]) == [True, True, False]
     step3 = sched.step_plan(_cached("a", len(prompt), 1))
     assert step3.saves == []  # decoding: the reply is saved when the request ends
+    req.output_token_ids = list(range(700, 700 + BLOCK))
+    req.num_computed_tokens = len(req.all_token_ids) - 1
+    assert sched.finished(req, [3, 4, 5, 6, 7, 8]) is True
+    final = sched.step_plan(SchedulerOutput())
+    assert _blocks(final.finishing) == [[7, 8]]  # the prompt's tail block and the reply's: full
+    worker.save(final.finishing)
+    turn2 = Request("b", req.all_token_ids[:-1] + [5] * BLOCK)
+    assert sched.matched_tokens(turn2, 0) == 6 * BLOCK  # the returning turn finds it all
+    # the cost: another continuation of the prompt (a regenerated reply) finds its full
+    # chunks, not the prompt's last partial one (at most a chunk less one block to recompute)
+    assert sched.matched_tokens(Request("c", prompt[: 5 * BLOCK] + [9] * BLOCK), 0) == 4 * BLOCK
 
 
 def test_a_second_request_sharing_the_prefix_loads_it_past_what_vllm_holds():
@@ -120,7 +152,7 @@ def test_chunks_the_store_holds_are_not_saved_again():
     assert sched.matched_tokens(req, 4 * BLOCK) == 0  # vLLM holds all that is stored
     sched.allocated(req, list(range(10, 19)), 0)
     plan = sched.step_plan(_new("b", list(range(10, 19)), 4 * BLOCK, 5 * BLOCK))
-    assert _blocks(plan.saves) == [[14, 15], [16, 17], [18]]  # only what is new
+    assert _blocks(plan.saves) == [[14, 15], [16, 17]]  # only what is new (its tail at its end)
 
 
 def test_concurrent_requests_over_one_prompt_upload_its_chunks_once():
@@ -140,7 +172,7 @@ def test_concurrent_requests_over_one_prompt_upload_its_chunks_once():
     keys = [k.key for k in GRID.keys(shared)]
     saved = [c.key for t in plan.saves for c in t.chunks]
     assert saved.count(keys[0]) == 1 and saved.count(keys[1]) == 1  # the shared chunks once
-    assert len(saved) == 2 + 4  # and each request's own tail
+    assert len(saved) == 2  # each request's own tail is saved at its end
     worker.save(plan.saves)
     worker.wait_saves()
     assert store.present(keys) == [True, True]
@@ -156,7 +188,7 @@ def test_a_finished_request_saves_its_reply_and_holds_its_blocks_until_then():
     sched, (worker,), store = _sides()
     prompt = list(range(20, 20 + 3 * BLOCK))
     req = Request("a", prompt)
-    _run(sched, [worker], req, [0, 1, 2])
+    _run(sched, [worker], req, [0, 1, 2], end=False)
     req.output_token_ids = list(range(500, 500 + 2 * BLOCK + 1))
     req.num_computed_tokens = len(req.all_token_ids) - 1  # the last token has no KV yet
     assert sched.finished(req, [0, 1, 2, 3, 4, 5]) is True  # blocks held for the save
@@ -190,7 +222,7 @@ def test_a_resumed_request_gets_its_blocks_anew():
     sched.allocated(req, [0, 1, 2, 3], 0)
     sched.step_plan(_new("a", [0, 1, 2, 3], 0, BLOCK))
     plan = sched.step_plan(_cached("a", BLOCK, 2 * BLOCK + 1, ([20, 21, 22, 23],), resumed=True))
-    assert _blocks(plan.saves) == [[20, 21], [22]]
+    assert _blocks(plan.saves) == [[20, 21]]
 
 
 def test_a_preemption_is_in_the_plan():
