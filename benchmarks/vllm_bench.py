@@ -46,6 +46,16 @@ def setups(workdir: Path) -> dict[str, VllmSetup]:
                       "disk_fsync": False}}}),
         "kvtier-serve": VllmSetup("kvtier-serve", {**KVTIER, "kv_connector_extra_config": {"shm": True}},
                                   sidecar=True),
+        # chunks of one vLLM block (``chunk_tokens`` 1 rounds up to one block): every block
+        # saved once (a longer chunk's blocks are saved again while it fills, turn by turn),
+        # more and smaller objects
+        "kvtier-inprocess-block-chunks": VllmSetup("kvtier-inprocess-block-chunks", {
+            **KVTIER, "kv_connector_extra_config": {
+                "tiers": {"cpu_bytes": 1 << 30, "disk_dir": str(workdir / "block-chunks"),
+                          "disk_fsync": False}, "chunk_tokens": 1}}),
+        "kvtier-serve-block-chunks": VllmSetup("kvtier-serve-block-chunks", {
+            **KVTIER, "kv_connector_extra_config": {"shm": True, "chunk_tokens": 1}},
+            sidecar=True),
         # the same, loading before the forward pass (``async_loads`` false)
         "kvtier-inprocess-sync": VllmSetup("kvtier-inprocess-sync", {
             **KVTIER, "kv_connector_extra_config": {
@@ -163,18 +173,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _chunk_bytes(args: argparse.Namespace) -> int:
-    """The largest chunk the connector writes for this model (the sidecar's slot size): 256
-    tokens in whole blocks of every layer, float32 as the bench runs vLLM."""
+def _chunk_bytes(args: argparse.Namespace, setup: VllmSetup) -> int:
+    """The largest chunk the setup's connector writes for this model (the sidecar's slot
+    size): its ``chunk_tokens`` (256) in whole blocks (one at least) of every layer,
+    float32 as the bench runs vLLM."""
     from kvtier.chunk_format import max_chunk_bytes
     from kvtier.connectors.vllm_blocks import DEFAULT_CHUNK_TOKENS
 
+    extra = (setup.kv_transfer_config or {}).get("kv_connector_extra_config", {})
+    tokens = int(extra.get("chunk_tokens", DEFAULT_CHUNK_TOKENS))
     cfg = json.loads((Path(args.model) / "config.json").read_text())
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     layers = cfg["num_hidden_layers"]
     block = layers * 2 * args.block_size * cfg.get("num_key_value_heads", heads) * head_dim * 4
-    return max_chunk_bytes(layers, block * max(1, DEFAULT_CHUNK_TOKENS // args.block_size))
+    return max_chunk_bytes(layers, block * max(1, tokens // args.block_size))
 
 
 def _write(args: argparse.Namespace, work: ChatWorkload, rows: list[dict[str, Any]]) -> None:
@@ -194,7 +207,7 @@ def _one(setup: VllmSetup, args: argparse.Namespace, work: ChatWorkload, workdir
     sidecar = server = None
     try:
         if setup.sidecar:
-            sidecar = start_kvtier_serve(workdir, slot_bytes=_chunk_bytes(args))
+            sidecar = start_kvtier_serve(workdir, slot_bytes=_chunk_bytes(args, setup))
         server = start_vllm(args.vllm_python, args.model, setup, workdir, args,
                             sidecar.url if sidecar else None)
         done = asyncio.run(replay(server.url, "m", work, limit_s=args.setup_limit_s))
