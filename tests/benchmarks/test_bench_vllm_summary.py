@@ -77,3 +77,23 @@ def test_no_two_rounds_share_a_store(tmp_path):
 
     first, second = paths(0), paths(1)
     assert first and second and not first & second
+
+
+def test_a_setups_sidecar_slots_fit_its_own_chunks(tmp_path):
+    """The shared sidecar's CPU slots are sized to the chunks the setup's connector writes:
+    a one-block-chunk setup gets one-block slots (chunk-sized slots would leave most of each
+    empty), the default setup 256-token ones."""
+    import argparse
+    import json
+
+    from kvtier.benchmarks.vllm_bench import _chunk_bytes, setups
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 256,
+        "num_hidden_layers": 3}))
+    args = argparse.Namespace(model=str(tmp_path), block_size=32)
+    every = setups(tmp_path / "w")
+    whole = _chunk_bytes(args, every["kvtier-serve"])
+    one = _chunk_bytes(args, every["kvtier-serve-block-chunks"])
+    block = 3 * 2 * 32 * 2 * 64 * 4
+    assert block <= one < 2 * block and 8 * block <= whole < 9 * block
