@@ -46,16 +46,6 @@ def setups(workdir: Path) -> dict[str, VllmSetup]:
                       "disk_fsync": False}}}),
         "kvtier-serve": VllmSetup("kvtier-serve", {**KVTIER, "kv_connector_extra_config": {"shm": True}},
                                   sidecar=True),
-        # chunks of one vLLM block (``chunk_tokens`` 1 rounds up to one block): every block
-        # saved once (a longer chunk's blocks are saved again while it fills, turn by turn),
-        # more and smaller objects
-        "kvtier-inprocess-block-chunks": VllmSetup("kvtier-inprocess-block-chunks", {
-            **KVTIER, "kv_connector_extra_config": {
-                "tiers": {"cpu_bytes": 1 << 30, "disk_dir": str(workdir / "block-chunks"),
-                          "disk_fsync": False}, "chunk_tokens": 1}}),
-        "kvtier-serve-block-chunks": VllmSetup("kvtier-serve-block-chunks", {
-            **KVTIER, "kv_connector_extra_config": {"shm": True, "chunk_tokens": 1}},
-            sidecar=True),
         # the same, loading before the forward pass (``async_loads`` false)
         "kvtier-inprocess-sync": VllmSetup("kvtier-inprocess-sync", {
             **KVTIER, "kv_connector_extra_config": {
@@ -64,9 +54,8 @@ def setups(workdir: Path) -> dict[str, VllmSetup]:
         "kvtier-serve-sync": VllmSetup("kvtier-serve-sync", {
             **KVTIER, "kv_connector_extra_config": {"shm": True, "async_loads": False}},
             sidecar=True),
-        # a diagnostic: the same tiers, saving only (``kv_producer``, saves in the background
-        # as ``kv_both`` makes them): the connector's cost on turns with nothing restored,
-        # under the load vLLM alone sees (returning turns recompute, as there)
+        # a diagnostic: the same tiers, saving only (``kv_producer``, background saves): the
+        # connector's cost under the load vLLM alone sees (returning turns recompute)
         "kvtier-saves-only": VllmSetup("kvtier-saves-only", {
             **KVTIER, "kv_role": "kv_producer", "kv_connector_extra_config": {
                 "tiers": {"cpu_bytes": 1 << 30, "disk_dir": str(workdir / "saves-only-chunks"),
@@ -102,11 +91,27 @@ def setups(workdir: Path) -> dict[str, VllmSetup]:
             **KVTIER, "kv_connector_extra_config": {
                 "tiers": {"cpu_bytes": 1 << 30, "disk_dir": str(workdir / "inprocess-1proc-chunks"),
                           "disk_fsync": False}}}, env=ONE_PROCESS),
+        **_chunking_setups(workdir),
         "lmcache": VllmSetup("lmcache", {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"},
                              extra_path=_site_packages(REPO / ".venv-lmcache")),
         "vllm-native": VllmSetup("vllm-native", {
             "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30}}),
+    }
+
+
+def _chunking_setups(workdir: Path) -> dict[str, VllmSetup]:
+    """Chunks of one vLLM block (``chunk_tokens`` 1 rounds up to one block): every block
+    saved once (a longer chunk's blocks are saved again while it fills, turn by turn), more
+    and smaller objects."""
+    return {
+        "kvtier-inprocess-block-chunks": VllmSetup("kvtier-inprocess-block-chunks", {
+            **KVTIER, "kv_connector_extra_config": {
+                "tiers": {"cpu_bytes": 1 << 30, "disk_dir": str(workdir / "block-chunks"),
+                          "disk_fsync": False}, "chunk_tokens": 1}}),
+        "kvtier-serve-block-chunks": VllmSetup("kvtier-serve-block-chunks", {
+            **KVTIER, "kv_connector_extra_config": {"shm": True, "chunk_tokens": 1}},
+            sidecar=True),
     }
 
 
