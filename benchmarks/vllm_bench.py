@@ -183,16 +183,16 @@ def _chunk_bytes(args: argparse.Namespace, setup: VllmSetup) -> int:
     size): its ``chunk_tokens`` (256) in whole blocks (one at least) of every layer,
     float32 as the bench runs vLLM."""
     from kvtier.chunk_format import max_chunk_bytes
-    from kvtier.connectors.vllm_blocks import DEFAULT_CHUNK_TOKENS
+    from kvtier.connectors.vllm_blocks import DEFAULT_CHUNK_TOKENS, ChunkGrid
 
     extra = (setup.kv_transfer_config or {}).get("kv_connector_extra_config", {})
-    tokens = int(extra.get("chunk_tokens", DEFAULT_CHUNK_TOKENS))
+    grid = ChunkGrid.of(args.block_size, b"", int(extra.get("chunk_tokens", DEFAULT_CHUNK_TOKENS)))
     cfg = json.loads((Path(args.model) / "config.json").read_text())
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     layers = cfg["num_hidden_layers"]
     block = layers * 2 * args.block_size * cfg.get("num_key_value_heads", heads) * head_dim * 4
-    return max_chunk_bytes(layers, block * max(1, tokens // args.block_size))
+    return max_chunk_bytes(layers, block * grid.chunk_blocks)
 
 
 def _write(args: argparse.Namespace, work: ChatWorkload, rows: list[dict[str, Any]]) -> None:
