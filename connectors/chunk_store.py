@@ -18,12 +18,14 @@ import contextlib
 import json
 import threading
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Protocol
 
 import torch
 
 from kvtier.chunk_format import chunk_view
 from kvtier.connectors.tiers.base import ChunkWrite
+from kvtier.connectors.tiers.codec_setup import CodecContext, resolved_auto_fields
 from kvtier.connectors.tiers.host_buffers import StagingPool
 from kvtier.connectors.tiers.lent_chunk import LentChunk
 from kvtier.connectors.tiers.manager import TierManager
@@ -247,32 +249,58 @@ def accept_codecs(options: Mapping[str, Any]) -> frozenset[str] | None:
         raise ConfigError(f"accept_codecs: {exc}") from None
 
 
+def _tiers_config(options: Mapping[str, Any], codecs: frozenset[str] | None):
+    """The configuration a connector's in-process tiers are built from: ``config`` (a YAML
+    path), then ``tiers`` (and the connector's defaults where neither sets a field)."""
+    from kvtier.config import load_config
+    from kvtier.connectors.tiers.connector_defaults import unset_defaults
+
+    overrides = {"tiers": dict(options.get("tiers") or {})}
+    if codecs is not None:
+        overrides["tiers"]["accept_codecs"] = sorted(codecs)
+    cfg = load_config(options.get("config"), overrides=overrides)
+    for name, value in unset_defaults(cfg.tiers.model_fields_set).items():
+        setattr(cfg.tiers, name, value)
+    return cfg
+
+
+def with_auto_codecs(options: Mapping[str, Any], ctx: CodecContext | None) -> dict[str, Any]:
+    """``options`` with each of its tiers' ``auto`` codecs resolved for the chunks ``ctx``
+    describes, within the configuration's quality budget (``policy.max_kv_error``): the
+    connector knows its model's chunks, its tiers (in-process, or a private sidecar that
+    sees no model) do not. Unchanged for a ``url`` (that server's tiers are its own) or
+    without a context (``auto`` is then none)."""
+    if ctx is None or options.get("url"):
+        return dict(options)
+    cfg = _tiers_config(options, None)
+    chosen = resolved_auto_fields(cfg.tiers, replace(ctx, max_error=cfg.policy.max_kv_error))
+    if not chosen:
+        return dict(options)
+    return {**options, "tiers": {**dict(options.get("tiers") or {}), **chosen}}
+
+
 def open_store(options: Mapping[str, Any], slot_bytes: int) -> ChunkStore:
     """A store from a connector's options.
 
     ``url`` (and ``token``, ``shm``): a running ``kvtier serve``. Otherwise in-process tiers
     from ``config`` (a YAML path) and/or ``tiers`` (a mapping of :class:`TiersConfig`
-    fields); ``slot_bytes`` sizes the CPU arena's slots to the engine's chunks.
+    fields); ``slot_bytes`` sizes the CPU arena's slots to the engine's chunks; a tier's
+    ``auto`` codec is none here (resolve it first: :func:`with_auto_codecs`).
     ``accept_codecs``: what the reads take (:func:`accept_codecs`).
     """
     codecs = accept_codecs(options)
     if options.get("url"):
         return RemoteChunkStore(str(options["url"]), slot_bytes, options.get("token"),
                                 shm=bool(options.get("shm", False)), accept_codecs=codecs)
-    from kvtier.config import load_config
-    from kvtier.connectors.tiers.connector_defaults import unset_defaults
     from kvtier.connectors.tiers.factory import build_tiers
 
-    overrides = {"tiers": dict(options.get("tiers") or {})}
-    if codecs is not None:
-        overrides["tiers"]["accept_codecs"] = sorted(codecs)
-    cache_key = json.dumps([options.get("config"), overrides, slot_bytes], sort_keys=True)
+    cache_key = json.dumps([options.get("config"), dict(options.get("tiers") or {}),
+                            sorted(codecs) if codecs is not None else None, slot_bytes],
+                           sort_keys=True)
     with _LOCAL_LOCK:
         store = _LOCAL.get(cache_key)
         if store is None:
-            cfg = load_config(options.get("config"), overrides=overrides)
-            for name, value in unset_defaults(cfg.tiers.model_fields_set).items():
-                setattr(cfg.tiers, name, value)
+            cfg = _tiers_config(options, codecs)
             manager = build_tiers(cfg.tiers, slot_bytes, fingerprint=None)
             if manager is None:
                 raise ConfigError("the connector's tiers are all disabled; enable one or set url")

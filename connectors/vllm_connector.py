@@ -56,9 +56,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtier.chunk_format import max_chunk_bytes
 from kvtier.connectors import private_sidecar
-from kvtier.connectors.chunk_store import ChunkStore, accept_codecs, open_store
+from kvtier.connectors.chunk_store import ChunkStore, accept_codecs, open_store, with_auto_codecs
 from kvtier.connectors.private_sidecar import SidecarAddress
+from kvtier.connectors.tiers.codec_setup import CodecContext
 from kvtier.connectors.vllm_blocks import DEFAULT_CHUNK_TOKENS, ChunkGrid, Rank, Role, StepPlan
+from kvtier.connectors.vllm_device_io import ENCODABLE
 from kvtier.connectors.vllm_metrics import Deltas, KVTierPromMetrics, KVTierStats
 from kvtier.connectors.vllm_policy import LoadObservation, LoadPolicy
 from kvtier.connectors.vllm_scheduler import SchedulerSide
@@ -74,6 +76,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from kvtier.policies.cost_model import CostModel
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +142,7 @@ class KVTierConnector(KVConnectorBase_V1):
         """vLLM runs its workers in processes of their own (TP/PP > 1, or vLLM's CPU backend
         with multiprocessing, which uses the multiprocess executor even for one worker)."""
         self._store: ChunkStore | None = None
+        self._profile: CostModel | None = None
         self._shared: SidecarAddress | None = None
         """In-process tiers that vLLM's rank processes share: the private sidecar holding
         them (started by the scheduler side, told to the workers in each step's plan)."""
@@ -189,18 +194,35 @@ class KVTierConnector(KVConnectorBase_V1):
         """Restore or recompute on this instance's measured costs; ``profile``: a ``kvtier
         calibrate`` profile whose tiers' speeds it starts from; ``policy: false`` loads
         every stored prefix."""
+        layers, block = self._layers_and_block()
+        cost = self._calibrated()
+        return LoadPolicy(block // self.block_size, layers, None if cost is None else cost.tiers,
+                          enabled=bool(self.extra.get("policy", True)))
+
+    def _calibrated(self) -> CostModel | None:
+        """The ``profile`` option's cost model (None without one), read once."""
         from kvtier.machine import this_machine
         from kvtier.policies.profile import load_profile
 
-        layers, block = self._layers_and_block()
-        profile, tiers = self.extra.get("profile"), None
-        if profile:
-            cost, warnings = load_profile(profile, machine=this_machine())
-            tiers = cost.tiers
+        if self._profile is None and self.extra.get("profile"):
+            cost, warnings = load_profile(self.extra["profile"], machine=this_machine())
             for warning in warnings:
                 log.warning("kvtier connector: %s", warning)
-        return LoadPolicy(block // self.block_size, layers, tiers,
-                          enabled=bool(self.extra.get("policy", True)))
+            self._profile = cost
+        return self._profile
+
+    def _codec_context(self) -> CodecContext | None:
+        """What resolving a tier's ``auto`` codec needs: this worker's chunks (every layer
+        of ``chunk_tokens`` tokens, as the worker stores them) and, with a ``profile``, the
+        tiers' calibrated speeds; the budget is the tiers' configuration's. None for a
+        cache dtype no codec encodes (fp8)."""
+        dtype = getattr(self._kv_cache_config.kv_cache_groups[0].kv_cache_spec, "dtype", None)
+        if dtype not in ENCODABLE:
+            return None
+        layers, block = self._layers_and_block()
+        per_layer = block // layers // dtype.itemsize
+        shape = (layers, 2, self.grid.chunk_tokens, 1, per_layer // (2 * self.block_size))
+        return CodecContext(shape, dtype, max_error=0.0, cost=self._calibrated())
 
     @property
     def _needs_shared(self) -> bool:
@@ -214,14 +236,14 @@ class KVTierConnector(KVConnectorBase_V1):
         if self._store is None:
             layers, block = self._layers_and_block()
             slot = max_chunk_bytes(layers, block * self.grid.chunk_blocks)
-            options = self.extra
+            options = with_auto_codecs(self.extra, self._codec_context())
             if self._needs_shared:
                 if self.role == KVConnectorRole.SCHEDULER and self._shared is None:
-                    self._shared = private_sidecar.start(self.extra, slot)
+                    self._shared = private_sidecar.start(options, slot)
                 if self._shared is None:
                     raise ConfigError("kvtier connector: no step plan has said yet where the "
                                       "ranks' shared tiers are")
-                options = {**self.extra, **self._shared.options()}
+                options = {**options, **self._shared.options()}
             self._store = open_store(options, slot)
         return self._store
 

@@ -125,12 +125,14 @@ def test_through_kvtier_serve(model_dir, baseline, tmp_path):
 
 
 def test_a_compressing_tier_serves_those_who_take_its_codec(model_dir, baseline, tmp_path):
-    """The connector's disk keeps chunks as int8 (its RAM tier off): the second request
+    """The connector's disk keeps chunks compressed (its RAM tier off; ``auto``, which the
+    connector resolves for its chunks: int8 within the default budget): the second request
     loads the shared prefix decoded, its reply within int8's noise of the exact one; an
-    instance that takes exact KV only (``accept_codecs: [none]``) sees no stored prefix and
-    computes everything, its tokens exactly the baseline's."""
+    instance that takes exact KV only (``accept_codecs: [none]``) sees no stored prefix (so
+    the stored chunks are lossy) and computes everything, its tokens exactly the
+    baseline's."""
     tiers = {"cpu_bytes": 0, "disk_dir": str(tmp_path / "c"), "disk_fsync": False,
-             "disk_codec": "int8"}
+             "disk_codec": "auto"}
     results, metrics = run_vllm(model_dir, "kvtier", {"tiers": tiers})
     first, second = results
     hit = shared_blocks(results) * BLOCK

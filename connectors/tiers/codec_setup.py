@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtier.config import TiersConfig
 from kvtier.connectors.tiers.base import Tier
 from kvtier.kv_codecs import ERROR_BOUND, Codec, decode, encode, layout
 from kvtier.policies.codec_choice import CodecOption, choose_codec
@@ -29,6 +30,9 @@ class CodecContext:
 
 
 _SPEED_SHAPE = (1, 2, 256, 8, 128)
+MEMORY_TIERS = {"cpu": True, "disk": False, "redis": False}
+"""Each tier a configuration names, and whether it lends its memory (the CPU arena: a
+copy out of it is faster than any decode)."""
 
 
 @functools.lru_cache(maxsize=16)
@@ -75,23 +79,35 @@ def options(ctx: CodecContext) -> list[CodecOption]:
                         ERROR_BOUND[c], decode_Bps(c, ctx.dtype)) for c in Codec]
 
 
+def auto_codec(tier: str, memory_tier: bool, ctx: CodecContext) -> Codec:
+    """What ``auto`` resolves to for tier ``tier`` (``memory_tier``: the CPU arena): the
+    codec whose restores over its calibrated link are fastest within the budget."""
+    link = None
+    if ctx.cost is not None and tier in ctx.cost.tiers:
+        link = ctx.cost.tiers[tier].read.bandwidth_bps
+    return Codec(choose_codec(options(ctx), ctx.max_error, link, memory_tier).name)
+
+
 def resolve_codecs(tiers: Sequence[Tier], configured: dict[str, str],
                    ctx: CodecContext | None) -> None:
     """Set each tier's codec: as configured, ``auto`` chosen (without a context: none)."""
-    opts = None
     for tier in tiers:
         name = configured.get(tier.name, "none")
         if name != "auto":
             tier.codec = Codec(name)
-            continue
-        if ctx is None:
-            tier.codec = Codec.NONE
-            continue
-        opts = opts or options(ctx)
-        link = None
-        if ctx.cost is not None and tier.name in ctx.cost.tiers:
-            link = ctx.cost.tiers[tier.name].read.bandwidth_bps
-        tier.codec = Codec(choose_codec(opts, ctx.max_error, link, tier.lends_memory).name)
+        else:
+            tier.codec = Codec.NONE if ctx is None else auto_codec(tier.name, tier.lends_memory, ctx)
+
+
+def resolved_auto_fields(tiers: TiersConfig, ctx: CodecContext) -> dict[str, str]:
+    """``<tier>_codec`` fields set to ``auto`` in ``tiers``, each with the codec it resolves
+    to: what a process that knows the chunks (a vLLM connector) hands to tiers built
+    without that knowledge (its private sidecar, which sees no model)."""
+    out = {}
+    for name, memory in MEMORY_TIERS.items():
+        if getattr(tiers, f"{name}_codec") == "auto":
+            out[f"{name}_codec"] = auto_codec(name, memory, ctx).value
+    return out
 
 
 def tier_codecs(tiers: Sequence[Tier], chunk_shape: tuple[int, int, int, int, int],

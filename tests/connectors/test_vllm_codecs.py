@@ -159,3 +159,35 @@ def test_the_accept_codecs_option_is_checked_and_lossy_tiers_open(tmp_path):
     assert isinstance(store, LocalChunkStore)
     assert store.manager.tiers[0].codec is Codec.FP8
     assert store.manager.codecs == {"none", "fp8"}
+
+
+def test_auto_codecs_are_resolved_for_the_connectors_chunks(tmp_path, monkeypatch):
+    """``<tier>_codec: auto`` in the connector's own tiers: resolved by the policy for the
+    connector's chunks within the configuration's budget (the default allows int8 only,
+    and the RAM tier stays lossless), by the calibrated links where a profile says them;
+    the tiers then keep chunks in that codec. A server's tiers (``url``) are its own."""
+    from kvtier.connectors.chunk_store import with_auto_codecs
+    from kvtier.connectors.tiers.codec_setup import CodecContext
+    from tests.policies.test_codec_choice import cost
+
+    ctx = CodecContext((LAYERS, 2, 256, 1, 192), torch.bfloat16, max_error=0.0)
+    tiers = {"cpu_bytes": 8 << 20, "cpu_codec": "auto", "disk_dir": str(tmp_path / "d"),
+             "disk_fsync": False, "disk_codec": "auto"}
+    options = with_auto_codecs({"tiers": tiers, "shm": True}, ctx)
+    assert options["tiers"] == {**tiers, "cpu_codec": "none", "disk_codec": "int8"}
+    assert options["shm"] is True and tiers["disk_codec"] == "auto"  # a copy
+    store = open_store(options, 1 << 20)
+    assert [t.codec for t in store.manager.tiers] == [Codec.NONE, Codec.INT8]
+
+    config = tmp_path / "kvtier.yaml"
+    config.write_text("policy:\n  max_kv_error: 0.2\n")
+    assert with_auto_codecs({"tiers": tiers, "config": str(config)}, ctx)["tiers"]["disk_codec"] == "int4"
+    monkeypatch.setenv("KVTIER_POLICY__MAX_KV_ERROR", "0")
+    assert with_auto_codecs({"tiers": tiers}, ctx)["tiers"]["disk_codec"] == "none"
+    monkeypatch.delenv("KVTIER_POLICY__MAX_KV_ERROR")
+    fast = CodecContext(ctx.chunk_shape, ctx.dtype, 0.0, cost(disk_Bps=1e13))
+    assert with_auto_codecs({"tiers": tiers}, fast)["tiers"]["disk_codec"] == "none"  # faster than a decode
+
+    assert with_auto_codecs({"tiers": tiers}, None)["tiers"]["disk_codec"] == "auto"  # an fp8 cache
+    remote = {"url": "http://127.0.0.1:1", "tiers": tiers}
+    assert with_auto_codecs(remote, ctx) == remote
