@@ -255,10 +255,7 @@ class Client:
     def _region_call(self, method: str, path: str, params: dict[str, Any] | None,
                      body: Any) -> tuple[int, bytes]:
         if self.wire is not None:
-            data = None if body is None else json.dumps(body).encode()
-            headers = {"Content-Type": "application/json"} if data is not None else None
-            resp = self.wire.request(method, path, params, data, headers)
-            return resp.status, resp.read()
+            return self._wire_json(method, path, params, body)
         r = self.http.request(method, path, params=params, json=body)
         return r.status_code, r.content
 
@@ -284,13 +281,19 @@ class Client:
         request is about a third of a loopback lookup's), else through httpx."""
         if self.wire is None or call.content is not None:
             return self._send(call).json()
-        headers = {"Content-Type": "application/json", **(call.headers or {})}
-        data = json.dumps(call.json).encode() if call.json is not None else None
-        resp = self.wire.request(call.method, call.path, call.params, data, headers)
-        body = resp.read()
-        if not (resp.status in call.ok or resp.status < 300 and 200 in call.ok):
-            raise error_from(resp.status, body)
+        status, body = self._wire_json(call.method, call.path, call.params, call.json, call.headers)
+        if not (status in call.ok or status < 300 and 200 in call.ok):
+            raise error_from(status, body)
         return json.loads(body)
+
+    def _wire_json(self, method: str, path: str, params: dict[str, Any] | None, body: Any,
+                   headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+        """A request with a JSON body (or none) over the chunk wire: its status and body."""
+        assert self.wire is not None
+        data = None if body is None else json.dumps(body).encode()
+        sent = {**({"Content-Type": "application/json"} if data is not None else {}), **(headers or {})}
+        resp = self.wire.request(method, path, params, data, sent or None)
+        return resp.status, resp.read()
 
     # control
     def health(self) -> dict[str, Any]:

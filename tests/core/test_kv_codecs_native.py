@@ -53,6 +53,16 @@ def test_edge_values(codec, dtype):
     _same(torch.zeros(1, 2, 32, 1, 32, dtype=dtype), codec)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("log2_scale", [-104, -108, -110, -111, -112, -114, -118])
+def test_fp8_groups_near_the_dtypes_smallest(dtype, log2_scale):
+    """Groups whose scale exponent lies around the one where fp8's bf16 decode leaves its
+    integer path (values near the dtype's smallest normals, and fp8 subnormals in them)."""
+    g = torch.Generator().manual_seed(-log2_scale)
+    kv = torch.randn((1, 2, 16, 2, 64), generator=g) * torch.logspace(0, -4, 64, base=2.0)
+    _same((kv * 2.0 ** log2_scale).to(dtype), Codec.FP8)
+
+
 @settings(max_examples=60, deadline=None)
 @given(codec=st.sampled_from(LOSSY), dtype=st.sampled_from(DTYPES),
        tokens=st.integers(1, 70), heads=st.integers(1, 3), half_dim=st.integers(1, 40),

@@ -269,6 +269,35 @@ INLINE int encode_layer(int codec, int dt, const void *src, Py_ssize_t T, Py_ssi
     return OK;
 }
 
+/* One group of fp8 values decoded and scaled into out (in range: no checks); whether one
+ * is a NaN. Inlined with its trip count, so a group of GROUP is one straight vector run.
+ * Into bf16 with a scale of 2**k, k >= -119, a normal value's bits are its own shifted with
+ * k added to the exponent (integer lanes, no float round trip); a subnormal one (m * 2**-9)
+ * is m times 2**(k - 9), exact. */
+INLINE int fp8_group(const uint8_t *in, char *out, int dt, float scale, size_t g)
+{
+    int nan = 0;
+    const int k = (int)((f32_bits(scale) >> 23) & 0xFF) - 127;
+    if (dt == DT_BF16 && k >= -119) {
+        const uint16_t bias = (uint16_t)((120 + k) << 7);
+        const float sub_scale = scale * 0.001953125f; /* 2**(k - 9) */
+        uint16_t *o = (uint16_t *)out;
+        for (size_t j = 0; j < g; j++) {
+            const uint16_t c = in[j], em = c & 0x7F;
+            nan |= em == 0x7F;
+            const uint16_t normal = (uint16_t)((em << 4) + bias);
+            const uint16_t sub = (uint16_t)(f32_bits((float)(c & 7) * sub_scale) >> 16);
+            o[j] = (uint16_t)((c & 0x80) << 8) | (em >= 8 ? normal : sub);
+        }
+        return nan;
+    }
+    for (size_t j = 0; j < g; j++) {
+        nan |= (in[j] & 0x7F) == 0x7F;
+        store_fast(out, dt, j, e4m3_to_f32(in[j]) * scale);
+    }
+    return nan;
+}
+
 /* Rows [t0, t1) of K (kv 0) or V (kv 1) of one layer decoded into dst, contiguous
  * ([t1 - t0, H, D]): a pool block's piece. Every codec's groups lie within a token's row
  * but int4 keys', whose exponents are indexed by the row's token group. */
@@ -290,11 +319,10 @@ INLINE int decode_rows(int codec, int dt, const uint8_t *vals, const int8_t *ek,
             const uint8_t *in = vals + at + k * g;
             char *out = (char *)dst + k * g * (dt == DT_F32 ? 4 : 2);
             if (qmax * scale < fmax_of[dt]) {
-                if (codec == CODEC_FP8)
-                    for (size_t j = 0; j < g; j++) {
-                        bad_value |= (in[j] & 0x7F) == 0x7F;
-                        store_fast(out, dt, j, e4m3_to_f32(in[j]) * scale);
-                    }
+                if (codec == CODEC_FP8 && g == GROUP) /* a constant trip count: no remainder */
+                    bad_value |= fp8_group(in, out, dt, scale, GROUP);
+                else if (codec == CODEC_FP8)
+                    bad_value |= fp8_group(in, out, dt, scale, g);
                 else
                     for (size_t j = 0; j < g; j++)
                         store_fast(out, dt, j, (float)(int8_t)in[j] * scale);
