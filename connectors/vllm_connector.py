@@ -364,6 +364,7 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         self.worker_side.close()
+        self.scheduler_side.close()
         if self._store is not None:
             self._store.close()
         if self._shared is not None and self.role == KVConnectorRole.SCHEDULER:

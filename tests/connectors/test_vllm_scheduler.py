@@ -395,3 +395,54 @@ def test_the_one_round_trip_lookup_through_a_running_kvtier_serve(tmp_path):
                                 ) == [None, "cpu"]
         finally:
             store.close()
+
+
+def test_a_request_added_early_is_looked_up_off_the_scheduling_path():
+    """vLLM adds a request before it schedules it: the store is asked then, in the
+    background, and scheduling it asks nothing more, with the same answer."""
+    asker, counted, turn2 = _after_a_first_turn()
+    req = Request("t2", turn2)
+    asker.arrived(req)
+    asker._early._pending["t2"].asked.result(timeout=30)  # the early question is answered
+    calls = counted.calls
+    assert asker.matched_tokens(req, 0) == 5 * BLOCK  # 2 chunks + the tail, as asked at once
+    assert counted.calls == calls  # no round trip while vLLM's loop waits
+    assert asker.matched_tokens(Request("t3", turn2), 0) == 5 * BLOCK  # not added early: asked now
+    assert counted.calls == calls + 1
+
+
+def test_chunks_saved_after_an_early_lookup_are_counted_stored():
+    """A request added while another's saves are still on the way: its early answer
+    predates them, and the chunks that landed since are counted as stored (and loaded)."""
+    sched, (worker,), _ = _sides()
+    prompt = list(range(300, 300 + 4 * BLOCK + 1))
+    later = Request("later", prompt + [7, 8, 9])
+    sched.arrived(later)
+    sched._early._pending["later"].asked.result(timeout=30)  # asked: nothing stored yet
+    _run(sched, [worker], Request("first", prompt), list(range(5)))  # its saves land now
+    assert sched.matched_tokens(later, 0) == 4 * BLOCK
+    sched.allocated(later, list(range(10, 15)), 4 * BLOCK)
+    plan = sched.step_plan(SchedulerOutput())
+    assert _blocks(plan.loads) == [[10, 11], [12, 13]]
+    worker.load(plan.loads)
+    assert worker.take_load_errors() == set() and worker.stats.loaded_blocks == 4
+
+
+def test_an_early_lookup_still_queued_is_asked_at_once():
+    """The background lookup is busy with another request's question when vLLM schedules
+    this one: its queued question is dropped and asked on the spot (never waiting behind
+    the others), and the answer is right."""
+    import threading
+
+    asker, _, turn2 = _after_a_first_turn()
+    gate = threading.Event()
+    req = Request("t2", turn2)
+    try:
+        asker.arrived(Request("other", [5] * (3 * BLOCK)))  # starts the lookup thread
+        asker._early._pool.submit(gate.wait, 30)  # which is then busy...
+        asker.arrived(req)  # ...so this one's question waits in the queue
+        queued = asker._early._pending["t2"].asked
+        assert asker.matched_tokens(req, 0) == 5 * BLOCK
+        assert queued.cancelled() and not gate.is_set()  # dropped, not waited for
+    finally:
+        gate.set()
