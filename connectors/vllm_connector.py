@@ -364,7 +364,6 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         self.worker_side.close()
-        self.scheduler_side.close()
         if self._store is not None:
             self._store.close()
         if self._shared is not None and self.role == KVConnectorRole.SCHEDULER:

@@ -6,15 +6,12 @@ stopped meanwhile), and through ``kvtier serve`` each question is an HTTP round 
 asking for the stored prefix, then for the tails after it, then for the tier of the tail
 found took three. The tails that may follow the stored prefix depend on how long it
 is, so the candidates after every position go in the same question, up to a bound on
-its size (long prompts ask the tails after the prefix in a second one). The question is
-asked (:meth:`PrefixProbe.ask`) apart from its reading (:meth:`PrefixProbe.answer`), so that
-it can be asked when vLLM adds the request, off the scheduler's loop, and read when vLLM
-schedules it, against what this instance stored meanwhile.
+its size (long prompts ask the tails after the prefix in a second one).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from kvtier.connectors.chunk_store import ChunkStore
@@ -23,9 +20,6 @@ from kvtier.connectors.vllm_blocks import ChunkGrid, Rank
 FINISHING = "finishing"
 """The tier of a chunk a finished request's final save is about to write (from vLLM's
 held blocks into the fastest tier, before the load that reads it)."""
-LANDED = "landed"
-"""The tier of a chunk this instance's save wrote after the store was asked (into the
-store's fastest tier)."""
 
 MAX_SPECULATIVE_KEYS = 512
 """Keys one lookup may ask about, every position's tails included, before the tails are
@@ -53,23 +47,9 @@ class Probe:
     tail: Stored | None
 
 
-@dataclass(frozen=True)
-class Asked:
-    """The store's answer about a prompt's keys (one round trip), before it is read
-    against what this instance knows it is about to store: ``tier`` of each key stored
-    (every rank's part); ``tails``: the candidate tail keys after each count of full
-    chunks; ``speculated``: whether those tails were in the question (a long prompt asks
-    for them once its prefix is known)."""
-
-    tier: dict[str, str]
-    tails: dict[int, list[str]]
-    speculated: bool
-
-
 class PrefixProbe:
-    """Asks the store about a prompt's chunks, and reads the answer: ``known`` are keys
-    this instance knows are stored or about to be (key -> a pseudo tier such as
-    :data:`FINISHING`), counted as stored whatever the answer said."""
+    """Asks the store about a prompt's chunks: ``finishing`` are keys a final save is
+    about to write (counted as stored, in :data:`FINISHING`)."""
 
     def __init__(self, grid: ChunkGrid, ranks: Sequence[Rank]) -> None:
         self.grid = grid
@@ -78,38 +58,28 @@ class PrefixProbe:
         """Questions asked of the store so far."""
 
     def probe(self, store: ChunkStore, prompt: Sequence[int], full: Sequence[str], usable: int,
-              known: Mapping[str, str]) -> Probe:
+              finishing: Collection[str]) -> Probe:
         """The stored prefix of ``full`` (the prompt's full chunk keys) and the tail after
         it, for a prompt whose first ``usable`` blocks a load may fill."""
-        return self.answer(store, self.ask(store, prompt, full), full, usable, known)
-
-    def ask(self, store: ChunkStore, prompt: Sequence[int], full: Sequence[str]) -> Asked:
-        """One round trip: where the prompt's full chunks and, where the question stays
-        small, every candidate tail are stored."""
+        per = self.grid.chunk_blocks
         tails = {c: self._tails(prompt, full, c) for c in range(len(full) + 1)}
         asked = list(full) + [k for keys in tails.values() for k in keys]
         speculate = len(asked) * len(self.ranks) <= MAX_SPECULATIVE_KEYS
-        return Asked(self._locate(store, asked if speculate else list(full)), tails, speculate)
-
-    def answer(self, store: ChunkStore, asked: Asked, full: Sequence[str], usable: int,
-               known: Mapping[str, str]) -> Probe:
-        """The stored prefix and tail ``asked`` says, ``known`` keys counted as stored (a
-        second round trip for the tails of a prompt too long to ask them at once)."""
-        per, tier = self.grid.chunk_blocks, asked.tier
+        tier = self._locate(store, asked if speculate else list(full))
         prefix = []
         for key in full:
-            t = known.get(key) or tier.get(key)
+            t = FINISHING if key in finishing else tier.get(key)
             if t is None:
                 break
             prefix.append(Stored(key, per, t))
         if len(prefix) * per >= usable:
             return Probe(prefix, None)
-        candidates = asked.tails[len(prefix)]
-        if not asked.speculated:
+        candidates = tails[len(prefix)]
+        if not speculate:
             tier = self._locate(store, candidates)
         most = len(candidates)
         for i, key in enumerate(candidates):
-            t = known.get(key) or tier.get(key)
+            t = FINISHING if key in finishing else tier.get(key)
             if t is not None:
                 return Probe(prefix, Stored(key, most - i, t))
         return Probe(prefix, None)

@@ -22,7 +22,6 @@ from typing import Any
 from kvtier.chunk_keys import ChunkKey
 from kvtier.connectors.chunk_store import ChunkStore
 from kvtier.connectors.vllm_blocks import ChunkGrid, ChunkSpan, ChunkTransfer, Rank, Role, StepPlan
-from kvtier.connectors.vllm_early_lookup import EarlyLookups
 from kvtier.connectors.vllm_lookup import FINISHING, PrefixProbe, Stored
 from kvtier.connectors.vllm_policy import LoadObservation, LoadPolicy
 from kvtier.policies.restore import StoredChunk
@@ -82,7 +81,6 @@ class SchedulerSide:
         self._load_tiers: dict[str, set[str]] = {}
         self.ranks = [Rank(i, world) for i in range(world)]
         self._probe = PrefixProbe(grid, self.ranks)
-        self._early = EarlyLookups(self._probe, store)
         self.save_decode = save_decode
         """Save a finished request's reply too (a returning turn restores it)."""
         self._requests: dict[str, _ReqState] = {}
@@ -120,27 +118,15 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ arrivals
     def arrived(self, request: Any) -> Future[int] | None:
-        """vLLM added a request (it may wait in the queue before it is scheduled): ask the
-        store what it holds of the prompt, off vLLM's scheduler loop (:mod:`.vllm_early_lookup`),
-        and raise its stored chunks from the slower tiers into the fastest one in the
-        background, so that its load reads them from RAM. Returns the prefetch (None where
-        nothing is prefetched)."""
+        """vLLM added a request (it may wait in the queue before it is scheduled): raise
+        its stored chunks from the slower tiers into the fastest one in the background, so
+        that its load reads them from RAM. None where nothing is prefetched."""
         state = self._state(request)
-        if not state.keys:
+        if not self.role.loads or not state.keys:
             return None
-        promoted = None
-        if self.role.loads:
-            if self._prefetcher is None:
-                self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm-prefetch")
-            promoted = self._prefetcher.submit(self._prefetch, self._parts([k.key for k in state.keys]))
-        self._early.ask(request.request_id, state.tokens, self._full_keys(state), promoted)
-        return promoted
-
-    def close(self) -> None:
-        """Stop the background lookups and prefetches (those not started are dropped)."""
-        self._early.close()
-        if self._prefetcher is not None:
-            self._prefetcher.shutdown(wait=False, cancel_futures=True)
+        if self._prefetcher is None:
+            self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm-prefetch")
+        return self._prefetcher.submit(self._prefetch, self._parts([k.key for k in state.keys]))
 
     def _prefetch(self, keys: list[str]) -> int:
         try:
@@ -166,19 +152,11 @@ class SchedulerSide:
         that it does not upload again what the store holds."""
         state = self._state(request)
         prompt = state.tokens
-        bs = self.grid.block_size
+        bs, per = self.grid.block_size, self.grid.chunk_blocks
         usable = (len(prompt) - 1) // bs
-        full = self._full_keys(state)
-        known = dict.fromkeys(self._finishing, FINISHING)
+        full = [k.key for k in state.keys if not k.is_tail][: -(-usable // per)]
         try:
-            store = self._store()
-            early = self._early.take(request.request_id)
-            if early is None:
-                asked = self._probe.ask(store, prompt, full)
-            else:
-                asked, landed = early
-                known = {**landed, **known}
-            found_now = self._probe.answer(store, asked, full, usable, known)
+            found_now = self._probe.probe(self._store(), prompt, full, usable, self._finishing)
             stored, tail = found_now.prefix, found_now.tail
         except Exception as exc:  # noqa: BLE001 - an unreachable store is a miss
             log.warning("kvtier lookup failed, recomputing: %s", exc)
@@ -196,11 +174,6 @@ class SchedulerSide:
         found = _Found(computed, len(stored), tail, load, declined)
         self._found[request.request_id] = found  # acted on once vLLM allocates (no side effect here)
         return max(0, found.blocks * bs - num_computed_tokens) if found.blocks > computed else 0
-
-    def _full_keys(self, state: _ReqState) -> list[str]:
-        """The prompt's full chunk keys a load may use (up to its last usable block)."""
-        usable = (len(state.tokens) - 1) // self.grid.block_size
-        return [k.key for k in state.keys if not k.is_tail][: -(-usable // self.grid.chunk_blocks)]
 
     def _chosen(self, chain: list[Stored], computed: int, prompt_tokens: int
                 ) -> tuple[tuple[Stored, ...], int]:
@@ -327,11 +300,9 @@ class SchedulerSide:
         """The workers reported every save of ``req_ids`` landed: the store answers for
         their chunks from now on."""
         for req_id in req_ids:
-            keys = self._owned.pop(req_id, ())
-            for key in keys:
+            for key in self._owned.pop(req_id, ()):
                 if self._saving.get(key) == req_id:
                     del self._saving[key]
-            self._early.landed(keys)
 
     def _unsaved(self, state: _ReqState, keys: list[ChunkKey], blocks: int) -> list[ChunkSpan]:
         """Chunks of ``keys`` within the first ``blocks`` blocks not stored yet (marked
@@ -362,7 +333,6 @@ class SchedulerSide:
         too, with ``save_decode``). True: its blocks stay until the workers report every
         save of it landed."""
         req_id = request.request_id
-        self._early.forget(req_id)
         self._found.pop(req_id, None)
         self._loads.pop(req_id, None)
         self._load_tiers.pop(req_id, None)
