@@ -19,7 +19,7 @@ import json
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -31,6 +31,9 @@ from kvtier.connectors.tiers.lent_chunk import LentChunk
 from kvtier.connectors.tiers.manager import TierManager
 from kvtier.errors import ChunkError, ConfigError, InvalidArgumentError
 from kvtier.kv_codecs import Codec
+
+if TYPE_CHECKING:
+    from kvtier.config import KVTierConfig
 
 
 class ChunkStore(Protocol):
@@ -249,7 +252,7 @@ def accept_codecs(options: Mapping[str, Any]) -> frozenset[str] | None:
         raise ConfigError(f"accept_codecs: {exc}") from None
 
 
-def _tiers_config(options: Mapping[str, Any], codecs: frozenset[str] | None):
+def _tiers_config(options: Mapping[str, Any], codecs: frozenset[str] | None) -> KVTierConfig:
     """The configuration a connector's in-process tiers are built from: ``config`` (a YAML
     path), then ``tiers`` (and the connector's defaults where neither sets a field)."""
     from kvtier.config import load_config
