@@ -92,6 +92,7 @@ def setups(workdir: Path) -> dict[str, VllmSetup]:
                 "tiers": {"cpu_bytes": 1 << 30, "disk_dir": str(workdir / "inprocess-1proc-chunks"),
                           "disk_fsync": False}}}, env=ONE_PROCESS),
         **_chunking_setups(workdir),
+        **_save_pacing_setups(workdir),
         "lmcache": VllmSetup("lmcache", {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"},
                              extra_path=_site_packages(REPO / ".venv-lmcache")),
         "vllm-native": VllmSetup("vllm-native", {
@@ -111,6 +112,21 @@ def _chunking_setups(workdir: Path) -> dict[str, VllmSetup]:
                           "disk_fsync": False}, "chunk_tokens": 1}}),
         "kvtier-serve-block-chunks": VllmSetup("kvtier-serve-block-chunks", {
             **KVTIER, "kv_connector_extra_config": {"shm": True, "chunk_tokens": 1}},
+            sidecar=True),
+    }
+
+
+def _save_pacing_setups(workdir: Path) -> dict[str, VllmSetup]:
+    """Saves that yield to prefill steps (``saves_yield_to_prefill``): each chunk is
+    written only while no prefill step runs (up to a bound), so a first turn prefilling
+    beside another request's completed chunks does not share the cores with their save."""
+    return {
+        "kvtier-inprocess-yield": VllmSetup("kvtier-inprocess-yield", {
+            **KVTIER, "kv_connector_extra_config": {
+                "tiers": {"cpu_bytes": 1 << 30, "disk_dir": str(workdir / "yield-chunks"),
+                          "disk_fsync": False}, "saves_yield_to_prefill": True}}),
+        "kvtier-serve-yield": VllmSetup("kvtier-serve-yield", {
+            **KVTIER, "kv_connector_extra_config": {"shm": True, "saves_yield_to_prefill": True}},
             sidecar=True),
     }
 

@@ -63,6 +63,8 @@ class StepPlan:
     saves: list[ChunkTransfer] = field(default_factory=list)
     finishing: list[ChunkTransfer] = field(default_factory=list)
     preempted: bool = False
+    prefill: bool = False
+    """The step computes prompt tokens (more tokens than requests)."""
 
     def needs_finishing(self) -> bool:
         """A load of this step reads a chunk a finishing save writes."""

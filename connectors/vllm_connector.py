@@ -304,17 +304,21 @@ class KVTierConnector(KVConnectorBase_V1):
         self.worker_side = WorkerSide(self._open_store, self.grid, _worker_rank(self.world),
                                       background=bool(background), idle_saves=idle == "idle",
                                       async_loads=self.async_loads,
-                                      accept_codecs=accept_codecs(self.extra))
+                                      accept_codecs=accept_codecs(self.extra),
+                                      saves_yield=_flag(self.extra, "saves_yield_to_prefill", False))
         self.worker_side.register(kv_caches, self._kv_cache_config.num_blocks)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         self._step_t0 = time.perf_counter()
-        if isinstance(connector_metadata, KVTierConnectorMetadata) and self._shared is None:
-            self._shared = connector_metadata.store
+        if isinstance(connector_metadata, KVTierConnectorMetadata):
+            self.worker_side.saves.step_started(connector_metadata.plan.prefill)
+            if self._shared is None:
+                self._shared = connector_metadata.store
 
     def clear_connector_metadata(self) -> None:
         """The step ends: its time counted (the connector's share of it is in the stats)."""
+        self.worker_side.saves.step_ended()
         if self._step_t0 is not None:
             self.worker_side.stats.step_s += time.perf_counter() - self._step_t0
             self.worker_side.stats.steps += 1

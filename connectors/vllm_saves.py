@@ -40,14 +40,28 @@ def idle_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
-class SaveQueue:
-    """Background saves, one at a time in submission order, counted per request."""
+MAX_YIELD_S = 1.0
+"""The longest a save waits for prefill steps to end (a few prefill steps of a CPU, a
+fraction of a user's think time): under a stream of prefills it runs anyway, so that
+finished requests' blocks are not held for it without bound."""
 
-    def __init__(self, background: bool = True, idle: bool = False) -> None:
+
+class SaveQueue:
+    """Background saves, one at a time in submission order, counted per request.
+    ``yield_to_prefill``: the background thread starts each chunk only while no prefill
+    step runs (:meth:`step_started`), up to :data:`MAX_YIELD_S` a save."""
+
+    def __init__(self, background: bool = True, idle: bool = False,
+                 yield_to_prefill: bool = False) -> None:
         self.background = background
         """False: every save runs in the caller (vLLM waits for it)."""
         self.idle = idle
         """The background thread runs at idle priority: only on a core vLLM leaves free."""
+        self.yield_to_prefill = yield_to_prefill and background
+        self._clear = threading.Event()
+        """Set while no prefill step runs (always, unless ``yield_to_prefill``)."""
+        self._clear.set()
+        self._deadline = threading.local()
         self._pool = (ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm-save",
                                          initializer=idle_priority if idle else None)
                       if background else None)
@@ -78,7 +92,27 @@ class SaveQueue:
             return
         self._last = self._pool.submit(self._run, ids, save)
 
+    def step_started(self, prefill: bool) -> None:
+        """vLLM starts a step (``prefill``: it computes prompt tokens, not only one token
+        a request): with ``yield_to_prefill``, saves wait until it ends."""
+        if self.yield_to_prefill and prefill:
+            self._clear.clear()
+
+    def step_ended(self) -> None:
+        self._clear.set()
+
+    def pause(self) -> None:
+        """Called by a save before each chunk: waits while a prefill step runs, no longer
+        than :data:`MAX_YIELD_S` since its save began."""
+        if self._clear.is_set():
+            return
+        deadline = getattr(self._deadline, "at", None)
+        left = MAX_YIELD_S if deadline is None else deadline - time.monotonic()
+        if left > 0:
+            self._clear.wait(left)
+
     def _run(self, ids: list[str], save: Callable[[], None]) -> None:
+        self._deadline.at = time.monotonic() + MAX_YIELD_S
         try:
             save()
         except Exception:  # noqa: BLE001 - never lose the count: the blocks must be freed
@@ -108,7 +142,9 @@ class SaveQueue:
         return done
 
     def drain(self) -> None:
-        """Wait for every save submitted so far."""
+        """Wait for every save submitted so far (a save yielding to a prefill goes on:
+        whoever drains needs it now)."""
+        self._clear.set()
         last = self._last
         if last is not None:
             last.result()

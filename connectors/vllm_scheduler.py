@@ -246,6 +246,8 @@ class SchedulerSide:
         self._final_saves = []
         self._finishing.clear()
         plan.preempted = bool(getattr(scheduler_output, "preempted_req_ids", None))
+        scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+        plan.prefill = sum(scheduled.values()) > len(scheduled)
         for req_id, computed in self._progress(scheduler_output).items():
             save = self._completed(req_id, computed)
             if save is not None:

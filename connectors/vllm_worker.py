@@ -96,7 +96,8 @@ class WorkerSide:
 
     def __init__(self, store: Callable[[], ChunkStore], grid: ChunkGrid, rank: Rank = Rank(),
                  background: bool = False, idle_saves: bool = False,
-                 async_loads: bool = False, accept_codecs: frozenset[str] | None = None) -> None:
+                 async_loads: bool = False, accept_codecs: frozenset[str] | None = None,
+                 saves_yield: bool = False) -> None:
         self._store = store
         self.accept_codecs = accept_codecs
         """The codecs of stored KV this worker loads (None: whatever the store lends, which
@@ -109,7 +110,7 @@ class WorkerSide:
         self._pieces: BlockPieces | None = None
         self._device: DeviceIO | None = None
         self.stats = WorkerStats()
-        self.saves = SaveQueue(background, idle_saves)
+        self.saves = SaveQueue(background, idle_saves, yield_to_prefill=saves_yield)
         self._load_errors: set[int] = set()
         self._observed: list[LoadObservation] = []
         self._lock = threading.Lock()
@@ -169,8 +170,14 @@ class WorkerSide:
         if ready is not None:
             ready.synchronize()
         writes = [self._write(span, s.session) for s in saves for span in s.chunks]
+        failed: dict[str, str] = {}
         try:
-            failed = self._store().put_from(writes)
+            if self.saves.yield_to_prefill:  # chunk by chunk, each once no prefill runs
+                for write in writes:
+                    self.saves.pause()
+                    failed.update(self._store().put_from([write]))
+            else:
+                failed = self._store().put_from(writes)
         except Exception as exc:  # noqa: BLE001 - a failed save is a future miss
             log.warning("kvtier save of %d chunks failed: %s", len(writes), exc)
             return

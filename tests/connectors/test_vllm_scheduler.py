@@ -395,3 +395,15 @@ def test_the_one_round_trip_lookup_through_a_running_kvtier_serve(tmp_path):
                                 ) == [None, "cpu"]
         finally:
             store.close()
+
+
+def test_a_step_plan_says_whether_the_step_prefills():
+    """A step that computes prompt tokens (more tokens than requests) is a prefill step,
+    which saves may yield to; one token a request is a decode step."""
+    sched, _, _ = _sides()
+    req = Request("p", list(range(40, 40 + 3 * BLOCK)))
+    sched.matched_tokens(req, 0)
+    sched.allocated(req, [0, 1, 2], 0)
+    assert sched.step_plan(_new("p", [0, 1, 2], 0, 3 * BLOCK)).prefill
+    assert not sched.step_plan(_cached("p", 3 * BLOCK, 1)).prefill
+    assert not sched.step_plan(SchedulerOutput()).prefill

@@ -519,3 +519,52 @@ def test_the_connectors_own_disk_tier_bypasses_the_page_cache_unless_told_otherw
     assert told["KVTIER_TIERS__DISK_O_DIRECT"] == "False"
     from_file = private_sidecar._env({"config": "kvtier.yaml"}, slot, str(tmp_path), "t")
     assert "KVTIER_TIERS__DISK_O_DIRECT" not in from_file  # a config file is taken as written
+
+
+def test_saves_that_yield_wait_out_a_prefill_step_and_no_longer_than_the_bound(tmp_path, monkeypatch):
+    """``saves_yield_to_prefill``: a chunk is written only once the prefill step running
+    when its save came ends; a decode step does not hold it; a prefill that never ends
+    holds it no longer than the bound; whoever drains the saves does not wait for a step."""
+    from kvtier.connectors import vllm_saves
+
+    src = caches(NUM_BLOCKS, True, seed=31)
+    store = _local(src, tmp_path)
+    keys = _keys(4)
+    worker = WorkerSide(lambda: store, GRID, background=True, saves_yield=True)
+    worker.register(src, NUM_BLOCKS)
+    try:
+        worker.saves.step_started(prefill=True)
+        worker.save([ChunkTransfer("a", _transfer(keys, [0, 1, 2, 3])[0].chunks)])
+        time.sleep(0.3)
+        assert store.lookup(keys) == 0  # the prefill runs: nothing written yet
+        worker.saves.step_ended()
+        worker.wait_saves()
+        assert store.lookup(keys) == 2 and worker.stats.saved_blocks == 4
+
+        worker.saves.step_started(prefill=False)  # a decode step: saves go on
+        more = _keys(8)[2:4]
+        worker.save([ChunkTransfer("b", _transfer(more, [4, 5, 6, 7])[0].chunks)])
+        deadline = time.monotonic() + 30
+        while store.lookup(_keys(8)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert store.lookup(_keys(8)) == 4
+        worker.saves.step_ended()
+
+        monkeypatch.setattr(vllm_saves, "MAX_YIELD_S", 0.2)
+        worker.saves.step_started(prefill=True)  # and it never ends
+        t0 = time.monotonic()
+        last = _keys(10)[4:5]
+        worker.save([ChunkTransfer("c", _transfer(last, [8, 9])[0].chunks)])
+        while store.lookup(_keys(10)) < 5 and time.monotonic() < t0 + 30:
+            time.sleep(0.01)
+        assert store.lookup(_keys(10)) == 5 and time.monotonic() - t0 < 10  # the bound, not the step
+
+        monkeypatch.setattr(vllm_saves, "MAX_YIELD_S", 60.0)
+        worker.saves.step_started(prefill=True)
+        t0 = time.monotonic()
+        worker.save([ChunkTransfer("d", _transfer(_keys(12)[5:6], [10, 11])[0].chunks)])
+        worker.wait_saves()  # a preemption drains: it does not wait for the step
+        assert store.lookup(_keys(12)) == 6 and time.monotonic() - t0 < 30
+    finally:
+        worker.saves.step_ended()
+        worker.close()
