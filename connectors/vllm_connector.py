@@ -305,7 +305,8 @@ class KVTierConnector(KVConnectorBase_V1):
                                       background=bool(background), idle_saves=idle == "idle",
                                       async_loads=self.async_loads,
                                       accept_codecs=accept_codecs(self.extra),
-                                      saves_yield=_flag(self.extra, "saves_yield_to_prefill", False))
+                                      saves_yield=(None if "saves_yield_to_prefill" not in self.extra
+                                                   else _flag(self.extra, "saves_yield_to_prefill", False)))
         self.worker_side.register(kv_caches, self._kv_cache_config.num_blocks)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:

@@ -97,7 +97,7 @@ class WorkerSide:
     def __init__(self, store: Callable[[], ChunkStore], grid: ChunkGrid, rank: Rank = Rank(),
                  background: bool = False, idle_saves: bool = False,
                  async_loads: bool = False, accept_codecs: frozenset[str] | None = None,
-                 saves_yield: bool = False) -> None:
+                 saves_yield: bool | None = False) -> None:
         self._store = store
         self.accept_codecs = accept_codecs
         """The codecs of stored KV this worker loads (None: whatever the store lends, which
@@ -110,7 +110,10 @@ class WorkerSide:
         self._pieces: BlockPieces | None = None
         self._device: DeviceIO | None = None
         self.stats = WorkerStats()
-        self.saves = SaveQueue(background, idle_saves, yield_to_prefill=saves_yield)
+        self.saves = SaveQueue(background, idle_saves, yield_to_prefill=bool(saves_yield))
+        self._saves_yield = saves_yield
+        """Saves yield to prefill steps; None: where vLLM's cache is on the host (its
+        prefill and the saves share the cores), decided at :meth:`register`."""
         self._load_errors: set[int] = set()
         self._observed: list[LoadObservation] = []
         self._lock = threading.Lock()
@@ -139,6 +142,8 @@ class WorkerSide:
         """Every layer a host cache: copies in numpy (else index kernels, e.g. on a GPU)."""
         self._device = (None if self._host else
                         DeviceIO(DeviceBlocks.of(layers), layers[0].kv.dtype, len(layers)))
+        if self._saves_yield is None:
+            self.saves.yield_to_prefill = self._host and self.saves.background
         self._pieces = BlockPieces.of(layers, num_blocks)
         """Host caches whose blocks the fused native copy can take (copy and checksum in
         one pass); None: numpy or torch copies, checksums apart."""

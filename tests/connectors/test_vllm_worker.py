@@ -568,3 +568,17 @@ def test_saves_that_yield_wait_out_a_prefill_step_and_no_longer_than_the_bound(t
     finally:
         worker.saves.step_ended()
         worker.close()
+
+
+def test_saves_yield_to_prefill_by_default_where_the_cache_is_on_the_host(tmp_path):
+    """Unset, the option follows where vLLM's cache lies: a host cache's prefill shares
+    its cores with the saves (they yield), a device cache's does not; set, it is as set,
+    and saves made in vLLM's own thread (not in the background) never wait."""
+    src = caches(NUM_BLOCKS, True, seed=32)
+    store = _local(src, tmp_path)
+    for given, background, expected in [(None, True, True), (False, True, False),
+                                        (True, True, True), (None, False, False)]:
+        worker = WorkerSide(lambda: store, GRID, background=background, saves_yield=given)
+        worker.register(src, NUM_BLOCKS)
+        assert worker.saves.yield_to_prefill is expected
+        worker.close()
