@@ -91,14 +91,18 @@ def setups(workdir: Path) -> dict[str, VllmSetup]:
             **KVTIER, "kv_connector_extra_config": {
                 "tiers": {"cpu_bytes": 1 << 30, "disk_dir": str(workdir / "inprocess-1proc-chunks"),
                           "disk_fsync": False}}}, env=ONE_PROCESS),
-        **_chunking_setups(workdir),
-        **_save_pacing_setups(workdir),
+        **_option_setups(workdir),
         "lmcache": VllmSetup("lmcache", {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"},
                              extra_path=_site_packages(REPO / ".venv-lmcache")),
         "vllm-native": VllmSetup("vllm-native", {
             "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30}}),
     }
+
+
+def _option_setups(workdir: Path) -> dict[str, VllmSetup]:
+    """kvtier with one connector option changed from its default, to measure that option."""
+    return {**_chunking_setups(workdir), **_save_pacing_setups(workdir)}
 
 
 def _chunking_setups(workdir: Path) -> dict[str, VllmSetup]:
@@ -117,16 +121,16 @@ def _chunking_setups(workdir: Path) -> dict[str, VllmSetup]:
 
 
 def _save_pacing_setups(workdir: Path) -> dict[str, VllmSetup]:
-    """Saves that yield to prefill steps (``saves_yield_to_prefill``): each chunk is
-    written only while no prefill step runs (up to a bound), so a first turn prefilling
-    beside another request's completed chunks does not share the cores with their save."""
+    """Saves that do not yield to prefill steps (``saves_yield_to_prefill: false``; the
+    default yields where vLLM's cache is on the host): a chunk is written as soon as it is
+    computed, beside whatever prefill comes next."""
     return {
-        "kvtier-inprocess-yield": VllmSetup("kvtier-inprocess-yield", {
+        "kvtier-inprocess-no-yield": VllmSetup("kvtier-inprocess-no-yield", {
             **KVTIER, "kv_connector_extra_config": {
-                "tiers": {"cpu_bytes": 1 << 30, "disk_dir": str(workdir / "yield-chunks"),
-                          "disk_fsync": False}, "saves_yield_to_prefill": True}}),
-        "kvtier-serve-yield": VllmSetup("kvtier-serve-yield", {
-            **KVTIER, "kv_connector_extra_config": {"shm": True, "saves_yield_to_prefill": True}},
+                "tiers": {"cpu_bytes": 1 << 30, "disk_dir": str(workdir / "no-yield-chunks"),
+                          "disk_fsync": False}, "saves_yield_to_prefill": False}}),
+        "kvtier-serve-no-yield": VllmSetup("kvtier-serve-no-yield", {
+            **KVTIER, "kv_connector_extra_config": {"shm": True, "saves_yield_to_prefill": False}},
             sidecar=True),
     }
 
