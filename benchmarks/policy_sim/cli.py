@@ -323,14 +323,19 @@ def _replay_all(args: argparse.Namespace, workloads: list, budgets: list[float],
             n = args.nodes  # CPU and disk tiers per node; the redis tier is the cluster's
             tier_bytes = {"cpu": args.cpu_frac * working / n, "disk": args.disk_frac * working / n,
                           "redis": args.disk_frac * working}
+            longest = wl.longest_context_tokens() * wcost.kv_bytes_per_token
+            entry["longest_context_bytes"] = longest
+            entry["gpu_bytes_per_node"] = {f"{b:g}": gpu_bytes_per_node(b, working, n, longest)
+                                           for b in budgets}
             for b in budgets:
+                gpu_bytes = entry["gpu_bytes_per_node"][f"{b:g}"]
                 rows = {}
                 for spec in systems:
                     progress.update(task, description=f"{wl.name} budget {b:g} {spec.name}")
                     if args.real:
-                        rows[spec.name] = _real_row(args, wl, spec, wcost, b, working, tier_bytes)
+                        rows[spec.name] = _real_row(args, wl, spec, wcost, gpu_bytes, tier_bytes)
                     else:
-                        rows[spec.name] = _sim_row(wl, spec, wcost, b * working / n, tier_bytes,
+                        rows[spec.name] = _sim_row(wl, spec, wcost, gpu_bytes, tier_bytes,
                                                    n, args.router)
                     progress.advance(task)
                 entry["budgets"][f"{b:g}"] = rows
@@ -377,12 +382,21 @@ def _report(args: argparse.Namespace, results: dict[str, Any], console) -> None:
             console.print(f"wrote {path}")
 
 
-def _real_row(args, wl, spec, cost, budget, working, tier_bytes) -> dict:
+def gpu_bytes_per_node(budget: float, working_bytes: float, nodes: int, longest_bytes: float) -> float:
+    """A node's GPU pool: its share of ``budget`` times the working set, and never less
+    than the longest request's context. A serving engine refuses to start with a KV cache
+    smaller than one request of its ``max_model_len`` (vLLM does), so a smaller pool is no
+    deployment: every system would overflow it on such a request, and a light workload
+    spread over many nodes would replay that impossible case on every turn."""
+    return max(budget * working_bytes / nodes, longest_bytes)
+
+
+def _real_row(args, wl, spec, cost, gpu_bytes, tier_bytes) -> dict:
     """One system on the reference engine, and the simulator on the same turns as run."""
     from kvtier.benchmarks.policy_sim.real import replay_real
     from kvtier.benchmarks.policy_sim.simulator import Simulator
 
-    gpu_tokens = int(budget * working / cost.kv_bytes_per_token)
+    gpu_tokens = int(gpu_bytes / cost.kv_bytes_per_token)
     res, as_run = replay_real(wl, spec, args.model, gpu_tokens, tier_bytes, args.profile,
                               max_output_tokens=args.max_output, seed=args.seed)
     sim = Simulator(as_run, spec, cost, gpu_tokens * cost.kv_bytes_per_token, tier_bytes).run()

@@ -68,6 +68,11 @@ class Workload:
         exact = (total - new) / total if total else 0.0
         return {"exact": exact, "estimate": sketch.ratio(), "prompt_chunks": total}
 
+    def longest_context_tokens(self) -> int:
+        """The longest turn's context (prompt and reply): what one request needs of a GPU
+        pool at once, as a serving engine's ``max_model_len`` must cover."""
+        return max((t.prompt_tokens + t.output_tokens for t in self.turns), default=0)
+
     def peak_live_tokens(self) -> int:
         """Largest sum of live sessions' context (first to last turn): the working set
         that is actually live at once."""

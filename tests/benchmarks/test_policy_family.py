@@ -81,3 +81,21 @@ def test_bench_policies_family_writes_the_robustness_table(tmp_path):
     adaptive = doc["robustness_adaptive"]
     assert adaptive["system"] == "kvtier-adaptive" and len(adaptive["cells"]) == 2
     assert {c["best_other"] for c in adaptive["cells"] + doc["robustness"]["cells"]} == {"vllm-like"}
+
+
+def test_a_nodes_gpu_holds_at_least_the_longest_request(tmp_path):
+    """Spread over eight nodes, a small budget of a light workload's working set is less
+    than one request: no engine starts that way, so each node's pool is floored at the
+    longest request's context, and where the share is larger it is the share."""
+    from kvtier.benchmarks.policy_sim.cli import gpu_bytes_per_node
+
+    assert gpu_bytes_per_node(0.25, 8_000.0, 8, 1_000.0) == 1_000.0
+    assert gpu_bytes_per_node(1.0, 80_000.0, 8, 1_000.0) == 10_000.0
+    out = tmp_path / "family.json"
+    assert main(["bench", "policies", "--workloads", "none", "--family", "1", "--sessions", "12",
+                 "--budgets", "0.01,1.0", "--nodes", "8", "--systems", "vllm-like,kvtier",
+                 "--out", str(out)]) == 0
+    entry = json.loads(out.read_text())["workloads"]["family-00"]
+    per_node = entry["gpu_bytes_per_node"]
+    assert per_node["0.01"] == entry["longest_context_bytes"] > 0.01 * entry["working_set_bytes"] / 8
+    assert per_node["1"] == max(entry["working_set_bytes"] / 8, entry["longest_context_bytes"])
