@@ -174,21 +174,25 @@ class WorkerSide:
     def _save_now(self, saves: list[ChunkTransfer], ready: torch.cuda.Event | None) -> None:
         if ready is not None:
             ready.synchronize()
+        spans = [(ChunkGrid.rank_key(span.key, self.rank), len(span.block_ids))
+                 for s in saves for span in s.chunks]
         writes = [self._write(span, s.session) for s in saves for span in s.chunks]
         failed: dict[str, str] = {}
+        tried: set[str] = set()  # keys whose put returned: stored, or named in failed
         try:
             if self.saves.yield_to_prefill:  # chunk by chunk, each once no prefill runs
                 for write in writes:
                     self.saves.pause()
                     failed.update(self._store().put_from([write]))
+                    tried.add(write.key)
             else:
                 failed = self._store().put_from(writes)
+                tried.update(w.key for w in writes)
         except Exception as exc:  # noqa: BLE001 - a failed save is a future miss
-            log.warning("kvtier save of %d chunks failed: %s", len(writes), exc)
-            return
-        self.stats.saved_blocks += sum(
-            len(span.block_ids) for s in saves for span in s.chunks
-            if ChunkGrid.rank_key(span.key, self.rank) not in failed)
+            log.warning("kvtier save of %d chunks failed after %d: %s",
+                        len(writes), len(tried), exc)
+        self.stats.saved_blocks += sum(n for key, n in spans
+                                       if key in tried and key not in failed)
 
     def _write(self, span: ChunkSpan, session: str | None = None) -> ChunkWrite:
         key = ChunkGrid.rank_key(span.key, self.rank)

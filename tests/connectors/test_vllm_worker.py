@@ -570,6 +570,40 @@ def test_saves_that_yield_wait_out_a_prefill_step_and_no_longer_than_the_bound(t
         worker.close()
 
 
+class _DyingStore(LocalChunkStore):
+    """The in-process store whose medium goes away after ``puts`` stores (a sidecar that
+    dies mid-save)."""
+
+    def __init__(self, manager: TierManager, puts: int) -> None:
+        super().__init__(manager)
+        self.puts = puts
+
+    def put_from(self, writes):
+        if self.puts <= 0:
+            raise ConnectionError("the store went away")
+        self.puts -= 1
+        return super().put_from(writes)
+
+
+def test_a_save_cut_short_counts_the_chunks_it_stored_and_frees_the_blocks(tmp_path):
+    """Chunk by chunk (saves yielding to prefill), a store lost after the first chunk: that
+    chunk is stored and counted, the rest are not, and the request's blocks are let go."""
+    src = caches(NUM_BLOCKS, True, seed=32)
+    slot = _chunk_bytes(src)
+    store = _DyingStore(TierManager([CPUTier(16 * slot, slot)]), puts=1)
+    keys = _keys(6)
+    worker = WorkerSide(lambda: store, GRID, background=True, saves_yield=True)
+    worker.register(src, NUM_BLOCKS)
+    try:
+        worker.save([ChunkTransfer("a", _transfer(keys, [0, 1, 2, 3, 4, 5])[0].chunks)])
+        worker.wait_saves()
+        assert store.present(keys) == [True, False, False]
+        assert worker.stats.saved_blocks == 2
+        assert worker.finished({"a"}) == {"a"}
+    finally:
+        worker.close()
+
+
 def test_saves_yield_to_prefill_by_default_where_the_cache_is_on_the_host(tmp_path):
     """Unset, the option follows where vLLM's cache lies: a host cache's prefill shares
     its cores with the saves (they yield), a device cache's does not; set, it is as set,
