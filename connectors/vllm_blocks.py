@@ -5,9 +5,9 @@ without it.
 
 A chunk is ``chunk_blocks`` whole vLLM blocks (``chunk_tokens`` tokens, 256 by default: the
 size kvtier's own engine and LMCache store), so a tier sees few large I/Os, not one per
-16-token block. The full blocks past a sequence's last full chunk make its *tail* chunk,
-keyed with its length (:func:`kvtier.chunk_keys.chunk_keys`), so a returning turn finds
-the end of its previous turn too. With tensor or pipeline parallelism each rank stores its
+16-token block. A chunk-sized stretch of a sequence (a *slot*) may be stored in pieces,
+*segments*, saved turn by turn as a conversation grows (:class:`SequenceKeys`): a returning
+turn finds the end of its previous turn, and a turn uploads only the blocks the store lacks. With tensor or pipeline parallelism each rank stores its
 own part of a chunk under the chunk's key and its rank (:meth:`ChunkGrid.rank_key`); a
 lookup counts a chunk only when every rank's part is stored.
 """
@@ -140,7 +140,92 @@ class ChunkGrid:
         return chain_hash(bytes.fromhex(parent) if parent else None, tokens,
                           self.fingerprint + TAIL_MARKER).hex()
 
+    def full_key(self, token_ids: Sequence[int], parent: str | None, chunk: int) -> str:
+        """The key of full chunk ``chunk`` after the full chunk keyed ``parent``; as
+        :meth:`keys` makes it."""
+        start = chunk * self.chunk_tokens
+        return chain_hash(bytes.fromhex(parent) if parent else None,
+                          token_ids[start : start + self.chunk_tokens], self.fingerprint).hex()
+
     @staticmethod
     def rank_key(key: str, rank: Rank) -> str:
         """The storage key of ``rank``'s part of chunk ``key`` (the key itself on one rank)."""
         return key if rank.world == 1 else f"{key}r{rank.index}w{rank.world}"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Blocks ``[first, first + blocks)`` of a sequence, within one slot, stored as one
+    chunk under ``key``."""
+
+    key: str
+    first: int
+    blocks: int
+
+    @property
+    def end(self) -> int:
+        return self.first + self.blocks
+
+
+class SequenceKeys:
+    """The keys of a token sequence's segments. Slot ``s`` is the sequence's blocks
+    ``[s * chunk_blocks, (s + 1) * chunk_blocks)``; its segment of blocks ``[a, b)`` (counted
+    within the slot) is keyed by the hash of every token through block ``b`` (the slot's
+    full chunk key where ``b`` is the whole slot, a tail key otherwise) and, unless the
+    segment starts the slot, by ``a``: a whole slot saved at once, or a sequence's last
+    blocks saved at its end, keep the keys :meth:`ChunkGrid.keys` gives them, and a turn
+    that adds blocks to a slot another turn began stores only those (``a`` > 0).
+    The keys are computed once, when made (the scheduler's threads share them)."""
+
+    def __init__(self, grid: ChunkGrid, token_ids: Sequence[int]) -> None:
+        self.grid = grid
+        self.full_blocks = len(token_ids) // grid.block_size
+        per = grid.chunk_blocks
+        self._ends: list[list[str]] = []
+        """Per slot, the key of its blocks through ``b`` (``b`` = 1, 2, ...)."""
+        parent = None
+        for s in range(-(-self.full_blocks // per)):
+            n = self.slot_blocks(s)
+            ends = [grid.tail_key(token_ids, parent, s, b) for b in range(1, min(n, per - 1) + 1)]
+            if n == per:
+                parent = grid.full_key(token_ids, parent, s)
+                ends.append(parent)
+            self._ends.append(ends)
+
+    @property
+    def slots(self) -> int:
+        return len(self._ends)
+
+    def slot_blocks(self, slot: int) -> int:
+        """Full blocks of the sequence in ``slot``."""
+        per = self.grid.chunk_blocks
+        return max(0, min(per, self.full_blocks - slot * per))
+
+    def full_key(self, slot: int) -> str | None:
+        """The key of ``slot`` stored whole (None where the sequence does not fill it)."""
+        n = self.slot_blocks(slot)
+        return self._ends[slot][-1] if n == self.grid.chunk_blocks else None
+
+    def segment(self, first: int, end: int) -> Segment:
+        """The segment of blocks ``[first, end)`` (within one slot)."""
+        per = self.grid.chunk_blocks
+        slot, a = divmod(first, per)
+        b = end - slot * per
+        if not (0 <= a < b <= self.slot_blocks(slot)):
+            raise InvalidArgumentError(f"blocks [{first}, {end}) are not a segment of one slot")
+        base = self._ends[slot][b - 1]
+        return Segment(base if a == 0 else f"{base}-{a}", first, end - first)
+
+    def segments(self, start: int, stop: int) -> list[Segment]:
+        """Blocks ``[start, stop)`` cut at the slots' bounds."""
+        per, out = self.grid.chunk_blocks, []
+        while start < stop:
+            end = min(stop, (start // per + 1) * per)
+            out.append(self.segment(start, end))
+            start = end
+        return out
+
+    def candidates(self, slot: int) -> list[Segment]:
+        """Every segment ``slot`` may hold."""
+        base, n = slot * self.grid.chunk_blocks, self.slot_blocks(slot)
+        return [self.segment(base + a, base + b) for b in range(1, n + 1) for a in range(b)]

@@ -9,8 +9,8 @@ Plug in through vLLM's own extension point::
         kv_connector_extra_config={"url": "http://127.0.0.1:8100"},   # or {"tiers": {...}}
     )
 
-The unit is a chunk of whole vLLM blocks (``chunk_tokens``, 256 by default; the blocks
-past a sequence's last full chunk make its tail chunk). Its key is kvtier's chained hash
+The unit is a chunk of whole vLLM blocks (``chunk_tokens``, 256 by default; a chunk-sized
+slot a conversation fills turn by turn is stored in pieces, each block once). Its key is kvtier's chained hash
 over the chunk's token ids (``kvtier.chunk_keys``) under a fingerprint of the model (its
 weights), of vLLM's KV layout and of its parallelism; each TP/PP rank stores its own part
 under the key and its rank, so blocks of another model, layout or rank can never match.

@@ -1,12 +1,13 @@
-"""What of a prompt the store holds, asked in one round trip: the prompt's full chunks and
-its candidate tail chunks, every rank's part of each, in a single ``locate``.
+"""What of a prompt the store holds, asked in as few round trips as may be: the segments
+(:class:`~kvtier.connectors.vllm_blocks.SequenceKeys`) that cover the longest stored prefix
+of the prompt's full blocks, every rank's part of each.
 
 vLLM's scheduler waits on this question for every request it looks up (its loop is
-stopped meanwhile), and through ``kvtier serve`` each question is an HTTP round trip:
-asking for the stored prefix, then for the tails after it, then for the tier of the tail
-found took three. The tails that may follow the stored prefix depend on how long it
-is, so the candidates after every position go in the same question, up to a bound on
-its size (long prompts ask the tails after the prefix in a second one).
+stopped meanwhile), and through ``kvtier serve`` each question is an HTTP round trip. So
+the first asks about every slot stored whole and every segment each slot may hold, as many
+slots' as a bound on its size allows; a slot neither stored whole nor asked about in
+pieces is asked about in another (long prompts: their stored prefix is mostly whole
+chunks, found in the first).
 """
 
 from __future__ import annotations
@@ -15,21 +16,21 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from kvtier.connectors.chunk_store import ChunkStore
-from kvtier.connectors.vllm_blocks import ChunkGrid, Rank
+from kvtier.connectors.vllm_blocks import ChunkGrid, Rank, SequenceKeys
 
 FINISHING = "finishing"
 """The tier of a chunk a finished request's final save is about to write (from vLLM's
 held blocks into the fastest tier, before the load that reads it)."""
 
 MAX_SPECULATIVE_KEYS = 512
-"""Keys one lookup may ask about, every position's tails included, before the tails are
-asked after the prefix is known (a second round trip). Hashing a candidate tail costs
-microseconds; a round trip to a sidecar on a busy host, milliseconds."""
+"""Keys one lookup may ask about (every rank's part counted) beyond the slots stored whole,
+before the segments of further slots are asked about in another round trip. Hashing a
+key costs microseconds; a round trip to a sidecar on a busy host, milliseconds."""
 
 
 @dataclass(frozen=True)
 class Stored:
-    """One stored chunk of a prompt's prefix: its key, its blocks, the tier holding it,
+    """One stored segment of a prompt's prefix: its key, its blocks, the tier holding it,
     and how many of its leading blocks a load may take (not the prompt's last token's)."""
 
     key: str
@@ -38,59 +39,38 @@ class Stored:
     take: int = 0
 
 
-@dataclass(frozen=True)
-class Probe:
-    """What the store holds of one prompt: the leading full chunks (every rank's part),
-    then the longest tail chunk after them, if any."""
-
-    prefix: list[Stored]
-    tail: Stored | None
-
-
 class PrefixProbe:
-    """Asks the store about a prompt's chunks: ``finishing`` are keys a final save is
+    """Asks the store about a prompt's segments: ``finishing`` are keys a final save is
     about to write (counted as stored, in :data:`FINISHING`)."""
 
-    def __init__(self, grid: ChunkGrid, ranks: Sequence[Rank]) -> None:
-        self.grid = grid
+    def __init__(self, ranks: Sequence[Rank]) -> None:
         self.ranks = list(ranks)
         self.round_trips = 0
         """Questions asked of the store so far."""
 
-    def probe(self, store: ChunkStore, prompt: Sequence[int], full: Sequence[str], usable: int,
-              finishing: Collection[str]) -> Probe:
-        """The stored prefix of ``full`` (the prompt's full chunk keys) and the tail after
-        it, for a prompt whose first ``usable`` blocks a load may fill."""
-        per = self.grid.chunk_blocks
-        tails = {c: self._tails(prompt, full, c) for c in range(len(full) + 1)}
-        asked = list(full) + [k for keys in tails.values() for k in keys]
-        speculate = len(asked) * len(self.ranks) <= MAX_SPECULATIVE_KEYS
-        tier = self._locate(store, asked if speculate else list(full))
-        prefix = []
-        for key in full:
-            t = FINISHING if key in finishing else tier.get(key)
-            if t is None:
+    def probe(self, store: ChunkStore, seq: SequenceKeys, finishing: Collection[str] = ()
+              ) -> list[Stored]:
+        """The stored segments, in order, that cover the longest stored prefix of ``seq``'s
+        full blocks (the fewest segments that reach it)."""
+        room = MAX_SPECULATIVE_KEYS // len(self.ranks)
+        whole = [k for s in range(seq.slots) if (k := seq.full_key(s)) is not None]
+        pieces, asked = _pieces(seq, 0, room - len(whole), at_least_one=False)
+        tier = self._locate(store, whole + pieces)
+        out: list[Stored] = []
+        for slot in range(seq.slots):
+            key = seq.full_key(slot)
+            found = None if key is None else FINISHING if key in finishing else tier.get(key)
+            if key is not None and found is not None:
+                out.append(Stored(key, seq.grid.chunk_blocks, found))
+                continue
+            if slot >= asked:
+                pieces, asked = _pieces(seq, slot, room, at_least_one=True)
+                tier.update(self._locate(store, pieces))
+            cover = _cover(seq, slot, tier, finishing)
+            out += cover
+            if sum(s.blocks for s in cover) < seq.grid.chunk_blocks:
                 break
-            prefix.append(Stored(key, per, t))
-        if len(prefix) * per >= usable:
-            return Probe(prefix, None)
-        candidates = tails[len(prefix)]
-        if not speculate:
-            tier = self._locate(store, candidates)
-        most = len(candidates)
-        for i, key in enumerate(candidates):
-            t = FINISHING if key in finishing else tier.get(key)
-            if t is not None:
-                return Probe(prefix, Stored(key, most - i, t))
-        return Probe(prefix, None)
-
-    def _tails(self, prompt: Sequence[int], full: Sequence[str], chunk: int) -> list[str]:
-        """Candidate tail keys after full chunk ``chunk - 1``, longest first: at most a
-        chunk's blocks less one, and no more than the prompt's full blocks past it."""
-        room = len(prompt) // self.grid.block_size - chunk * self.grid.chunk_blocks
-        most = min(room, self.grid.chunk_blocks - 1)
-        parent = full[chunk - 1] if chunk else None
-        return [self.grid.tail_key(prompt, parent, chunk, m) for m in range(most, 0, -1)]
+        return out
 
     def _locate(self, store: ChunkStore, keys: list[str]) -> dict[str, str]:
         """Key -> the tier of its first rank's part, for the keys whose every rank's part
@@ -104,3 +84,34 @@ class PrefixProbe:
         return {k: where[i] for i, k in enumerate(keys)
                 if where[i] is not None and all(where[r * n + i] is not None
                                                 for r in range(1, len(self.ranks)))}
+
+
+def _pieces(seq: SequenceKeys, first: int, room: int, at_least_one: bool
+            ) -> tuple[list[str], int]:
+    """The segment keys of slots ``first``, ``first + 1``, ... that fit in ``room`` keys,
+    and the first slot left out."""
+    keys: list[str] = []
+    slot = first
+    while slot < seq.slots:
+        more = [c.key for c in seq.candidates(slot)]
+        if len(keys) + len(more) > room and not (at_least_one and slot == first):
+            break
+        keys += more
+        slot += 1
+    return keys, slot
+
+
+def _cover(seq: SequenceKeys, slot: int, tier: dict[str, str], finishing: Collection[str]
+           ) -> list[Stored]:
+    """The fewest stored segments of ``slot`` that cover its longest stored beginning."""
+    base = slot * seq.grid.chunk_blocks
+    best: dict[int, list[Stored]] = {0: []}
+    for b in range(1, seq.slot_blocks(slot) + 1):
+        for a in range(b):
+            if a not in best:
+                continue
+            seg = seq.segment(base + a, base + b)
+            found = FINISHING if seg.key in finishing else tier.get(seg.key)
+            if found is not None and (b not in best or len(best[a]) + 1 < len(best[b])):
+                best[b] = [*best[a], Stored(seg.key, seg.blocks, found)]
+    return best[max(best)]

@@ -19,9 +19,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.chunk_keys import ChunkKey
 from kvtier.connectors.chunk_store import ChunkStore
-from kvtier.connectors.vllm_blocks import ChunkGrid, ChunkSpan, ChunkTransfer, Rank, Role, StepPlan
+from kvtier.connectors.vllm_blocks import (
+    ChunkGrid,
+    ChunkSpan,
+    ChunkTransfer,
+    Rank,
+    Role,
+    SequenceKeys,
+    StepPlan,
+)
 from kvtier.connectors.vllm_lookup import FINISHING, PrefixProbe, Stored
 from kvtier.connectors.vllm_policy import LoadObservation, LoadPolicy
 from kvtier.policies.restore import StoredChunk
@@ -33,13 +40,12 @@ class _ReqState:
     """One running request."""
 
     tokens: list[int]
-    keys: list[ChunkKey]
-    """Keys of the prompt's full blocks: full chunks, then the tail chunk."""
+    seq: SequenceKeys
+    """The keys of the prompt's segments."""
     block_ids: list[int] = field(default_factory=list)
-    stored: int = 0
-    """Leading full chunks known to be stored (saved, loaded, or found by a lookup)."""
-    tail_stored: bool = False
-    """The prompt's tail chunk is stored."""
+    covered: int = 0
+    """Leading blocks known to be stored (saved, being saved, loaded, or found by a
+    lookup): a save starts after them."""
     saving: bool = False
     """A save was planned for it: its blocks are freed once the workers report it landed."""
     session: str | None = None
@@ -49,12 +55,11 @@ class _ReqState:
 @dataclass(frozen=True)
 class _Found:
     """What the last lookup of a request found: vLLM holds its first ``computed`` blocks;
-    the store its first ``chunks`` full chunks and then ``tail`` if any; ``load``: the
-    leading stored chunks the policy chose to load (the rest is recomputed)."""
+    the store its first ``covered``; ``load``: the leading stored segments the policy chose
+    to load (the rest is recomputed)."""
 
     computed: int
-    chunks: int
-    tail: Stored | None
+    covered: int
     load: tuple[Stored, ...]
     declined: int = 0
     """Stored tokens the policy chose to recompute."""
@@ -80,7 +85,7 @@ class SchedulerSide:
         """Stored tokens the policy chose to recompute rather than load."""
         self._load_tiers: dict[str, set[str]] = {}
         self.ranks = [Rank(i, world) for i in range(world)]
-        self._probe = PrefixProbe(grid, self.ranks)
+        self._probe = PrefixProbe(self.ranks)
         self.save_decode = save_decode
         """Save a finished request's reply too (a returning turn restores it)."""
         self._requests: dict[str, _ReqState] = {}
@@ -122,15 +127,18 @@ class SchedulerSide:
         its stored chunks from the slower tiers into the fastest one in the background, so
         that its load reads them from RAM. None where nothing is prefetched."""
         state = self._state(request)
-        if not self.role.loads or not state.keys:
+        if not self.role.loads or not state.seq.slots:
             return None
         if self._prefetcher is None:
             self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm-prefetch")
-        return self._prefetcher.submit(self._prefetch, self._parts([k.key for k in state.keys]))
+        return self._prefetcher.submit(self._prefetch, state.seq)
 
-    def _prefetch(self, keys: list[str]) -> int:
+    def _prefetch(self, seq: SequenceKeys) -> int:
+        """Raise the segments a lookup of ``seq`` would find into the fastest tier."""
         try:
-            return self._store().prefetch(keys)
+            store = self._store()
+            found = PrefixProbe(self.ranks).probe(store, seq)
+            return store.prefetch(self._parts([s.key for s in found]))
         except Exception as exc:  # noqa: BLE001 - a failed prefetch only costs speed
             log.info("kvtier prefetch failed: %s", exc)
             return 0
@@ -141,7 +149,7 @@ class SchedulerSide:
             prompt = list(request.prompt_token_ids or [])
             session = getattr(request, "session_id", None)
             state = self._requests[request.request_id] = _ReqState(
-                prompt, self.grid.keys(prompt), session=str(session) if session else None)
+                prompt, SequenceKeys(self.grid, prompt), session=str(session) if session else None)
         return state
 
     # ------------------------------------------------------------------ lookups
@@ -152,26 +160,25 @@ class SchedulerSide:
         that it does not upload again what the store holds."""
         state = self._state(request)
         prompt = state.tokens
-        bs, per = self.grid.block_size, self.grid.chunk_blocks
+        bs = self.grid.block_size
         usable = (len(prompt) - 1) // bs
-        full = [k.key for k in state.keys if not k.is_tail][: -(-usable // per)]
         try:
-            found_now = self._probe.probe(self._store(), prompt, full, usable, self._finishing)
-            stored, tail = found_now.prefix, found_now.tail
+            stored = self._probe.probe(self._store(), state.seq, self._finishing)
         except Exception as exc:  # noqa: BLE001 - an unreachable store is a miss
             log.warning("kvtier lookup failed, recomputing: %s", exc)
-            stored, tail = [], None
+            stored = []
         computed = num_computed_tokens // bs
+        covered = sum(s.blocks for s in stored)
         if not self.role.loads:  # what is stored is not saved again; nothing is loaded
-            self._found[request.request_id] = _Found(computed, len(stored), tail, ())
+            self._found[request.request_id] = _Found(computed, covered, ())
             return 0
         chain, first = [], 0
-        for s in stored + ([tail] if tail else []):  # no further than the usable blocks
+        for s in stored:  # no further than the usable blocks
             chain.append(Stored(s.key, s.blocks, s.tier, max(0, min(s.blocks, usable - first))))
             first += s.blocks
         chain = [s for s in chain if s.take]
         load, declined = self._chosen(chain, computed, len(prompt))
-        found = _Found(computed, len(stored), tail, load, declined)
+        found = _Found(computed, covered, load, declined)
         self._found[request.request_id] = found  # acted on once vLLM allocates (no side effect here)
         return max(0, found.blocks * bs - num_computed_tokens) if found.blocks > computed else 0
 
@@ -202,11 +209,8 @@ class SchedulerSide:
         found = self._found.pop(request.request_id, None)
         if found is None:
             return
-        state.stored = max(state.stored, found.chunks)
+        state.covered = max(state.covered, found.covered)
         self.recomputed_by_decision += found.declined
-        tail_key = next((k.key for k in state.keys if k.is_tail), None)
-        if found.tail is not None and found.tail.key == tail_key:
-            state.tail_stored = True
         if num_external_tokens <= 0:
             return
         self._loads[request.request_id] = ChunkTransfer(
@@ -278,15 +282,16 @@ class SchedulerSide:
         return progress
 
     def _completed(self, req_id: str, done: int) -> ChunkTransfer | None:
-        """The chunks of ``req_id``'s prompt that ``done`` computed tokens complete and that
-        are not stored yet: full chunks as they fill; the tail once the prompt is done, where
-        no final save will store it (:attr:`tails_at_finish`)."""
+        """The blocks of ``req_id``'s prompt that ``done`` computed tokens complete and that
+        are not stored yet, up to the last slot they fill; the prompt's last blocks once it
+        is done, where no final save will store them (:attr:`tails_at_finish`)."""
         state = self._requests[req_id]
         if not self.role.saves:
             return None
         blocks = min(done, len(state.tokens)) // self.grid.block_size
-        keys = [k for k in state.keys if not k.is_tail] if self.tails_at_finish else state.keys
-        spans = self._unsaved(state, keys, blocks)
+        if self.tails_at_finish or blocks < state.seq.full_blocks:
+            blocks -= blocks % self.grid.chunk_blocks
+        spans = self._unsaved(state, state.seq, blocks)
         if not spans:
             return None
         state.saving = True
@@ -306,27 +311,16 @@ class SchedulerSide:
                 if self._saving.get(key) == req_id:
                     del self._saving[key]
 
-    def _unsaved(self, state: _ReqState, keys: list[ChunkKey], blocks: int) -> list[ChunkSpan]:
-        """Chunks of ``keys`` within the first ``blocks`` blocks not stored yet (marked
-        stored now: they will be), and that no other request is saving."""
-        bs, per = self.grid.block_size, self.grid.chunk_blocks
+    def _unsaved(self, state: _ReqState, seq: SequenceKeys, blocks: int) -> list[ChunkSpan]:
+        """The segments of ``seq`` past the blocks stored and within the first ``blocks``
+        (counted stored now: they will be), less those another request is saving."""
+        stop = min(blocks, len(state.block_ids))
         spans = []
-        for i, key in enumerate(keys):
-            first, n = key.start // bs, key.num_tokens // bs
-            if first + n > blocks or first + n > len(state.block_ids):
-                break
-            if key.is_tail:
-                if state.tail_stored:
-                    continue
-                state.tail_stored = True
-            elif i < state.stored:
-                continue
-            else:
-                state.stored = i + 1
-            if key.key in self._saving or key.key in self._finishing:
-                continue  # another request's save writes the same tokens' chunk
-            spans.append(ChunkSpan(key.key, tuple(state.block_ids[first : first + n])))
-        assert all(len(s.block_ids) <= per for s in spans)
+        for seg in seq.segments(state.covered, stop):
+            state.covered = seg.end
+            if seg.key in self._saving or seg.key in self._finishing:
+                continue  # another request's save writes the same tokens' segment
+            spans.append(ChunkSpan(seg.key, tuple(state.block_ids[seg.first : seg.end])))
         return spans
 
     # ---------------------------------------------------------------- finishing
@@ -348,10 +342,8 @@ class SchedulerSide:
             computed = min(computed, len(tokens))
             blocks = min(computed // self.grid.block_size, len(block_ids))
             state.block_ids = list(block_ids)
-            keys = self.grid.keys(tokens, blocks)
-            if keys[: len(state.keys)] != state.keys:
-                state.tail_stored = False  # the prompt's tail is not this sequence's tail
-            spans = self._unsaved(state, keys, blocks)
+            spans = self._unsaved(state, SequenceKeys(self.grid, tokens[: blocks * self.grid.block_size]),
+                                  blocks)
             if spans:
                 state.saving = True
                 self._own(req_id, spans)

@@ -407,3 +407,52 @@ def test_a_step_plan_says_whether_the_step_prefills():
     assert sched.step_plan(_new("p", [0, 1, 2], 0, 3 * BLOCK)).prefill
     assert not sched.step_plan(_cached("p", 3 * BLOCK, 1)).prefill
     assert not sched.step_plan(SchedulerOutput()).prefill
+
+
+def test_a_conversation_uploads_each_block_once_and_restores_it_whole():
+    """Turn by turn, a chunk-sized slot fills in pieces: each turn uploads only the blocks
+    the store lacks (never a block it holds again), and the next turn's lookup finds the
+    pieces, chained, and restores every block bit for bit."""
+    grid = ChunkGrid(BLOCK, 4, FP)
+    store = LocalChunkStore(TierManager([CPUTier(64 << 20, 1 << 20)]))
+    sched = SchedulerSide(lambda: store, grid)
+    worker = WorkerSide(lambda: store, grid)
+    kv = caches(64, True, seed=7)
+    worker.register(kv, 64)
+    tokens = list(range(1000, 1000 + 5 * BLOCK + 3))  # a whole slot, a block and 3 tokens
+    uploaded: list[list[int]] = []
+    loaded: list[int] = []
+    kv_of: dict[int, list[torch.Tensor]] = {}  # the conversation's block -> its KV
+    base = 0
+    for turn in range(4):
+        req = Request(f"t{turn}", tokens)
+        ids = list(range(base, base + -(-len(tokens) // BLOCK) + 4))
+        matched = sched.matched_tokens(req, 0)
+        sched.allocated(req, ids, matched)
+        plan = sched.step_plan(_new(req.request_id, ids, matched, len(tokens) - matched))
+        worker.load(plan.loads)
+        loaded.append(len([span for t in plan.loads for span in t.chunks]))
+        assert worker.take_load_errors() == set()
+        for pos, block in enumerate(ids[: matched // BLOCK]):  # restored as it was saved
+            assert all(torch.equal(t[block], was) for t, was in zip(kv.values(), kv_of[pos], strict=True))
+        worker.save(plan.saves)
+        uploaded += [[ids.index(b) for b in span.targets] for t in plan.saves for span in t.chunks]
+        reply = BLOCK * (1 + turn % 3)
+        req.output_token_ids = list(range(3000 + 100 * turn, 3000 + 100 * turn + reply))
+        req.num_computed_tokens = len(req.all_token_ids) - 1
+        sched.finished(req, ids)
+        final = sched.step_plan(SchedulerOutput())
+        worker.save(final.finishing)
+        sched.saves_landed([req.request_id])
+        uploaded += [[ids.index(b) for b in span.targets] for t in final.finishing for span in t.chunks]
+        for pos in range(req.num_computed_tokens // BLOCK):
+            kv_of.setdefault(pos, [t[ids[pos]].clone() for t in kv.values()])
+        if turn:
+            assert matched == (len(tokens) - 1) // BLOCK * BLOCK  # all but the last block's
+        tokens = req.all_token_ids[:-1] + list(range(5000 + 10 * turn, 5000 + 10 * turn + 2))
+        base += len(ids)
+    flat = [pos for span in uploaded for pos in span]
+    assert sorted(flat) == list(range(len(flat)))  # every block of the conversation once
+    assert [len(span) for span in uploaded] == [4, 2, 2, 3, 1]  # pieces within slots
+    assert loaded == [0, 2, 3, 4]  # slot 1 in two pieces, slot 2 begun
+    assert worker.stats.saved_blocks == len(flat)
