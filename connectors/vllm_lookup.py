@@ -93,7 +93,8 @@ def _pieces(seq: SequenceKeys, first: int, room: int, at_least_one: bool
     keys: list[str] = []
     slot = first
     while slot < seq.slots:
-        more = [c.key for c in seq.candidates(slot)]
+        whole = seq.full_key(slot)  # asked about with every slot's in the first question
+        more = [c.key for c in seq.candidates(slot) if c.key != whole]
         if len(keys) + len(more) > room and not (at_least_one and slot == first):
             break
         keys += more
