@@ -46,6 +46,11 @@ class _ReqState:
     covered: int = 0
     """Leading blocks known to be stored (saved, being saved, loaded, or found by a
     lookup): a save starts after them."""
+    shared: int = 0
+    """Leading blocks vLLM's own prefix cache held when the request was scheduled: another
+    request computed them, so others are likely to share them too. A save past the
+    stored ones ends a segment there, which a third request over the same tokens finds
+    (a segment running past it has a key only this request's tokens make)."""
     saving: bool = False
     """A save was planned for it: its blocks are freed once the workers report it landed."""
     session: str | None = None
@@ -210,6 +215,7 @@ class SchedulerSide:
         if found is None:
             return
         state.covered = max(state.covered, found.covered)
+        state.shared = max(state.shared, found.computed)
         self.recomputed_by_decision += found.declined
         if num_external_tokens <= 0:
             return
@@ -316,7 +322,7 @@ class SchedulerSide:
         (counted stored now: they will be), less those another request is saving."""
         stop = min(blocks, len(state.block_ids))
         spans = []
-        for seg in seq.segments(state.covered, stop):
+        for seg in seq.segments(state.covered, stop, cut=state.shared):
             state.covered = seg.end
             if seg.key in self._saving or seg.key in self._finishing:
                 continue  # another request's save writes the same tokens' segment

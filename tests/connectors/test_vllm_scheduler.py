@@ -456,3 +456,39 @@ def test_a_conversation_uploads_each_block_once_and_restores_it_whole():
     assert [len(span) for span in uploaded] == [4, 2, 2, 3, 1]  # pieces within slots
     assert loaded == [0, 2, 3, 4]  # slot 1 in two pieces, slot 2 begun
     assert worker.stats.saved_blocks == len(flat)
+
+
+def test_a_prompt_shared_mid_slot_is_uploaded_once_more_then_found():
+    """Conversations over one system prompt that ends mid-slot: the first stores the slot's
+    part in a segment that runs into its own message (a key only its tokens make); the
+    second, whose shared blocks vLLM's prefix cache held, ends a segment where they end;
+    every later one finds the prompt whole and uploads only its own blocks."""
+    grid = ChunkGrid(BLOCK, 4, FP)
+    store = LocalChunkStore(TierManager([CPUTier(64 << 20, 1 << 20)]))
+    sched = SchedulerSide(lambda: store, grid)
+    worker = WorkerSide(lambda: store, grid)
+    worker.register(caches(64, True, seed=3), 64)
+    system = list(range(100, 100 + 6 * BLOCK))  # a slot and a half
+    uploaded = []
+    for i in range(4):
+        req = Request(f"c{i}", system + list(range(1000 * (i + 1), 1000 * (i + 1) + 2 * BLOCK + 5)))
+        ids = list(range(10 * i, 10 * i + 9))
+        cached = 0 if i == 0 else 6 * BLOCK  # vLLM's prefix cache holds the system prompt
+        matched = sched.matched_tokens(req, cached)
+        sched.allocated(req, ids, matched)
+        done = cached + matched
+        plan = sched.step_plan(_new(req.request_id, ids, done, len(req.prompt_token_ids) - done))
+        worker.save(plan.saves)
+        req.num_computed_tokens = len(req.prompt_token_ids)
+        sched.finished(req, ids)
+        final = sched.step_plan(SchedulerOutput())
+        worker.save(final.finishing)
+        sched.saves_landed([req.request_id])
+        uploaded.append(sorted(ids.index(b) for t in plan.saves + final.finishing
+                               for span in t.chunks for b in span.targets))
+        probe = Request(f"p{i}", system + [7] * BLOCK)  # what the store holds of the prompt
+        assert sched.matched_tokens(probe, 0) == (4 if i == 0 else 6) * BLOCK
+        sched.finished(probe, [])
+    assert uploaded[0] == list(range(8))
+    assert uploaded[1] == [4, 5, 6, 7]  # the shared part of slot 1 once more, then its own
+    assert uploaded[2] == uploaded[3] == [6, 7]  # their own blocks only
