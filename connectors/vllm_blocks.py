@@ -3,13 +3,14 @@ how a chunk is keyed, and a step's plan of chunk transfers (the scheduler side w
 the worker side carries it out). Imports nothing of vLLM, so both sides are tested
 without it.
 
-A chunk is ``chunk_blocks`` whole vLLM blocks (``chunk_tokens`` tokens, 256 by default: the
-size kvtier's own engine and LMCache store), so a tier sees few large I/Os, not one per
-16-token block. A chunk-sized stretch of a sequence (a *slot*) may be stored in pieces,
-*segments*, saved turn by turn as a conversation grows (:class:`SequenceKeys`): a returning
-turn finds the end of its previous turn, and a turn uploads only the blocks the store lacks. With tensor or pipeline parallelism each rank stores its
-own part of a chunk under the chunk's key and its rank (:meth:`ChunkGrid.rank_key`); a
-lookup counts a chunk only when every rank's part is stored.
+A chunk is ``chunk_blocks`` whole vLLM blocks (``chunk_tokens`` tokens, 256 by default:
+the size kvtier's own engine and LMCache store), so a tier sees few large I/Os, not one
+per 16-token block. A chunk-sized stretch of a sequence (a *slot*) may be stored in
+pieces, *segments*, saved turn by turn as a conversation grows (:class:`SequenceKeys`): a
+returning turn finds the end of its previous turn, and a turn uploads only the blocks the
+store lacks. With tensor or pipeline parallelism each rank stores its own part of a chunk
+under the chunk's key and its rank (:meth:`ChunkGrid.rank_key`); a lookup counts a chunk
+only when every rank's part is stored.
 """
 
 from __future__ import annotations

@@ -10,19 +10,19 @@ Plug in through vLLM's own extension point::
     )
 
 The unit is a chunk of whole vLLM blocks (``chunk_tokens``, 256 by default; a chunk-sized
-slot a conversation fills turn by turn is stored in pieces, each block once). Its key is kvtier's chained hash
-over the chunk's token ids (``kvtier.chunk_keys``) under a fingerprint of the model (its
-weights), of vLLM's KV layout and of its parallelism; each TP/PP rank stores its own part
-under the key and its rank, so blocks of another model, layout or rank can never match.
-This module only speaks vLLM's interface; the work is the scheduler side's
-(:mod:`.vllm_scheduler`: lookups, the step's plan of loads and saves, the reply saved when a
-request ends) and the worker side's (:mod:`.vllm_worker`: blocks gathered straight into the
-store's memory on a background thread, lent chunks scattered straight into the cache, one
-copy and one checksum pass each way; a missing or corrupt chunk is reported through
-``get_block_ids_with_load_errors`` and vLLM recomputes it: never wrong KV). Loads run on a
-background thread while vLLM parks the request (its async-load protocol; ``async_loads``
-false: before the forward pass); saves run off the forward path and a finished request's
-blocks are held until they land (``get_finished``).
+slot a conversation fills turn by turn is stored in pieces, each block once). Its key is
+kvtier's chained hash over the chunk's token ids (``kvtier.chunk_keys``) under a
+fingerprint of the model (its weights), of vLLM's KV layout and of its parallelism; each
+TP/PP rank stores its own part under the key and its rank, so blocks of another model,
+layout or rank can never match. This module only speaks vLLM's interface; the work is the
+scheduler side's (:mod:`.vllm_scheduler`: lookups, the step's plan of loads and saves, the
+reply saved when a request ends) and the worker side's (:mod:`.vllm_worker`: blocks
+gathered straight into the store's memory on a background thread, lent chunks scattered
+straight into the cache, one copy and one checksum pass each way; a missing or corrupt
+chunk is reported through ``get_block_ids_with_load_errors`` and vLLM recomputes it: never
+wrong KV). Loads run on a background thread while vLLM parks the request (its async-load
+protocol; ``async_loads`` false: before the forward pass); saves run off the forward path
+and a finished request's blocks are held until they land (``get_finished``).
 
 Options (``kv_connector_extra_config``): ``url``/``token``/``shm`` (a ``kvtier serve``) or
 ``config``/``tiers`` (in-process tiers; ``tiers: {disk_codec: int8}`` keeps the disk's chunks

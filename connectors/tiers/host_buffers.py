@@ -28,9 +28,9 @@ log = logging.getLogger(__name__)
 
 PAGE = mmap.PAGESIZE
 SIZE_CLASS = 1 << 20
+"""Staging buffers are rounded up to a multiple of this (chunks of one model share a class)."""
 POPULATE_PIECE = 16 << 20
 """Buffers larger than this are faulted in by pieces of this size (see :class:`HostBuffer`)."""
-"""Staging buffers are rounded up to a multiple of this (chunks of one model share a class)."""
 
 
 def round_up(n: int, align: int = PAGE) -> int:
