@@ -113,11 +113,10 @@ class SchedulerSide:
 
     @property
     def tails_at_finish(self) -> bool:
-        """A prompt's tail chunk is saved only by the request's final save, as part of the
-        tail that holds its reply: saving it as the prompt completes too wrote every block
-        of it twice a turn (and a tier kept both copies; the prompt's tail is a prefix of
-        the reply's, which a returning turn's lookup finds). A prefill peer (no final save
-        of the reply, a decode peer asking at once) saves it with the prompt."""
+        """A prompt's blocks past its last full slot are saved only by the request's final
+        save, in one segment with its reply's: fewer, larger segments for a returning turn
+        to load. A prefill peer (no final save of the reply, a decode peer asking at once)
+        saves them with the prompt."""
         return self.save_decode and self.role is Role.BOTH
 
     @property
