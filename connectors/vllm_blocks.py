@@ -178,14 +178,22 @@ class SequenceKeys:
     that adds blocks to a slot another turn began stores only those (``a`` > 0).
     The keys are computed once, when made (the scheduler's threads share them)."""
 
-    def __init__(self, grid: ChunkGrid, token_ids: Sequence[int]) -> None:
+    def __init__(self, grid: ChunkGrid, token_ids: Sequence[int],
+                 prefix: SequenceKeys | None = None) -> None:
+        """``prefix``: the keys of a sequence ``token_ids`` begins with (a request's
+        prompt, for its prompt and reply): its whole slots' keys are taken, not hashed
+        again."""
         self.grid = grid
         self.full_blocks = len(token_ids) // grid.block_size
         per = grid.chunk_blocks
         self._ends: list[list[str]] = []
         """Per slot, the key of its blocks through ``b`` (``b`` = 1, 2, ...)."""
         parent = None
-        for s in range(-(-self.full_blocks // per)):
+        if prefix is not None and prefix.grid == grid:
+            whole = min(prefix.full_blocks, self.full_blocks) // per
+            self._ends = [list(ends) for ends in prefix._ends[:whole]]
+            parent = self._ends[-1][-1] if whole else None
+        for s in range(len(self._ends), -(-self.full_blocks // per)):
             n = self.slot_blocks(s)
             ends = [grid.tail_key(token_ids, parent, s, b) for b in range(1, min(n, per - 1) + 1)]
             if n == per:

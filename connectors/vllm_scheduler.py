@@ -347,8 +347,9 @@ class SchedulerSide:
             computed = min(computed, len(tokens))
             blocks = min(computed // self.grid.block_size, len(block_ids))
             state.block_ids = list(block_ids)
-            spans = self._unsaved(state, SequenceKeys(self.grid, tokens[: blocks * self.grid.block_size]),
-                                  blocks)
+            prompt = state.seq if tokens[: len(state.tokens)] == state.tokens else None
+            seq = SequenceKeys(self.grid, tokens[: blocks * self.grid.block_size], prompt)
+            spans = self._unsaved(state, seq, blocks)
             if spans:
                 state.saving = True
                 self._own(req_id, spans)

@@ -492,3 +492,20 @@ def test_a_prompt_shared_mid_slot_is_uploaded_once_more_then_found():
     assert uploaded[0] == list(range(8))
     assert uploaded[1] == [4, 5, 6, 7]  # the shared part of slot 1 once more, then its own
     assert uploaded[2] == uploaded[3] == [6, 7]  # their own blocks only
+
+
+@pytest.mark.parametrize("prompt_blocks", [0, 3, 4, 5, 8, 9])
+def test_a_sequences_keys_reuse_its_prompts_whole_slots_and_are_the_same(prompt_blocks):
+    """The keys of a prompt and its reply, made from the prompt's (its whole slots not
+    hashed again), equal those made from nothing; and they keep the keys ``keys`` gives."""
+    from kvtier.connectors.vllm_blocks import SequenceKeys
+
+    grid = ChunkGrid(BLOCK, 4, FP)
+    tokens = list(range(9 * BLOCK + 5))
+    prompt = SequenceKeys(grid, tokens[: prompt_blocks * BLOCK + 3])
+    fresh, reused = SequenceKeys(grid, tokens), SequenceKeys(grid, tokens, prompt)
+    every = [c.key for s in range(fresh.slots) for c in fresh.candidates(s)]
+    assert every == [c.key for s in range(reused.slots) for c in reused.candidates(s)]
+    assert len(set(every)) == len(every)
+    assert [fresh.full_key(0), fresh.full_key(1), fresh.segment(8, 9).key] == [
+        k.key for k in grid.keys(tokens)]
