@@ -59,6 +59,10 @@ class TierCost:
     name: str
     read: LinearCost
     write: LinearCost
+    duplex: bool = False
+    """Reads and writes move at once, each at its own speed, neither queued behind the
+    other: the two directions of PCIe (a GPU host's RAM tier) or of a full-duplex network
+    link. False: they share one path (a drive; host memory on a CPU-only machine)."""
 
     def observe_read(self, nbytes: float, seconds: float, weight: float = 0.1) -> TierCost:
         """Online refinement: move the read bandwidth toward an observed transfer (EWMA)."""
@@ -205,7 +209,8 @@ class CostModel:
     def from_dict(cls, doc: dict) -> CostModel:
         try:
             tiers = {
-                name: TierCost(name, LinearCost(**t["read"]), LinearCost(**t["write"]))
+                name: TierCost(name, LinearCost(**t["read"]), LinearCost(**t["write"]),
+                               bool(t.get("duplex", False)))
                 for name, t in doc.get("tiers", {}).items()
             }
             return cls(

@@ -73,7 +73,8 @@ class LivePolicy:
         """Idle sessions the pool lets go next (stage-ahead's reach): the tiers keep their
         copies, which let their blocks go with no write on the admission path."""
         self._next_check = -float("inf")
-        self.load = LoadMeter()
+        self.load = LoadMeter(duplex=[] if cost is None else
+                              [n for n, t in cost.tiers.items() if t.duplex])
         """How busy the GPU and the tiers' links have been (what the engine's steps and
         transfers, or the simulator's events, report): what makes decisions load-aware."""
         self.victims = VictimReuse()
@@ -153,10 +154,12 @@ class LivePolicy:
                            self.p_return(session, now), context_tokens)
 
     def weights(self, now: float | None = None,
-                link_wait_s: Mapping[str, float] | None = None) -> LoadWeights:
+                link_wait_s: Mapping[str, float] | None = None,
+                write_wait_s: Mapping[str, float] | None = None) -> LoadWeights:
         """What a second of the GPU's and each link's time costs now (``link_wait_s``: the
-        transfers each link has queued, where the caller knows them)."""
-        return self.load.weights(self.clock() if now is None else now, link_wait_s)
+        transfers each link has queued ahead of a read, ``write_wait_s`` ahead of a write,
+        where the caller knows them)."""
+        return self.load.weights(self.clock() if now is None else now, link_wait_s, write_wait_s)
 
     def session_rank(self, session: Hashable, now: float | None = None) -> float:
         """Higher = let the session's KV go sooner; running sessions rank -1 (kept)."""
@@ -231,10 +234,12 @@ class LivePolicy:
         end = self.clock() if end is None else end
         self.load.observe_compute(end - seconds, seconds)
 
-    def observe_transfer(self, tier: str, seconds: float, end: float | None = None) -> None:
-        """A tier's link carried a read or a write for ``seconds``, ending ``end``."""
+    def observe_transfer(self, tier: str, seconds: float, end: float | None = None,
+                         write: bool = False) -> None:
+        """A tier's link carried a read or (``write``) a write for ``seconds``, ending
+        ``end``."""
         end = self.clock() if end is None else end
-        self.load.observe_link(tier, end - seconds, seconds)
+        self.load.observe_link(tier, end - seconds, seconds, write)
 
     def observe_read(self, tier: str, nbytes: int, seconds: float) -> None:
         """Refine a tier's read bandwidth from a restore that was timed end to end (and

@@ -19,7 +19,7 @@ simulator's virtual one).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from kvtier.errors import InvalidArgumentError
@@ -88,16 +88,28 @@ class LoadWeights:
 
     compute: float = 1.0
     links: Mapping[str, float] = field(default_factory=dict)
+    """Each tier's link as reads see it."""
     link_wait_s: Mapping[str, float] = field(default_factory=dict)
-    """Seconds of transfers already queued on each tier's link ahead of a new one; for a
-    write on an admission path, negative where the link frees before the turn could
-    start anyway (slack)."""
+    """Seconds of transfers already queued on each tier's link ahead of a new read."""
+    write_links: Mapping[str, float] = field(default_factory=dict)
+    """Each tier's write path where it is not its reads' (a duplex link: PCIe, a network);
+    absent: writes share the reads' path and weight."""
+    write_wait_s: Mapping[str, float] = field(default_factory=dict)
+    """Seconds queued ahead of a new write on each tier's write path (absent: the reads'
+    wait); for a write on an admission path, negative where the path frees before the
+    turn could start anyway (slack)."""
 
     def link(self, tier: str) -> float:
         return self.links.get(tier, 1.0)
 
     def wait(self, tier: str) -> float:
         return self.link_wait_s.get(tier, 0.0)
+
+    def write_link(self, tier: str) -> float:
+        return self.write_links.get(tier, self.link(tier))
+
+    def write_wait(self, tier: str) -> float:
+        return self.write_wait_s.get(tier, self.wait(tier))
 
 
 IDLE = LoadWeights()
@@ -108,20 +120,29 @@ class LoadMeter:
     """The busy shares of the GPU (compute) and of each tier's link, as one policy sees
     them: the engine's scheduler and transfers, or the simulator's events, feed it."""
 
-    def __init__(self, horizon_s: float = 60.0) -> None:
+    def __init__(self, horizon_s: float = 60.0, duplex: Collection[str] = ()) -> None:
+        """``duplex``: the tiers whose writes take a path of their own."""
         self.horizon_s = horizon_s
         self.compute = BusyShare(horizon_s)
         self.links: dict[str, BusyShare] = {}
+        self.write_links: dict[str, BusyShare] = {}
+        """The write paths of the ``duplex`` tiers (the others' writes are in ``links``)."""
+        self.duplex = frozenset(duplex)
 
     def observe_compute(self, start: float, seconds: float) -> None:
         self.compute.observe(start, seconds)
 
-    def observe_link(self, tier: str, start: float, seconds: float) -> None:
-        self.links.setdefault(tier, BusyShare(self.horizon_s)).observe(start, seconds)
+    def observe_link(self, tier: str, start: float, seconds: float, write: bool = False) -> None:
+        paths = self.write_links if write and tier in self.duplex else self.links
+        paths.setdefault(tier, BusyShare(self.horizon_s)).observe(start, seconds)
 
-    def weights(self, now: float, link_wait_s: Mapping[str, float] | None = None) -> LoadWeights:
+    def weights(self, now: float, link_wait_s: Mapping[str, float] | None = None,
+                write_wait_s: Mapping[str, float] | None = None) -> LoadWeights:
         return LoadWeights(
             compute=delay_weight(self.compute.share(now)),
             links={t: delay_weight(b.share(now)) for t, b in self.links.items()},
             link_wait_s=dict(link_wait_s or {}),
+            write_links={t: delay_weight(b.share(now)) if (b := self.write_links.get(t)) else 1.0
+                         for t in self.duplex | self.write_links.keys()},
+            write_wait_s=dict(write_wait_s or {}),
         )

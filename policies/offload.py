@@ -105,15 +105,15 @@ def write_pays(
 ) -> bool:
     """Storing ``s`` in ``tier`` now is worth what it costs everyone: with chance
     ``p_return`` a return then saves recomputing its prefix minus loading it (at the GPU's
-    weight; the load also weighs on its link), against the write's link time at what the
-    link's weight adds and, when the write blocks an admission (``blocking``), the delay it
-    adds there at the GPU's weight: the write after what its link has queued, less any
-    slack (a negative wait: the turn waits for something else till then). Idle and
-    non-blocking, this is :func:`worth_storing`."""
+    weight; the load also weighs on its link), against the write's time at what its path's
+    weight adds (a duplex link's write path is not its reads') and, when the write blocks
+    an admission (``blocking``), the delay it adds there at the GPU's weight: the write
+    after what its path has queued, less any slack (a negative wait: the turn waits for
+    something else till then). Idle and non-blocking, this is :func:`worth_storing`."""
     chunks = max(1, -(-s.prefix_tokens // chunk_tokens))
     write = cost.store_time(tier, s.prefix_tokens, chunks)
-    wc, wl = weights.compute, weights.link(tier)
-    price = (wl - 1.0) * write + (wc * max(write + weights.wait(tier), 0.0) if blocking else 0.0)
+    wc, wl = weights.compute, weights.write_link(tier)
+    price = (wl - 1.0) * write + (wc * max(write + weights.write_wait(tier), 0.0) if blocking else 0.0)
     return copy_value(cost, tier, s, weights, chunk_tokens) > price
 
 
@@ -128,7 +128,7 @@ def displace_pays(
     chunks = max(1, -(-new.prefix_tokens // chunk_tokens))
     write = cost.store_time(tier, new.prefix_tokens, chunks)
     gain = copy_value(cost, tier, new, weights, chunk_tokens) - copy_value(cost, tier, victim, weights, chunk_tokens)
-    return gain > (weights.link(tier) - 1.0) * write
+    return gain > (weights.write_link(tier) - 1.0) * write
 
 
 def landing_pays(

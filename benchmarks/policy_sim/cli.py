@@ -150,13 +150,13 @@ def with_codecs(cost, spec: str, kv_dtype: str):
 def slow_tiers(cost):
     """The profile with every tier 1000x slower and 50 ms more latency: a remote store
     behind a congested link, where loading always loses to recompute."""
-    from kvtier.policies.cost_model import LinearCost, TierCost
+    from kvtier.policies.cost_model import LinearCost
 
     def slow(c: LinearCost) -> LinearCost:
         return LinearCost(c.latency_s + 0.05, c.bandwidth_bps / 1000)
 
     return dataclasses.replace(cost, tiers={
-        n: TierCost(n, slow(t.read), slow(t.write)) for n, t in cost.tiers.items()
+        n: dataclasses.replace(t, read=slow(t.read), write=slow(t.write)) for n, t in cost.tiers.items()
     })
 
 

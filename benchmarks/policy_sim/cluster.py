@@ -54,7 +54,7 @@ class Cluster:
         """Session -> the node that served its latest turn."""
         if system.use_tiers and SHARED_TIER in cost.tiers and tier_bytes.get(SHARED_TIER, 0) > 0:
             store = Store(SHARED_TIER, tier_bytes[SHARED_TIER], self._shared_policy())
-            shared[SHARED_TIER] = (store, Link())
+            shared[SHARED_TIER] = (store, Link.of(cost.tier(SHARED_TIER)))
         self.shared = shared
         self.nodes = [Simulator(workload, system, cost, gpu_bytes_per_node, tier_bytes,
                                 shared=shared) for _ in range(nodes)]

@@ -145,14 +145,18 @@ class Hardware:
             num_layers=self.model.layers,
             prefill=self.prefill(),
             tiers={
-                "cpu": TierCost("cpu", LinearCost(10e-6, pcie_r), LinearCost(10e-6, pcie_w)),
+                # PCIe and Ethernet carry both directions at once (a GPU has a copy engine
+                # each way); a drive's reads and writes share its flash.
+                "cpu": TierCost("cpu", LinearCost(10e-6, pcie_r), LinearCost(10e-6, pcie_w),
+                                duplex=True),
                 # A disk read lands in pinned memory, then crosses PCIe: the slower of the two.
                 "disk": TierCost("disk",
                                  LinearCost(n.read_latency_s, min(n.read_GBps * GB, pcie_r)),
                                  LinearCost(n.write_latency_s, min(n.write_GBps * GB, pcie_w))),
                 "redis": TierCost("redis",
                                   LinearCost(r.read_latency_s, min(r.read_GBps * GB, pcie_r)),
-                                  LinearCost(r.write_latency_s, min(r.write_GBps * GB, pcie_w))),
+                                  LinearCost(r.write_latency_s, min(r.write_GBps * GB, pcie_w)),
+                                  duplex=True),
             },
             stream_min_tokens=0,  # on CUDA a restore always streams layer by layer
         )
@@ -320,7 +324,7 @@ def with_network(cost: CostModel, network: str) -> CostModel:
     cap_r = cpu.read.bandwidth_bps if cpu else float("inf")
     cap_w = cpu.write.bandwidth_bps if cpu else float("inf")
     redis = TierCost("redis", LinearCost(net.read_latency_s, min(net.read_GBps * GB, cap_r)),
-                     LinearCost(net.write_latency_s, min(net.write_GBps * GB, cap_w)))
+                     LinearCost(net.write_latency_s, min(net.write_GBps * GB, cap_w)), duplex=True)
     return replace(cost, tiers={**cost.tiers, "redis": redis})
 
 

@@ -8,6 +8,7 @@ from collections.abc import Callable, Container, Hashable, Iterator
 from dataclasses import dataclass, field
 
 from kvtier.connectors.tiers.chunk_index import ChunkIndex
+from kvtier.policies.cost_model import TierCost
 from kvtier.policies.eviction import ChunkInfo, EvictionPolicy
 from kvtier.policies.load import BusyShare
 
@@ -85,12 +86,24 @@ class Store:
 @dataclass
 class Link:
     """A tier's I/O path: transfers queue behind each other (and how busy that kept it,
-    which the policy's load weights read)."""
+    which the policy's load weights read). Reads take this path; writes too, unless the
+    medium carries both directions at once (:attr:`TierCost.duplex`: PCIe, a network
+    link), where they queue on a path of their own (:attr:`writes`)."""
 
     free_at: float = 0.0
     read_bytes: int = 0
     write_bytes: int = 0
     busy: BusyShare = field(default_factory=BusyShare)
+    writes: Link | None = None
+    """The writes' own path on a duplex medium; None: they queue with the reads."""
+
+    @classmethod
+    def of(cls, tier: TierCost) -> Link:
+        return cls(writes=cls() if tier.duplex else None)
+
+    @property
+    def write_path(self) -> Link:
+        return self.writes or self
 
     def transfer(self, start: float, seconds: float) -> float:
         begin = max(start, self.free_at)

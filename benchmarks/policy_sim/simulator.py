@@ -109,7 +109,7 @@ class Simulator:
         shared = shared or {}
         self.tiers = [shared[t][0] if t in shared else
                       Store(t, tier_bytes[t], self._policy(system.tier_eviction)) for t in names]
-        self.links = {t: shared[t][1] if t in shared else Link() for t in names}
+        self.links = {t: shared[t][1] if t in shared else Link.of(cost.tier(t)) for t in names}
         self.res = SimResult(system.name)
         self.through = system.write_through  # LMCache's store rule (adaptive: switched per turn)
         self._server_free = 0.0
@@ -209,7 +209,7 @@ class Simulator:
             return now
         self.unstored.get(self._owner.get(key), KeySet()).discard(key)
         encode = self.cost.encode_time(st.name, tokens)  # on the host's cores, then the link
-        done = self.links[st.name].transfer(now + encode, self.cost.store_time(st.name, tokens) - encode)
+        done = self.links[st.name].write_path.transfer(now + encode, self.cost.store_time(st.name, tokens) - encode)
         if self.gpu.has(key):
             self._landing[key] = done
         self.count(self.res.write_bytes, st.name, self.cost.stored_bytes(st.name, tokens))

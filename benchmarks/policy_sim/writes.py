@@ -33,19 +33,25 @@ class WriteDecisions:
         as long as the tiers could keep their copies)."""
         self.sim = sim
         sim.live.load.links = {t: link.busy for t, link in sim.links.items()}
+        sim.live.load.write_links = {t: link.writes.busy for t, link in sim.links.items()
+                                     if link.writes is not None}
         chunk_bytes = sim.w.chunk_tokens * sim.bpt
         sim.live.victims = VictimReuse(max(1, int(tier_bytes // chunk_bytes)))
 
     def weights(self, now: float, waiting_until: float | None = None) -> LoadWeights:
         """The load now, as the policy weighs it: the server's and links' busy shares and
-        what each link has queued (``waiting_until``: a turn waits till then anyway, so
-        only what is queued beyond that delays it further, and a link that frees earlier
-        leaves it slack)."""
+        what each link has queued ahead of a read and of a write (``waiting_until``: a
+        write on a turn's admission path, which waits till then anyway, so only what is
+        queued beyond that delays it further, and a path that frees earlier leaves it
+        slack)."""
         links = self.sim.links
+        reads = {t: link.wait_s(now) for t, link in links.items()}
         if waiting_until is None:
-            return self.sim.live.weights(now, {t: link.wait_s(now) for t, link in links.items()})
-        after = max(now, waiting_until)  # negative: the link frees before the turn can start
-        return self.sim.live.weights(now, {t: max(link.free_at, now) - after for t, link in links.items()})
+            writes = {t: link.write_path.wait_s(now) for t, link in links.items()}
+        else:
+            after = max(now, waiting_until)  # negative: the path frees before the turn can start
+            writes = {t: max(link.write_path.free_at, now) - after for t, link in links.items()}
+        return self.sim.live.weights(now, reads, writes)
 
     def victim(self, key: Hashable, tokens: int, now: float) -> IdleSession:
         """A chunk as the offload policy weighs it: its owner's chance of coming back

@@ -143,7 +143,7 @@ class Offloader:
                              namespace=self.kv_namespace(session_id))
             result = self._complete_offload(session, report, tier, True)
             if self.policy is not None and report.bytes:
-                self.policy.observe_transfer(result.tier, time.perf_counter() - t0)
+                self.policy.observe_transfer(result.tier, time.perf_counter() - t0, write=True)
             return result
         assert self.transfers is not None
         out: Future[OffloadResult] = Future()

@@ -16,6 +16,7 @@ from kvtier.benchmarks.policy_sim.hardware import (
     profile_names,
     with_network,
 )
+from kvtier.benchmarks.policy_sim.node import Link
 from kvtier.benchmarks.policy_sim.simulator import Simulator
 from kvtier.benchmarks.policy_sim.systems import SYSTEMS
 from kvtier.benchmarks.policy_sim.workloads import SyntheticSpec, Turn, Workload, synthetic
@@ -94,6 +95,9 @@ def test_shipped_hardware_profiles_are_current_and_name_their_sources():
         cost, warnings = load_profile(PROFILES / f"{name}.json", machine="this laptop")
         assert warnings == []  # modelled for the machine it names
         assert set(cost.tiers) == {"cpu", "disk", "redis"}
+        # PCIe and Ethernet carry reads and writes at once; a drive's share its flash
+        assert cost.tiers["cpu"].duplex and cost.tiers["redis"].duplex
+        assert not cost.tiers["disk"].duplex
         assert doc["sources"] and all(s["url"].startswith("https://") for s in doc["sources"])
         for check in doc["checks"]:
             assert 0.5 <= check["ratio"] <= 2.0, (name, check)  # within 2x of published
@@ -110,7 +114,17 @@ def test_the_network_option_replaces_the_remote_tier():
     cost = hardware("a100-llama-3-8b").cost_model()
     fast = with_network(cost, "100gbe")
     assert fast.tiers["redis"].read.bandwidth_bps > cost.tiers["redis"].read.bandwidth_bps
-    assert fast.tiers["cpu"] == cost.tiers["cpu"]
+    assert fast.tiers["cpu"] == cost.tiers["cpu"] and fast.tiers["redis"].duplex
+
+
+def test_a_write_delays_a_read_only_where_the_medium_has_one_path():
+    link = LinearCost(0.0, 1e9)
+    drive, pcie = Link.of(TierCost("disk", link, link)), Link.of(TierCost("cpu", link, link, duplex=True))
+    for path in (drive, pcie):
+        assert path.write_path.transfer(0.0, 1.0) == 1.0  # a write queued first
+    assert drive.transfer(0.0, 0.5) == 1.5  # the drive's read waits behind it
+    assert pcie.transfer(0.0, 0.5) == 0.5  # PCIe's read moves the other way at once
+    assert pcie.write_path.transfer(0.0, 1.0) == 2.0  # writes still queue behind writes
 
 
 def test_the_cli_runs_a_cluster_on_a_hardware_profile(tmp_path, capsys):

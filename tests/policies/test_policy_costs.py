@@ -110,6 +110,9 @@ def test_profile_round_trip_and_bad_profiles():
     cost = _model(cpu=(1e-4, 10e9), disk=(1e-3, 2e9))
     again = CostModel.from_dict(cost.to_dict())
     assert again == cost
+    duplex = replace(cost, tiers={**cost.tiers, "cpu": replace(cost.tiers["cpu"], duplex=True)})
+    assert CostModel.from_dict(duplex.to_dict()).tiers["cpu"].duplex
+    assert not again.tiers["cpu"].duplex  # a profile that does not say shares one path
     with pytest.raises(InvalidArgumentError, match="not a kvtier cost profile"):
         CostModel.from_dict({"model": "m"})
     with pytest.raises(InvalidArgumentError, match="no tier 'redis'"):
