@@ -239,7 +239,11 @@ class Simulator:
             where = self.where(key) if self.tiers else None
             if where is not None and self.spec.predictive and self.spec.offload_on_evict:
                 raised = self.writes.raise_copy(key, tokens, where, now, done if blocking else None)
-                if raised is not None:  # its blocks go once both copies are down
+                if raised is not None:  # its blocks go once both copies are down, unless
+                    # the slower one, still in flight, is not worth the turn's wait
+                    if blocking and landing > done and self.writes.abandons(key, tokens, where, now,
+                                                                            landing - done):
+                        landing = now
                     done = max(done, raised, landing)
                     continue
             if not self.spec.offload_on_evict or not self.tiers or where is not None:

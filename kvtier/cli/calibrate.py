@@ -160,6 +160,10 @@ def calibrate_tiers(runner, args: argparse.Namespace, console, n_chunks: int = 8
         from kvtier.connectors.tiers.redis_tier import RedisTier
 
         tiers["redis"] = RedisTier(args.redis_url, timeout_s=5.0)
+    # Host RAM under a GPU pool is reached over PCIe, whose two directions move at once (a
+    # copy engine each way); under a host pool reads and writes share the memory bus. A
+    # drive, and a Redis server running one command at a time, are one path.
+    on_gpu = runner.pool.storage.kv.device.type == "cuda"
     tier_costs = {}
     try:
         for name, tier in tiers.items():
@@ -175,7 +179,8 @@ def calibrate_tiers(runner, args: argparse.Namespace, console, n_chunks: int = 8
                 reads += r
                 try:
                     tier_costs[name] = TierCost(name, LinearCost.fit(fastest_per_size(reads)),
-                                                LinearCost.fit(fastest_per_size(writes)))
+                                                LinearCost.fit(fastest_per_size(writes)),
+                                                duplex=name == "cpu" and on_gpu)
                     break
                 except InvalidArgumentError:
                     if attempt == MAX_ROUNDS:

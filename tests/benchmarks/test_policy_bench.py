@@ -21,6 +21,7 @@ from kvtier.benchmarks.policy_sim.workloads import (
 from kvtier.cli.main import main
 from kvtier.errors import ConfigError, InvalidArgumentError, TraceFormatError
 from kvtier.policies.cost_model import CostModel, LinearCost, PrefillCost, TierCost
+from kvtier.policies.eviction import ChunkInfo
 from kvtier.policies.profile import load_profile, save_profile
 
 CHUNK = 256
@@ -284,3 +285,38 @@ def test_kvtier_stops_writing_back_what_nobody_asks_for_again():
     assert k.breakdown["write_back_s"] == 0 and sum(k.ttft_s) < sum(ca.ttft_s)
     assert sim.live.victims.let_go_total >= 100 and sim.live.victims.reused_total == 0
     assert sim.live.p_return("s0") < 0.2
+
+
+def test_a_turn_does_not_wait_for_a_slow_copy_in_flight_when_a_faster_one_is_raised():
+    """A GPU victim whose only copy is still being written to a slow tier is raised to the
+    fast one on the admission path: its blocks then wait for both copies, unless the slow
+    one is worth less than the wait, when it is dropped unfinished (as a victim with no
+    raise would drop it); a copy about to land is waited for."""
+    def sim_with_copy_landing_at(landing_s: float) -> tuple[Simulator, tuple, int]:
+        t = lambda n, w: TierCost(n, LinearCost(0.0, 1e12), LinearCost(0.0, w))  # noqa: E731
+        chunk_bytes = CHUNK * 1000
+        cost = CostModel("m", "test", 1000, 4, PrefillCost(0.0, 1e-3, 0.0),
+                         {"cpu": t("cpu", 1e12), "disk": t("disk", chunk_bytes / landing_s)})
+        keys = tuple(("a", i) for i in range(4))
+        wl = Workload("raise", [Turn("a", 0.0, keys, CHUNK, 1024, 0)], CHUNK)
+        sim = Simulator(wl, SYSTEMS["kvtier"], cost, 1e9, {"cpu": 1e9, "disk": 1e9})
+        sim.step(0, wl.turns[0])  # computed, and stored in the CPU tier
+        sim.tiers[0].remove(keys[0])  # which later let it go
+        for i in range(30):  # sessions come back: copies where restores are fastest pay
+            sim.live.turn_ended(("seen", i), at=0.0)
+            sim.live.turn_started(("seen", i), now=5.0)
+        assert sim.live.raises_copies()
+        now = 10.0
+        landing = sim.write(1, keys[0], CHUNK, ChunkInfo(chunk_bytes), now)  # to disk, in flight
+        assert landing == pytest.approx(now + landing_s)
+        return sim, keys[0], chunk_bytes
+
+    sim, key, nbytes = sim_with_copy_landing_at(30.0)  # a chunk recomputes in 0.256 s
+    done = sim.evict_from_gpu([(key, nbytes)], 10.0, blocking=True, waiting_until=10.0)
+    assert done == pytest.approx(10.0)  # the fast copy is down at once; the slow one dropped
+    assert sim.tiers[0].has(key) and not sim.tiers[1].has(key)
+    assert sim.res.decisions["raise_cpu"] == 1 and sim.res.decisions["abandon_copy"] == 1
+    sim, key, nbytes = sim_with_copy_landing_at(0.001)
+    done = sim.evict_from_gpu([(key, nbytes)], 10.0, blocking=True, waiting_until=10.0)
+    assert done == pytest.approx(10.001)  # worth the millisecond: both copies kept
+    assert sim.tiers[0].has(key) and sim.tiers[1].has(key)

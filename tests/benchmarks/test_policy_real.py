@@ -32,6 +32,7 @@ def calibrated(tmp_path_factory):
 def test_the_real_replay_and_its_simulation_cover_every_turn(calibrated, tmp_path, name):
     model, profile = calibrated
     cost, _ = load_profile(profile)
+    assert not any(t.duplex for t in cost.tiers.values())  # a host pool: RAM is one path
     wl = synthetic(SyntheticSpec(
         sessions=6, system_tokens=256, first_turn_extra_tokens=256, turns_mean=4,
         think_median_s=30, chunk_tokens=64, output_tokens_median=8, user_tokens_median=60,
