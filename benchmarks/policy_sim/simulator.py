@@ -239,17 +239,14 @@ class Simulator:
             where = self.where(key) if self.tiers else None
             if where is not None and self.spec.predictive and self.spec.offload_on_evict:
                 raised = self.writes.raise_copy(key, tokens, where, now, done if blocking else None)
-                if raised is not None:  # its blocks go once both copies are down, unless
-                    # the slower one, still in flight, is not worth the turn's wait
-                    if blocking and landing > done and self.writes.abandons(key, tokens, where, now,
-                                                                            landing - done):
-                        landing = now
-                    done = max(done, raised, landing)
+                if raised is not None:  # its blocks go once both copies are down
+                    waits = self.writes.waits_for(key, tokens, where, now, landing, done, blocking)
+                    done = max(done, raised, landing if waits else now)
                     continue
             if not self.spec.offload_on_evict or not self.tiers or where is not None:
                 self.count(self.res.decisions, "gpu_drop")
                 if self.spec.offload_on_evict:  # written ahead: its blocks go once it is down
-                    if blocking and landing > done and self.writes.abandons(key, tokens, where, now, landing - done):
+                    if not self.writes.waits_for(key, tokens, where, now, landing, done, blocking):
                         continue
                     done = max(done, landing)
                 continue

@@ -106,6 +106,13 @@ class WriteDecisions:
         where.remove(key)
         return True
 
+    def waits_for(self, key: Hashable, tokens: int, where: Store | None, now: float,
+                  landing: float, done: float, blocking: bool) -> bool:
+        """Whether a victim's blocks wait for its copy still in flight (landing then; the
+        turn waits till ``done`` anyway): always off the admission path; on it, unless the
+        copy is worth less than the wait (then dropped unfinished, :meth:`abandons`)."""
+        return not (blocking and landing > done and self.abandons(key, tokens, where, now, landing - done))
+
     def store_computed(self, key: Hashable, tokens: int, info: ChunkInfo, now: float) -> None:
         """kvtier stores a chunk it just computed, off the admission path, in the first
         tier where that pays under the load now: into empty space when the write pays
