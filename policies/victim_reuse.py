@@ -67,7 +67,7 @@ class VictimReuse:
             if len(self._crossing) > 1:
                 self._crossing[1].append((self._clock, key))
             if len(ghosts) > self.capacity:
-                old, seq = ghosts.popitem(last=False)
+                _, seq = ghosts.popitem(last=False)
                 self._left_in[self._band(seq)] += 1
         self._age()
 
