@@ -64,6 +64,7 @@ from kvtier.chunk_format import (
 from kvtier.client import AsyncClient, Client, ServiceError
 from kvtier.connectors.chunk_store import accept_codecs
 from kvtier.errors import ChunkError
+from kvtier.io_priority import background_io
 from kvtier.models.weights_digest import checkpoint_digest
 
 log = logging.getLogger(__name__)
@@ -215,7 +216,8 @@ class KVTierRemoteConnector(RemoteConnector):
         )
         k = self._key(key)
         try:
-            await self.client.put_chunk(k, encode(k, data, meta))
+            with background_io():  # LMCache stores off the request path: reads go first
+                await self.client.put_chunk(k, encode(k, data, meta))
         except ServiceError as exc:
             if exc.status != 409:
                 raise

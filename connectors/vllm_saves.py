@@ -20,6 +20,8 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from kvtier.io_priority import background_io
+
 log = logging.getLogger(__name__)
 
 
@@ -90,7 +92,7 @@ class SaveQueue:
         if self._pool is None:
             self._run(ids, save)
             return
-        self._last = self._pool.submit(self._run, ids, save)
+        self._last = self._pool.submit(self._run_in_background, ids, save)
 
     def step_started(self, prefill: bool) -> None:
         """vLLM starts a step (``prefill``: it computes prompt tokens, not only one token
@@ -110,6 +112,12 @@ class SaveQueue:
         left = MAX_YIELD_S if deadline is None else deadline - time.monotonic()
         if left > 0:
             self._clear.wait(left)
+
+    def _run_in_background(self, ids: list[str], save: Callable[[], None]) -> None:
+        """On the background thread a save's writes are background ones: on a drive they
+        wait for restores' reads in flight (:mod:`~kvtier.io_priority`)."""
+        with background_io():
+            self._run(ids, save)
 
     def _run(self, ids: list[str], save: Callable[[], None]) -> None:
         self._deadline.at = time.monotonic() + MAX_YIELD_S

@@ -32,6 +32,7 @@ from kvtier.chunk_wire import (
 )
 from kvtier.client_region import RegionLink, RegionUnavailable
 from kvtier.errors import InvalidArgumentError
+from kvtier.io_priority import IOPriority, current_priority
 
 __all__ = ["AsyncClient", "Client", "Lookup", "ServiceError"]
 
@@ -147,7 +148,7 @@ class _Routes:
 
     @staticmethod
     def put_chunk(key: str, blob: Blob, tier: str | None) -> _Call:
-        params = {"tier": tier} if tier else None
+        params = _put_params(tier)
         headers = {"Content-Type": OCTETS}
         content = blob if isinstance(blob, bytes) else bytes(blob)  # httpx sends bytes
         return _Call("PUT", f"/v1/chunks/{key}", None, content, params, headers, (200, 201))
@@ -185,7 +186,7 @@ class _Routes:
     @staticmethod
     def put_chunks(chunks: Mapping[str, bytes], tier: str | None) -> _Call:
         payload = msgpack.packb({k: bytes(v) for k, v in chunks.items()}, use_bin_type=True)
-        params = {"tier": tier} if tier else None
+        params = _put_params(tier)
         return _Call(
             "POST", "/v1/chunks/batch/put", None, payload, params, {"Content-Type": MSGPACK}
         )
@@ -200,6 +201,16 @@ class _Routes:
             _chat_body(messages, stream, options),
             headers=_session_headers(session_id),
         )
+
+
+def _put_params(tier: str | None) -> dict[str, str] | None:
+    """A store's query: its tier, and ``priority=background`` when the calling thread
+    stores in the background (:func:`~kvtier.io_priority.background_io`: the service's
+    drive then serves reads first, as it would for its own background stores)."""
+    params = {"tier": tier} if tier else {}
+    if current_priority() is IOPriority.BACKGROUND:
+        params["priority"] = IOPriority.BACKGROUND.value
+    return params or None
 
 
 def _headers(token: str | None, accept_codecs: Collection[str] | None = None) -> dict[str, str]:
@@ -339,8 +350,8 @@ class Client:
                 return done
         if self.wire is None:
             return self._send(_Routes.put_chunk(key, blob, tier)).json()
-        params = {"tier": tier} if tier else None
-        resp = self.wire.request("PUT", f"/v1/chunks/{key}", params, blob, {"Content-Type": OCTETS})
+        resp = self.wire.request("PUT", f"/v1/chunks/{key}", _put_params(tier), blob,
+                                 {"Content-Type": OCTETS})
         body = resp.read()
         if resp.status not in (200, 201):
             raise error_from(resp.status, body)
@@ -361,7 +372,7 @@ class Client:
                 self._no_region(exc)
                 return None
             n = fill(room)
-            params = {"region": link.id, "offset": 0, "length": n, **({"tier": tier} if tier else {})}
+            params = {"region": link.id, "offset": 0, "length": n, **(_put_params(tier) or {})}
             status, body = self._region_call("PUT", f"/v1/chunks/{key}", params, None)
             if _region_gone(status, body) and not attempt:
                 link.forget()

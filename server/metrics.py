@@ -118,6 +118,10 @@ def _tier_metrics(tiers: list[dict[str, Any]]) -> Iterator[Metric]:
     used = family(GaugeMetricFamily, "kvtier_tier_used_bytes", "Bytes held by the tier now")
     cap = family(GaugeMetricFamily, "kvtier_tier_capacity_bytes", "Bytes the tier may hold")
     corrupt = family(CounterMetricFamily, "kvtier_tier_corrupt_chunks", "Corrupt chunks found")
+    held = family(CounterMetricFamily, "kvtier_tier_background_writes_held",
+                  "Background write batches that waited for reads in flight (reads first)")
+    held_s = family(CounterMetricFamily, "kvtier_tier_background_write_held_seconds",
+                    "Seconds background writes waited for reads in flight")
     errors = CounterMetricFamily(
         "kvtier_tier_errors", "Tier errors by kind", labels=["tier", "kind"]
     )
@@ -135,10 +139,12 @@ def _tier_metrics(tiers: list[dict[str, Any]]) -> Iterator[Metric]:
         if t["capacity_bytes"] is not None:
             cap.add_metric(name, t["capacity_bytes"])
         corrupt.add_metric(name, t["corrupt"])
+        held.add_metric(name, t["writes_held"])
+        held_s.add_metric(name, t["write_held_s"])
         for kind, n in sorted(t["errors"].items()):
             errors.add_metric([t["name"], kind], n)
     yield from (hits, misses, ratio, read, written, stored, evicted, chunks, used, cap)
-    yield from (corrupt, errors)
+    yield from (corrupt, held, held_s, errors)
 
 
 def _manager_metrics(m: dict[str, Any] | None) -> Iterator[Metric]:

@@ -39,6 +39,7 @@ from kvtier.connectors.tiers.blobs import get_each, put_blobs
 from kvtier.connectors.tiers.lent_chunk import LentChunk
 from kvtier.connectors.tiers.manager import PutReport, TierManager
 from kvtier.errors import ChunkError, ChunkFormatError
+from kvtier.io_priority import IOPriority, at_priority
 from kvtier.server.chunk_body import (
     LeasedResponse,
     PiecewiseResponse,
@@ -72,6 +73,9 @@ Key = Annotated[str, Path(pattern=KEY_PATTERN, description="chunk key")]
 RegionArg = Annotated[str | None, Query(
     pattern=r"^[0-9a-f]{32}$", description="a shared-memory region of the caller's (POST /v1/regions)")]
 OffsetArg = Annotated[int, Query(ge=0, description="with region: where in it the chunk lies")]
+PriorityArg = Annotated[IOPriority, Query(description=(
+    "background: nobody waits for this store now (a save off the request path); on the "
+    "disk tier it waits for reads in flight, which go first"))]
 Layers = Annotated[
     str | None,
     Query(pattern=r"^\d{1,4}:\d{1,4}$", description="read only layers START:END of the chunk"),
@@ -154,7 +158,8 @@ def _put_failed(report: PutReport) -> RouteError:
 async def put_chunk(key: Key, request: Request, tier: str | None = None,
                     region: RegionArg = None, offset: OffsetArg = 0,
                     length: Annotated[int | None, Query(ge=1, description=(
-                        "with region: the chunk's bytes in the region"))] = None) -> Response:
+                        "with region: the chunk's bytes in the region"))] = None,
+                    priority: PriorityArg = IOPriority.WAITED) -> Response:
     """Store one chunk (201), or confirm it is already stored (200). A body with a
     ``Content-Length`` streams into a reused staging buffer, is verified there and goes
     to the tier from it (the CPU tier copies it into its slot; disk writes it out). With
@@ -174,8 +179,8 @@ async def put_chunk(key: Key, request: Request, tier: str | None = None,
             raise RouteError(413, f"chunk of {length} bytes is over server.max_body_bytes ({limit})")
         tenant = identity_of(request.scope).tenant
         t0 = time.perf_counter()
-        report = await run_in_threadpool(_put_from_region, state, manager, tenant, region,
-                                         offset, length, key, where, start)
+        report = await run_in_threadpool(at_priority, priority, _put_from_region, state, manager,
+                                         tenant, region, offset, length, key, where, start)
         return _put_answer(state, request, report, key, where, length, t0)
     length = declared_length(request)
     t0 = time.perf_counter()
@@ -183,13 +188,14 @@ async def put_chunk(key: Key, request: Request, tier: str | None = None,
         blob = await request.body()
         framed = bytearray(BIND_SLACK + len(blob))
         framed[BIND_SLACK:] = blob
-        report = await run_in_threadpool(_verified_put, state, manager, key, where,
-                                         memoryview(framed), start)
+        report = await run_in_threadpool(at_priority, priority, _verified_put, state, manager,
+                                         key, where, memoryview(framed), start)
     else:
         async with staged_body(request, manager.staging, length, front=BIND_SLACK) as body:
             t0 = time.perf_counter()
             report = await run_in_threadpool(
-                _verified_put, state, manager, key, where, memoryview(body.numpy()), start
+                at_priority, priority, _verified_put, state, manager, key, where,
+                memoryview(body.numpy()), start
             )
     return _put_answer(state, request, report, key, where,
                        length if length is not None else len(blob), t0)
@@ -613,7 +619,8 @@ def _batch_put_new(state: ServiceState, manager: TierManager, tenant: str,
 @router.post(
     "/batch/put", response_model=BatchPutResponse, responses=_ERRORS, openapi_extra=_MSGPACK_BODY
 )
-async def batch_put(request: Request, tier: str | None = None) -> dict[str, Any]:
+async def batch_put(request: Request, tier: str | None = None,
+                    priority: PriorityArg = IOPriority.WAITED) -> dict[str, Any]:
     """Many chunks in one round trip (a msgpack map key -> bytes). Every chunk is verified
     first: one bad chunk fails the request with 400 and nothing is stored."""
     state, manager = _manager(request)
@@ -628,7 +635,8 @@ async def batch_put(request: Request, tier: str | None = None) -> dict[str, Any]
         chunks, _ = _unpacked_and_verified(manager, raw)
         chunks, headers = _bound_batch(raw, chunks, tenant)
         t0 = time.perf_counter()
-        report = _batch_put_new(state, manager, tenant, chunks, headers, start)
+        report = at_priority(priority, _batch_put_new, state, manager, tenant, chunks, headers,
+                             start)
         return chunks, report, time.perf_counter() - t0
 
     if length is None:  # chunked upload: the body-limit middleware has it in one piece

@@ -85,35 +85,93 @@ class Store:
 
 @dataclass
 class Link:
-    """A tier's I/O path: transfers queue behind each other (and how busy that kept it,
-    which the policy's load weights read). Reads take this path; writes too, unless the
-    medium carries both directions at once (:attr:`TierCost.duplex`: PCIe, a network
-    link), where they queue on a path of their own (:attr:`writes`)."""
+    """A tier's I/O path. Reads take this path; writes too, unless the medium carries both
+    directions at once (:attr:`TierCost.duplex`: PCIe, a network link), where they queue on
+    a path of their own (:attr:`writes`), in the order they come. Where reads and writes
+    share the path (a drive), it serves them as the disk tier does (``reads_first``):
+    transfers a turn waits for (reads, the write-backs that make its room) queue behind
+    each other; background writes (demotions, copies stored ahead of need) use it only when
+    none of those waits: one queued later goes first, after the background chunk in
+    flight, and pushes the rest back. How busy the path was is what the policy's load
+    weights read."""
 
     free_at: float = 0.0
-    read_bytes: int = 0
-    write_bytes: int = 0
+    """When the transfers turns wait for, queued so far, are done."""
+    background_free_at: float = 0.0
+    """When the background writes queued so far are done."""
     busy: BusyShare = field(default_factory=BusyShare)
     writes: Link | None = None
     """The writes' own path on a duplex medium; None: they queue with the reads."""
+    reads_first: bool = True
+    """Background writes yield to the transfers turns wait for (False: one queue)."""
+    _piece_s: float = 0.0
+    """The last background transfer's length: a transfer that goes ahead waits for the one
+    in flight (a chunk is not cut), at most this long."""
+    _pushes: list[tuple[float, float]] = field(default_factory=list)
+    """(start, seconds) of each transfer that went ahead of queued background writes."""
 
     @classmethod
     def of(cls, tier: TierCost) -> Link:
-        return cls(writes=cls() if tier.duplex else None)
+        return cls(writes=cls(reads_first=False) if tier.duplex else None)
 
     @property
     def write_path(self) -> Link:
         return self.writes or self
 
-    def transfer(self, start: float, seconds: float) -> float:
-        begin = max(start, self.free_at)
-        self.free_at = begin + seconds
+    @property
+    def idle_at(self) -> float:
+        """When everything queued on this path, background writes included, is done."""
+        return max(self.free_at, self.background_free_at)
+
+    def transfer(self, start: float, seconds: float, background: bool = False) -> float:
+        """Queue a transfer that can begin at ``start``; returns when it is done (for a
+        background one, as of now: later transfers that go ahead push it back, see
+        :meth:`landed`)."""
+        if background and self.reads_first:
+            begin = max(start, self.idle_at)
+            self.background_free_at = begin + seconds
+            self._piece_s = seconds
+        else:
+            begin = max(start, self.free_at)
+            if self.background_free_at > begin:
+                if start >= self.free_at:  # nothing ahead of it: a background chunk is going
+                    begin += min(self.background_free_at - begin, self._piece_s)
+                self._pushes.append((begin, seconds))
+                self.background_free_at += seconds
+            self.free_at = begin + seconds
         self.busy.observe(begin, seconds)
-        return self.free_at
+        return begin + seconds
+
+    @property
+    def mark(self) -> int:
+        """Where the record of transfers that went ahead stands now (see :meth:`landed`)."""
+        return len(self._pushes)
+
+    def landed(self, done: float, mark: int) -> float:
+        """When a background transfer queued at ``mark``, done at ``done`` as of then, is
+        done now that later ones went ahead of it."""
+        for start, seconds in self._pushes[mark:]:
+            if start >= done:
+                break
+            done += seconds
+        return done
 
     def wait_s(self, now: float) -> float:
-        """Transfers queued ahead of one that starts ``now``."""
+        """Transfers queued ahead of one a turn waits for that starts ``now``."""
         return max(self.free_at - now, 0.0)
+
+
+@dataclass(frozen=True)
+class Landing:
+    """When a copy written ahead of need is down: ``done`` as of its writing, later for a
+    background write that transfers queued since (``mark`` on ``path``) went ahead of."""
+
+    done: float
+    path: Link | None = None
+    mark: int = 0
+
+    def at(self) -> float:
+        return self.done if self.path is None else self.path.landed(self.done, self.mark)
 
 
 @dataclass(frozen=True)

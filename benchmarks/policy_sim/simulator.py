@@ -2,7 +2,9 @@
 
 The node is modelled the way its costs were measured (a calibration profile): prefill is
 one FIFO server (``prefill(cached, new)`` seconds per turn); each lower tier is one link
-that reads and writes take turns on (``latency + bytes / bandwidth``); a restore overlaps
+(``latency + bytes / bandwidth``; :class:`~kvtier.benchmarks.policy_sim.node.Link`: a
+drive serves the transfers turns wait for ahead of background writes, a duplex medium
+carries writes on a path of their own); a restore overlaps
 loading with compute layer by layer, so a turn's first token comes at
 ``max(start + compute, load_end + compute / layers)``. Memory is counted in chunks: the GPU
 holds a budget of KV bytes, every lower tier its capacity, and each evicts by the system's
@@ -24,7 +26,15 @@ import math
 from collections import OrderedDict
 from collections.abc import Hashable
 
-from kvtier.benchmarks.policy_sim.node import KeySet, Link, SessionState, SimResult, Store, TurnTime
+from kvtier.benchmarks.policy_sim.node import (
+    KeySet,
+    Landing,
+    Link,
+    SessionState,
+    SimResult,
+    Store,
+    TurnTime,
+)
 from kvtier.benchmarks.policy_sim.staging import Stager
 from kvtier.benchmarks.policy_sim.systems import SystemSpec
 from kvtier.benchmarks.policy_sim.workloads import Turn, Workload
@@ -102,9 +112,8 @@ class Simulator:
         """The live engine's policy state, on the simulation's clock (every call passes
         the event's time): think times, predictions, ranks, the pool's next to leave."""
         self.offload = self.live.offload
-        self._landing: dict[Hashable, float] = {}
-        """GPU chunk -> when its copy written ahead of need is down (its blocks may go
-        only then)."""
+        self._landing: dict[Hashable, Landing] = {}
+        """GPU chunk -> when its copy written ahead is down (its blocks go only then)."""
         self.gpu = Store("gpu", gpu_bytes, self._policy(system.gpu_eviction, gpu=True))
         shared = shared or {}
         self.tiers = [shared[t][0] if t in shared else
@@ -196,9 +205,10 @@ class Simulator:
         return None
 
     # ------------------------------------------------------------------- tiers
-    def write(self, tier_index: int, key: Hashable, tokens: int, info: ChunkInfo, now: float) -> float:
-        """Store a chunk in a lower tier (its link carries the bytes) and demote its
-        victims; returns when the write is done."""
+    def write(self, tier_index: int, key: Hashable, tokens: int, info: ChunkInfo, now: float,
+              background: bool = True) -> float:
+        """Store a chunk in a lower tier (its link carries the bytes; ``background``: no turn
+        waits for it) and demote its victims (background); returns when it is done."""
         st = self.tiers[tier_index]
         if st.has(key):
             st.policy.access(key, now)
@@ -209,9 +219,10 @@ class Simulator:
             return now
         self.unstored.get(self._owner.get(key), KeySet()).discard(key)
         encode = self.cost.encode_time(st.name, tokens)  # on the host's cores, then the link
-        done = self.links[st.name].write_path.transfer(now + encode, self.cost.store_time(st.name, tokens) - encode)
-        if self.gpu.has(key):
-            self._landing[key] = done
+        path, mark = self.links[st.name].write_path, self.links[st.name].write_path.mark
+        done = path.transfer(now + encode, self.cost.store_time(st.name, tokens) - encode, background)
+        if self.gpu.has(key):  # (a background write lands later if reads go ahead of it)
+            self._landing[key] = Landing(done, path if background else None, mark)
         self.count(self.res.write_bytes, st.name, self.cost.stored_bytes(st.name, tokens))
         if self.spec.cascade:
             for vkey, vbytes in victims:
@@ -235,7 +246,7 @@ class Simulator:
             tokens = nbytes // self.bpt
             if self.spec.predictive:
                 self.live.victims.let_go((key,))
-            landing = self._landing.pop(key, now)
+            landing = self._landing.pop(key, Landing(now)).at()
             where = self.where(key) if self.tiers else None
             if where is not None and self.spec.predictive and self.spec.offload_on_evict:
                 raised = self.writes.raise_copy(key, tokens, where, now, done if blocking else None)
@@ -258,7 +269,7 @@ class Simulator:
                     continue
             self.count(self.res.decisions, f"offload_{self.tiers[target].name}")
             info = self.infos.get(key) or ChunkInfo(nbytes)
-            done = max(done, self.write(target, key, tokens, info, now))
+            done = max(done, self.write(target, key, tokens, info, now, background=not blocking))
         return done
 
     # -------------------------------------------------------------------- turns

@@ -138,8 +138,8 @@ class Stager:
             if d.tier is None:
                 self.unstaged.discard(d.session)  # no tier pays: it will be dropped
                 continue
-            if self.sim.links[d.tier].write_path.free_at > now:
-                busy_until = min(busy_until, self.sim.links[d.tier].write_path.free_at)
+            if self.sim.links[d.tier].write_path.idle_at > now:
+                busy_until = min(busy_until, self.sim.links[d.tier].write_path.idle_at)
                 continue  # never queue a pre-stage ahead of reads
             busy_until = -math.inf
             # Pre-stage: write the session down now, keep it in the GPU; when its blocks
@@ -160,7 +160,7 @@ class Stager:
         demoting its own victims, as the write on the admission path would have, and keeps
         these copies while their sessions are next to leave; a busy link is left to its
         reads."""
-        if not self.sim.tiers_worth or all(link.write_path.free_at > now for link in self.sim.links.values()):
+        if not self.sim.tiers_worth or all(link.write_path.idle_at > now for link in self.sim.links.values()):
             return
         names = [t.name for t in self.sim.tiers]
 
@@ -175,7 +175,7 @@ class Stager:
         room = {t.name: t.capacity for t in self.sim.tiers}
         for d in self.sim.offload.stage_ahead(order(), used_tokens, cap_tokens, self.sim.cost, names, room,
                                               self.sim.live.weights(now)):
-            if self.sim.links[d.tier].write_path.free_at > now:
+            if self.sim.links[d.tier].write_path.idle_at > now:
                 return
             ti = names.index(d.tier)
             for key in [k for k in self.sim.unstored.get(d.session, ()) if k not in self.sim.pinned]:

@@ -46,8 +46,8 @@ class WriteDecisions:
         slack)."""
         links = self.sim.links
         reads = {t: link.wait_s(now) for t, link in links.items()}
-        if waiting_until is None:
-            writes = {t: link.write_path.wait_s(now) for t, link in links.items()}
+        if waiting_until is None:  # a background write: behind everything queued
+            writes = {t: max(link.write_path.idle_at - now, 0.0) for t, link in links.items()}
         else:
             after = max(now, waiting_until)  # negative: the path frees before the turn can start
             writes = {t: max(link.write_path.free_at, now) - after for t, link in links.items()}
@@ -89,7 +89,7 @@ class WriteDecisions:
             return None
         sim.count(sim.res.decisions, f"raise_{sim.tiers[target].name}")
         info = sim.infos.get(key) or ChunkInfo(tokens * sim.bpt)
-        return sim.write(target, key, tokens, info, now)
+        return sim.write(target, key, tokens, info, now, background=waiting_until is None)
 
     def abandons(self, key: Hashable, tokens: int, where: Store | None, now: float,
                  remaining_s: float) -> bool:

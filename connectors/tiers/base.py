@@ -149,8 +149,19 @@ class TierStats:
     bytes_read: int = 0
     evictions: int = 0
     corrupt: int = 0
+    writes_held: int = 0
+    """Background write batches that waited for reads in flight (a drive: reads first)."""
+    write_held_s: float = 0.0
+    """How long they waited, summed."""
     errors: dict[str, int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def count_held(self, waited_s: float | None) -> None:
+        """A background write batch waited ``waited_s`` for reads (None: it did not)."""
+        if waited_s is not None:
+            with self.lock:
+                self.writes_held += 1
+                self.write_held_s += waited_s
 
     def count_error(self, kind: str) -> None:
         with self.lock:
@@ -167,6 +178,8 @@ class TierStats:
                 "bytes_read": self.bytes_read,
                 "evictions": self.evictions,
                 "corrupt": self.corrupt,
+                "writes_held": self.writes_held,
+                "write_held_s": self.write_held_s,
                 "errors": dict(self.errors),
             }
 

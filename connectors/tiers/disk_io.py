@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import mmap
 import os
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 ALIGN = 4096
 HEAD_READ = 4096
@@ -190,3 +193,39 @@ def read_into(fd: int, offset: int, length: int, buf: memoryview, at: int, direc
 def direct_read_room(offset: int, length: int) -> int:
     """Bytes past ``at - offset % ALIGN`` an O_DIRECT :func:`read_into` may write."""
     return _round_up(offset % ALIGN + length)
+
+
+class ChunkFiles:
+    """Opens and writes one directory's chunk files through O_DIRECT while its filesystem
+    takes it, buffered from the first refusal on (warned once); ``fsync``: writes are
+    synced."""
+
+    def __init__(self, label: str, direct: bool, fsync: bool) -> None:
+        self.label = label
+        self.direct = direct
+        """Whether I/O bypasses the page cache now (False after a fallback)."""
+        self.fsync = fsync
+
+    def _refused(self, exc: OSError) -> None:
+        if self.direct:
+            self.direct = False
+            log.warning("disk tier %s: the filesystem refuses O_DIRECT (%s); using buffered I/O",
+                        self.label, exc.strerror)
+
+    def open_read(self, path: str) -> tuple[int, bool]:
+        """A file descriptor to read ``path`` from, and whether it is O_DIRECT."""
+        direct = self.direct
+        try:
+            return open_read(path, direct), direct
+        except DirectIOUnsupported as exc:
+            self._refused(exc)
+            return open_read(path, False), False
+
+    def write(self, path: str, data: memoryview) -> None:
+        """Write ``path`` whole (see :func:`write_file`)."""
+        try:
+            write_file(path, data, self.fsync, self.direct)
+        except DirectIOUnsupported as exc:
+            unlink_if_present(path)
+            self._refused(exc)
+            write_file(path, data, self.fsync, False)

@@ -46,6 +46,7 @@ from kvtier.connectors.tiers.disk_writes import GroupCommit
 from kvtier.connectors.tiers.host_buffers import StagingPool, round_up
 from kvtier.connectors.tiers.lent_chunk import ReadingBuffer
 from kvtier.errors import InvalidArgumentError, TierError
+from kvtier.io_priority import ReadsFirst
 from kvtier.policies.eviction import EvictionPolicy, eviction_policy
 
 log = logging.getLogger(__name__)
@@ -99,7 +100,7 @@ class DiskTier(Tier):
         self._paths = ChunkPaths(self.directory)
         self._capacity = capacity_bytes
         self.fsync = fsync
-        self._o_direct = o_direct
+        self._files = disk_io.ChunkFiles(str(self.directory), o_direct, fsync)
         self.read_evicted = read_evicted
         self._lock = threading.Lock()
         self._lock_fd: int | None
@@ -117,21 +118,15 @@ class DiskTier(Tier):
         """Buffers reads land in (:meth:`lease`): reused, so reading allocates nothing."""
         self._reader = ChunkFileReader(self._staging, head_bytes, self._open, self._submit,
                                        self._read_error)
-        self._commit = GroupCommit(self._paths, fsync, self._staging, self._write_file,
+        self._commit = GroupCommit(self._paths, fsync, self._staging, self._files.write,
                                    self._map)
+        self.reads_first = ReadsFirst()
+        """Background writes wait for the reads a request waits for (see io_priority)."""
 
     @property
     def o_direct(self) -> bool:
         """Whether I/O bypasses the page cache now (False after a fallback)."""
-        return self._o_direct
-
-    def _direct_refused(self, exc: OSError) -> None:
-        if self._o_direct:
-            self._o_direct = False
-            log.warning(
-                "disk tier %s: the filesystem refuses O_DIRECT (%s); using buffered I/O",
-                self.directory, exc.strerror,
-            )
+        return self._files.direct
 
     def _pool_or_closed(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -171,6 +166,8 @@ class DiskTier(Tier):
                     result.failed[write.key] = reason
         evicted_blobs = self._discard_evicted(evicted)
         try:
+            if todo:  # a background batch waits for reads in flight
+                self.stats.count_held(self.reads_first.before_write())
             outcomes = self._commit.write(todo)
             full = [w for w in todo if outcomes[w.key].reason == "disk_full"]
             if full:  # the filesystem filled before the tier's capacity: the coldest go
@@ -283,20 +280,7 @@ class DiskTier(Tier):
         return self._paths.temp_path(key)
 
     def _open(self, key: str) -> tuple[int, bool]:
-        direct = self._o_direct
-        try:
-            return disk_io.open_read(self._path(key), direct), direct
-        except disk_io.DirectIOUnsupported as exc:
-            self._direct_refused(exc)
-            return disk_io.open_read(self._path(key), False), False
-
-    def _write_file(self, path: str, data: memoryview) -> None:
-        try:
-            disk_io.write_file(path, data, self.fsync, self._o_direct)
-        except disk_io.DirectIOUnsupported as exc:
-            unlink_if_present(path)
-            self._direct_refused(exc)
-            disk_io.write_file(path, data, self.fsync, False)
+        return self._files.open_read(self._path(key))
 
     def _submit(self, fn: Callable[..., bool], *args: object) -> Future[bool]:
         return self._pool_or_closed().submit(fn, *args)
@@ -326,10 +310,12 @@ class DiskTier(Tier):
         with self._lock:
             present = [i for i, key in enumerate(keys) if self._index.get(key) is not None]
         reader = self._reader
-        if background and layers is None:
-            reads = self._map(lambda i: reader.read_head(keys[i]), present)
-        else:
-            reads = self._map(lambda i: reader.read(keys[i], layers), present)
+        with self.reads_first.reading_until(landing := []):  # reads first (io_priority)
+            if background and layers is None:
+                reads = self._map(lambda i: reader.read_head(keys[i]), present)
+            else:
+                reads = self._map(lambda i: reader.read(keys[i], layers), present)
+            landing += [r.done for r in reads if isinstance(r, ReadingBuffer)]
         out: list[torch.Tensor | ReadingBuffer | None] = [None] * len(keys)
         gone: list[str] = []
         corrupt: list[str] = []

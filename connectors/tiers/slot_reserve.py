@@ -15,6 +15,8 @@ import logging
 import threading
 from collections.abc import Callable
 
+from kvtier.io_priority import background_io
+
 log = logging.getLogger(__name__)
 
 
@@ -52,8 +54,9 @@ class SlotReserve:
                 self._idle.set()
                 return
             try:
-                while not self._stopped and self._replenish():
-                    pass
+                with background_io():  # nobody waits for these hand-downs
+                    while not self._stopped and self._replenish():
+                        pass
             except Exception:  # noqa: BLE001 - a failed hand-down: stores evict inline
                 log.exception("the CPU tier's free-slot reserve failed to hand a chunk down")
             if not self._wanted.is_set():

@@ -6,6 +6,7 @@ object is made, and at most about two batches of buffers are out at once."""
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -95,10 +96,11 @@ class StagedPuts:
         return [b for b in out if b]
 
     def _put_later(self, writes: list[ChunkWrite], tier: int | str) -> Future[PutReport]:
-        """Put one batch on the putter thread (batches in order)."""
+        """Put one batch on the putter thread (batches in order), with the caller's I/O
+        priority (a background store stays one there)."""
         if self._putter is None:
             self._putter = ThreadPoolExecutor(1, thread_name_prefix="kvtier-put")
-        return self._putter.submit(self.manager.store, writes, tier)
+        return self._putter.submit(contextvars.copy_context().run, self.manager.store, writes, tier)
 
     def _settle(self, batch: _Batch, result: StagedResult) -> None:
         try:

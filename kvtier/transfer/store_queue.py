@@ -14,6 +14,7 @@ from collections.abc import Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvtier.errors import InvalidArgumentError
+from kvtier.io_priority import background_io
 from kvtier.transfer.kv_transfer import KVTransfer, SaveReport
 
 
@@ -62,7 +63,8 @@ class StoreQueue:
 
         def work() -> SaveReport:
             try:
-                return self.kv.store(snap, tier, owner)
+                with background_io():  # nobody waits for it now: reads go first on a drive
+                    return self.kv.store(snap, tier, owner)
             finally:
                 self._release(snap.nbytes)
 

@@ -16,7 +16,7 @@ from kvtier.benchmarks.policy_sim.hardware import (
     profile_names,
     with_network,
 )
-from kvtier.benchmarks.policy_sim.node import Link
+from kvtier.benchmarks.policy_sim.node import Landing, Link
 from kvtier.benchmarks.policy_sim.simulator import Simulator
 from kvtier.benchmarks.policy_sim.systems import SYSTEMS
 from kvtier.benchmarks.policy_sim.workloads import SyntheticSpec, Turn, Workload, synthetic
@@ -125,6 +125,28 @@ def test_a_write_delays_a_read_only_where_the_medium_has_one_path():
     assert drive.transfer(0.0, 0.5) == 1.5  # the drive's read waits behind it
     assert pcie.transfer(0.0, 0.5) == 0.5  # PCIe's read moves the other way at once
     assert pcie.write_path.transfer(0.0, 1.0) == 2.0  # writes still queue behind writes
+
+
+def test_a_drive_serves_reads_ahead_of_background_writes():
+    """As the disk tier does (reads first): a read a turn waits for goes ahead of queued
+    demotions, after the chunk in flight, and pushes them back; a copy's landing moves
+    with them. A duplex medium's write path keeps one queue for every write."""
+    link = LinearCost(0.0, 1e9)
+    drive = Link.of(TierCost("disk", link, link))
+    marks = []
+    for i in range(4):  # four background chunk writes of 0.25 s queued at 0
+        marks.append(drive.mark)
+        assert drive.transfer(0.0, 0.25, background=True) == pytest.approx(0.25 * (i + 1))
+    assert drive.transfer(0.1, 0.5) == pytest.approx(0.85)  # after the chunk in flight
+    assert drive.idle_at == pytest.approx(1.5)  # the writes end 0.5 s later
+    assert Landing(0.25, drive, marks[0]).at() == pytest.approx(0.25)  # done before it
+    assert Landing(1.0, drive, marks[3]).at() == pytest.approx(1.5)  # pushed back
+    assert drive.transfer(0.2, 0.5) == pytest.approx(1.35)  # right behind the read before
+    assert drive.wait_s(0.9) == pytest.approx(0.45)  # what a read waits for: reads only
+    assert drive.idle_at == pytest.approx(2.0)
+    pcie = Link.of(TierCost("cpu", link, link, duplex=True))
+    assert pcie.write_path.transfer(0.0, 1.0, background=True) == 1.0
+    assert pcie.write_path.transfer(0.0, 0.5) == 1.5  # one queue: the D2H copies in order
 
 
 def test_the_cli_runs_a_cluster_on_a_hardware_profile(tmp_path, capsys):
