@@ -115,7 +115,7 @@ class SaveQueue:
 
     def _run_in_background(self, ids: list[str], save: Callable[[], None]) -> None:
         """On the background thread a save's writes are background ones: on a drive they
-        wait for restores' reads in flight (:mod:`~kvtier.io_priority`)."""
+        wait for the transfers someone waits for (:mod:`~kvtier.io_priority`)."""
         with background_io():
             self._run(ids, save)
 

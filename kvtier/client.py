@@ -206,7 +206,7 @@ class _Routes:
 def _put_params(tier: str | None) -> dict[str, str] | None:
     """A store's query: its tier, and ``priority=background`` when the calling thread
     stores in the background (:func:`~kvtier.io_priority.background_io`: the service's
-    drive then serves reads first, as it would for its own background stores)."""
+    tiers then serve what someone waits for first, as for their own background stores)."""
     params = {"tier": tier} if tier else {}
     if current_priority() is IOPriority.BACKGROUND:
         params["priority"] = IOPriority.BACKGROUND.value

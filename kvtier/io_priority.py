@@ -1,20 +1,21 @@
-"""Reads first on a drive: background writes hold off while a read someone waits for is in
-flight.
+"""Transfers someone waits for go first: background writes hold off while one is in flight
+on the same path.
 
-A drive carries reads and writes on one path. A turn restoring its KV from disk waits for
-its reads; nobody waits for a demotion handed down from the CPU tier, a session stored
-ahead of need, or a save vLLM has already moved past. When both are queued, the read
-should go first: the write is as useful a moment later, the read's delay is the user's.
-The policy simulator models the drive this way (``Link.reads_first``), so the engine must
-serve it this way too.
+A turn restoring its KV waits for its reads, and for the write-backs that make its room;
+nobody waits for a demotion handed down from the CPU tier, a session stored ahead of need,
+or a save vLLM has already moved past. Where both share a path, the waited-for transfer
+should go first: the background write is as useful a moment later, the other's delay is
+the user's. A drive carries reads and writes on one path; a network link carries each
+direction on its own, so there a background write yields to waited-for writes only. The
+policy simulator's links work this way (``Link.waited_first``), so the tiers must too.
 
 Who is background is said by the thread doing the work (:func:`background_io`, entered by
-the workers that store off the request path), not by every call in between; a tier with
-one path (:class:`~kvtier.connectors.tiers.disk_tier.DiskTier`) counts the reads asked for
-outside it (:meth:`ReadsFirst.reading`) and makes a background write wait
-(:meth:`ReadsFirst.before_write`) until none is in flight, a chunk batch at a time (a
-write already going is not cut), and at most :data:`MAX_HOLD_S` a batch, so that a steady
-stream of reads cannot hold stores, and the memory they pin, without bound.
+the workers that store off the request path), not by every call in between. A tier counts
+the waited-for transfers on a path (:meth:`WaitedFirst.begin`, :meth:`WaitedFirst.during`)
+and makes a background write batch wait (:meth:`WaitedFirst.before_background_write`)
+until none is in flight: a batch at a time (a write already going is not cut), and at most
+:data:`MAX_HOLD_S` a batch, so that a steady stream of reads cannot hold stores, and the
+memory they pin, without bound.
 """
 
 from __future__ import annotations
@@ -69,42 +70,44 @@ def at_priority(priority: IOPriority, fn: Callable[..., T], *args: object) -> T:
         _priority.reset(token)
 
 
-class ReadsFirst:
-    """One medium's gate: the waited-for reads in flight, and background writes held off
-    while there are any."""
+class WaitedFirst:
+    """One path's gate: the transfers someone waits for in flight on it, and background
+    write batches held off while there are any."""
 
     def __init__(self, max_hold_s: float = MAX_HOLD_S) -> None:
         self.max_hold_s = max_hold_s
         self._cond = threading.Condition()
-        self._reads = 0
+        self._waited = 0
 
     @property
-    def reads_in_flight(self) -> int:
+    def in_flight(self) -> int:
+        """Waited-for transfers in flight now."""
         with self._cond:
-            return self._reads
+            return self._waited
 
-    def start_read(self) -> bool:
-        """A read begins; whether it counts (a background one does not). Pair with
-        :meth:`end_read`, or :meth:`end_read_after`."""
+    def begin(self) -> bool:
+        """A transfer begins; whether it counts (a background one does not). Pair with
+        :meth:`end`, or :meth:`end_after`."""
         if current_priority() is IOPriority.BACKGROUND:
             return False
         with self._cond:
-            self._reads += 1
+            self._waited += 1
         return True
 
-    def end_read(self, counted: bool) -> None:
-        """A read :meth:`start_read` said ``counted`` has ended."""
+    def end(self, counted: bool) -> None:
+        """A transfer :meth:`begin` said ``counted`` has ended."""
         if not counted:
             return
         with self._cond:
-            self._reads -= 1
-            if self._reads == 0:
+            self._waited -= 1
+            if self._waited == 0:
                 self._cond.notify_all()
 
-    def end_read_after(self, pending: Sequence[Future], counted: bool) -> None:
-        """The read ends once every one of ``pending`` (its parts still in flight) is done."""
+    def end_after(self, pending: Sequence[Future], counted: bool) -> None:
+        """The transfer ends once every one of ``pending`` (its parts still in flight) is
+        done."""
         if not counted or not pending:
-            self.end_read(counted)
+            self.end(counted)
             return
         left = len(pending)
         lock = threading.Lock()
@@ -115,30 +118,30 @@ class ReadsFirst:
                 left -= 1
                 last = left == 0
             if last:
-                self.end_read(True)
+                self.end(True)
 
         for future in pending:
             future.add_done_callback(one_done)
 
     @contextlib.contextmanager
-    def reading_until(self, landing: list[Future]) -> Iterator[None]:
-        """A read in flight for the block, and after it until every future the block put
-        in ``landing`` (its parts still being read) is done."""
-        counted = self.start_read()
+    def during(self, landing: list[Future]) -> Iterator[None]:
+        """A transfer in flight for the block, and after it until every future the block
+        put in ``landing`` (its parts still in flight) is done."""
+        counted = self.begin()
         try:
             yield
         finally:
-            self.end_read_after(landing, counted)
+            self.end_after(landing, counted)
 
-    def before_write(self) -> float | None:
-        """Called before a batch of writes: a background one waits while waited-for reads
-        are in flight (at most :attr:`max_hold_s`); the seconds it waited (None: it did
-        not)."""
+    def before_background_write(self) -> float | None:
+        """Called before a batch of writes: a background one waits while waited-for
+        transfers are in flight (at most :attr:`max_hold_s`); the seconds it waited (None:
+        it did not)."""
         if current_priority() is not IOPriority.BACKGROUND:
             return None
         with self._cond:
-            if self._reads == 0:
+            if self._waited == 0:
                 return None
             start = time.monotonic()
-            self._cond.wait_for(lambda: self._reads == 0, self.max_hold_s)
+            self._cond.wait_for(lambda: self._waited == 0, self.max_hold_s)
             return time.monotonic() - start

@@ -119,9 +119,9 @@ def _tier_metrics(tiers: list[dict[str, Any]]) -> Iterator[Metric]:
     cap = family(GaugeMetricFamily, "kvtier_tier_capacity_bytes", "Bytes the tier may hold")
     corrupt = family(CounterMetricFamily, "kvtier_tier_corrupt_chunks", "Corrupt chunks found")
     held = family(CounterMetricFamily, "kvtier_tier_background_writes_held",
-                  "Background write batches that waited for reads in flight (reads first)")
+                  "Background write batches that waited for transfers someone waits for")
     held_s = family(CounterMetricFamily, "kvtier_tier_background_write_held_seconds",
-                    "Seconds background writes waited for reads in flight")
+                    "Seconds background writes waited for transfers someone waits for")
     errors = CounterMetricFamily(
         "kvtier_tier_errors", "Tier errors by kind", labels=["tier", "kind"]
     )

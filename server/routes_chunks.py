@@ -75,7 +75,7 @@ RegionArg = Annotated[str | None, Query(
 OffsetArg = Annotated[int, Query(ge=0, description="with region: where in it the chunk lies")]
 PriorityArg = Annotated[IOPriority, Query(description=(
     "background: nobody waits for this store now (a save off the request path); on the "
-    "disk tier it waits for reads in flight, which go first"))]
+    "tiers it waits for the transfers someone waits for, which go first"))]
 Layers = Annotated[
     str | None,
     Query(pattern=r"^\d{1,4}:\d{1,4}$", description="read only layers START:END of the chunk"),

@@ -87,13 +87,12 @@ class Store:
 class Link:
     """A tier's I/O path. Reads take this path; writes too, unless the medium carries both
     directions at once (:attr:`TierCost.duplex`: PCIe, a network link), where they queue on
-    a path of their own (:attr:`writes`), in the order they come. Where reads and writes
-    share the path (a drive), it serves them as the disk tier does (``reads_first``):
-    transfers a turn waits for (reads, the write-backs that make its room) queue behind
-    each other; background writes (demotions, copies stored ahead of need) use it only when
-    none of those waits: one queued later goes first, after the background chunk in
-    flight, and pushes the rest back. How busy the path was is what the policy's load
-    weights read."""
+    a path of their own (:attr:`writes`). On a path, the transfers a turn waits for (its
+    reads, the write-backs that make its room) queue behind each other, and background
+    writes (demotions, copies stored ahead of need) use it only when none of those waits
+    (``waited_first``, as the tiers serve them: :mod:`kvtier.io_priority`): one queued
+    later goes first, after the background chunk in flight, and pushes the rest back. How
+    busy the path was is what the policy's load weights read."""
 
     free_at: float = 0.0
     """When the transfers turns wait for, queued so far, are done."""
@@ -102,7 +101,7 @@ class Link:
     busy: BusyShare = field(default_factory=BusyShare)
     writes: Link | None = None
     """The writes' own path on a duplex medium; None: they queue with the reads."""
-    reads_first: bool = True
+    waited_first: bool = True
     """Background writes yield to the transfers turns wait for (False: one queue)."""
     _piece_s: float = 0.0
     """The last background transfer's length: a transfer that goes ahead waits for the one
@@ -112,7 +111,7 @@ class Link:
 
     @classmethod
     def of(cls, tier: TierCost) -> Link:
-        return cls(writes=cls(reads_first=False) if tier.duplex else None)
+        return cls(writes=cls() if tier.duplex else None)
 
     @property
     def write_path(self) -> Link:
@@ -127,7 +126,7 @@ class Link:
         """Queue a transfer that can begin at ``start``; returns when it is done (for a
         background one, as of now: later transfers that go ahead push it back, see
         :meth:`landed`)."""
-        if background and self.reads_first:
+        if background and self.waited_first:
             begin = max(start, self.idle_at)
             self.background_free_at = begin + seconds
             self._piece_s = seconds

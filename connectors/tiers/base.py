@@ -150,7 +150,7 @@ class TierStats:
     evictions: int = 0
     corrupt: int = 0
     writes_held: int = 0
-    """Background write batches that waited for reads in flight (a drive: reads first)."""
+    """Background write batches that waited for waited-for transfers (io_priority)."""
     write_held_s: float = 0.0
     """How long they waited, summed."""
     errors: dict[str, int] = field(default_factory=dict)

@@ -46,7 +46,7 @@ from kvtier.connectors.tiers.disk_writes import GroupCommit
 from kvtier.connectors.tiers.host_buffers import StagingPool, round_up
 from kvtier.connectors.tiers.lent_chunk import ReadingBuffer
 from kvtier.errors import InvalidArgumentError, TierError
-from kvtier.io_priority import ReadsFirst
+from kvtier.io_priority import WaitedFirst
 from kvtier.policies.eviction import EvictionPolicy, eviction_policy
 
 log = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ class DiskTier(Tier):
                                        self._read_error)
         self._commit = GroupCommit(self._paths, fsync, self._staging, self._files.write,
                                    self._map)
-        self.reads_first = ReadsFirst()
+        self.waited_first = WaitedFirst()
         """Background writes wait for the reads a request waits for (see io_priority)."""
 
     @property
@@ -166,15 +166,16 @@ class DiskTier(Tier):
                     result.failed[write.key] = reason
         evicted_blobs = self._discard_evicted(evicted)
         try:
-            if todo:  # a background batch waits for reads in flight
-                self.stats.count_held(self.reads_first.before_write())
-            outcomes = self._commit.write(todo)
-            full = [w for w in todo if outcomes[w.key].reason == "disk_full"]
-            if full:  # the filesystem filled before the tier's capacity: the coldest go
-                freed = self._free_bytes(sum(w.nbytes for w in full))
-                if freed:
-                    evicted_blobs += freed
-                    outcomes.update(self._commit.write(full))
+            if todo:  # a background batch waits for waited-for transfers (io_priority)
+                self.stats.count_held(self.waited_first.before_background_write())
+            with self.waited_first.during([]):  # a waited-for one holds background ones off
+                outcomes = self._commit.write(todo)
+                full = [w for w in todo if outcomes[w.key].reason == "disk_full"]
+                if full:  # the filesystem filled before the tier's capacity: the coldest go
+                    freed = self._free_bytes(sum(w.nbytes for w in full))
+                    if freed:
+                        evicted_blobs += freed
+                        outcomes.update(self._commit.write(full))
         finally:
             with self._lock:
                 self._reserved -= sum(w.nbytes for w in todo)
@@ -310,7 +311,7 @@ class DiskTier(Tier):
         with self._lock:
             present = [i for i, key in enumerate(keys) if self._index.get(key) is not None]
         reader = self._reader
-        with self.reads_first.reading_until(landing := []):  # reads first (io_priority)
+        with self.waited_first.during(landing := []):  # waited-for reads (io_priority)
             if background and layers is None:
                 reads = self._map(lambda i: reader.read_head(keys[i]), present)
             else:

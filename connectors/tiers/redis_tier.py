@@ -42,6 +42,7 @@ from kvtier.connectors.tiers.redis_client import (
 from kvtier.connectors.tiers.redis_ranges import read_layer_ranges
 from kvtier.connectors.tiers.redis_usage import RedisUsage
 from kvtier.errors import InvalidArgumentError
+from kvtier.io_priority import WaitedFirst
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -82,6 +83,8 @@ class RedisTier(Tier):
         staging: StagingPool | None = None,
     ) -> None:
         super().__init__()
+        self.waited_first = WaitedFirst()
+        """Background write batches wait for waited-for ones (see io_priority)."""
         self._own_staging = staging is None
         self._staging = StagingPool() if staging is None else staging
         if timeout_s <= 0:
@@ -300,7 +303,9 @@ class RedisTier(Tier):
             else:
                 todo.append(write)
         for batch in self._batches.writes(todo):
-            with contextlib.ExitStack() as held:
+            # Writes go one way on the link: a background batch yields to waited-for ones.
+            self.stats.count_held(self.waited_first.before_background_write())
+            with contextlib.ExitStack() as held, self.waited_first.during([]):
                 values = {w.key: held.enter_context(w.bytes_from(self._staging)) for w in batch}
                 part = self._guarded("put", self._put(values),
                                      lambda why, keys=list(values): PutResult(

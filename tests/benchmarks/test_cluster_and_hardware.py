@@ -128,9 +128,10 @@ def test_a_write_delays_a_read_only_where_the_medium_has_one_path():
 
 
 def test_a_drive_serves_reads_ahead_of_background_writes():
-    """As the disk tier does (reads first): a read a turn waits for goes ahead of queued
-    demotions, after the chunk in flight, and pushes them back; a copy's landing moves
-    with them. A duplex medium's write path keeps one queue for every write."""
+    """As the tiers do (waited-for transfers first): a read a turn waits for goes ahead of
+    queued demotions, after the chunk in flight, and pushes them back; a copy's landing
+    moves with them. On a duplex medium a write-back a turn waits for goes ahead of the
+    background writes the same way, and reads never wait for writes."""
     link = LinearCost(0.0, 1e9)
     drive = Link.of(TierCost("disk", link, link))
     marks = []
@@ -145,8 +146,11 @@ def test_a_drive_serves_reads_ahead_of_background_writes():
     assert drive.wait_s(0.9) == pytest.approx(0.45)  # what a read waits for: reads only
     assert drive.idle_at == pytest.approx(2.0)
     pcie = Link.of(TierCost("cpu", link, link, duplex=True))
-    assert pcie.write_path.transfer(0.0, 1.0, background=True) == 1.0
-    assert pcie.write_path.transfer(0.0, 0.5) == 1.5  # one queue: the D2H copies in order
+    for _ in range(4):
+        pcie.write_path.transfer(0.0, 0.25, background=True)
+    assert pcie.write_path.transfer(0.0, 0.5) == pytest.approx(0.75)  # after one chunk
+    assert pcie.transfer(0.0, 0.5) == 0.5  # the reads' direction is free
+    assert pcie.write_path.idle_at == pytest.approx(1.5)
 
 
 def test_the_cli_runs_a_cluster_on_a_hardware_profile(tmp_path, capsys):
