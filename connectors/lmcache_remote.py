@@ -216,7 +216,7 @@ class KVTierRemoteConnector(RemoteConnector):
         )
         k = self._key(key)
         try:
-            with background_io():  # LMCache stores off the request path: reads go first
+            with background_io():  # LMCache stores off the request path
                 await self.client.put_chunk(k, encode(k, data, meta))
         except ServiceError as exc:
             if exc.status != 409:

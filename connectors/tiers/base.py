@@ -157,7 +157,7 @@ class TierStats:
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def count_held(self, waited_s: float | None) -> None:
-        """A background write batch waited ``waited_s`` for reads (None: it did not)."""
+        """A background write batch waited ``waited_s`` (None: it did not wait)."""
         if waited_s is not None:
             with self.lock:
                 self.writes_held += 1

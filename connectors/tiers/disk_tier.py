@@ -121,7 +121,7 @@ class DiskTier(Tier):
         self._commit = GroupCommit(self._paths, fsync, self._staging, self._files.write,
                                    self._map)
         self.waited_first = WaitedFirst()
-        """Background writes wait for the reads a request waits for (see io_priority)."""
+        """Background write batches wait for waited-for reads and writes (see io_priority)."""
 
     @property
     def o_direct(self) -> bool:
