@@ -202,7 +202,10 @@ class SessionAware(EvictionPolicy):
         self._ranked_sample = sample and len(sessions) > self.sample_over
         if self._ranked_sample:
             sessions = self._rng.sample(sessions, self.sample_over // 4)
-        sessions.sort(key=lambda s: self.away(s, now), reverse=True)
+        ranks = {s: self.away(s, now) for s in sessions}
+        if self._ranked_sample:  # a sample never gives up a kept session (rank < 0): the
+            sessions = [s for s in sessions if ranks[s] >= 0]  # whole ranking decides those
+        sessions.sort(key=ranks.__getitem__, reverse=True)
         self._ranked, self._ranked_at = sessions, now
         return sessions
 

@@ -61,11 +61,11 @@ class Store:
         self, short_of_room: Callable[[], bool], pinned: Container[Hashable], now: float
     ) -> Iterator[tuple[Hashable, int]]:
         """The index's victims while ``short_of_room()``, each (key, bytes) once it is gone."""
-        for key, _, nbytes in self.index.evict_while(short_of_room, pinned, now):
+        for gone in self.index.evict_while(short_of_room, pinned, now):
             self.evictions += 1
             if self.on_remove is not None:
-                self.on_remove(key)
-            yield key, nbytes
+                self.on_remove(gone.key)
+            yield gone.key, gone.size
 
     def add(
         self, key: Hashable, nbytes: int, info: ChunkInfo, now: float, pinned: Container[Hashable]

@@ -139,6 +139,10 @@ class Simulator:
         self.infos: dict[Hashable, ChunkInfo] = {}
         """What the eviction policies know of each chunk held anywhere (its session and
         position travel with it down the tiers)."""
+        self._let_go: dict[Hashable, ChunkInfo] = {}
+        """What was known of the chunks whose last copy went during the event being
+        replayed: their write-back or demotion, still to come in it, needs it (a copy that
+        lost its session would rank as a shared chunk, kept last)."""
         self.unstored: dict[Hashable, KeySet] = {}
         """Session -> its GPU chunks that no tier holds a copy of (kept as chunks move,
         so stage-ahead need not look every chunk up at every turn)."""
@@ -154,7 +158,9 @@ class Simulator:
         if self.where(key) is not None:
             return
         if not self.gpu.has(key):
-            self.infos.pop(key, None)
+            info = self.infos.pop(key, None)
+            if info is not None:
+                self._let_go[key] = info
             return
         owner = self._owner.get(key)  # a tier let go of the last copy of a GPU chunk
         if key in self.by_session.get(owner, ()):
@@ -190,6 +196,10 @@ class Simulator:
             recompute_s=self.cost.prefill.time(index * self.w.chunk_tokens, tokens),
         )
 
+    def info_of(self, key: Hashable, nbytes: int) -> ChunkInfo:
+        """What is known of a chunk held anywhere, or let go during this event."""
+        return self.infos.get(key) or self._let_go.get(key) or ChunkInfo(nbytes)
+
     def count(self, d: dict, key: str, n: int = 1) -> None:
         d[key] = d.get(key, 0) + n
 
@@ -217,6 +227,7 @@ class Simulator:
         victims = st.add(key, self.cost.stored_bytes(st.name, tokens), info, now, _NO_PINS)
         if victims is None:
             return now
+        self.infos.setdefault(key, info)
         self.unstored.get(self._owner.get(key), KeySet()).discard(key)
         encode = self.cost.encode_time(st.name, tokens)  # on the host's cores, then the link
         path, mark = self.links[st.name].write_path, self.links[st.name].write_path.mark
@@ -232,7 +243,7 @@ class Simulator:
                          else tier_index + 1 if tier_index + 1 < len(self.tiers) else None)
                 if below is not None:
                     self.write(below, vkey, self.cost.tokens_in(st.name, vbytes),
-                               self.infos.get(vkey) or ChunkInfo(vbytes), now)
+                               self.info_of(vkey, vbytes), now)
         return done
 
     def evict_from_gpu(self, victims: list[tuple[Hashable, int]], now: float,
@@ -268,7 +279,7 @@ class Simulator:
                     self.count(self.res.decisions, "gpu_drop_not_worth")
                     continue
             self.count(self.res.decisions, f"offload_{self.tiers[target].name}")
-            info = self.infos.get(key) or ChunkInfo(nbytes)
+            info = self.info_of(key, nbytes)
             done = max(done, self.write(target, key, tokens, info, now, background=not blocking))
         return done
 
@@ -292,6 +303,7 @@ class Simulator:
         """One turn: where its prefix lies, what to load, when its first token comes, and
         its context placed in the GPU; returns when the server is free again."""
         now = t.arrival_s
+        self._let_go.clear()  # the last event's write-backs and demotions are all made
         sess = self._begin(t, now)
         head_start = 0.0  # loads that begin before the turn can compute (queue, hints)
         if self.spec.prefetch_on_arrival:

@@ -44,6 +44,7 @@ class StagingHost(Protocol):
     tiers_worth: bool
 
     def next_s(self, session: Hashable, now: float) -> float: ...
+    def info_of(self, key: Hashable, nbytes: int) -> ChunkInfo: ...
     def where(self, key: Hashable) -> Store | None: ...
     def count(self, d: dict, key: str, n: int = 1) -> None: ...
     def write(self, tier_index: int, key: Hashable, tokens: int, info: ChunkInfo,
@@ -146,7 +147,7 @@ class Stager:
             # are needed they leave at once instead of after a write on the admission path.
             for key in [k for k in self.sim.by_session.get(d.session, ()) if self.sim.where(k) is None]:
                 nbytes = self.sim.gpu.size(key)
-                info = self.sim.infos.get(key) or ChunkInfo(nbytes)
+                info = self.sim.info_of(key, nbytes)
                 self.sim.write(names.index(d.tier), key, nbytes // self.sim.bpt, info, now)
                 self.sim.count(self.sim.res.decisions, f"prestage_{d.tier}")
             self.unstaged.discard(d.session)
@@ -173,12 +174,13 @@ class Stager:
                     yield self.sim.live.idle_session(sid, tokens, tokens, now), stored
 
         room = {t.name: t.capacity for t in self.sim.tiers}
+        idle = {name for name, link in self.sim.links.items() if link.write_path.idle_at <= now}
         for d in self.sim.offload.stage_ahead(order(), used_tokens, cap_tokens, self.sim.cost, names, room,
                                               self.sim.live.weights(now)):
-            if self.sim.links[d.tier].write_path.idle_at > now:
-                return
+            if d.tier not in idle:
+                continue
             ti = names.index(d.tier)
             for key in [k for k in self.sim.unstored.get(d.session, ()) if k not in self.sim.pinned]:
                 nbytes = self.sim.gpu.size(key)
-                self.sim.write(ti, key, nbytes // self.sim.bpt, self.sim.infos.get(key) or ChunkInfo(nbytes), now)
+                self.sim.write(ti, key, nbytes // self.sim.bpt, self.sim.info_of(key, nbytes), now)
                 self.sim.count(self.sim.res.decisions, f"stage_ahead_{d.tier}")

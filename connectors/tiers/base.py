@@ -39,7 +39,9 @@ if TYPE_CHECKING:
     from kvtier.connectors.tiers.lent_chunk import ReadingBuffer
 
 Blob = bytes | bytearray | memoryview
-EvictionListener = Callable[[str, "Blob | None"], None]
+EvictionListener = Callable[[str, "Blob | None", "ChunkInfo | None"], None]
+"""Told of each chunk a tier gives up: its key, its bytes (None where the tier cannot hand
+them over cheaply) and what its writer said of it (session, place; None if nothing)."""
 """Called with (key, blob or None) for each chunk a tier evicts, so a manager can demote it.
 The blob may be a view of the tier's memory (the CPU arena's slot), valid only during the
 call: a listener that keeps the bytes copies them."""
@@ -290,7 +292,8 @@ class Tier(ABC):
         self._eviction_listeners.append(listener)
 
     def _account_put(
-        self, result: PutResult, written: int, evicted: Sequence[tuple[str, Blob | None]]
+        self, result: PutResult, written: int,
+        evicted: Sequence[tuple[str, Blob | None, ChunkInfo | None]],
     ) -> PutResult:
         """Count a finished put (stored bytes, failures by kind) and tell the eviction
         listeners what it displaced; call after the tier's lock is released."""
@@ -299,15 +302,15 @@ class Tier(ABC):
             self.stats.bytes_written += written
         for reason in result.failed.values():
             self.stats.count_error(reason.split(":")[0])
-        for key, blob in evicted:
-            self._notify_evicted(key, blob)
+        for key, blob, info in evicted:
+            self._notify_evicted(key, blob, info)
         return result
 
-    def _notify_evicted(self, key: str, blob: Blob | None) -> None:
+    def _notify_evicted(self, key: str, blob: Blob | None, info: ChunkInfo | None = None) -> None:
         with self.stats.lock:
             self.stats.evictions += 1
         for listener in self._eviction_listeners:
-            listener(key, blob)
+            listener(key, blob, info)
 
     def close(self) -> None:  # noqa: B027 - optional hook; most tiers hold nothing to release
         """Release resources (threads, connections, pinned memory)."""

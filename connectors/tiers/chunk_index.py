@@ -16,12 +16,24 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Container, Hashable, Iterable, Iterator
-from typing import Generic, TypeVar
+from dataclasses import replace
+from typing import Generic, NamedTuple, TypeVar
 
 from kvtier.connectors.tiers.namespace_usage import NamespaceUsage
 from kvtier.policies.eviction import LRU, ChunkInfo, EvictionPolicy
 
 V = TypeVar("V")
+
+
+class Evicted(NamedTuple, Generic[V]):
+    """A chunk the index gave up: its storage (``value``) is the caller's to free, and
+    what was known of it (``info``: its session and place, None if nothing was) goes
+    with it to the tier below, which ranks it as this one did."""
+
+    key: Hashable
+    value: V
+    size: int
+    info: ChunkInfo | None
 
 
 class ChunkIndex(Generic[V]):
@@ -33,6 +45,8 @@ class ChunkIndex(Generic[V]):
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._entries: dict[Hashable, tuple[V, int]] = {}
+        self._infos: dict[Hashable, ChunkInfo] = {}
+        """What the writer said of each chunk (session, place), where it said anything."""
         self.policy = policy or LRU()
         self.clock = clock
         self.used_bytes = 0
@@ -84,16 +98,27 @@ class ChunkIndex(Generic[V]):
         self._entries[key] = (value, size)
         self.used_bytes += size
         self.namespaces.add(key, size if charge is None else charge)
-        info = info if info is not None else ChunkInfo(size)
-        self.policy.insert(key, info, self.clock() if now is None else now)
+        if info is not None:
+            self._infos[key] = info
+        else:
+            self._infos.pop(key, None)
+        self.policy.insert(key, info or ChunkInfo(size), self.clock() if now is None else now)
+
+    def info(self, key: Hashable) -> ChunkInfo | None:
+        """What the writer said of an indexed chunk (None: nothing, or not indexed)."""
+        return self._infos.get(key)
 
     def share(self, key: Hashable, session: Hashable) -> None:
         """``session`` uses this chunk too (see :meth:`EvictionPolicy.share`)."""
         if key in self._entries and session is not None:
             self.policy.share(key, session)
+            info = self._infos.get(key)
+            if info is not None and info.session not in (None, session):
+                self._infos[key] = replace(info, session=None)  # no one session's to lose
 
     def pop(self, key: Hashable) -> tuple[V, int] | None:
         entry = self._entries.pop(key, None)
+        self._infos.pop(key, None)
         if entry is not None:
             self.used_bytes -= entry[1]
             self.policy.remove(key)
@@ -109,10 +134,10 @@ class ChunkIndex(Generic[V]):
         short_of_room: Callable[[], bool],
         exclude: Container[Hashable] = frozenset(),
         now: float | None = None,
-    ) -> Iterator[tuple[Hashable, V, int]]:
+    ) -> Iterator[Evicted[V]]:
         """Give up the policy's victims, one at a time, while ``short_of_room()``: each is
-        removed from the index and yielded as (key, value, size) for the caller to free
-        its storage (a slot, a file, or nothing in the simulator). Stops early when every
+        removed from the index and yielded (:class:`Evicted`) for the caller to free its
+        storage (a slot, a file, or nothing in the simulator). Stops early when every
         remaining key is excluded; the caller then checks ``short_of_room()`` itself."""
         while short_of_room():
             key = self.victim(exclude, now)
@@ -122,18 +147,19 @@ class ChunkIndex(Generic[V]):
             self.used_bytes -= size
             self.policy.remove(key)
             self.namespaces.remove(key)
-            yield key, value, size
+            yield Evicted(key, value, size, self._infos.pop(key, None))
 
     def evict_namespace(
         self, namespace: str, need: int, exclude: Container[Hashable] = frozenset()
-    ) -> Iterator[tuple[Hashable, V, int]]:
+    ) -> Iterator[Evicted[V]]:
         """Give up ``namespace``'s least recently used chunks (none in ``exclude``) until
         ``need`` bytes are freed: a tenant over its quota makes room from its own KV. Each
         is removed from the index and yielded as :meth:`evict_while` yields."""
         for key in self.namespaces.coldest(namespace, need, exclude):  # type: ignore[arg-type]
+            info = self._infos.get(key)
             entry = self.pop(key)
             if entry is not None:
-                yield key, entry[0], entry[1]
+                yield Evicted(key, entry[0], entry[1], info)
 
     def keys(self) -> Iterator[Hashable]:
         return iter(list(self._entries))

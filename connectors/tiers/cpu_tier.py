@@ -33,7 +33,7 @@ from kvtier.connectors.tiers.base import (
     PutResult,
     Tier,
 )
-from kvtier.connectors.tiers.chunk_index import ChunkIndex
+from kvtier.connectors.tiers.chunk_index import ChunkIndex, Evicted
 from kvtier.connectors.tiers.chunk_workers import map_store
 from kvtier.connectors.tiers.host_buffers import HostBuffer
 from kvtier.connectors.tiers.slot_reserve import SlotReserve
@@ -159,7 +159,7 @@ class CPUTier(Tier):
         entry = self._index.get(key)
         return self._departing.get(key) if entry is None else entry
 
-    def _take_slot(self, exclude: set[str], victims: list[tuple[str, int, int]]) -> int | None:
+    def _take_slot(self, exclude: set[str], victims: list[Evicted[int]]) -> int | None:
         """A free slot, else the slot of the policy's victim (never a leased chunk, nor
         one in ``exclude``). The victim is out of the index and its slot is the caller's,
         unchanged until the caller has handed its bytes to the eviction listeners (after
@@ -168,10 +168,10 @@ class CPUTier(Tier):
             return self._free.pop()
         if self._leased_keys:
             exclude = exclude | self._leased_keys.keys()
-        for victim, slot, length in self._index.evict_while(lambda: not victims, exclude):
-            victims.append((victim, slot, length))
-            self._departing[victim] = (slot, length)
-        return victims[0][1] if victims else None
+        for gone in self._index.evict_while(lambda: not victims, exclude):
+            victims.append(gone)
+            self._departing[str(gone.key)] = (gone.value, gone.size)
+        return victims[0].value if victims else None
 
     def _keep_reserve(self) -> None:
         """Wake the reserve (started with the first store that finds a lower tier)."""
@@ -187,41 +187,40 @@ class CPUTier(Tier):
     def _replenish(self) -> bool:
         """Hand the policy's next victim down and free its slot, while fewer than
         ``reserve_slots`` are free; whether one was freed."""
-        victims: list[tuple[str, int, int]] = []
+        victims: list[Evicted[int]] = []
         with self._lock:
             arena = self._arena
             if arena is None or len(self._free) >= self.reserve_slots:
                 return False
-            for victim, slot, length in self._index.evict_while(
-                    lambda: not victims, set(self._leased_keys)):
-                victims.append((victim, slot, length))
-                self._departing[victim] = (slot, length)
+            for gone in self._index.evict_while(lambda: not victims, set(self._leased_keys)):
+                victims.append(gone)
+                self._departing[str(gone.key)] = (gone.value, gone.size)
             if not victims:
                 return False
         self._hand_down(victims, arena)
         with self._lock:
-            if self._landed(victims, victims[0][1]) and self._arena is arena:
-                self._free.append(victims[0][1])
+            if self._landed(victims, victims[0].value) and self._arena is arena:
+                self._free.append(victims[0].value)
         return True
 
-    def _landed(self, victims: list[tuple[str, int, int]], slot: int | None) -> bool:
+    def _landed(self, victims: list[Evicted[int]], slot: int | None) -> bool:
         """The victims are handed down: they leave for good. False when a reader leased
         the slot meanwhile: it is freed when the reader lets go, and the caller takes
         another (under the lock)."""
-        for victim, _, _ in victims:
-            self._departing.pop(victim, None)
+        for gone in victims:
+            self._departing.pop(str(gone.key), None)
         if slot is not None and victims and self._leased[slot]:
             self._doomed.add(slot)
             return False
         return True
 
-    def _hand_down(self, victims: list[tuple[str, int, int]], arena: torch.Tensor) -> None:
+    def _hand_down(self, victims: list[Evicted[int]], arena: torch.Tensor) -> None:
         """Tell the eviction listeners of each victim with a view of its bytes (valid
         during the call: the slot is not reused before it returns)."""
         view = memoryview(arena.numpy()).cast("B")
-        for victim, slot, length in victims:
-            start = slot * self.slot_bytes
-            self._notify_evicted(victim, view[start : start + length])
+        for gone in victims:
+            start = gone.value * self.slot_bytes
+            self._notify_evicted(str(gone.key), view[start : start + gone.size], gone.info)
     def share(self, keys: Sequence[str], session: Hashable) -> None:
         with self._lock:
             for key in keys:
@@ -250,7 +249,7 @@ class CPUTier(Tier):
     def _store_one(self, write: ChunkWrite, exclude: set[str]) -> PutOutcome:
         key, nbytes, info = write.key, write.nbytes, write.info
         while True:
-            victims: list[tuple[str, int, int]] = []
+            victims: list[Evicted[int]] = []
             with self._lock:
                 self._arena_view()
                 arena = self._arena
@@ -362,25 +361,25 @@ class CPUTier(Tier):
     def evict_namespace(self, namespace: str, need: int, exclude: Collection[str] = ()) -> int:
         """As the arena evicts when full (handed down from the slot, leased chunks kept),
         but only ``namespace``'s coldest chunks."""
-        victims: list[tuple[str, int, int]] = []
+        victims: list[Evicted[int]] = []
         with self._lock:
             self._arena_view()
             arena = self._arena
             assert arena is not None
             skip = set(exclude) | self._leased_keys.keys()
-            for victim, slot, length in self._index.evict_namespace(namespace, need, skip):
-                victims.append((str(victim), slot, length))
-                self._departing[str(victim)] = (slot, length)
+            for gone in self._index.evict_namespace(namespace, need, skip):
+                victims.append(gone)
+                self._departing[str(gone.key)] = (gone.value, gone.size)
         self._hand_down(victims, arena)
         with self._lock:
-            for victim, slot, _ in victims:
-                self._departing.pop(victim, None)
-                if self._leased[slot]:
-                    self._doomed.add(slot)  # leased while on its way down: freed on release
+            for gone in victims:
+                self._departing.pop(str(gone.key), None)
+                if self._leased[gone.value]:
+                    self._doomed.add(gone.value)  # leased while on its way down: freed on release
                 else:
-                    self._leased.pop(slot, None)
-                    self._free.append(slot)
-        return sum(self.occupancy(length) for _, _, length in victims)
+                    self._leased.pop(gone.value, None)
+                    self._free.append(gone.value)
+        return sum(self.occupancy(gone.size) for gone in victims)
 
     def occupancy(self, nbytes: int) -> int:
         """A chunk takes a whole slot, whatever its length."""

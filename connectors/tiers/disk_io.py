@@ -15,8 +15,11 @@ import errno
 import logging
 import mmap
 import os
+from typing import NamedTuple
 
 import numpy as np
+
+from kvtier.policies.eviction import ChunkInfo
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +34,16 @@ def failure_reason(exc: OSError) -> str:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return "disk_full"
     return f"io_error: {exc.strerror or exc}"
+
+
+class Doomed(NamedTuple):
+    """An evicted chunk's file, renamed aside under the tier's lock (a re-put of its key
+    is unaffected), to be read for the tier below or removed after it; ``info``: what its
+    writer said of it, handed down with it."""
+
+    key: str
+    path: str
+    info: ChunkInfo | None
 
 
 def unlink_if_present(path: str | os.PathLike[str]) -> None:

@@ -39,7 +39,7 @@ from kvtier.connectors.tiers.base import (
 )
 from kvtier.connectors.tiers.chunk_checks import is_valid
 from kvtier.connectors.tiers.chunk_index import ChunkIndex
-from kvtier.connectors.tiers.disk_io import unlink_if_present
+from kvtier.connectors.tiers.disk_io import Doomed, unlink_if_present
 from kvtier.connectors.tiers.disk_layout import ChunkPaths
 from kvtier.connectors.tiers.disk_reads import CORRUPT, ChunkFileReader, FileRead
 from kvtier.connectors.tiers.disk_writes import GroupCommit
@@ -47,7 +47,7 @@ from kvtier.connectors.tiers.host_buffers import StagingPool, round_up
 from kvtier.connectors.tiers.lent_chunk import ReadingBuffer
 from kvtier.errors import InvalidArgumentError, TierError
 from kvtier.io_priority import WaitedFirst
-from kvtier.policies.eviction import EvictionPolicy, eviction_policy
+from kvtier.policies.eviction import ChunkInfo, EvictionPolicy, eviction_policy
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ class DiskTier(Tier):
         out of it as it is) and written from there; room is made for ``nbytes`` each."""
         result = PutResult()
         todo: list[ChunkWrite] = []
-        evicted: list[tuple[str, str]] = []
+        evicted: list[Doomed] = []
         with self._lock:
             if self._pool is None:
                 raise TierError("the disk tier is closed; create a new one")
@@ -192,7 +192,7 @@ class DiskTier(Tier):
                     result.failed[write.key] = reason
         return self._account_put(result, written, evicted_blobs)
 
-    def _admit(self, write: ChunkWrite, evicted: list[tuple[str, str]]) -> PutOutcome | str:
+    def _admit(self, write: ChunkWrite, evicted: list[Doomed]) -> PutOutcome | str:
         """``STORED`` when ``write`` is to be written (room made for it), ``PRESENT``, or
         why it is not (under the lock)."""
         key = write.key
@@ -211,7 +211,7 @@ class DiskTier(Tier):
                 reason = PutOutcome.FULL.value
         return PutOutcome.STORED if reason is None else reason
 
-    def _make_room(self, size: int, evicted: list[tuple[str, str]]) -> bool:
+    def _make_room(self, size: int, evicted: list[Doomed]) -> bool:
         """Evict LRU chunks until ``size`` more bytes fit (under the lock). Chunks written by
         puts in flight are reserved, not indexed, so they are never victims. An evicted file
         is renamed to a temp name here (so a concurrent re-put of its key is unaffected) and
@@ -225,25 +225,25 @@ class DiskTier(Tier):
         self._evict_while(short_of_room, evicted)
         return not short_of_room()
 
-    def _evict_while(self, short: Callable[[], bool], evicted: list[tuple[str, str]]) -> int:
+    def _evict_while(self, short: Callable[[], bool], evicted: list[Doomed]) -> int:
         """Give up the policy's victims while ``short()`` (under the lock): each file is
         renamed to a temp name, to be read or removed after the lock. Returns the bytes."""
         freed = 0
-        for victim, _, size in self._index.evict_while(short):
-            doomed = self._temp_path(victim)
+        for gone in self._index.evict_while(short):
+            doomed = self._temp_path(gone.key)
             try:
-                os.rename(self._path(victim), doomed)
+                os.rename(self._path(gone.key), doomed)
             except FileNotFoundError:
                 continue
-            evicted.append((victim, doomed))
-            freed += size
+            evicted.append(Doomed(gone.key, doomed, gone.info))
+            freed += gone.size
         return freed
 
-    def _free_bytes(self, need: int) -> list[tuple[str, bytes | None]]:
+    def _free_bytes(self, need: int) -> list[tuple[str, bytes | None, ChunkInfo | None]]:
         """Evict the policy's coldest chunks until ``need`` bytes are freed (a full
         filesystem, whatever the configured capacity): a tier that takes no more writes
         until someone deletes by hand is worse than one that forgets its coldest KV."""
-        evicted: list[tuple[str, str]] = []
+        evicted: list[Doomed] = []
         with self._lock:
             target = self._index.used_bytes - need
             freed = self._evict_while(lambda: self._index.used_bytes > target, evicted)
@@ -252,9 +252,12 @@ class DiskTier(Tier):
                         self.directory, len(evicted), freed)
         return self._discard_evicted(evicted)
 
-    def _discard_evicted(self, evicted: list[tuple[str, str]]) -> list[tuple[str, bytes | None]]:
-        out: list[tuple[str, bytes | None]] = []
-        for key, path in evicted:
+    def _discard_evicted(self, evicted: list[Doomed]
+                         ) -> list[tuple[str, bytes | None, ChunkInfo | None]]:
+        """Read (with ``read_evicted``) and remove each renamed-aside victim: what the
+        eviction listeners are told of."""
+        out: list[tuple[str, bytes | None, ChunkInfo | None]] = []
+        for key, path, info in evicted:
             data: bytes | None = None
             if self.read_evicted:
                 try:
@@ -265,7 +268,7 @@ class DiskTier(Tier):
                 if data is not None and not is_valid(key, data):
                     data = None
             unlink_if_present(path)
-            out.append((key, data))
+            out.append((key, data, info))
         return out
 
     def share(self, keys: Sequence[str], session: Hashable) -> None:
@@ -391,19 +394,19 @@ class DiskTier(Tier):
     def evict_namespace(self, namespace: str, need: int, exclude: Collection[str] = ()) -> int:
         """As the tier evicts when full (renamed aside under the lock, handed down after
         it), but only ``namespace``'s coldest chunks."""
-        evicted: list[tuple[str, str]] = []
+        evicted: list[Doomed] = []
         freed = 0
         with self._lock:
-            for victim, _, size in self._index.evict_namespace(namespace, need, set(exclude)):
-                doomed = self._temp_path(str(victim))
+            for gone in self._index.evict_namespace(namespace, need, set(exclude)):
+                doomed = self._temp_path(str(gone.key))
                 try:
-                    os.rename(self._path(str(victim)), doomed)
+                    os.rename(self._path(str(gone.key)), doomed)
                 except FileNotFoundError:
                     continue
-                evicted.append((str(victim), doomed))
-                freed += self.occupancy(size)
-        for key, blob in self._discard_evicted(evicted):
-            self._notify_evicted(key, blob)
+                evicted.append(Doomed(str(gone.key), doomed, gone.info))
+                freed += self.occupancy(gone.size)
+        for key, blob, info in self._discard_evicted(evicted):
+            self._notify_evicted(key, blob, info)
         return freed
 
     def occupancy(self, nbytes: int) -> int:

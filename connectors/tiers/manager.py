@@ -29,6 +29,7 @@ from kvtier.connectors.tiers.lent_chunk import LentChunk, ReadingBuffer
 from kvtier.connectors.tiers.quotas import TenantQuotas
 from kvtier.errors import ChunkError, ChunkMismatchError, InvalidArgumentError
 from kvtier.kv_codecs import Codec
+from kvtier.policies.eviction import ChunkInfo
 
 log = logging.getLogger(__name__)
 
@@ -479,7 +480,7 @@ class TierManager:
 
     # ----------------------------------------------------------------- evictions
     def _demoter(self, index: int):
-        def on_evict(key: str, blob: bytes | None) -> None:
+        def on_evict(key: str, blob: bytes | None, info: ChunkInfo | None) -> None:
             if blob is None:
                 return  # nothing to move (the tier could not hand the bytes over cheaply)
             target = index + 1 if self.demotion is None else self.demotion(index, len(blob))
@@ -488,7 +489,7 @@ class TierManager:
                     self.stats.demotions_skipped += 1
                 return
             lower = self.tiers[target]
-            res = self._store_in(lower, [ChunkWrite.of_blob(key, blob)])
+            res = self._store_in(lower, [ChunkWrite.of_blob(key, blob, info)])  # ranked as above
             with self.stats.lock:
                 if res.stored or res.present:
                     self.stats.demotions += 1

@@ -320,3 +320,24 @@ def test_a_turn_does_not_wait_for_a_slow_copy_in_flight_when_a_faster_one_is_rai
     done = sim.evict_from_gpu([(key, nbytes)], 10.0, blocking=True, waiting_until=10.0)
     assert done == pytest.approx(10.001)  # worth the millisecond: both copies kept
     assert sim.tiers[0].has(key) and sim.tiers[1].has(key)
+
+
+def test_chunks_written_back_or_demoted_stay_their_sessions_in_the_tiers():
+    """The GPU lets a's chunks go to the CPU tier on b's admission (a write-back), b's push
+    them down to the disk on c's (a demotion): each copy is still ranked as its
+    session's (one that lost its session would rank as a prefix sessions share, kept
+    last, crowding out what the pool needs stored)."""
+    def four(name):
+        return tuple((name, i) for i in range(4))
+
+    wl = Workload("down", [Turn(n, at, four(n), CHUNK, 1024, 0)
+                           for n, at in (("a", 0.0), ("b", 10.0), ("c", 20.0))], CHUNK)
+    sim = Simulator(wl, SYSTEMS["cachedattention-like"], _cost(), 4 * CHUNK * 1000,
+                    {"cpu": 4 * CHUNK * 1000, "disk": 1e9})
+    assert sim.run().decisions == {"offload_cpu": 8}
+    cpu, disk = sim.tiers
+    assert sorted(cpu.index.keys()) == list(four("b")) and sorted(disk.index.keys()) == list(four("a"))
+    for tier in (cpu, disk):
+        for key in sorted(tier.index.keys()):
+            info = tier.index.info(key)
+            assert info is not None and (info.session, info.index) == key

@@ -134,6 +134,20 @@ def test_scored_eviction_samples_well_past_the_exact_limit():
     assert sum(victims) / len(victims) < n / 10
 
 
+def test_a_sampled_session_ranking_never_gives_up_a_kept_session_first():
+    """Past ``sample_over`` sessions the ranking is sampled; a session ranked as kept
+    (below 0: running, or next to leave the pool) goes only when no other session is
+    left, however few the sample holds of the others."""
+    ranks = {s: -1.0 for s in range(400)}
+    ranks[400] = 0.5  # the one session free to go
+    p = SessionAware(predictor=lambda s, now: ranks[s])
+    for s in ranks:
+        p.insert(("k", s), ChunkInfo(1, s, 0), 0.0)
+    assert p.victim(0.0) == ("k", 400)
+    p.remove(("k", 400))
+    assert p.victim(1.0)[1] in ranks  # only kept ones left: one of them goes
+
+
 def test_think_time_model_learns_each_user_and_the_population():
     m = ThinkTimeModel(prior_median_s=30)
     fresh = m.expected_remaining("new", 0)

@@ -11,7 +11,7 @@ from kvtier.connectors.tiers.chunk_index import ChunkIndex
 from kvtier.connectors.tiers.cpu_tier import CPUTier
 from kvtier.connectors.tiers.disk_tier import DiskTier
 from kvtier.connectors.tiers.manager import TierManager
-from kvtier.policies.eviction import LRU
+from kvtier.policies.eviction import LRU, ChunkInfo
 
 FP = b"fp"
 
@@ -42,7 +42,7 @@ def test_evict_while_gives_up_lru_victims_on_the_injected_clock():
     now[0] = 10.0
     assert index.get("a") == ("value-a", 100)  # a is now the most recent
     gone = list(index.evict_while(lambda: index.used_bytes > 100))
-    assert gone == [("b", "value-b", 100), ("c", "value-c", 100)]
+    assert gone == [("b", "value-b", 100, None), ("c", "value-c", 100, None)]
     assert index.used_bytes == 100 and "a" in index
     index.add("d", "value-d", 100, now=5.0)  # an explicit time overrides the clock
     assert policy.times == [0.0, 1.0, 2.0, 10.0, 5.0]
@@ -83,3 +83,16 @@ def test_the_demotion_hook_decides_where_a_victim_goes(tmp_path):
         assert (dropping.stats.demotions, dropping.stats.demotions_skipped) == (0, 1)
     finally:
         dropping.close()
+
+
+def test_an_evicted_chunk_carries_what_its_writer_said_of_it():
+    index: ChunkIndex[str] = ChunkIndex(LRU(), clock=lambda: 0.0)
+    index.add("a", "va", 10, ChunkInfo(10, "s", 3))
+    index.add("b", "vb", 10)
+    index.add("c", "vc", 10, ChunkInfo(10, "s", 4))
+    index.share("c", "t")  # two sessions use it: no one session's any more
+    gone = {g.key: g.info for g in index.evict_while(lambda: index.used_bytes > 0)}
+    assert gone == {"a": ChunkInfo(10, "s", 3), "b": None, "c": ChunkInfo(10, None, 4)}
+    index.add("a", "va", 10, ChunkInfo(10, "s", 3))
+    index.add("a", "va", 10)  # rewritten with nothing said: nothing is remembered
+    assert [g.info for g in index.evict_while(lambda: index.used_bytes > 0)] == [None]

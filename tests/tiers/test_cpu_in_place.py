@@ -138,7 +138,7 @@ def test_a_chunk_on_its_way_down_stays_readable_and_its_reader_keeps_the_slot():
     seen: dict = {}
     held = []
 
-    def on_evict(key, blob):
+    def on_evict(key, blob, _info):
         seen.setdefault("victims", []).append(key)
         if held:
             return

@@ -31,7 +31,7 @@ def test_arena_is_preallocated_and_slots_are_reused() -> None:
     evicted: list[tuple[str, bytes | None]] = []
     handed: list[bool] = []
 
-    def on_evict(key: str, view: memoryview | None) -> None:
+    def on_evict(key: str, view: memoryview | None, _info: object) -> None:
         assert view is not None
         handed.append(isinstance(view, memoryview))  # a view of the slot, not a copy
         evicted.append((key, bytes(view)))  # valid during the call: copied here
@@ -133,7 +133,7 @@ def test_a_reserve_of_free_slots_hands_the_coldest_chunks_down_in_the_background
     cpu = CPUTier(6 * SLOT, SLOT, reserve_slots=2)
     mgr = TierManager([cpu, DiskTier(tmp_path / "d", fsync=False)], fingerprint=FP)
     demoted_on: list[str] = []
-    cpu.add_eviction_listener(lambda key, view: demoted_on.append(threading.current_thread().name))
+    cpu.add_eviction_listener(lambda key, view, _info: demoted_on.append(threading.current_thread().name))
     try:
         chunks = dict(blob(i) for i in range(12))
         for i, (key, data) in enumerate(chunks.items()):

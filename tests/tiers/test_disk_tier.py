@@ -122,7 +122,7 @@ def test_read_evicted_hands_bytes_to_listeners(tmp_path: Path) -> None:
     size = max(len(b) for _, b in chunks)
     with DiskTier(tmp_path, capacity_bytes=2 * size, read_evicted=True) as tier:
         got: list[tuple[str, bytes | None]] = []
-        tier.add_eviction_listener(lambda k, b: got.append((k, b)))
+        tier.add_eviction_listener(lambda k, b, _info: got.append((k, b)))
         put_blobs(tier, dict(chunks[:2]))
         put_blobs(tier, dict(chunks[2:]))
         assert got == [chunks[0]]
@@ -194,7 +194,7 @@ def test_a_full_filesystem_evicts_the_coldest_chunks_before_refusing(tmp_path: P
             first = next(iter(old))
             assert get_blobs(tier, [first]) == [old[first]]  # the first is now the most recent
             gone: list[str] = []
-            tier.add_eviction_listener(lambda key, _blob: gone.append(key))
+            tier.add_eviction_listener(lambda key, _blob, _info: gone.append(key))
             res = put_blobs(tier, new)
             assert res.ok, res.failed
             assert first not in gone and len(gone) >= 1  # the coldest went, not the hot one

@@ -199,7 +199,7 @@ def test_capacity_evicts_lru_and_tells_listeners(make_tier) -> None:
     tier = make_tier(4)
     evicted: list[tuple[str, bytes | None]] = []
     # the bytes are valid during the call (the CPU tier lends a view of the slot)
-    tier.add_eviction_listener(lambda k, b: evicted.append((k, None if b is None else bytes(b))))
+    tier.add_eviction_listener(lambda k, b, _info: evicted.append((k, None if b is None else bytes(b))))
     chunks = [make_blob(i) for i in range(6)]
     assert put_blobs(tier, dict(chunks[:4])).ok
     assert get_blobs(tier, [chunks[0][0]])[0] == chunks[0][1]  # 0 becomes most recently used

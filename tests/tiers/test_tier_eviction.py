@@ -106,3 +106,26 @@ def test_sharing_a_chunk_already_stored_moves_it_out_of_its_first_owners_session
     assert policy.victim(0.0) == "sys"
     policy.share("sys", "b")
     assert policy.victim(0.0) == "b1"  # the shared chunk goes last
+
+
+def test_a_demoted_chunk_keeps_its_session_in_the_tier_below(tmp_path):
+    """A chunk the CPU tier hands down is still its session's on the disk: the disk's
+    session-aware policy gives it up before a prefix sessions share (a demoted chunk
+    that lost its session would rank as shared, kept last, and crowd out the copies that
+    let the pool free blocks with no write)."""
+    from kvtier.connectors.tiers.manager import TierManager
+
+    cpu = _tier("cpu", tmp_path, 1, SessionAware(predictor=lambda s, now: 1.0))
+    disk = DiskTier(tmp_path / "d", 2 * len(_blob(0)[1]), fsync=False,
+                    eviction=SessionAware(predictor=lambda s, now: 1.0))
+    manager = TierManager([cpu, disk])
+    try:
+        (shared, shared_blob), (own, own_blob), (nxt, nxt_blob) = _blob(1), _blob(2), _blob(3)
+        put_blobs(disk, {shared: shared_blob}, {shared: ChunkInfo(len(shared_blob))})
+        put_blobs(manager, {own: own_blob}, {own: ChunkInfo(len(own_blob), "s", 1)})
+        put_blobs(manager, {nxt: nxt_blob}, {nxt: ChunkInfo(len(nxt_blob), "t", 0)})
+        assert manager.stats.demotions == 1 and disk.contains_prefix([own]) == 1
+        put_blobs(disk, dict([_blob(99)]))  # the disk is full: the session's chunk goes
+        assert disk.contains_prefix([own]) == 0 and disk.contains_prefix([shared]) == 1
+    finally:
+        manager.close()
