@@ -40,11 +40,11 @@ if TYPE_CHECKING:
 
 Blob = bytes | bytearray | memoryview
 EvictionListener = Callable[[str, "Blob | None", "ChunkInfo | None"], None]
-"""Told of each chunk a tier gives up: its key, its bytes (None where the tier cannot hand
-them over cheaply) and what its writer said of it (session, place; None if nothing)."""
-"""Called with (key, blob or None) for each chunk a tier evicts, so a manager can demote it.
-The blob may be a view of the tier's memory (the CPU arena's slot), valid only during the
-call: a listener that keeps the bytes copies them."""
+"""Called for each chunk a tier evicts, so a manager can demote it: its key, its bytes (None
+where the tier cannot hand them over cheaply) and the ``ChunkInfo`` it was written with
+(session, place; None if none), which the tier below ranks it by. The blob may be a view
+of the tier's memory (the CPU arena's slot), valid only during the call: a listener that
+keeps the bytes copies them."""
 
 
 CHUNK_OVERHEAD_BYTES = 512

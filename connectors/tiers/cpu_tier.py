@@ -221,6 +221,7 @@ class CPUTier(Tier):
         for gone in victims:
             start = gone.value * self.slot_bytes
             self._notify_evicted(str(gone.key), view[start : start + gone.size], gone.info)
+
     def share(self, keys: Sequence[str], session: Hashable) -> None:
         with self._lock:
             for key in keys:
