@@ -27,6 +27,31 @@ class KeySet(dict):
         self.pop(key, None)
 
 
+class KnownChunks(dict):
+    """Chunk -> what the eviction policies know of it (its session and place travel with it
+    down the tiers); and, until the event being replayed is over, what was known of the
+    chunks whose last copy went during it: their write-back or demotion, still to come in
+    it, needs it (a copy that lost its session would rank as a prefix sessions share, kept
+    last)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.let_go: dict[Hashable, ChunkInfo] = {}
+
+    def forget(self, key: Hashable) -> None:
+        """The chunk's last copy is gone (what was known of it lasts out the event)."""
+        info = self.pop(key, None)
+        if info is not None:
+            self.let_go[key] = info
+
+    def of(self, key: Hashable, nbytes: int) -> ChunkInfo:
+        """What is known of a chunk held anywhere or let go during this event."""
+        return self.get(key) or self.let_go.get(key) or ChunkInfo(nbytes)
+
+    def event_over(self) -> None:
+        self.let_go.clear()
+
+
 class Store:
     """One tier in the simulation: the live tiers' :class:`ChunkIndex` (sizes, bytes held,
     the eviction policy choosing victims) under a capacity in bytes; no data."""

@@ -28,6 +28,7 @@ from collections.abc import Hashable
 
 from kvtier.benchmarks.policy_sim.node import (
     KeySet,
+    KnownChunks,
     Landing,
     Link,
     SessionState,
@@ -136,13 +137,7 @@ class Simulator:
         """Sessions holding GPU chunks, least recently run first: the order in which
         kvtier's GPU lets idle sessions go (its eviction ranks by idle time when tiers
         pay), and so the order in which it stores them ahead of need."""
-        self.infos: dict[Hashable, ChunkInfo] = {}
-        """What the eviction policies know of each chunk held anywhere (its session and
-        position travel with it down the tiers)."""
-        self._let_go: dict[Hashable, ChunkInfo] = {}
-        """What was known of the chunks whose last copy went during the event being
-        replayed: their write-back or demotion, still to come in it, needs it (a copy that
-        lost its session would rank as a shared chunk, kept last)."""
+        self.infos = KnownChunks()
         self.unstored: dict[Hashable, KeySet] = {}
         """Session -> its GPU chunks that no tier holds a copy of (kept as chunks move,
         so stage-ahead need not look every chunk up at every turn)."""
@@ -158,9 +153,7 @@ class Simulator:
         if self.where(key) is not None:
             return
         if not self.gpu.has(key):
-            info = self.infos.pop(key, None)
-            if info is not None:
-                self._let_go[key] = info
+            self.infos.forget(key)
             return
         owner = self._owner.get(key)  # a tier let go of the last copy of a GPU chunk
         if key in self.by_session.get(owner, ()):
@@ -195,10 +188,6 @@ class Simulator:
             index=index,
             recompute_s=self.cost.prefill.time(index * self.w.chunk_tokens, tokens),
         )
-
-    def info_of(self, key: Hashable, nbytes: int) -> ChunkInfo:
-        """What is known of a chunk held anywhere, or let go during this event."""
-        return self.infos.get(key) or self._let_go.get(key) or ChunkInfo(nbytes)
 
     def count(self, d: dict, key: str, n: int = 1) -> None:
         d[key] = d.get(key, 0) + n
@@ -243,7 +232,7 @@ class Simulator:
                          else tier_index + 1 if tier_index + 1 < len(self.tiers) else None)
                 if below is not None:
                     self.write(below, vkey, self.cost.tokens_in(st.name, vbytes),
-                               self.info_of(vkey, vbytes), now)
+                               self.infos.of(vkey, vbytes), now)
         return done
 
     def evict_from_gpu(self, victims: list[tuple[Hashable, int]], now: float,
@@ -279,7 +268,7 @@ class Simulator:
                     self.count(self.res.decisions, "gpu_drop_not_worth")
                     continue
             self.count(self.res.decisions, f"offload_{self.tiers[target].name}")
-            info = self.info_of(key, nbytes)
+            info = self.infos.of(key, nbytes)
             done = max(done, self.write(target, key, tokens, info, now, background=not blocking))
         return done
 
@@ -303,7 +292,7 @@ class Simulator:
         """One turn: where its prefix lies, what to load, when its first token comes, and
         its context placed in the GPU; returns when the server is free again."""
         now = t.arrival_s
-        self._let_go.clear()  # the last event's write-backs and demotions are all made
+        self.infos.event_over()  # the last event's write-backs and demotions are all made
         sess = self._begin(t, now)
         head_start = 0.0  # loads that begin before the turn can compute (queue, hints)
         if self.spec.prefetch_on_arrival:

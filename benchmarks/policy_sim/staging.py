@@ -15,7 +15,14 @@ from collections.abc import Hashable, Iterator
 from operator import itemgetter
 from typing import Protocol
 
-from kvtier.benchmarks.policy_sim.node import KeySet, Link, SessionState, SimResult, Store
+from kvtier.benchmarks.policy_sim.node import (
+    KeySet,
+    KnownChunks,
+    Link,
+    SessionState,
+    SimResult,
+    Store,
+)
 from kvtier.benchmarks.policy_sim.workloads import Workload
 from kvtier.policies.cost_model import CostModel
 from kvtier.policies.eviction import ChunkInfo
@@ -40,11 +47,10 @@ class StagingHost(Protocol):
     recent: OrderedDict[Hashable, None]
     by_session: dict[Hashable, KeySet]
     unstored: dict[Hashable, KeySet]
-    infos: dict[Hashable, ChunkInfo]
+    infos: KnownChunks
     tiers_worth: bool
 
     def next_s(self, session: Hashable, now: float) -> float: ...
-    def info_of(self, key: Hashable, nbytes: int) -> ChunkInfo: ...
     def where(self, key: Hashable) -> Store | None: ...
     def count(self, d: dict, key: str, n: int = 1) -> None: ...
     def write(self, tier_index: int, key: Hashable, tokens: int, info: ChunkInfo,
@@ -147,7 +153,7 @@ class Stager:
             # are needed they leave at once instead of after a write on the admission path.
             for key in [k for k in self.sim.by_session.get(d.session, ()) if self.sim.where(k) is None]:
                 nbytes = self.sim.gpu.size(key)
-                info = self.sim.info_of(key, nbytes)
+                info = self.sim.infos.of(key, nbytes)
                 self.sim.write(names.index(d.tier), key, nbytes // self.sim.bpt, info, now)
                 self.sim.count(self.sim.res.decisions, f"prestage_{d.tier}")
             self.unstaged.discard(d.session)
@@ -182,5 +188,5 @@ class Stager:
             ti = names.index(d.tier)
             for key in [k for k in self.sim.unstored.get(d.session, ()) if k not in self.sim.pinned]:
                 nbytes = self.sim.gpu.size(key)
-                self.sim.write(ti, key, nbytes // self.sim.bpt, self.sim.info_of(key, nbytes), now)
+                self.sim.write(ti, key, nbytes // self.sim.bpt, self.sim.infos.of(key, nbytes), now)
                 self.sim.count(self.sim.res.decisions, f"stage_ahead_{d.tier}")

@@ -58,7 +58,7 @@ class WriteDecisions:
         (about certain for a chunk sessions share), its place in the conversation."""
         sim = self.sim
         owner = sim._owner.get(key)
-        info = sim.info_of(key, tokens * sim.bpt)
+        info = sim.infos.of(key, tokens * sim.bpt)
         context = info.index * sim.w.chunk_tokens
         s = sim.live.idle_session(owner, tokens, tokens, now, context)
         return replace(s, p_return=1.0) if key in sim._shared or owner is None else s
@@ -88,7 +88,7 @@ class WriteDecisions:
         if target is None or target >= sim.tiers.index(where):
             return None
         sim.count(sim.res.decisions, f"raise_{sim.tiers[target].name}")
-        info = sim.info_of(key, tokens * sim.bpt)
+        info = sim.infos.of(key, tokens * sim.bpt)
         return sim.write(target, key, tokens, info, now, background=waiting_until is None)
 
     def abandons(self, key: Hashable, tokens: int, where: Store | None, now: float,
