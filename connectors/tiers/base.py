@@ -120,6 +120,15 @@ def blob_writes(chunks: Mapping[str, Blob], info: Mapping[str, ChunkInfo] | None
     return [ChunkWrite.of_blob(k, b, info.get(k) if info else None) for k, b in chunks.items()]
 
 
+def known_info(tiers: Sequence[Tier], key: str) -> ChunkInfo | None:
+    """What the first of ``tiers`` that kept anything says of a chunk."""
+    for tier in tiers:
+        info = tier.chunk_info(key)
+        if info is not None:
+            return info
+    return None
+
+
 @dataclass
 class PutResult:
     stored: list[str] = field(default_factory=list)
@@ -225,6 +234,11 @@ class Tier(ABC):
     def share(self, keys: Sequence[str], session: Hashable) -> None:  # noqa: B027 - optional hook
         """``session``'s chain uses these stored chunks too (they were not written again);
         a tier that evicts by session keeps them for both. Default: nothing to do."""
+
+    def chunk_info(self, key: str) -> ChunkInfo | None:
+        """What the writer of a stored chunk said of it (session, place), for a copy made
+        of it elsewhere (a promotion) to be ranked as this one is. Default: nothing kept."""
+        return None
 
     @abstractmethod
     def contains_prefix(self, keys: Sequence[str]) -> int:

@@ -38,7 +38,7 @@ from kvtier.connectors.tiers.chunk_workers import map_store
 from kvtier.connectors.tiers.host_buffers import HostBuffer
 from kvtier.connectors.tiers.slot_reserve import SlotReserve
 from kvtier.errors import InvalidArgumentError, TierError
-from kvtier.policies.eviction import EvictionPolicy, eviction_policy
+from kvtier.policies.eviction import ChunkInfo, EvictionPolicy, eviction_policy
 
 log = logging.getLogger(__name__)
 
@@ -350,6 +350,10 @@ class CPUTier(Tier):
     @property
     def eviction(self) -> EvictionPolicy:
         return self._index.policy
+
+    def chunk_info(self, key: str) -> ChunkInfo | None:
+        with self._lock:
+            return self._index.info(key)
 
     # --- tenants ---------------------------------------------------------------------
     def namespace_held(self, namespace: str, keys: Sequence[str] = ()) -> tuple[int, set[str]]:

@@ -383,6 +383,10 @@ class DiskTier(Tier):
     def eviction(self) -> EvictionPolicy:
         return self._index.policy
 
+    def chunk_info(self, key: str) -> ChunkInfo | None:
+        with self._lock:
+            return self._index.info(key)
+
     # --- tenants ---------------------------------------------------------------------
     def namespace_held(self, namespace: str, keys: Sequence[str] = ()) -> tuple[int, set[str]]:
         with self._lock:

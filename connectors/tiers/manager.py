@@ -21,7 +21,7 @@ from typing import Literal
 import torch
 
 from kvtier.chunk_format import chunk_view
-from kvtier.connectors.tiers.base import Blob, ChunkWrite, PutResult, Tier, blob_writes
+from kvtier.connectors.tiers.base import Blob, ChunkWrite, PutResult, Tier, blob_writes, known_info
 from kvtier.connectors.tiers.chunk_workers import map_restore
 from kvtier.connectors.tiers.codec_writes import EncodedChunk, encode_writes
 from kvtier.connectors.tiers.host_buffers import StagingPool
@@ -318,8 +318,9 @@ class TierManager:
     def promote(self, chunks: Mapping[str, Blob]) -> None:
         """Copy verified chunks read from a slower tier into the fastest one (when
         ``promote_on_hit``), so the next read of them is a RAM read."""
-        if chunks and self.promote_on_hit:
-            res = self._store_in(self.tiers[0], blob_writes(chunks))
+        if chunks and self.promote_on_hit:  # each copy ranked as its source is
+            infos = {k: i for k in chunks if (i := known_info(self.tiers[1:], k)) is not None}
+            res = self._store_in(self.tiers[0], blob_writes(chunks, infos))
             self.stats.promotions += len(res.stored)
 
     def prefetch(self, keys: Sequence[str], codecs: Collection[str] | None = None) -> int:
@@ -337,7 +338,8 @@ class TierManager:
                     chunk.verify()
                 except ChunkError:
                     continue  # dropped from its tier when the lease ends
-                writes.append(ChunkWrite.of_blob(key, memoryview(chunk.buf.numpy())))
+                info = self.tiers[ti].chunk_info(key)  # the copy ranked as its source is
+                writes.append(ChunkWrite.of_blob(key, memoryview(chunk.buf.numpy()), info))
             if writes and self.promote_on_hit:
                 self.stats.promotions += len(self._store_in(self.tiers[0], writes).stored)
         return len(writes)

@@ -129,3 +129,27 @@ def test_a_demoted_chunk_keeps_its_session_in_the_tier_below(tmp_path):
         assert disk.contains_prefix([own]) == 0 and disk.contains_prefix([shared]) == 1
     finally:
         manager.close()
+
+
+@pytest.mark.parametrize("how", ["read", "prefetch"])
+def test_a_promoted_chunk_keeps_its_session_in_the_fastest_tier(tmp_path, how):
+    """A chunk read from the disk (or prefetched) is copied into the CPU tier ranked as its
+    session's, as the disk held it: not as a prefix sessions share, kept last."""
+    from kvtier.connectors.tiers.manager import TierManager
+
+    cpu = _tier("cpu", tmp_path, 2, SessionAware(predictor=lambda s, now: 1.0))
+    disk = DiskTier(tmp_path / "d", 4 * len(_blob(0)[1]), fsync=False,
+                    eviction=SessionAware(predictor=lambda s, now: 1.0))
+    manager = TierManager([cpu, disk])
+    try:
+        key, blob = _blob(5)
+        put_blobs(manager, {key: blob}, {key: ChunkInfo(len(blob), "s", 2)}, tier="disk")
+        assert cpu.chunk_info(key) is None and disk.chunk_info(key) == ChunkInfo(len(blob), "s", 2)
+        if how == "read":
+            assert get_blobs(manager, [key])[0] is not None
+        else:
+            assert manager.prefetch([key]) == 1
+        assert cpu.contains_prefix([key]) == 1
+        assert cpu.chunk_info(key) == ChunkInfo(len(blob), "s", 2)
+    finally:
+        manager.close()
