@@ -35,6 +35,10 @@ class ChunkSpan:
 
     key: str
     block_ids: tuple[int | None, ...]
+    first_block: int = 0
+    """Where the chunk starts in its sequence, in blocks: its place in the session's chain
+    (a session-aware tier gives up a session's last chunks first, keeping a usable
+    prefix)."""
 
     @property
     def targets(self) -> list[int]:

@@ -232,7 +232,7 @@ class SchedulerSide:
                 ids = tuple(state.block_ids[first + j]
                             if found.computed <= first + j < first + s.take else None
                             for j in range(s.blocks))
-                spans.append(ChunkSpan(s.key, ids))
+                spans.append(ChunkSpan(s.key, ids, first))
             first += s.blocks
         return spans
 
@@ -325,7 +325,7 @@ class SchedulerSide:
             state.covered = seg.end
             if seg.key in self._saving or seg.key in self._finishing:
                 continue  # another request's save writes the same tokens' segment
-            spans.append(ChunkSpan(seg.key, tuple(state.block_ids[seg.first : seg.end])))
+            spans.append(ChunkSpan(seg.key, tuple(state.block_ids[seg.first : seg.end]), seg.first))
         return spans
 
     # ---------------------------------------------------------------- finishing

@@ -201,7 +201,7 @@ class WorkerSide:
             raise InvalidArgumentError(f"a save of chunk {key} must name every block")
         shape = self.chunk_shape(len(ids))
         _, total = chunk_layout(key, fp, dtype, shape)
-        info = ChunkInfo(total, session) if session else None
+        info = ChunkInfo(total, session, span.first_block) if session else None
         pieces = self._pieces
         if pieces is not None:  # copied and checksummed in one native pass
             addrs, layout = pieces.at_chunk(ids), pieces.layout(len(ids))

@@ -128,7 +128,7 @@ def test_a_second_request_sharing_the_prefix_loads_it_past_what_vllm_holds():
     plan = sched.step_plan(_new("b", [10, 11, 12, 13, 14], 4 * BLOCK, 8))
     (load,) = plan.loads
     keys = GRID.keys(shared)
-    assert load.chunks == [ChunkSpan(keys[0].key, (None, 11)), ChunkSpan(keys[1].key, (12, 13))]
+    assert load.chunks == [ChunkSpan(keys[0].key, (None, 11)), ChunkSpan(keys[1].key, (12, 13), 2)]
     worker.load(plan.loads)
     assert worker.take_load_errors() == set() and sched.hit_blocks == 3
     assert plan.saves == []  # the loaded chunks are stored already
@@ -318,6 +318,31 @@ def test_a_sessions_next_request_promotes_its_chunks_before_it_is_scheduled(tmp_
     assert sched.arrived(turn2).result(timeout=30) == 3  # read from disk, written to RAM
     assert store.where(keys) == ["cpu"] * 3
     assert sched.matched_tokens(turn2, 0) == 6 * BLOCK
+
+
+def test_a_sessions_chunks_are_stored_in_chain_order_and_its_tail_goes_first(tmp_path):
+    """Each chunk a session saves carries its place in the conversation, so a full
+    session-aware CPU tier gives up the session's last chunk first (down to the disk),
+    keeping the head a returning turn needs to restore anything at all."""
+    from kvtier.connectors.tiers.disk_tier import DiskTier
+    from kvtier.policies.eviction import SessionAware
+
+    slot = 1 << 20
+    cpu = CPUTier(3 * slot, slot, eviction=SessionAware())
+    store = LocalChunkStore(TierManager([cpu, DiskTier(tmp_path / "d", fsync=False)]))
+    sched = SchedulerSide(lambda: store, GRID)
+    worker = WorkerSide(lambda: store, GRID)
+    worker.register(caches(32, True), 32)
+    turn = Request("t1", list(range(5, 5 + 6 * BLOCK + 1)))
+    turn.session_id = "alice"
+    _run(sched, [worker], turn, list(range(7)))
+    keys = [k.key for k in GRID.keys(turn.prompt_token_ids)]
+    assert [(cpu.chunk_info(k).session, cpu.chunk_info(k).index) for k in keys] == [
+        ("alice", 0), ("alice", 2), ("alice", 4)]  # each chunk's first block
+    other = Request("t2", list(range(900, 900 + 2 * BLOCK + 1)))
+    other.session_id = "bob"
+    _run(sched, [worker], other, list(range(10, 13)))
+    assert store.where(keys) == ["cpu", "cpu", "disk"]  # alice's tail went down, not her head
 
 
 class _Counted:
