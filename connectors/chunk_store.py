@@ -160,14 +160,19 @@ class RemoteChunkStore:
         return failed
 
     def _put(self, write: ChunkWrite) -> None:
+        from kvtier.client import ChunkOwner
+
         def fill(room: memoryview) -> int:
             return write.write_into(torch.frombuffer(room, dtype=torch.uint8))
 
-        if self.client.shm and self.client.put_chunk_filled(write.key, fill, write.nbytes) is not None:
+        info = write.info  # the session and place reach the service's tiers
+        owner = None if info is None or info.session is None else ChunkOwner(str(info.session), info.index)
+        if self.client.shm and self.client.put_chunk_filled(write.key, fill, write.nbytes,
+                                                            owner=owner) is not None:
             return
         with self.staging.borrowed(write.nbytes) as buf:
             n = write.write_into(buf)
-            self.client.put_chunk(write.key, memoryview(buf[:n].numpy()))
+            self.client.put_chunk(write.key, memoryview(buf[:n].numpy()), owner=owner)
 
     @contextlib.contextmanager
     def get_into(self, keys: Sequence[str]) -> Iterator[list[LentChunk | None]]:

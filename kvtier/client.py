@@ -12,8 +12,10 @@ tell an unknown session (404) from a bad chunk (400) from a full store (507).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import re
 import threading
 from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -147,8 +149,8 @@ class _Routes:
         return _Call("DELETE", f"/v1/sessions/{session_id}", ok=(204,))
 
     @staticmethod
-    def put_chunk(key: str, blob: Blob, tier: str | None) -> _Call:
-        params = _put_params(tier)
+    def put_chunk(key: str, blob: Blob, tier: str | None, owner: ChunkOwner | None = None) -> _Call:
+        params = _put_params(tier, owner)
         headers = {"Content-Type": OCTETS}
         content = blob if isinstance(blob, bytes) else bytes(blob)  # httpx sends bytes
         return _Call("PUT", f"/v1/chunks/{key}", None, content, params, headers, (200, 201))
@@ -203,11 +205,30 @@ class _Routes:
         )
 
 
-def _put_params(tier: str | None) -> dict[str, str] | None:
-    """A store's query: its tier, and ``priority=background`` when the calling thread
-    stores in the background (:func:`~kvtier.io_priority.background_io`: the service's
-    tiers then serve what someone waits for first, as for their own background stores)."""
-    params = {"tier": tier} if tier else {}
+_SESSION_PARAM = re.compile(r"[\x20-\x7e]{1,256}")
+
+
+@dataclass(frozen=True)
+class ChunkOwner:
+    """The conversation a stored chunk belongs to and its place in it (e.g. its first
+    block): a session-aware tier keeps a session's chunks together and gives up the last
+    ones first."""
+
+    session: str
+    place: int = 0
+
+
+def _put_params(tier: str | None, owner: ChunkOwner | None = None) -> dict[str, Any] | None:
+    """A store's query: its tier, its owner (session and place) where known, and
+    ``priority=background`` when the calling thread stores in the background
+    (:func:`~kvtier.io_priority.background_io`: the service's tiers then serve what someone
+    waits for first, as for their own background stores)."""
+    params: dict[str, Any] = {"tier": tier} if tier else {}
+    if owner is not None:
+        session = owner.session
+        if not _SESSION_PARAM.fullmatch(session):  # what the service takes, or its digest
+            session = hashlib.sha256(session.encode()).hexdigest()
+        params.update(session=session, place=owner.place)
     if current_priority() is IOPriority.BACKGROUND:
         params["priority"] = IOPriority.BACKGROUND.value
     return params or None
@@ -335,9 +356,11 @@ class Client:
         self._send(_Routes.end_session(session_id))
 
     # data plane
-    def put_chunk(self, key: str, blob: Blob, tier: str | None = None) -> dict[str, Any]:
+    def put_chunk(self, key: str, blob: Blob, tier: str | None = None,
+                  owner: ChunkOwner | None = None) -> dict[str, Any]:
         """Store one chunk; ``blob`` is sent from where it is (bytes or any buffer), or
-        copied into this thread's shared-memory region (``shm``)."""
+        copied into this thread's shared-memory region (``shm``). ``owner``: the session
+        the chunk belongs to and its place in it, for the service's session-aware tiers."""
         if self.shm:
             src = np.frombuffer(memoryview(blob).cast("B"), np.uint8)
 
@@ -345,12 +368,12 @@ class Client:
                 np.copyto(np.frombuffer(room, np.uint8)[: len(src)], src)
                 return len(src)
 
-            done = self.put_chunk_filled(key, fill, len(src), tier)
+            done = self.put_chunk_filled(key, fill, len(src), tier, owner)
             if done is not None:
                 return done
         if self.wire is None:
-            return self._send(_Routes.put_chunk(key, blob, tier)).json()
-        resp = self.wire.request("PUT", f"/v1/chunks/{key}", _put_params(tier), blob,
+            return self._send(_Routes.put_chunk(key, blob, tier, owner)).json()
+        resp = self.wire.request("PUT", f"/v1/chunks/{key}", _put_params(tier, owner), blob,
                                  {"Content-Type": OCTETS})
         body = resp.read()
         if resp.status not in (200, 201):
@@ -358,7 +381,8 @@ class Client:
         return json.loads(body)
 
     def put_chunk_filled(self, key: str, fill: Callable[[memoryview], int], nbytes: int,
-                         tier: str | None = None) -> dict[str, Any] | None:
+                         tier: str | None = None, owner: ChunkOwner | None = None
+                         ) -> dict[str, Any] | None:
         """Store a chunk that ``fill`` writes straight into this thread's shared-memory
         region (given ``nbytes`` of room, it returns the chunk's length): no buffer of the
         caller's in between. None where no region can be used (``shm`` off, or the server
@@ -372,7 +396,7 @@ class Client:
                 self._no_region(exc)
                 return None
             n = fill(room)
-            params = {"region": link.id, "offset": 0, "length": n, **(_put_params(tier) or {})}
+            params = {"region": link.id, "offset": 0, "length": n, **(_put_params(tier, owner) or {})}
             status, body = self._region_call("PUT", f"/v1/chunks/{key}", params, None)
             if _region_gone(status, body) and not attempt:
                 link.forget()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import Counter
+from dataclasses import replace
 from typing import Annotated, Any
 
 import numpy as np
@@ -40,6 +41,7 @@ from kvtier.connectors.tiers.lent_chunk import LentChunk
 from kvtier.connectors.tiers.manager import PutReport, TierManager
 from kvtier.errors import ChunkError, ChunkFormatError
 from kvtier.io_priority import IOPriority, at_priority
+from kvtier.policies.eviction import ChunkInfo
 from kvtier.server.chunk_body import (
     LeasedResponse,
     PiecewiseResponse,
@@ -76,6 +78,14 @@ OffsetArg = Annotated[int, Query(ge=0, description="with region: where in it the
 PriorityArg = Annotated[IOPriority, Query(description=(
     "background: nobody waits for this store now (a save off the request path); on the "
     "tiers it waits for the transfers someone waits for, which go first"))]
+SessionArg = Annotated[str | None, Query(
+    pattern=r"^[\x20-\x7e]{1,256}$", description=(
+        "the conversation the chunk belongs to (1 to 256 printable ASCII characters): a "
+        "session-aware tier keeps a session's chunks together and gives up its last ones "
+        "first; sessions are the caller's tenant's"))]
+PlaceArg = Annotated[int, Query(ge=0, description=(
+    "with session: the chunk's place in the session's chain (e.g. its first block); "
+    "higher goes first"))]
 Layers = Annotated[
     str | None,
     Query(pattern=r"^\d{1,4}:\d{1,4}$", description="read only layers START:END of the chunk"),
@@ -159,7 +169,8 @@ async def put_chunk(key: Key, request: Request, tier: str | None = None,
                     region: RegionArg = None, offset: OffsetArg = 0,
                     length: Annotated[int | None, Query(ge=1, description=(
                         "with region: the chunk's bytes in the region"))] = None,
-                    priority: PriorityArg = IOPriority.WAITED) -> Response:
+                    priority: PriorityArg = IOPriority.WAITED, session: SessionArg = None,
+                    place: PlaceArg = 0) -> Response:
     """Store one chunk (201), or confirm it is already stored (200). A body with a
     ``Content-Length`` streams into a reused staging buffer, is verified there and goes
     to the tier from it (the CPU tier copies it into its slot; disk writes it out). With
@@ -169,6 +180,7 @@ async def put_chunk(key: Key, request: Request, tier: str | None = None,
     state, manager = _manager(request)
     start = _tier_arg(manager, tier)
     where = _stored_as(request, key)
+    owner = None if session is None else ChunkInfo(0, f"{identity_of(request.scope).tenant}:{session}", place)
     if region is not None:
         if length is None:
             raise RouteError(400, "a PUT from a region names the chunk's length")
@@ -180,7 +192,7 @@ async def put_chunk(key: Key, request: Request, tier: str | None = None,
         tenant = identity_of(request.scope).tenant
         t0 = time.perf_counter()
         report = await run_in_threadpool(at_priority, priority, _put_from_region, state, manager,
-                                         tenant, region, offset, length, key, where, start)
+                                         tenant, region, offset, length, key, where, start, owner)
         return _put_answer(state, request, report, key, where, length, t0)
     length = declared_length(request)
     t0 = time.perf_counter()
@@ -189,13 +201,13 @@ async def put_chunk(key: Key, request: Request, tier: str | None = None,
         framed = bytearray(BIND_SLACK + len(blob))
         framed[BIND_SLACK:] = blob
         report = await run_in_threadpool(at_priority, priority, _verified_put, state, manager,
-                                         key, where, memoryview(framed), start)
+                                         key, where, memoryview(framed), start, owner)
     else:
         async with staged_body(request, manager.staging, length, front=BIND_SLACK) as body:
             t0 = time.perf_counter()
             report = await run_in_threadpool(
                 at_priority, priority, _verified_put, state, manager, key, where,
-                memoryview(body.numpy()), start
+                memoryview(body.numpy()), start, owner
             )
     return _put_answer(state, request, report, key, where,
                        length if length is not None else len(blob), t0)
@@ -220,7 +232,8 @@ def _put_answer(state: ServiceState, request: Request, report: PutReport, key: s
 
 
 def _put_from_region(state: ServiceState, manager: TierManager, tenant: str, region_id: str,
-                     offset: int, length: int, key: str, where: str, start: int) -> PutReport:
+                     offset: int, length: int, key: str, where: str, start: int,
+                     owner: ChunkInfo | None = None) -> PutReport:
     """Copy the chunk out of the region into memory only the server writes, then check it
     there: what the client writes into its region afterwards cannot change what was
     verified (worker thread). Where the tier lends its memory (the CPU arena) that memory
@@ -244,12 +257,13 @@ def _put_from_region(state: ServiceState, manager: TierManager, tenant: str, reg
                     raise RouteError(400, f"chunk {key}: {exc}", "invalid_chunk") from None
                 return total
 
-            return manager.store([ChunkWrite(where, total, fill=fill)], start,
+            info = None if owner is None else replace(owner, nbytes=total)
+            return manager.store([ChunkWrite(where, total, fill=fill, info=info)], start,
                                  reraise=(RouteError,))
         with state.regions.staging(length), manager.staging.borrowed(BIND_SLACK + length) as buf:
             mem = memoryview(buf.numpy())[: BIND_SLACK + length]
             region.read_into(offset, mem[BIND_SLACK:])
-            return _verified_put(state, manager, key, where, mem, start)
+            return _verified_put(state, manager, key, where, mem, start, owner)
 
 
 def _bound_head(region: Region, offset: int, length: int, key: str, where: str
@@ -289,17 +303,19 @@ def _bound(manager: TierManager, key: str, where: str, buf: memoryview, start: i
 
 
 def _verified_put(state: ServiceState, manager: TierManager, key: str, where: str,
-                  framed: memoryview, start: int) -> PutReport:
+                  framed: memoryview, start: int, owner: ChunkInfo | None = None) -> PutReport:
     """Check the upload in full (a 400 stores nothing), bind it to its namespace, then put
     it under ``where`` unless that key holds it already (a 409 where it holds another
     version; worker thread: the checksums and the copy must not hold up the event loop).
-    ``framed``: :data:`BIND_SLACK` free bytes, then the chunk."""
+    ``framed``: :data:`BIND_SLACK` free bytes, then the chunk; ``owner``: its session and
+    place, for the tiers' eviction."""
     blob, header = _bound(manager, key, where, framed, BIND_SLACK, len(framed) - BIND_SLACK)
     with state.key_locks.holding([where]):
         settled = settle(manager, where, header)
         if settled.version is Version.SAME:
             return _present(settled, where)
-        return put_blobs(manager, {where: blob}, tier=start)
+        info = None if owner is None else {where: replace(owner, nbytes=len(blob))}
+        return put_blobs(manager, {where: blob}, info, tier=start)
 
 
 @router.get(
