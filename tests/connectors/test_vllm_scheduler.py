@@ -294,20 +294,27 @@ def test_a_resent_prompt_loads_all_but_its_last_block_from_a_longer_tail():
         assert torch.equal(t[16], before)  # the last block: vLLM's to compute, left alone
 
 
+def _alice_over_ram_and_disk(tmp_path, cpu: CPUTier
+                             ) -> tuple[SchedulerSide, WorkerSide, LocalChunkStore, Request]:
+    """Both sides over ``cpu`` with a disk below it, after alice's first turn (three
+    chunks) was saved; the sides, the store and that turn."""
+    from kvtier.connectors.tiers.disk_tier import DiskTier
+
+    store = LocalChunkStore(TierManager([cpu, DiskTier(tmp_path / "d", fsync=False)]))
+    sched = SchedulerSide(lambda: store, GRID)
+    worker = WorkerSide(lambda: store, GRID)
+    worker.register(caches(32, True), 32)
+    turn = Request("t1", list(range(5, 5 + 6 * BLOCK + 1)))
+    turn.session_id = "alice"
+    _run(sched, [worker], turn, list(range(7)))
+    return sched, worker, store, turn
+
+
 def test_a_sessions_next_request_promotes_its_chunks_before_it_is_scheduled(tmp_path):
     """A conversation whose chunks went down to disk: when its next request arrives (vLLM
     adds it; it may queue), its chunks are raised into the CPU tier before the lookup that
     schedules it, which then finds them in RAM."""
-    from kvtier.connectors.tiers.disk_tier import DiskTier
-
-    slot = 1 << 20
-    store = LocalChunkStore(TierManager([CPUTier(4 * slot, slot), DiskTier(tmp_path / "d", fsync=False)]))
-    sched = SchedulerSide(lambda: store, GRID)
-    worker = WorkerSide(lambda: store, GRID)
-    worker.register(caches(32, True), 32)
-    turn1 = Request("t1", list(range(5, 5 + 6 * BLOCK + 1)))
-    turn1.session_id = "alice"
-    _run(sched, [worker], turn1, list(range(7)))
+    sched, worker, store, turn1 = _alice_over_ram_and_disk(tmp_path, CPUTier(4 << 20, 1 << 20))
     keys = [k.key for k in GRID.keys(turn1.prompt_token_ids)]
     assert store.where(keys) == ["cpu"] * 3
     # alice goes idle; bob's conversation fills the CPU tier and pushes hers down to disk
@@ -324,18 +331,10 @@ def test_a_sessions_chunks_are_stored_in_chain_order_and_its_tail_goes_first(tmp
     """Each chunk a session saves carries its place in the conversation, so a full
     session-aware CPU tier gives up the session's last chunk first (down to the disk),
     keeping the head a returning turn needs to restore anything at all."""
-    from kvtier.connectors.tiers.disk_tier import DiskTier
     from kvtier.policies.eviction import SessionAware
 
-    slot = 1 << 20
-    cpu = CPUTier(3 * slot, slot, eviction=SessionAware())
-    store = LocalChunkStore(TierManager([cpu, DiskTier(tmp_path / "d", fsync=False)]))
-    sched = SchedulerSide(lambda: store, GRID)
-    worker = WorkerSide(lambda: store, GRID)
-    worker.register(caches(32, True), 32)
-    turn = Request("t1", list(range(5, 5 + 6 * BLOCK + 1)))
-    turn.session_id = "alice"
-    _run(sched, [worker], turn, list(range(7)))
+    cpu = CPUTier(3 << 20, 1 << 20, eviction=SessionAware())
+    sched, worker, store, turn = _alice_over_ram_and_disk(tmp_path, cpu)
     keys = [k.key for k in GRID.keys(turn.prompt_token_ids)]
     assert [(cpu.chunk_info(k).session, cpu.chunk_info(k).index) for k in keys] == [
         ("alice", 0), ("alice", 2), ("alice", 4)]  # each chunk's first block
