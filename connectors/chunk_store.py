@@ -26,13 +26,16 @@ import torch
 from kvtier.chunk_format import chunk_view
 from kvtier.connectors.tiers.base import ChunkWrite
 from kvtier.connectors.tiers.codec_setup import CodecContext, resolved_auto_fields
+from kvtier.connectors.tiers.derived import Derived, TokenRange, derive_chunk
 from kvtier.connectors.tiers.host_buffers import StagingPool
 from kvtier.connectors.tiers.lent_chunk import LentChunk
 from kvtier.connectors.tiers.manager import TierManager
 from kvtier.errors import ChunkError, ConfigError, InvalidArgumentError
 from kvtier.kv_codecs import Codec
+from kvtier.policies.eviction import ChunkInfo
 
 if TYPE_CHECKING:
+    from kvtier.client import ChunkOwner
     from kvtier.config import KVTierConfig
 
 
@@ -57,6 +60,12 @@ class ChunkStore(Protocol):
 
     def put_from(self, writes: Sequence[ChunkWrite]) -> dict[str, str]:
         """Store chunks, each filled by its write; returns the keys that failed, with why."""
+
+    def derive(self, key: str, source: str, tokens: TokenRange, info: ChunkInfo | None = None
+               ) -> bool:
+        """Store under ``key`` tokens ``tokens`` of the stored chunk ``source`` (every
+        layer), cut inside the store: nothing crosses from the caller. False where the
+        store holds no exact copy of ``source`` to cut: the caller writes the chunk."""
 
     def landing_codec(self) -> Codec:
         """The codec the tier a save lands in keeps chunks in: a writer on a GPU encodes
@@ -94,6 +103,11 @@ class LocalChunkStore:
 
     def put_from(self, writes: Sequence[ChunkWrite]) -> dict[str, str]:
         return dict(self.manager.store(writes).failed)
+
+    def derive(self, key: str, source: str, tokens: TokenRange, info: ChunkInfo | None = None
+               ) -> bool:
+        return derive_chunk(self.manager, key, source, tokens, info) in (Derived.STORED,
+                                                                          Derived.PRESENT)
 
     def landing_codec(self) -> Codec:
         return self.manager.tiers[0].codec if self.manager.tiers else Codec.NONE
@@ -159,14 +173,17 @@ class RemoteChunkStore:
                     failed[write.key] = f"{exc.status}: {exc}"
         return failed
 
+    def derive(self, key: str, source: str, tokens: TokenRange, info: ChunkInfo | None = None
+               ) -> bool:
+        return self.client.derive_chunk(key, source, tokens.first, tokens.count,
+                                        _owner(info)) is not None
+
     def _put(self, write: ChunkWrite) -> None:
-        from kvtier.client import ChunkOwner
 
         def fill(room: memoryview) -> int:
             return write.write_into(torch.frombuffer(room, dtype=torch.uint8))
 
-        info = write.info  # the session and place reach the service's tiers
-        owner = None if info is None or info.session is None else ChunkOwner(str(info.session), info.index)
+        owner = _owner(write.info)  # the session and place reach the service's tiers
         if self.client.shm and self.client.put_chunk_filled(write.key, fill, write.nbytes,
                                                             owner=owner) is not None:
             return
@@ -238,6 +255,13 @@ class RemoteChunkStore:
 
 _LOCAL: dict[str, LocalChunkStore] = {}
 _LOCAL_LOCK = threading.Lock()
+
+
+def _owner(info: ChunkInfo | None) -> ChunkOwner | None:
+    """The session and place of a chunk, as the service takes them."""
+    from kvtier.client import ChunkOwner
+
+    return None if info is None or info.session is None else ChunkOwner(str(info.session), info.index)
 
 
 def accept_codecs(options: Mapping[str, Any]) -> frozenset[str] | None:

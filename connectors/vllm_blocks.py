@@ -27,6 +27,15 @@ DEFAULT_CHUNK_TOKENS = 256
 
 
 @dataclass(frozen=True)
+class DerivedFrom:
+    """A stored segment holding a span's blocks, from its block ``offset`` on: the span is
+    cut out of it inside the store, not uploaded (its blocks are saved already)."""
+
+    key: str
+    offset: int
+
+
+@dataclass(frozen=True)
 class ChunkSpan:
     """One chunk of a request: its key (without the rank) and, for each of its blocks in
     order, the vLLM block it goes to or comes from. A load leaves the blocks marked None
@@ -39,6 +48,9 @@ class ChunkSpan:
     """Where the chunk starts in its sequence, in blocks: its place in the session's chain
     (a session-aware tier gives up a session's last chunks first, keeping a usable
     prefix)."""
+    source: DerivedFrom | None = None
+    """A save's: a stored segment that holds these blocks already (a save tries to cut
+    the chunk out of it first, and writes its blocks where that fails)."""
 
     @property
     def targets(self) -> list[int]:
@@ -218,6 +230,13 @@ class SequenceKeys:
         """The key of ``slot`` stored whole (None where the sequence does not fill it)."""
         n = self.slot_blocks(slot)
         return self._ends[slot][-1] if n == self.grid.chunk_blocks else None
+
+    def run_key(self, end: int) -> str:
+        """The key of the tokens of block ``end``'s slot up to block ``end`` (every token
+        before them chained in): equal in two sequences exactly when their tokens through
+        block ``end`` are."""
+        slot, b = divmod(end - 1, self.grid.chunk_blocks)
+        return self._ends[slot][b]
 
     def segment(self, first: int, end: int) -> Segment:
         """The segment of blocks ``[first, end)`` (within one slot)."""

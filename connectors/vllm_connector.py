@@ -168,6 +168,7 @@ class KVTierConnector(KVConnectorBase_V1):
                     "schedule_seconds": s.busy_s, "lookups": s.lookups}
         w, saves = self.worker_side.stats, self.worker_side.saves
         return {"loaded_blocks": w.loaded_blocks, "saved_blocks": w.saved_blocks,
+                "derived_blocks": w.derived_blocks,
                 "load_errors": w.load_errors, "load_seconds": w.load_s,
                 "save_wait_seconds": w.save_wait_s, "step_seconds": w.step_s, "steps": w.steps,
                 "save_hold_seconds": saves.hold_s, "held_requests": saves.holds}

@@ -17,6 +17,7 @@ COUNTERS: dict[str, str] = {
     "hit_blocks": "Blocks of new requests the store held and the policy chose to load.",
     "loaded_blocks": "Blocks loaded into vLLM's KV cache from kvtier.",
     "saved_blocks": "Blocks saved to kvtier (every rank's part counted).",
+    "derived_blocks": "Blocks saved by cutting them out of a stored segment that held them (nothing uploaded).",
     "load_errors": "Blocks whose chunk was missing or failed its checks (vLLM recomputed them).",
     "recomputed_by_decision_tokens": "Stored tokens recomputed because loading them was slower.",
     "load_seconds": "Time loads held vLLM's forward path.",

@@ -26,11 +26,13 @@ from kvtier.connectors.vllm_blocks import (
     ChunkTransfer,
     Rank,
     Role,
+    Segment,
     SequenceKeys,
     StepPlan,
 )
 from kvtier.connectors.vllm_lookup import FINISHING, PrefixProbe, Stored
 from kvtier.connectors.vllm_policy import LoadObservation, LoadPolicy
+from kvtier.connectors.vllm_sources import SegmentSources
 from kvtier.policies.restore import StoredChunk
 
 log = logging.getLogger(__name__)
@@ -106,6 +108,8 @@ class SchedulerSide:
         upload them again. Dropped once the owner's saves landed (:meth:`saves_landed`)."""
         self._owned: dict[str, list[str]] = {}
         """The keys each request owns in ``_saving``."""
+        self._sources = SegmentSources()
+        """Segments saved or found stored: a save of blocks one holds is cut out of it."""
         self.hit_blocks = 0
         self.busy_s = 0.0
         """Time vLLM's scheduler spent in this side's hooks (kept by the connector)."""
@@ -172,7 +176,10 @@ class SchedulerSide:
             log.warning("kvtier lookup failed, recomputing: %s", exc)
             stored = []
         computed = num_computed_tokens // bs
-        covered = sum(s.blocks for s in stored)
+        covered = 0
+        for s in stored:
+            self._sources.remember(state.seq, Segment(s.key, covered, s.blocks))
+            covered += s.blocks
         if not self.role.loads:  # what is stored is not saved again; nothing is loaded
             self._found[request.request_id] = _Found(computed, covered, ())
             return 0
@@ -325,7 +332,10 @@ class SchedulerSide:
             state.covered = seg.end
             if seg.key in self._saving or seg.key in self._finishing:
                 continue  # another request's save writes the same tokens' segment
-            spans.append(ChunkSpan(seg.key, tuple(state.block_ids[seg.first : seg.end]), seg.first))
+            source = self._sources.source_of(seq, seg)
+            self._sources.remember(seq, seg)
+            spans.append(ChunkSpan(seg.key, tuple(state.block_ids[seg.first : seg.end]),
+                                   seg.first, source))
         return spans
 
     # ---------------------------------------------------------------- finishing

@@ -34,6 +34,7 @@ from kvtier.chunk_format import DTYPES, chunk_layout, encode_into
 from kvtier.connectors.chunk_store import ChunkStore
 from kvtier.connectors.tiers.base import ChunkWrite
 from kvtier.connectors.tiers.chunk_workers import map_restore
+from kvtier.connectors.tiers.derived import TokenRange
 from kvtier.connectors.tiers.lent_chunk import LentChunk
 from kvtier.connectors.vllm_blocks import ChunkGrid, ChunkSpan, ChunkTransfer, Rank
 from kvtier.connectors.vllm_device_blocks import BlockMove, DeviceBlocks
@@ -67,6 +68,8 @@ def rank_fingerprint(fingerprint: bytes, rank: Rank) -> bytes:
 class WorkerStats:
     loaded_blocks: int = 0
     saved_blocks: int = 0
+    derived_blocks: int = 0
+    """Blocks whose save was cut out of a stored segment holding them (not uploaded)."""
     load_errors: int = 0
     load_s: float = 0.0
     """Time loads held vLLM's forward path (synchronous loads, or submitting async ones)."""
@@ -172,11 +175,22 @@ class WorkerSide:
         self.stats.save_wait_s += time.perf_counter() - t0
 
     def _save_now(self, saves: list[ChunkTransfer], ready: torch.cuda.Event | None) -> None:
+        """The spans written, then those a stored segment holds cut out of it inside the
+        store (after the writes: a source may be among them), writing those it could not
+        cut."""
         if ready is not None:
             ready.synchronize()
+        items = [(span, s.session) for s in saves for span in s.chunks]
+        self._put([item for item in items if item[0].source is None])
+        self._put([item for item in items
+                   if item[0].source is not None and not self._derived(*item)])
+
+    def _put(self, items: list[tuple[ChunkSpan, str | None]]) -> None:
+        if not items:
+            return
         spans = [(ChunkGrid.rank_key(span.key, self.rank), len(span.block_ids))
-                 for s in saves for span in s.chunks]
-        writes = [self._write(span, s.session) for s in saves for span in s.chunks]
+                 for span, _ in items]
+        writes = [self._write(span, session) for span, session in items]
         failed: dict[str, str] = {}
         tried: set[str] = set()  # keys whose put returned: stored, or named in failed
         try:
@@ -193,6 +207,23 @@ class WorkerSide:
                         len(writes), len(tried), exc)
         self.stats.saved_blocks += sum(n for key, n in spans
                                        if key in tried and key not in failed)
+
+    def _derived(self, span: ChunkSpan, session: str | None) -> bool:
+        bs, n = self.grid.block_size, len(span.block_ids)
+        info = ChunkInfo(0, session, span.first_block) if session else None
+        assert span.source is not None
+        self.saves.pause()
+        try:
+            done = self._store().derive(ChunkGrid.rank_key(span.key, self.rank),
+                                        ChunkGrid.rank_key(span.source.key, self.rank),
+                                        TokenRange(span.source.offset * bs, n * bs), info)
+        except Exception as exc:  # noqa: BLE001 - the blocks are written instead
+            log.info("kvtier: cutting chunk %s out of %s failed (%s); writing it",
+                     span.key, span.source.key, exc)
+            return False
+        if done:
+            self.stats.derived_blocks += n
+        return done
 
     def _write(self, span: ChunkSpan, session: str | None = None) -> ChunkWrite:
         key = ChunkGrid.rank_key(span.key, self.rank)

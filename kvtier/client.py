@@ -156,6 +156,13 @@ class _Routes:
         return _Call("PUT", f"/v1/chunks/{key}", None, content, params, headers, (200, 201))
 
     @staticmethod
+    def derive_chunk(key: str, source: str, first_token: int, tokens: int,
+                     owner: ChunkOwner | None = None) -> _Call:
+        body = {"source": source, "first_token": first_token, "tokens": tokens}
+        return _Call("POST", f"/v1/chunks/{key}/derive", body, params=_put_params(None, owner),
+                     ok=(200, 201))
+
+    @staticmethod
     def get_chunk(key: str, layers: tuple[int, int] | None) -> _Call:
         return _Call("GET", f"/v1/chunks/{key}", params=_layers(layers), ok=(200, 404))
 
@@ -483,6 +490,19 @@ class Client:
 
     def has_chunk(self, key: str) -> bool:
         return self._send(_Routes.has_chunk(key)).status_code == 200
+
+    def derive_chunk(self, key: str, source: str, first_token: int, tokens: int,
+                     owner: ChunkOwner | None = None) -> dict[str, Any] | None:
+        """Store under ``key`` tokens ``[first_token, first_token + tokens)`` of the stored
+        chunk ``source``, cut inside the service (nothing uploaded). None where the service
+        holds no exact copy of the source to cut (missing, evicted, kept compressed, or not
+        KV): the caller uploads the chunk itself."""
+        try:
+            return self._ask(_Routes.derive_chunk(key, source, first_token, tokens, owner))
+        except ServiceError as exc:
+            if exc.status in (404, 409):
+                return None
+            raise
 
     def delete_chunk(self, key: str) -> bool:
         return self._send(_Routes.delete_chunk(key)).status_code == 204

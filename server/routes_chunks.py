@@ -37,9 +37,10 @@ from kvtier.chunk_format import (
 from kvtier.chunk_keys import KEY_PATTERN, KEY_RE
 from kvtier.connectors.tiers.base import Blob, ChunkWrite, PutResult
 from kvtier.connectors.tiers.blobs import get_each, put_blobs
+from kvtier.connectors.tiers.derived import Derived, TokenRange, derive_chunk
 from kvtier.connectors.tiers.lent_chunk import LentChunk
 from kvtier.connectors.tiers.manager import PutReport, TierManager
-from kvtier.errors import ChunkError, ChunkFormatError
+from kvtier.errors import ChunkError, ChunkFormatError, InvalidArgumentError
 from kvtier.io_priority import IOPriority, at_priority
 from kvtier.policies.eviction import ChunkInfo
 from kvtier.server.chunk_body import (
@@ -56,6 +57,7 @@ from kvtier.server.reader_codecs import AcceptCodecs, reader_codecs
 from kvtier.server.schemas import (
     BatchGetRequest,
     BatchPutResponse,
+    DeriveRequest,
     GetIntoRegionResponse,
     LookupRequest,
     LookupResponse,
@@ -316,6 +318,51 @@ def _verified_put(state: ServiceState, manager: TierManager, key: str, where: st
             return _present(settled, where)
         info = None if owner is None else {where: replace(owner, nbytes=len(blob))}
         return put_blobs(manager, {where: blob}, info, tier=start)
+
+
+@router.post(
+    "/{key}/derive",
+    status_code=201,
+    response_model=PutResponse,
+    responses={200: {"model": PutResponse}, **error_responses(400, 401, 404, 409, 507)},
+)
+async def derive_chunk_route(key: Key, body: DeriveRequest, request: Request,
+                             tier: str | None = None, priority: PriorityArg = IOPriority.WAITED,
+                             session: SessionArg = None, place: PlaceArg = 0) -> Response:
+    """Store under ``key`` a run of the tokens of the caller's stored chunk ``source``
+    (every layer), cut inside the service: nothing is uploaded. 201 stored, 200 present;
+    404 where no exact copy of the source is stored (never stored, evicted, or kept only
+    compressed: the caller uploads the chunk instead), 409 where the source is not KV to
+    cut (a client's opaque bytes, a layer range), 400 where the tokens run past it."""
+    state, manager = _manager(request)
+    start = _tier_arg(manager, tier)
+    where, source = _stored_as(request, key), _stored_as(request, body.source)
+    tenant = identity_of(request.scope).tenant
+    owner = None if session is None else ChunkInfo(0, f"{tenant}:{session}", place)
+    t0 = time.perf_counter()
+    try:
+        tokens = TokenRange(body.first_token, body.tokens)
+        done = await run_in_threadpool(at_priority, priority, _derived, state, manager, where,
+                                       source, tokens, owner, start)
+    except InvalidArgumentError as exc:
+        raise RouteError(400, str(exc)) from None
+    state.metrics.transfer.labels("derive").observe(time.perf_counter() - t0)
+    if done is Derived.NO_SOURCE:
+        raise RouteError(404, f"no exact copy of chunk {body.source} is stored")
+    if done is Derived.NOT_KV:
+        raise RouteError(409, f"chunk {body.source} is not KV to cut (opaque or a layer range)")
+    if done is Derived.FAILED:
+        raise RouteError(507, f"no tier could store chunk {key}")
+    tiers = manager.locate([where])[0]
+    out = PutResponse(key=key, status=done.value, tiers=[] if tiers is None else [manager.tiers[tiers].name])
+    return Response(out.model_dump_json(), status_code=201 if done is Derived.STORED else 200,
+                    media_type="application/json")
+
+
+def _derived(state: ServiceState, manager: TierManager, where: str, source: str,
+             tokens: TokenRange, owner: ChunkInfo | None, start: int) -> Derived:
+    with state.key_locks.holding([where]):  # one writer of a key at a time
+        return derive_chunk(manager, where, source, tokens, owner, start)
 
 
 @router.get(

@@ -6,6 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvtier.chunk_keys import KEY_PATTERN
+
 MAX_BATCH_KEYS = 65536
 
 
@@ -97,6 +99,12 @@ class HintResponse(_Doc):
 class LookupRequest(_Body):
     keys: list[str] = Field(max_length=MAX_BATCH_KEYS)
     each: bool = Field(default=False, description="also say whether each key is stored")
+
+
+class DeriveRequest(_Body):
+    source: str = Field(pattern=KEY_PATTERN, description="a stored chunk of the caller's")
+    first_token: int = Field(ge=0, description="the first of the source's tokens to take")
+    tokens: int = Field(ge=1, description="how many of its tokens, from first_token on")
 
 
 class LookupResponse(_Doc):

@@ -482,18 +482,22 @@ def test_a_conversation_uploads_each_block_once_and_restores_it_whole():
     assert worker.stats.saved_blocks == len(flat)
 
 
-def test_a_prompt_shared_mid_slot_is_uploaded_once_more_then_found():
-    """Conversations over one system prompt that ends mid-slot: the first stores the slot's
-    part in a segment that runs into its own message (a key only its tokens make); the
-    second, whose shared blocks vLLM's prefix cache held, ends a segment where they end;
-    every later one finds the prompt whole and uploads only its own blocks."""
+def _shared_mid_slot(evict_first: bool = False
+                     ) -> tuple[list[list[int]], list[list[int]], WorkerSide, dict]:
+    """Four conversations over one system prompt that ends mid-slot, one after another
+    (vLLM's prefix cache holding the prompt for all but the first): each one's uploaded
+    and cut blocks (by place), its worker, and the KV of the first one's blocks.
+    ``evict_first``: the first conversation's segment of the slot the prompt ends in
+    leaves the store before the second saves."""
     grid = ChunkGrid(BLOCK, 4, FP)
     store = LocalChunkStore(TierManager([CPUTier(64 << 20, 1 << 20)]))
     sched = SchedulerSide(lambda: store, grid)
     worker = WorkerSide(lambda: store, grid)
-    worker.register(caches(64, True, seed=3), 64)
+    kv = caches(64, True, seed=3)
+    worker.register(kv, 64)
     system = list(range(100, 100 + 6 * BLOCK))  # a slot and a half
-    uploaded = []
+    uploaded, cut = [], []
+    first_kv = {}
     for i in range(4):
         req = Request(f"c{i}", system + list(range(1000 * (i + 1), 1000 * (i + 1) + 2 * BLOCK + 5)))
         ids = list(range(10 * i, 10 * i + 9))
@@ -508,14 +512,59 @@ def test_a_prompt_shared_mid_slot_is_uploaded_once_more_then_found():
         final = sched.step_plan(SchedulerOutput())
         worker.save(final.finishing)
         sched.saves_landed([req.request_id])
-        uploaded.append(sorted(ids.index(b) for t in plan.saves + final.finishing
-                               for span in t.chunks for b in span.targets))
+        spans = [span for t in plan.saves + final.finishing for span in t.chunks]
+        uploaded.append(sorted(ids.index(b) for span in spans if span.source is None
+                               for b in span.targets))
+        cut.append(sorted(ids.index(b) for span in spans if span.source is not None
+                          for b in span.targets))
+        if i == 0:
+            first_kv = {pos: [t[ids[pos]].clone() for t in kv.values()] for pos in range(8)}
+            if evict_first:  # the segment the prompt ends inside
+                store.manager.delete([s.key for s in spans if s.first_block >= 4])
         probe = Request(f"p{i}", system + [7] * BLOCK)  # what the store holds of the prompt
         assert sched.matched_tokens(probe, 0) == (4 if i == 0 else 6) * BLOCK
         sched.finished(probe, [])
+    return uploaded, cut, worker, first_kv
+
+
+def test_a_prompt_shared_mid_slot_is_cut_from_the_stored_segment_never_uploaded_again():
+    """The first conversation stores the prompt's part of its last slot in a segment that
+    runs into its own message (a key only its tokens make); the second, whose shared blocks
+    vLLM's prefix cache held, ends a segment where they end, cut out of the first's inside
+    the store (nothing uploaded); every later one finds the prompt whole and uploads only
+    its own blocks. What the store holds is the first conversation's KV, bit for bit."""
+    uploaded, cut, worker, first_kv = _shared_mid_slot()
     assert uploaded[0] == list(range(8))
-    assert uploaded[1] == [4, 5, 6, 7]  # the shared part of slot 1 once more, then its own
-    assert uploaded[2] == uploaded[3] == [6, 7]  # their own blocks only
+    assert cut[1] == [4, 5] and uploaded[1] == [6, 7]  # the shared part cut, not uploaded
+    assert uploaded[2] == uploaded[3] == [6, 7] and cut[2] == cut[3] == []
+    flat = [b for u in uploaded for b in u]
+    assert worker.stats.saved_blocks == len(flat) and worker.stats.derived_blocks == 2
+    # a request over the whole prompt loads it: the blocks the first conversation computed
+    grid = worker.grid
+    store = worker._store()
+    sched = SchedulerSide(lambda: store, grid)
+    req = Request("reader", list(range(100, 100 + 6 * BLOCK)) + [1])
+    ids = list(range(50, 57))
+    matched = sched.matched_tokens(req, 0)
+    assert matched == 6 * BLOCK
+    sched.allocated(req, ids, matched)
+    plan = sched.step_plan(_new("reader", ids, matched, 1))
+    worker.load(plan.loads)
+    assert worker.take_load_errors() == set()
+    for pos in range(6):
+        assert all(torch.equal(t[ids[pos]], was) for t, was in
+                   zip(worker_kv(worker), first_kv[pos], strict=True)), pos
+
+
+def worker_kv(worker: WorkerSide) -> list[torch.Tensor]:
+    return [layer.kv for layer in worker.layers]
+
+
+def test_a_segment_whose_source_left_the_store_is_uploaded_instead():
+    uploaded, cut, worker, _ = _shared_mid_slot(evict_first=True)
+    assert cut[1] == [4, 5]  # planned as a cut ...
+    assert uploaded[1] == [6, 7] and worker.stats.derived_blocks == 0  # ... written instead
+    assert worker.stats.saved_blocks == 8 + (2 + 2) + 2 + 2
 
 
 @pytest.mark.parametrize("prompt_blocks", [0, 3, 4, 5, 8, 9])

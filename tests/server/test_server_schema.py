@@ -61,6 +61,7 @@ OPERATIONS = [
     "GET /v1/chunks/{key}",
     "HEAD /v1/chunks/{key}",
     "DELETE /v1/chunks/{key}",
+    "POST /v1/chunks/{key}/derive",
     "POST /v1/chunks/lookup",
     "POST /v1/chunks/prefetch",
     "POST /v1/chunks/batch/get",
