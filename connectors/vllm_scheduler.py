@@ -325,10 +325,12 @@ class SchedulerSide:
 
     def _unsaved(self, state: _ReqState, seq: SequenceKeys, blocks: int) -> list[ChunkSpan]:
         """The segments of ``seq`` past the blocks stored and within the first ``blocks``
-        (counted stored now: they will be), less those another request is saving."""
+        (counted stored now: they will be), less those another request is saving; the
+        first ends where vLLM's prefix cache hit ended, or else where the blocks a stored
+        segment holds end (those are cut out of it, :mod:`.vllm_sources`)."""
         stop = min(blocks, len(state.block_ids))
         spans = []
-        for seg in seq.segments(state.covered, stop, cut=state.shared):
+        for seg in self._sources.segments(seq, state.covered, stop, state.shared):
             state.covered = seg.end
             if seg.key in self._saving or seg.key in self._finishing:
                 continue  # another request's save writes the same tokens' segment

@@ -39,6 +39,33 @@ class SegmentSources:
         while len(self._runs) > self.limit:
             self._runs.popitem(last=False)
 
+    def segments(self, seq: SequenceKeys, start: int, stop: int, shared: int = 0
+                 ) -> list[Segment]:
+        """Blocks ``[start, stop)`` of ``seq`` as segments to save: cut at the slots'
+        bounds, and within a slot where vLLM's prefix cache hit ended (``shared``: another
+        request computed those blocks, so others share them too) or else where the blocks
+        a remembered segment holds end (:meth:`known_end`)."""
+        per, out = seq.grid.chunk_blocks, []
+        while start < stop:
+            end = min(stop, (start // per + 1) * per)
+            cut = shared if start < shared < end else self.known_end(seq, start, end)
+            out += seq.segments(start, end, cut)
+            start = end
+        return out
+
+    def known_end(self, seq: SequenceKeys, start: int, stop: int) -> int:
+        """The last block ``b`` in ``(start, stop]``, within ``start``'s slot, through which
+        a remembered segment starting no later than ``start`` holds ``seq``'s tokens; 0
+        where there is none. A save that ends a segment there cuts its first blocks out
+        of that one (another conversation saving the same shared blocks at the same time,
+        a reply regenerated over the same prompt) and uploads only the rest."""
+        per = seq.grid.chunk_blocks
+        for end in range(min(stop, (start // per + 1) * per), start, -1):
+            found = self._runs.get(seq.run_key(end))
+            if found is not None and found[1] <= start:
+                return end
+        return 0
+
     def source_of(self, seq: SequenceKeys, seg: Segment) -> DerivedFrom | None:
         """A remembered segment holding ``seg``'s blocks (the same tokens through its
         end, from a block no later than its first), or None."""

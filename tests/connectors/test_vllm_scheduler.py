@@ -567,6 +567,83 @@ def test_a_segment_whose_source_left_the_store_is_uploaded_instead():
     assert worker.stats.saved_blocks == 8 + (2 + 2) + 2 + 2
 
 
+def test_concurrent_first_turns_over_a_prompt_shared_mid_slot_upload_it_once():
+    """Four conversations prefilled in one step (vLLM's prefix cache holds nothing of the
+    prompt yet): the shared whole slot is saved once, and the prompt's part of its last
+    slot too: the first stores it in a segment of its own message's, the second ends a
+    segment where the blocks that one holds end and cuts it out of it (the others find
+    that segment being saved); a later request finds the prompt."""
+    grid = ChunkGrid(BLOCK, 4, FP)
+    store = LocalChunkStore(TierManager([CPUTier(64 << 20, 1 << 20)]))
+    sched = SchedulerSide(lambda: store, grid)
+    worker = WorkerSide(lambda: store, grid)
+    worker.register(caches(64, True, seed=5), 64)
+    system = list(range(100, 100 + 6 * BLOCK))
+    reqs = [Request(f"c{i}", system + list(range(1000 * (i + 1), 1000 * (i + 1) + 2 * BLOCK + 5)))
+            for i in range(4)]
+    ids = [list(range(10 * i, 10 * i + 9)) for i in range(4)]
+    for req, blocks in zip(reqs, ids, strict=True):
+        assert sched.matched_tokens(req, 0) == 0
+        sched.allocated(req, blocks, 0)
+    step = SchedulerOutput([NewRequest(r.request_id, (b,), 0) for r, b in zip(reqs, ids, strict=True)],
+                           num_scheduled_tokens={r.request_id: len(r.prompt_token_ids) for r in reqs})
+    plan = sched.step_plan(step)
+    worker.save(plan.saves)
+    for req, blocks in zip(reqs, ids, strict=True):
+        req.num_computed_tokens = len(req.prompt_token_ids)
+        sched.finished(req, blocks)
+    final = sched.step_plan(SchedulerOutput())
+    worker.save(final.finishing)
+    sched.saves_landed([r.request_id for r in reqs])
+    spans = {t.req_id: [] for t in plan.saves + final.finishing}
+    for t in plan.saves + final.finishing:
+        spans[t.req_id] += t.chunks
+    uploaded = {r: sorted(ids[i].index(b) for s in spans[r] if s.source is None for b in s.targets)
+                for i, r in enumerate(f"c{i}" for i in range(4))}
+    cut = {r: sorted(ids[i].index(b) for s in spans[r] if s.source is not None for b in s.targets)
+           for i, r in enumerate(f"c{i}" for i in range(4))}
+    assert uploaded["c0"] == list(range(8))
+    assert uploaded["c1"] == [6, 7] and cut["c1"] == [4, 5]
+    for r in ("c2", "c3"):
+        assert uploaded[r] == [6, 7] and cut[r] == [], r
+    assert worker.stats.derived_blocks == 2 and worker.stats.saved_blocks == 8 + 3 * 2
+    probe = Request("p", system + [7] * BLOCK)
+    assert sched.matched_tokens(probe, 0) == 6 * BLOCK
+
+
+def test_a_regenerated_reply_cuts_the_prompts_blocks_out_of_the_first_replys_segment():
+    """The same prompt answered twice (a regenerated reply): the first answer's final save
+    stored the prompt's last partial slot with its reply, under a key its reply makes; the
+    second ends a segment where the prompt's blocks end, cut out of that one, and uploads
+    only its own reply's blocks; a third sending of the prompt then finds all of it."""
+    grid = ChunkGrid(BLOCK, 4, FP)
+    store = LocalChunkStore(TierManager([CPUTier(64 << 20, 1 << 20)]))
+    sched = SchedulerSide(lambda: store, grid)
+    worker = WorkerSide(lambda: store, grid)
+    worker.register(caches(64, True, seed=9), 64)
+    prompt = list(range(400, 400 + 6 * BLOCK + 5))
+    plans = []
+    for n, reply in enumerate((list(range(7000, 7000 + 2 * BLOCK)), list(range(8000, 8000 + 2 * BLOCK)))):
+        req = Request(f"r{n}", prompt)
+        ids = list(range(10 * n, 10 * n + 9))
+        matched = sched.matched_tokens(req, 0)
+        sched.allocated(req, ids, matched)
+        plan = sched.step_plan(_new(req.request_id, ids, matched, len(prompt) - matched))
+        worker.save(plan.saves)
+        req.output_token_ids = reply
+        req.num_computed_tokens = len(req.all_token_ids) - 1
+        sched.finished(req, ids)
+        final = sched.step_plan(SchedulerOutput())
+        worker.save(final.finishing)
+        sched.saves_landed([req.request_id])
+        plans.append([(span.first_block, len(span.block_ids), span.source is not None)
+                      for t in plan.saves + final.finishing for span in t.chunks])
+    assert plans[0] == [(0, 4, False), (4, 4, False)]
+    assert plans[1] == [(4, 2, True), (6, 2, False)]  # slot 0 found stored, not saved
+    assert worker.stats.derived_blocks == 2
+    assert sched.matched_tokens(Request("r2", prompt), 0) == 6 * BLOCK
+
+
 @pytest.mark.parametrize("prompt_blocks", [0, 3, 4, 5, 8, 9])
 def test_a_sequences_keys_reuse_its_prompts_whole_slots_and_are_the_same(prompt_blocks):
     """The keys of a prompt and its reply, made from the prompt's (its whole slots not
