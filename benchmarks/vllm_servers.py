@@ -93,12 +93,19 @@ def root_cause(log: str) -> str:
 
 
 def start_kvtier_serve(workdir: Path, slot_bytes: int) -> Running:
-    """A sidecar ``kvtier serve`` (CPU arena + disk without fsync) on a free port."""
+    """A sidecar ``kvtier serve`` (CPU arena + disk without fsync) on a free port, with
+    the tiers docs/vllm.md gives a sidecar beside vLLM: the connector's own defaults
+    (:data:`~kvtier.connectors.tiers.connector_defaults.CONNECTOR_TIER_DEFAULTS`), as its
+    in-process tiers have them."""
+    from kvtier.connectors.tiers.connector_defaults import CONNECTOR_TIER_DEFAULTS
+
     port = free_port()
     log = workdir / "kvtier-serve.log"
     env = dict(os.environ, KVTIER_TIERS__DISK_DIR=str(workdir / "chunks"),
                KVTIER_TIERS__DISK_FSYNC="false", KVTIER_SERVER__CHUNK_SLOT_BYTES=str(slot_bytes),
                KVTIER_SERVER__SHM_DIR=str(workdir / "shm"))
+    env.update({f"KVTIER_TIERS__{k.upper()}": str(v).lower() if isinstance(v, bool) else str(v)
+                for k, v in CONNECTOR_TIER_DEFAULTS.items()})
     proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "serve", "--port", str(port),
                              "--log-level", "warning"], stdout=log.open("w"),
                             stderr=subprocess.STDOUT, env=env)

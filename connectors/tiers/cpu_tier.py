@@ -305,8 +305,11 @@ class CPUTier(Tier):
             self._arena_view()
             arena = self._arena
             assert arena is not None
-            for key in keys:
-                entry = self._entry(key)
+            # Touched last to first: a chain read head to tail leaves its head the most
+            # recently used, so a recency policy gives up its tail first (what stays is
+            # a prefix a restore can use), not its head.
+            entries = [self._entry(key) for key in reversed(keys)][::-1]
+            for key, entry in zip(keys, entries, strict=True):
                 if entry is None:
                     views.append(None)
                     continue

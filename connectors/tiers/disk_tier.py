@@ -312,7 +312,9 @@ class DiskTier(Tier):
         if layers is not None and not 0 <= layers[0] < layers[1]:
             raise InvalidArgumentError(f"layer range {layers} is empty or negative")
         with self._lock:
-            present = [i for i, key in enumerate(keys) if self._index.get(key) is not None]
+            # touched last to first: a chain's head stays the most recently used (its
+            # tail goes first under a recency policy; what stays is a usable prefix)
+            present = [i for i in reversed(range(len(keys))) if self._index.get(keys[i]) is not None][::-1]
         reader = self._reader
         with self.waited_first.during(landing := []):  # waited-for reads (io_priority)
             if background and layers is None:

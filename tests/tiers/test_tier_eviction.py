@@ -51,6 +51,23 @@ def test_session_aware_tier_gives_up_the_idle_sessions_tail_first(kind, tmp_path
         tier.close()
 
 
+@pytest.mark.parametrize("kind", ["cpu", "disk"])
+@pytest.mark.parametrize("eviction", ["lru", "session-aware"])
+def test_a_chain_read_head_to_tail_gives_up_its_tail_first(kind, eviction, tmp_path):
+    """Chunks without a session under a recency policy (LRU, or the session-aware
+    policy's shared chunks): reading a chain leaves its head the most recently used, so
+    the tier lets its tail go first and what stays is a prefix a restore can use."""
+    tier = _tier(kind, tmp_path, 3, eviction)
+    try:
+        chain = [_blob(i) for i in range(3)]
+        put_blobs(tier, dict(chain))
+        get_blobs(tier, [k for k, _ in chain])  # a restore reads it, head to tail
+        put_blobs(tier, dict([_blob(7)]))
+        assert tier.contains_prefix([k for k, _ in chain]) == 2  # the tail went, not the head
+    finally:
+        tier.close()
+
+
 def test_tiers_default_to_lru_and_take_any_policy_by_name_or_instance(tmp_path):
     tier = _tier("cpu", tmp_path, 2, "lru")
     try:
