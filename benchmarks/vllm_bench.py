@@ -267,7 +267,10 @@ def _round_row(got: dict[str, Any], reference: dict[str, Any] | None) -> dict[st
         return (tuple(t.token_ids), t.text)  # token ids where the server returns them
 
     ref = {(t.conversation, t.turn): reply(t) for t in reference["turns"]} if reference else {}
-    same = [reply(t) == ref.get((t.conversation, t.turn)) for t in turns if ref]
+    # compared where vLLM alone answered the same turn (a replay cut by its time limit
+    # has no reference for its last turns: those are counted apart, not as different)
+    same = [reply(t) == ref[(t.conversation, t.turn)] for t in turns
+            if (t.conversation, t.turn) in ref]
     forward = m.get("vllm:kvtier_load_seconds_total", 0) + m.get("vllm:kvtier_save_wait_seconds_total", 0)
     step = m.get("vllm:kvtier_step_seconds_total", 0)
     return {
@@ -280,6 +283,7 @@ def _round_row(got: dict[str, Any], reference: dict[str, Any] | None) -> dict[st
         "errors": sum(1 for t in turns if t.error),
         "unfinished": got.get("unfinished"),
         "identical_to_alone": (sum(same), len(same)) if ref else None,
+        "without_reference": sum(1 for t in turns if (t.conversation, t.turn) not in ref) if ref else None,
         "kvtier_loaded_blocks": m.get("vllm:kvtier_loaded_blocks_total"),
         "kvtier_saved_blocks": m.get("vllm:kvtier_saved_blocks_total"),
         "kvtier_derived_blocks": m.get("vllm:kvtier_derived_blocks_total"),

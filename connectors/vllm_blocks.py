@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from kvtier.chunk_keys import TAIL_MARKER, ChunkKey, chunk_keys
 from kvtier.errors import InvalidArgumentError
-from kvtier.hashing import chain_hash
+from kvtier.hashing import TOKEN_BYTES, chain_hash_encoded, encode_tokens
 
 DEFAULT_CHUNK_TOKENS = 256
 
@@ -148,21 +148,21 @@ class ChunkGrid:
         return chunk_keys(token_ids[: blocks * self.block_size], self.chunk_tokens,
                           self.fingerprint, include_tail=True)
 
-    def tail_key(self, token_ids: Sequence[int], parent: str | None, chunk: int, blocks: int
-                 ) -> str:
-        """The key of a tail chunk: ``blocks`` blocks from chunk index ``chunk`` on, after the
-        full chunk keyed ``parent`` (None for the first); as :meth:`keys` makes it."""
-        start = chunk * self.chunk_tokens
-        tokens = token_ids[start : start + blocks * self.block_size]
-        return chain_hash(bytes.fromhex(parent) if parent else None, tokens,
-                          self.fingerprint + TAIL_MARKER).hex()
-
-    def full_key(self, token_ids: Sequence[int], parent: str | None, chunk: int) -> str:
-        """The key of full chunk ``chunk`` after the full chunk keyed ``parent``; as
-        :meth:`keys` makes it."""
-        start = chunk * self.chunk_tokens
-        return chain_hash(bytes.fromhex(parent) if parent else None,
-                          token_ids[start : start + self.chunk_tokens], self.fingerprint).hex()
+    def slot_keys(self, token_ids: Sequence[int], parent: str | None, slot: int, blocks: int
+                  ) -> list[str]:
+        """The keys of slot ``slot``'s first ``b`` blocks, ``b`` = 1 .. ``blocks``, after the
+        full chunk keyed ``parent`` (None for the first): tail keys, and the full chunk's
+        where ``blocks`` fills the slot; as :meth:`keys` makes them. The slot's tokens are
+        encoded once for all of them."""
+        start, bs = slot * self.chunk_tokens, self.block_size
+        data = memoryview(encode_tokens(token_ids[start : start + blocks * bs]))
+        up = bytes.fromhex(parent) if parent else None
+        tail = self.fingerprint + TAIL_MARKER
+        out = [chain_hash_encoded(up, data[: b * bs * TOKEN_BYTES], b * bs, tail).hex()
+               for b in range(1, min(blocks, self.chunk_blocks - 1) + 1)]
+        if blocks == self.chunk_blocks:
+            out.append(chain_hash_encoded(up, data, blocks * bs, self.fingerprint).hex())
+        return out
 
     @staticmethod
     def rank_key(key: str, rank: Rank) -> str:
@@ -192,7 +192,8 @@ class SequenceKeys:
     segment starts the slot, by ``a``: a whole slot saved at once, or a sequence's last
     blocks saved at its end, keep the keys :meth:`ChunkGrid.keys` gives them, and a turn
     that adds blocks to a slot another turn began stores only those (``a`` > 0).
-    The keys are computed once, when made (the scheduler's threads share them)."""
+    The keys are computed once, when made, a lookup's candidates once per slot, when first
+    asked for (the scheduler's threads share them)."""
 
     def __init__(self, grid: ChunkGrid, token_ids: Sequence[int],
                  prefix: SequenceKeys | None = None) -> None:
@@ -204,6 +205,7 @@ class SequenceKeys:
         per = grid.chunk_blocks
         self._ends: list[list[str]] = []
         """Per slot, the key of its blocks through ``b`` (``b`` = 1, 2, ...)."""
+        self._candidates: dict[int, list[tuple[int, int, str]]] = {}
         parent = None
         if prefix is not None and prefix.grid == grid:
             whole = min(prefix.full_blocks, self.full_blocks) // per
@@ -211,10 +213,9 @@ class SequenceKeys:
             parent = self._ends[-1][-1] if whole else None
         for s in range(len(self._ends), -(-self.full_blocks // per)):
             n = self.slot_blocks(s)
-            ends = [grid.tail_key(token_ids, parent, s, b) for b in range(1, min(n, per - 1) + 1)]
+            ends = grid.slot_keys(token_ids, parent, s, n)
             if n == per:
-                parent = grid.full_key(token_ids, parent, s)
-                ends.append(parent)
+                parent = ends[-1]
             self._ends.append(ends)
 
     @property
@@ -261,5 +262,17 @@ class SequenceKeys:
 
     def candidates(self, slot: int) -> list[Segment]:
         """Every segment ``slot`` may hold."""
-        base, n = slot * self.grid.chunk_blocks, self.slot_blocks(slot)
-        return [self.segment(base + a, base + b) for b in range(1, n + 1) for a in range(b)]
+        base = slot * self.grid.chunk_blocks
+        return [Segment(key, base + a, b - a) for a, b, key in self.candidate_keys(slot)]
+
+    def candidate_keys(self, slot: int) -> list[tuple[int, int, str]]:
+        """``(a, b, key)`` of every segment ``slot`` may hold, blocks ``[a, b)`` within it,
+        ``b`` ascending, then ``a``: what a lookup asks about (made once per slot; vLLM
+        asks again each step about a request it could not schedule)."""
+        got = self._candidates.get(slot)
+        if got is None:
+            ends = self._ends[slot][: self.slot_blocks(slot)]
+            got = self._candidates[slot] = [
+                (a, b, end if a == 0 else f"{end}-{a}")
+                for b, end in enumerate(ends, 1) for a in range(b)]
+        return got

@@ -94,7 +94,7 @@ def _pieces(seq: SequenceKeys, first: int, room: int, at_least_one: bool
     slot = first
     while slot < seq.slots:
         whole = seq.full_key(slot)  # asked about with every slot's in the first question
-        more = [c.key for c in seq.candidates(slot) if c.key != whole]
+        more = [key for _, _, key in seq.candidate_keys(slot) if key != whole]
         if len(keys) + len(more) > room and not (at_least_one and slot == first):
             break
         keys += more
@@ -105,14 +105,11 @@ def _pieces(seq: SequenceKeys, first: int, room: int, at_least_one: bool
 def _cover(seq: SequenceKeys, slot: int, tier: dict[str, str], finishing: Collection[str]
            ) -> list[Stored]:
     """The fewest stored segments of ``slot`` that cover its longest stored beginning."""
-    base = slot * seq.grid.chunk_blocks
     best: dict[int, list[Stored]] = {0: []}
-    for b in range(1, seq.slot_blocks(slot) + 1):
-        for a in range(b):
-            if a not in best:
-                continue
-            seg = seq.segment(base + a, base + b)
-            found = FINISHING if seg.key in finishing else tier.get(seg.key)
-            if found is not None and (b not in best or len(best[a]) + 1 < len(best[b])):
-                best[b] = [*best[a], Stored(seg.key, seg.blocks, found)]
+    for a, b, key in seq.candidate_keys(slot):  # b ascending: best[a] is final when asked
+        if a not in best:
+            continue
+        found = FINISHING if key in finishing else tier.get(key)
+        if found is not None and (b not in best or len(best[a]) + 1 < len(best[b])):
+            best[b] = [*best[a], Stored(key, b - a, found)]
     return best[max(best)]

@@ -246,16 +246,8 @@ class WorkerSide:
             return ChunkWrite(key, total, info=info, fill=lambda slot: encode_into(
                 slot, key, fp, dtype, shape, lambda part: device.fill(part, ids)))
         return ChunkWrite(key, total, info=info, fill=lambda slot: encode_into(
-            slot, key, fp, dtype, shape, lambda part, a, b: self._gather_host(part, a, b, ids),
+            slot, key, fp, dtype, shape, lambda part, a, b: _gather_host(self.layers, part, a, b, ids),
             GROUP_BYTES))
-
-    def _gather_host(self, part: torch.Tensor, a: int, b: int, ids: list[int]) -> None:
-        """Layers ``[a, b)`` of blocks ``ids`` of host caches into ``part`` (numpy)."""
-        n = len(ids)
-        dst = part.view(torch.uint8).numpy().reshape(b - a, 2, n, -1)
-        for i, layer in enumerate(self.layers[a:b]):
-            for j, block_id in enumerate(ids):
-                np.copyto(dst[i, :, j], layer.host_block(block_id).reshape(2, -1))
 
     def finished(self, finished_req_ids: set[str]) -> set[str]:
         """Requests vLLM finished whose saves have all landed (their blocks may go)."""
@@ -414,7 +406,7 @@ class WorkerSide:
             if chunk.header.lossy:
                 self._scatter_decoded(chunk, span)
             elif self._pieces is not None:
-                self._scatter_fused(chunk, span, self._pieces)
+                _scatter_fused(chunk, span, self._pieces)
             else:
                 self._scatter_copies(chunk, span)
         except ChunkError as exc:
@@ -461,20 +453,6 @@ class WorkerSide:
             out[i] = error
         return out
 
-    @staticmethod
-    def _scatter_fused(chunk: LentChunk, span: ChunkSpan, pieces: BlockPieces) -> None:
-        """Each group of layers checked and copied in one native pass (a chunk in memory
-        in one call; one still being read, group by group as its layers land)."""
-        blocks = len(span.block_ids)
-        dsts, layout = pieces.at_chunk(span.block_ids), pieces.layout(blocks)
-        step, per = chunk.header.layer_nbytes, layout.per_layer
-        group = GROUP_BYTES if chunk.reading is not None else 1 << 62
-        for a, b, sums in chunk.read_groups(group):
-            part = chunk.payload[a * step : b * step]
-            bad = scatter_pieces_verified(part, sums, dsts[per * a : per * b], layout, a)
-            if bad >= 0:
-                chunk.fail(a + bad)
-
     def _check(self, item: _Item) -> None:
         """The chunk is stored, and is this model's, layout's and rank's: its fingerprint,
         dtype and shape."""
@@ -506,6 +484,29 @@ class WorkerSide:
         if self.loads is not None:
             self.loads.close()
         self.saves.close()
+
+
+def _scatter_fused(chunk: LentChunk, span: ChunkSpan, pieces: BlockPieces) -> None:
+    """Each group of layers checked and copied in one native pass (a chunk in memory
+    in one call; one still being read, group by group as its layers land)."""
+    blocks = len(span.block_ids)
+    dsts, layout = pieces.at_chunk(span.block_ids), pieces.layout(blocks)
+    step, per = chunk.header.layer_nbytes, layout.per_layer
+    group = GROUP_BYTES if chunk.reading is not None else 1 << 62
+    for a, b, sums in chunk.read_groups(group):
+        part = chunk.payload[a * step : b * step]
+        bad = scatter_pieces_verified(part, sums, dsts[per * a : per * b], layout, a)
+        if bad >= 0:
+            chunk.fail(a + bad)
+
+
+def _gather_host(layers: list[CacheLayer], part: torch.Tensor, a: int, b: int, ids: list[int]) -> None:
+    """Layers ``[a, b)`` of blocks ``ids`` of host caches into ``part`` (numpy)."""
+    n = len(ids)
+    dst = part.view(torch.uint8).numpy().reshape(b - a, 2, n, -1)
+    for i, layer in enumerate(layers[a:b]):
+        for j, block_id in enumerate(ids):
+            np.copyto(dst[i, :, j], layer.host_block(block_id).reshape(2, -1))
 
 
 def _todo(span: ChunkSpan) -> list[tuple[int, int]]:

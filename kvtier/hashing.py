@@ -18,6 +18,8 @@ from kvtier.errors import InvalidArgumentError
 BlockHash = bytes
 HASH_BYTES = 32
 _ROOT = b"\x00" * HASH_BYTES
+TOKEN_BYTES = array("Q").itemsize
+"""Bytes of one encoded token id (:func:`encode_tokens`)."""
 
 
 def _token_bytes(token_ids: Sequence[int]) -> bytes:
@@ -31,12 +33,25 @@ def _token_bytes(token_ids: Sequence[int]) -> bytes:
         ) from None
 
 
+def encode_tokens(token_ids: Sequence[int]) -> bytes:
+    """Token ids as the hashes take them (unsigned 64-bit, little-endian here): encode a
+    sequence once and hash any run of it with :func:`chain_hash_encoded`."""
+    return _token_bytes(token_ids)
+
+
 def chain_hash(parent: BlockHash | None, token_ids: Sequence[int], extra: bytes = b"") -> BlockHash:
     """Hash of one block given its parent's hash (None for the first block)."""
+    return chain_hash_encoded(parent, _token_bytes(token_ids), len(token_ids), extra)
+
+
+def chain_hash_encoded(parent: BlockHash | None, token_bytes: bytes | memoryview, n_tokens: int,
+                       extra: bytes = b"") -> BlockHash:
+    """:func:`chain_hash` of ``n_tokens`` tokens already encoded (:func:`encode_tokens`):
+    the hashes of a sequence's every prefix from one encoding of it."""
     h = hashlib.blake2b(digest_size=HASH_BYTES)
     h.update(parent if parent is not None else _ROOT)
-    h.update(len(token_ids).to_bytes(4, "little"))
-    h.update(_token_bytes(token_ids))
+    h.update(n_tokens.to_bytes(4, "little"))
+    h.update(token_bytes)
     h.update(len(extra).to_bytes(4, "little"))
     h.update(extra)
     return h.digest()
