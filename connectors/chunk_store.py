@@ -179,7 +179,6 @@ class RemoteChunkStore:
                                         _owner(info)) is not None
 
     def _put(self, write: ChunkWrite) -> None:
-
         def fill(room: memoryview) -> int:
             return write.write_into(torch.frombuffer(room, dtype=torch.uint8))
 
