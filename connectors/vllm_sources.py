@@ -21,7 +21,7 @@ from kvtier.connectors.vllm_blocks import DerivedFrom, Segment, SequenceKeys
 
 REMEMBERED_RUNS = 1 << 16
 """Runs remembered (a few per segment: at most a slot's blocks), the oldest forgotten
-first: about 10 MB of keys."""
+first: about 20 MB of keys."""
 
 
 class SegmentSources:
