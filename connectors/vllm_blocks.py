@@ -249,17 +249,6 @@ class SequenceKeys:
         base = self._ends[slot][b - 1]
         return Segment(base if a == 0 else f"{base}-{a}", first, end - first)
 
-    def segments(self, start: int, stop: int, cut: int = 0) -> list[Segment]:
-        """Blocks ``[start, stop)`` cut at the slots' bounds, and at block ``cut``."""
-        per, out = self.grid.chunk_blocks, []
-        while start < stop:
-            end = min(stop, (start // per + 1) * per)
-            if start < cut < end:
-                end = cut
-            out.append(self.segment(start, end))
-            start = end
-        return out
-
     def candidates(self, slot: int) -> list[Segment]:
         """Every segment ``slot`` may hold."""
         base = slot * self.grid.chunk_blocks

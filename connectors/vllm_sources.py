@@ -49,7 +49,10 @@ class SegmentSources:
         while start < stop:
             end = min(stop, (start // per + 1) * per)
             cut = shared if start < shared < end else self.known_end(seq, start, end)
-            out += seq.segments(start, end, cut)
+            if start < cut < end:
+                out.append(seq.segment(start, cut))
+                start = cut
+            out.append(seq.segment(start, end))
             start = end
         return out
 
