@@ -1,6 +1,7 @@
 """``kvtier bench vllm``: real vLLM's OpenAI server with and without kvtier (and the peers,
 where they run), multi-turn conversations with think times replayed against each, rounds
-interleaved so that a machine's drift touches every setup alike.
+interleaved (each round starting one setup later) so that a machine's drift touches
+every setup alike.
 
 Per setup: TTFT of first turns and of returning turns (mean, p99), inter-token latency,
 output tokens per second, replies identical to vLLM alone's of the same round (token ids),
@@ -141,6 +142,14 @@ def round_setups(root: Path, round_index: int) -> dict[str, VllmSetup]:
     return setups(root / f"r{round_index}")
 
 
+def round_order(names: list[str], round_index: int) -> list[str]:
+    """The setups of round ``round_index`` in the order they run: each round starts one
+    setup later than the one before, so that a machine whose speed drifts over a round
+    (a page cache filling, a neighbour's load) does not always favour the same setup."""
+    k = round_index % len(names) if names else 0
+    return names[k:] + names[:k]
+
+
 def _site_packages(venv: Path) -> str | None:
     """The site-packages of ``venv`` (LMCache's environment, built by the test command)."""
     found = sorted(venv.glob("lib/python3*/site-packages"))
@@ -185,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
         for r in range(args.rounds):
             rounds.append({})
             known = round_setups(Path(tmp), r)
-            for name in names:
+            for name in round_order(names, r):
                 console.print(f"round {r + 1}: [bold]{name}[/bold] ...")
                 rounds[-1][name] = _one(known[name], args, work, Path(tmp) / f"r{r}-{name}")
                 rows = _summarise([n for n in names if n in rounds[0]], rounds)

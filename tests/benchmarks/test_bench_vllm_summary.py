@@ -79,6 +79,19 @@ def test_no_two_rounds_share_a_store(tmp_path):
     assert first and second and not first & second
 
 
+def test_each_round_starts_one_setup_later():
+    """Every setup runs once a round, and each in every place of the order over as many
+    rounds as there are setups: a drift over a round favours none."""
+    from kvtier.benchmarks.vllm_bench import round_order
+
+    names = ["alone", "kvtier-inprocess", "kvtier-serve"]
+    orders = [round_order(names, r) for r in range(4)]
+    assert all(sorted(o) == sorted(names) for o in orders)
+    assert {o[0] for o in orders[:3]} == set(names)
+    assert orders[3] == orders[0] == names
+    assert round_order([], 2) == []
+
+
 def test_a_setups_sidecar_slots_fit_its_own_chunks(tmp_path):
     """The shared sidecar's CPU slots are sized to the chunks the setup's connector writes:
     a one-block-chunk setup gets one-block slots (chunk-sized slots would leave most of each
