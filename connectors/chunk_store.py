@@ -30,12 +30,13 @@ from kvtier.connectors.tiers.derived import Derived, TokenRange, derive_chunk
 from kvtier.connectors.tiers.host_buffers import StagingPool
 from kvtier.connectors.tiers.lent_chunk import LentChunk
 from kvtier.connectors.tiers.manager import TierManager
+from kvtier.connectors.tiers.session_turns import SessionTurns
 from kvtier.errors import ChunkError, ConfigError, InvalidArgumentError
 from kvtier.kv_codecs import Codec
 from kvtier.policies.eviction import ChunkInfo
 
 if TYPE_CHECKING:
-    from kvtier.client import ChunkOwner
+    from kvtier.client import ChunkOwner, SessionTurn
     from kvtier.config import KVTierConfig
 
 
@@ -57,6 +58,10 @@ class ChunkStore(Protocol):
     def prefetch(self, keys: Sequence[str]) -> int:
         """Raise the stored prefix of ``keys`` into the fastest tier (a request that will
         read them is coming); how many chunks were read from slower tiers."""
+
+    def report_turns(self, turns: Sequence[SessionTurn]) -> None:
+        """When sessions' turns started and ended, oldest first: the store's session-aware
+        tiers keep the sessions likely back soon."""
 
     def put_from(self, writes: Sequence[ChunkWrite]) -> dict[str, str]:
         """Store chunks, each filled by its write; returns the keys that failed, with why."""
@@ -83,6 +88,7 @@ class LocalChunkStore:
 
     def __init__(self, manager: TierManager) -> None:
         self.manager = manager
+        self.turns = SessionTurns(t.eviction for t in manager.tiers)
 
     def lookup(self, keys: Sequence[str]) -> int:
         return self.manager.lookup(keys).length
@@ -100,6 +106,9 @@ class LocalChunkStore:
 
     def prefetch(self, keys: Sequence[str]) -> int:
         return self.manager.prefetch(keys)
+
+    def report_turns(self, turns: Sequence[SessionTurn]) -> None:
+        self.turns.report(turns)
 
     def put_from(self, writes: Sequence[ChunkWrite]) -> dict[str, str]:
         return dict(self.manager.store(writes).failed)
@@ -155,6 +164,9 @@ class RemoteChunkStore:
 
     def prefetch(self, keys: Sequence[str]) -> int:
         return self.client.prefetch(keys) if keys else 0
+
+    def report_turns(self, turns: Sequence[SessionTurn]) -> None:
+        self.client.report_turns(turns)
 
     def landing_codec(self) -> Codec:
         return Codec.NONE  # the service encodes what it stores compressed

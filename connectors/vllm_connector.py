@@ -369,6 +369,7 @@ class KVTierConnector(KVConnectorBase_V1):
         return KVTierWorkerMetadata(loads) if loads else None
 
     def shutdown(self) -> None:
+        self.scheduler_side.close()
         self.worker_side.close()
         if self._store is not None:
             self._store.close()

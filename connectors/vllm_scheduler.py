@@ -33,6 +33,7 @@ from kvtier.connectors.vllm_blocks import (
 from kvtier.connectors.vllm_lookup import FINISHING, PrefixProbe, Stored
 from kvtier.connectors.vllm_policy import LoadObservation, LoadPolicy
 from kvtier.connectors.vllm_sources import SegmentSources
+from kvtier.connectors.vllm_turns import TurnReporter
 from kvtier.policies.restore import StoredChunk
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,9 @@ class SchedulerSide:
         self.busy_s = 0.0
         """Time vLLM's scheduler spent in this side's hooks (kept by the connector)."""
         self._prefetcher: ThreadPoolExecutor | None = None
+        self.turns = TurnReporter(lambda turns: self._store().report_turns(turns))
+        """When sessions' turns start and end, for the store's session-aware tiers (sent
+        by an instance that serves whole turns: not a prefill peer)."""
 
     @property
     def tails_at_finish(self) -> bool:
@@ -158,6 +162,8 @@ class SchedulerSide:
             session = getattr(request, "session_id", None)
             state = self._requests[request.request_id] = _ReqState(
                 prompt, SequenceKeys(self.grid, prompt), session=str(session) if session else None)
+            if state.session is not None and self.role.loads:
+                self.turns.started(state.session)
         return state
 
     # ------------------------------------------------------------------ lookups
@@ -352,6 +358,8 @@ class SchedulerSide:
         state = self._requests.pop(req_id, None)
         if state is None:
             return False
+        if state.session is not None and self.role.loads:
+            self.turns.ended(state.session)
         if self.save_decode and self.role.saves and block_ids:
             tokens = list(getattr(request, "all_token_ids", state.tokens))
             computed = int(getattr(request, "num_computed_tokens", 0)) - int(
@@ -370,3 +378,9 @@ class SchedulerSide:
         if not state.saving:
             self.saves_landed([req_id])
         return state.saving
+
+    def close(self) -> None:
+        """Send the turn reports still pending; stop the background threads."""
+        self.turns.close()
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=False)

@@ -12,6 +12,7 @@ tell an unknown session (404) from a bad chunk (400) from a full store (507).
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import logging
@@ -179,6 +180,12 @@ class _Routes:
         return _Call("POST", "/v1/chunks/prefetch", {"keys": list(keys)})
 
     @staticmethod
+    def report_turns(turns: Sequence[SessionTurn]) -> _Call:
+        body = {"turns": [{"session": session_param(t.session), "event": t.event.value,
+                           "ago_s": t.ago_s} for t in turns]}
+        return _Call("POST", "/v1/chunks/turns", body, ok=(204,))
+
+    @staticmethod
     def lookup(keys: Sequence[str], each: bool = False) -> _Call:
         body: dict[str, Any] = {"keys": list(keys)}
         if each:
@@ -225,6 +232,35 @@ class ChunkOwner:
     place: int = 0
 
 
+class TurnEvent(enum.Enum):
+    STARTED = "started"
+    ENDED = "ended"
+
+
+@dataclass(frozen=True)
+class SessionTurn:
+    """A session's turn started or ended ``ago_s`` seconds before it was reported (reports
+    go in batches, later than the events, without moving them): what lets a store's
+    session-aware tiers rank sessions by when they are likely back, not only by idle time
+    (:mod:`kvtier.connectors.tiers.session_turns`)."""
+
+    session: str
+    event: TurnEvent
+    ago_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.ago_s >= 0.0:  # NaN too
+            raise InvalidArgumentError(f"a turn's ago_s must be >= 0, not {self.ago_s}")
+
+
+def session_param(session: str) -> str:
+    """A session as the service takes it: itself where it is 1 to 256 printable ASCII
+    characters, else its digest (the same for every call that names it)."""
+    if _SESSION_PARAM.fullmatch(session):
+        return session
+    return hashlib.sha256(session.encode()).hexdigest()
+
+
 def _put_params(tier: str | None, owner: ChunkOwner | None = None) -> dict[str, Any] | None:
     """A store's query: its tier, its owner (session and place) where known, and
     ``priority=background`` when the calling thread stores in the background
@@ -232,10 +268,7 @@ def _put_params(tier: str | None, owner: ChunkOwner | None = None) -> dict[str, 
     waits for first, as for their own background stores)."""
     params: dict[str, Any] = {"tier": tier} if tier else {}
     if owner is not None:
-        session = owner.session
-        if not _SESSION_PARAM.fullmatch(session):  # what the service takes, or its digest
-            session = hashlib.sha256(session.encode()).hexdigest()
-        params.update(session=session, place=owner.place)
+        params.update(session=session_param(owner.session), place=owner.place)
     if current_priority() is IOPriority.BACKGROUND:
         params["priority"] = IOPriority.BACKGROUND.value
     return params or None
@@ -514,6 +547,13 @@ class Client:
         """Raise the stored prefix of ``keys`` into the server's fastest tier (a request
         that will read them is on its way); how many chunks were read from slower ones."""
         return int(self._ask(_Routes.prefetch(keys))["promoted"])
+
+    def report_turns(self, turns: Sequence[SessionTurn]) -> None:
+        """Tell the service when sessions' turns started and ended (oldest first): its
+        session-aware tiers keep the sessions likely back soon (a sidecar's; an engine-mode
+        service ranks its own sessions and answers 409)."""
+        if turns:
+            self._send(_Routes.report_turns(turns))
 
     def present(self, keys: Sequence[str]) -> list[bool]:
         """Whether each of ``keys`` is stored (one request)."""

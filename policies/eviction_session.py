@@ -161,8 +161,9 @@ class SessionAware(EvictionPolicy):
 
     def update(self, key, info):
         if key in self:
+            last = self._last.get(info.session, 0.0)
             self.remove(key)
-            self.insert(key, info, self._last.get(info.session, 0.0))
+            self.insert(key, info, last)
 
     def share(self, key, session):
         """A chunk two sessions' chains use is no longer one session's to lose: it joins
@@ -189,13 +190,18 @@ class SessionAware(EvictionPolicy):
         if s is not None:
             chunks = self._by_session[s]
             chunks.pop(key, None)
-            if not chunks:
+            if not chunks:  # a session with nothing here is forgotten (its last use too)
                 del self._by_session[s]
+                self._last.pop(s, None)
+
+    def idle_s(self, session: Hashable, now: float) -> float:
+        """Seconds since the session's chunks were last stored or read here."""
+        return now - self._last.get(session, now)
 
     def away(self, session: Hashable, now: float) -> float:
         if self.predictor is not None:
             return self.predictor(session, now)
-        return now - self._last.get(session, now)
+        return self.idle_s(session, now)
 
     def _rank(self, now: float, sample: bool) -> list[Hashable]:
         sessions = list(self._by_session)

@@ -7,7 +7,7 @@ import os
 from fastapi import FastAPI
 
 from kvtier import __version__
-from kvtier.server import routes_chat, routes_chunks, routes_control, routes_regions
+from kvtier.server import routes_chat, routes_chunks, routes_control, routes_regions, routes_turns
 from kvtier.server.errors import install_error_handlers
 from kvtier.server.identity import identities
 from kvtier.server.middleware import BearerAuth, BodyLimit, RequestCounter
@@ -38,6 +38,7 @@ def create_app(state: ServiceState) -> FastAPI:
     install_error_handlers(app, state.metrics.count_error)
     app.include_router(routes_control.router)
     app.include_router(routes_chunks.router)
+    app.include_router(routes_turns.router)
     app.include_router(routes_regions.router)
     app.include_router(routes_chat.router)
 

@@ -107,6 +107,18 @@ class DeriveRequest(_Body):
     tokens: int = Field(ge=1, description="how many of its tokens, from first_token on")
 
 
+class TurnItem(_Body):
+    session: str = Field(pattern=r"^[\x20-\x7e]{1,256}$",
+                         description="the session, as its chunks' stores name it")
+    event: Literal["started", "ended"]
+    ago_s: float = Field(0.0, ge=0.0, le=86400.0,
+                         description="how long before this report the turn started or ended")
+
+
+class TurnReport(_Body):
+    turns: list[TurnItem] = Field(max_length=4096, description="oldest first")
+
+
 class LookupResponse(_Doc):
     length: int
     """How many leading keys are stored somewhere."""

@@ -17,6 +17,7 @@ from typing import Any
 from kvtier.config import KVTierConfig
 from kvtier.connectors.tiers.factory import build_tiers
 from kvtier.connectors.tiers.manager import TierManager
+from kvtier.connectors.tiers.session_turns import SessionTurns
 from kvtier.engine.async_engine import AsyncEngine
 from kvtier.engine.engine import Engine
 from kvtier.engine.session import ChatSession
@@ -47,6 +48,9 @@ class ServiceState:
         """The model directory's name."""
         if manager is not None:
             manager.quotas = {t: q.per_tier() for t, q in config.server.quotas.items()}
+        self.turns = (SessionTurns(t.eviction for t in manager.tiers)
+                      if manager is not None and engine is None else None)
+        """Sessions' turns as clients report them (a sidecar's; an engine ranks its own)."""
         self.metrics = ServiceMetrics()
         server = config.server
         self.regions = RegionTable(server.shm_dir, server.shm_bytes, server.shm_regions_per_tenant,

@@ -344,6 +344,42 @@ def test_a_sessions_chunks_are_stored_in_chain_order_and_its_tail_goes_first(tmp
     assert store.where(keys) == ["cpu", "cpu", "disk"]  # alice's tail went down, not her head
 
 
+def test_a_running_turn_keeps_its_sessions_chunks_over_an_ended_one():
+    """vLLM's session ids reach the store's session-aware tier as turns: alice's request
+    still runs, bob's ended after hers began; when carol's chunks need room, bob's go
+    (idle time alone would give up alice's, stored first). A prefill peer reports no
+    turns (its requests are halves of them)."""
+    from kvtier.policies.eviction import SessionAware
+
+    cpu = CPUTier(3 << 20, 1 << 20, eviction=SessionAware())
+    store = LocalChunkStore(TierManager([cpu]))
+    sched = SchedulerSide(lambda: store, GRID)
+    worker = WorkerSide(lambda: store, GRID)
+    worker.register(caches(32, True), 32)
+    runs = []
+    for name, first, end in (("alice", 100, False), ("bob", 300, True)):
+        req = Request(name, list(range(first, first + 2 * BLOCK + 1)))
+        req.session_id = name
+        _run(sched, [worker], req, list(range(len(runs) * 3, len(runs) * 3 + 3)), end=end)
+        runs.append(GRID.keys(req.prompt_token_ids)[0].key)
+    sched.turns.drain()
+    assert sched.turns.sent == 3
+    carol = Request("carol", list(range(500, 500 + 4 * BLOCK + 1)))
+    carol.session_id = "carol"
+    _run(sched, [worker], carol, list(range(10, 15)), end=False)
+    alice, bob = runs
+    assert store.lookup([alice]) == 1 and store.lookup([bob]) == 0
+    sched.close()
+
+    producer = SchedulerSide(lambda: store, GRID, role=Role.PRODUCER)
+    req = Request("p", list(range(700, 700 + BLOCK + 1)))
+    req.session_id = "dave"
+    producer.matched_tokens(req, 0)
+    producer.finished(req, [])
+    producer.turns.drain()
+    assert producer.turns.sent == 0
+
+
 class _Counted:
     """A real store, its round trips counted (what vLLM's scheduler loop waits on)."""
 

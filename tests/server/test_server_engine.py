@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 import torch
 
@@ -269,3 +270,21 @@ def test_the_reuse_ceiling_beside_the_hits_achieved(server, expected):
     assert 0.3 < second["ceiling"] <= 1.0
     assert 0 < second["achieved"] <= second["ceiling"] + 0.05
     assert "kvtier_reuse_ceiling_ratio" in text and "kvtier_reuse_achieved_ratio" in text
+
+
+def test_turn_reports_are_refused_in_engine_mode(server):
+    """The engine ranks its own sessions: a sidecar's turn reports are refused plainly, not
+    taken and ignored."""
+    url, _ = server
+    resp = httpx.post(f"{url}/v1/chunks/turns", json={"turns": [{"session": "s", "event": "ended"}]})
+    assert resp.status_code == 409 and "engine" in resp.json()["error"]["message"]
+    from kvtier.connectors.chunk_store import RemoteChunkStore
+    from kvtier.connectors.vllm_turns import TurnReporter
+
+    store = RemoteChunkStore(url, 1 << 16)
+    reporter = TurnReporter(store.report_turns)
+    reporter.started("s")
+    reporter.drain()
+    assert not reporter.enabled and reporter.sent == 0  # told nothing more
+    reporter.close()
+    store.close()

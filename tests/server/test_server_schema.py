@@ -64,6 +64,7 @@ OPERATIONS = [
     "POST /v1/chunks/{key}/derive",
     "POST /v1/chunks/lookup",
     "POST /v1/chunks/prefetch",
+    "POST /v1/chunks/turns",
     "POST /v1/chunks/batch/get",
     "POST /v1/chunks/batch/put",
     "POST /v1/regions",
