@@ -47,12 +47,13 @@ class ChatWorkload:
         rng = random.Random(f"{self.seed}:{conversation}:{turn}")
         return " ".join(rng.choice(WORDS) for _ in range(self.user_words))
 
-    def warmup_messages(self) -> list[dict]:
+    def warmup_messages(self, index: int = 0) -> list[dict]:
         """A request no conversation shares a token with (its own system prompt, as long as
-        theirs): sent before the clock starts so that every server's first-request costs
-        (connections, lazy allocations, compiled paths, for a KV connector its first save)
-        are paid outside the measured turns, alike for every setup."""
-        rng = random.Random(f"warmup:{self.seed}")
+        theirs), one of :data:`WARMUP_REQUESTS`: sent before the clock starts so that every
+        server's first-request costs (connections, lazy allocations, compiled paths, for a
+        KV connector its first save) are paid outside the measured turns, alike for every
+        setup."""
+        rng = random.Random(f"warmup:{self.seed}" if index == 0 else f"warmup:{self.seed}:{index}")
         text = " ".join(rng.choice(WORDS) for _ in range(self.system_words))
         return [{"role": "system", "content": "Warm-up. " + text},
                 {"role": "user", "content": "Say something."}]
@@ -60,6 +61,13 @@ class ChatWorkload:
     def think_s(self, conversation: int, turn: int) -> float:
         rng = random.Random(f"think:{self.seed}:{conversation}:{turn}")
         return rng.lognormvariate(0.0, self.think_sigma) * self.think_median_s
+
+
+WARMUP_REQUESTS = 2
+"""Warm-up requests, one after the other. Two: with a kvtier connector (any: one that only
+looks up too) vLLM's second long prefill after its start took 0.2-0.5 s longer, once, in
+the worker's forward pass (docs/vllm.md, session 36); with one warm-up that cost fell on
+the first measured turns."""
 
 
 @dataclass
@@ -141,7 +149,7 @@ class Replay:
 async def replay(url: str, model: str | None, work: ChatWorkload, timeout_s: float = 600.0,
                  limit_s: float | None = None, warmup: bool = True) -> Replay:
     """Run every conversation against ``url`` (``model``: the first the server lists where
-    None), after one unmeasured warm-up request (``warmup``). ``timeout_s`` bounds one
+    None), after unmeasured warm-up requests (``warmup``, :data:`WARMUP_REQUESTS`). ``timeout_s`` bounds one
     request, ``limit_s`` the whole replay (a server that stalls is reported with the turns
     it finished, not waited on for hours)."""
     import httpx
@@ -153,8 +161,8 @@ async def replay(url: str, model: str | None, work: ChatWorkload, timeout_s: flo
         if model is None:
             listed = (await client.get(f"{url}/v1/models")).json()
             model = str(listed["data"][0]["id"])
-        if warmup:
-            await _turn(client, url, model, work.warmup_messages(), work, -1, 0)
+        for i in range(WARMUP_REQUESTS if warmup else 0):
+            await _turn(client, url, model, work.warmup_messages(i), work, -1, 0)
         t0 = time.perf_counter()
         everyone = asyncio.gather(*(_conversation(client, url, model, work, c, gate, results)
                                     for c in range(work.conversations)))

@@ -286,6 +286,8 @@ def _round_row(got: dict[str, Any], reference: dict[str, Any] | None) -> dict[st
         "first_ttft": _stats([t.ttft_s for t in turns if t.turn == 0]),
         "first_ttfts_s": [round(t.ttft_s, 4) for t in turns if t.turn == 0],
         "returning_ttft": _stats([t.ttft_s for t in turns if t.turn > 0]),
+        "returning_ttfts_s": {f"{t.conversation}:{t.turn}": round(t.ttft_s, 4)
+                              for t in turns if t.turn > 0},
         "itl_mean_s": statistics.fmean([x for t in turns for x in t.itl_s] or [float("nan")]),
         "wall_s": got["wall_s"],
         "output_tok_per_s": sum(len(t.token_ids) for t in turns) / got["wall_s"],

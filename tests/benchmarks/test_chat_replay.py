@@ -42,8 +42,13 @@ def test_think_times_are_seeded_and_heavy_tailed():
     assert ChatWorkload(seed=1).message(0, 0) != work.message(0, 0)
 
 
-def test_the_warm_up_shares_no_prefix_with_the_conversations():
+def test_the_warm_ups_share_no_prefix_with_the_conversations_or_each_other():
+    from kvtier.benchmarks.chat_replay import WARMUP_REQUESTS
+
     work = ChatWorkload(system_words=50)
-    warm = work.warmup_messages()[0]["content"]
-    assert len(warm.split()) > 50 and not warm.startswith(work.system_prompt()[:20])
-    assert warm.split()[1:6] != work.system_prompt().split()[:5]
+    warm = [work.warmup_messages(i)[0]["content"] for i in range(WARMUP_REQUESTS)]
+    assert WARMUP_REQUESTS >= 2 and warm[0] == work.warmup_messages()[0]["content"]
+    for text in warm:
+        assert len(text.split()) > 50 and not text.startswith(work.system_prompt()[:20])
+        assert text.split()[1:6] != work.system_prompt().split()[:5]
+    assert warm[0].split()[1:6] != warm[1].split()[1:6]
