@@ -44,6 +44,15 @@ class _SnapshotCollector(Collector):
             for state in ("resident", "offloaded", "busy"):
                 g.add_metric([state], sessions.get(state, 0))
             yield g
+        turns = snap.get("turns")
+        if turns is not None:
+            c = CounterMetricFamily("kvtier_session_turns_reported",
+                                    "Sessions' turns (starts and ends) clients reported")
+            c.add_metric([], turns["reported"])
+            yield c
+            g = GaugeMetricFamily("kvtier_session_turns_running", "Sessions whose turn runs, as reported")
+            g.add_metric([], turns["running"])
+            yield g
         policy = snap.get("policy")
         if policy is not None:
             c = CounterMetricFamily(

@@ -262,4 +262,7 @@ class Stats(_Doc):
     """Per tenant and tier: ``bytes`` held, ``quota_bytes``, ``quota_evicted_bytes``."""
     pool: dict[str, Any] | None
     sessions: dict[str, int] | None
+    turns: dict[str, int] | None = None
+    """Sidecar mode: sessions' turns its clients reported (``reported``), the sessions it
+    remembers and the turns running (``POST /v1/chunks/turns``)."""
     policy: dict[str, Any] | None

@@ -103,6 +103,7 @@ class ServiceState:
             "tenants": tenant_stats(self.manager),
             "pool": None,
             "sessions": None,
+            "turns": None if self.turns is None else self.turns.stats(),
             "policy": None,
             "reuse": None,
         }

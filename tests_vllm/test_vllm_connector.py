@@ -165,6 +165,21 @@ def test_a_returning_turn_restores_the_previous_reply(model_dir, baseline_turns,
     check_tokens(results, baseline_turns)
 
 
+def test_a_sessions_turns_reach_kvtier_serve(model_dir, baseline_turns, tmp_path):
+    """vLLM's session id on both turns: the sidecar hears each turn start and end (its
+    session-aware tiers rank the session by them), and the turns are vLLM alone's."""
+    server, url, _ = start_serve(tmp_path / "serve-chunks", "t0k")
+    try:
+        results, _ = run_vllm(model_dir, "kvtier", {"url": url, "token": "t0k"}, scenario="session")
+        check_tokens(results, baseline_turns)
+        assert results[1]["num_cached_tokens"] > len(results[0]["prompt_ids"]) // BLOCK * BLOCK
+        turns = httpx.get(f"{url}/v1/stats", headers={"Authorization": "Bearer t0k"}).json()["turns"]
+        assert turns["sessions"] == 1 and turns["reported"] >= 3  # the last end may go at exit
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
 @pytest.fixture(scope="module")
 def baseline_tp2(model_dir):
     results, _ = run_vllm(model_dir, "none", tp=2)

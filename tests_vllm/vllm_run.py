@@ -5,7 +5,7 @@ connector) or ``kvtier`` (KVTierConnector with EXTRA_JSON as kv_connector_extra_
 the tensor-parallel size (1; 2 runs a worker process per core).
 SCENARIO ``shared`` (default): two greedy requests sharing a long prefix; ``turns``: a
 conversation of two turns, the second sending the first's prompt and reply back with a new
-message (token ids); ``prefill`` / ``decode``: the first request only, run for one token
+message (token ids); ``session``: the same, both requests with vLLM's session id "alice"; ``prefill`` / ``decode``: the first request only, run for one token
 (a prefill instance) or in full (its decode peer). Then one JSON line per request and one with the metrics.
 """
 
@@ -54,13 +54,19 @@ def main() -> None:
         **kw,
     )
     scenario = sys.argv[4] if len(sys.argv) > 4 else "shared"
-    if scenario == "turns":
+    if scenario in ("turns", "session"):
         params = SamplingParams(max_tokens=40, temperature=0, logprobs=3)
-        first = llm.generate([f"{PREFIX} {SUFFIXES[0]}"], params)[0]
+        if scenario == "session":  # both turns carry vLLM's session id
+            def run(prompt, rid):
+                return in_session(llm, prompt, params, "alice", rid)
+        else:
+            def run(prompt, rid):
+                return llm.generate([prompt], params)[0]
+        first = run(f"{PREFIX} {SUFFIXES[0]}", "t1")
         report(first)
         history = list(first.prompt_token_ids) + list(first.outputs[0].token_ids)
         more = llm.get_tokenizer().encode(f" {SUFFIXES[1]}", add_special_tokens=False)
-        report(llm.generate([{"prompt_token_ids": history + more}], params)[0])
+        report(run({"prompt_token_ids": history + more}, "t2"))
     elif scenario in ("prefill", "decode"):
         tokens = 1 if scenario == "prefill" else 12
         params = SamplingParams(max_tokens=tokens, temperature=0, logprobs=3)
@@ -71,6 +77,17 @@ def main() -> None:
             report(llm.generate([f"{PREFIX} {suffix}"], params)[0])
     metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
     print("METRICS " + json.dumps({k: v for k, v in metrics.items() if "cache" in k or "kvtier" in k}), flush=True)
+
+
+def in_session(llm, prompt, params, session, rid):
+    """One request of ``session`` through vLLM's engine (``LLM.generate`` takes no session
+    id), stepped until it finishes."""
+    engine = llm.llm_engine
+    engine.add_request(rid, prompt, params, session_id=session)
+    while True:
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                return out
 
 
 def report(out) -> None:

@@ -63,6 +63,12 @@ class SessionTurns:
             if isinstance(policy, SessionAware) and policy.predictor is None:
                 policy.predictor = partial(self.rank, policy)
 
+    def stats(self) -> dict[str, int]:
+        """Turns reported, sessions remembered, turns running (a service's ``turns``)."""
+        with self._lock:
+            return {"reported": self.reported, "sessions": len(self._owner),
+                    "running": len(self._running)}
+
     def _model(self) -> LivePolicy:
         return LivePolicy(None, [], chunk_tokens=1, clock=self.clock)
 

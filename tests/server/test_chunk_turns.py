@@ -33,6 +33,8 @@ def test_a_reported_turn_reaches_the_tiers_ranks(tmp_path) -> None:
         c.report_turns([SessionTurn("alice", TurnEvent.ENDED)])
         assert 0.0 <= _rank(state, alice) <= 1.0
         assert state.turns.reported == 2
+        assert c.stats()["turns"] == {"reported": 2, "sessions": 1, "running": 0}
+        assert "kvtier_session_turns_reported_total 2.0" in c.metrics()
         store = RemoteChunkStore(url, 1 << 16)
         try:
             store.report_turns([SessionTurn("alice", TurnEvent.STARTED)])
