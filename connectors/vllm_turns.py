@@ -14,11 +14,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvtier.chunk_wire import ServiceError
-from kvtier.client import SessionTurn, TurnEvent
+from kvtier.client import MAX_TURNS_PER_REPORT, SessionTurn, TurnEvent
 
 log = logging.getLogger(__name__)
 
-MAX_PENDING = 4096
+MAX_PENDING = MAX_TURNS_PER_REPORT
 """Events waiting to be sent at most (one report's worth); past it the oldest are dropped:
 a store that stopped answering does not grow the scheduler's memory."""
 

@@ -253,6 +253,10 @@ class SessionTurn:
             raise InvalidArgumentError(f"a turn's ago_s must be >= 0, not {self.ago_s}")
 
 
+MAX_TURNS_PER_REPORT = 4096
+"""Turns one ``POST /v1/chunks/turns`` carries at most."""
+
+
 def session_param(session: str) -> str:
     """A session as the service takes it: itself where it is 1 to 256 printable ASCII
     characters, else its digest (the same for every call that names it)."""

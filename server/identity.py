@@ -58,6 +58,13 @@ def required_scope(method: str, path: str) -> str | None:
     return "admin"
 
 
+def tenant_session(tenant: str, session: str) -> str:
+    """A caller's session as the service keeps it: in its tenant's namespace (two tenants'
+    sessions of one name are two sessions): chunk owners and turns; a chat session of a tenant
+    other than the default."""
+    return f"{tenant}:{session}"
+
+
 def identity_of(scope: dict) -> Identity:
     """The caller's identity (set by the guard; open access where no guard runs)."""
     return scope.get(IDENTITY_KEY, OPEN_ACCESS)

@@ -27,7 +27,7 @@ from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.session import TurnResult
 from kvtier.errors import InvalidArgumentError
 from kvtier.server.errors import RouteError, error_body, error_responses, status_of
-from kvtier.server.identity import DEFAULT_TENANT, identity_of
+from kvtier.server.identity import DEFAULT_TENANT, identity_of, tenant_session
 from kvtier.server.schemas import ChatCompletion, ChatCompletionRequest, ModelCard, ModelList
 from kvtier.server.state import ServiceState
 
@@ -200,7 +200,7 @@ def _turn(body: ChatCompletionRequest, state: ServiceState, x_session_id: str | 
     session_id = session_id or f"ephemeral-{uuid.uuid4().hex}"
     tenant = identity_of(request_scope).tenant
     if tenant != DEFAULT_TENANT:  # tenants' sessions never meet: another tenant's id is not
-        session_id = f"{tenant}:{session_id}"  # theirs to continue
+        session_id = tenant_session(tenant, session_id)  # theirs to continue
     params = _params(body, state.config.server.max_tokens_default)
     prepare = _preparer(session_id, history)
     model = _served_name(state, body.model)

@@ -52,7 +52,7 @@ from kvtier.server.chunk_body import (
 from kvtier.server.chunk_map import chunk_list_parts, parse_chunk_map
 from kvtier.server.chunk_versions import Settled, Version, settle
 from kvtier.server.errors import RouteError, error_responses
-from kvtier.server.identity import identity_of
+from kvtier.server.identity import identity_of, tenant_session
 from kvtier.server.reader_codecs import AcceptCodecs, reader_codecs
 from kvtier.server.schemas import (
     BatchGetRequest,
@@ -182,7 +182,7 @@ async def put_chunk(key: Key, request: Request, tier: str | None = None,
     state, manager = _manager(request)
     start = _tier_arg(manager, tier)
     where = _stored_as(request, key)
-    owner = None if session is None else ChunkInfo(0, f"{identity_of(request.scope).tenant}:{session}", place)
+    owner = None if session is None else ChunkInfo(0, tenant_session(identity_of(request.scope).tenant, session), place)
     if region is not None:
         if length is None:
             raise RouteError(400, "a PUT from a region names the chunk's length")
@@ -338,7 +338,7 @@ async def derive_chunk_route(key: Key, body: DeriveRequest, request: Request,
     start = _tier_arg(manager, tier)
     where, source = _stored_as(request, key), _stored_as(request, body.source)
     tenant = identity_of(request.scope).tenant
-    owner = None if session is None else ChunkInfo(0, f"{tenant}:{session}", place)
+    owner = None if session is None else ChunkInfo(0, tenant_session(tenant, session), place)
     t0 = time.perf_counter()
     try:
         tokens = TokenRange(body.first_token, body.tokens)

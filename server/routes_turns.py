@@ -7,7 +7,7 @@ from fastapi import APIRouter, Request, Response
 
 from kvtier.client import SessionTurn, TurnEvent
 from kvtier.server.errors import RouteError, error_responses
-from kvtier.server.identity import identity_of
+from kvtier.server.identity import identity_of, tenant_session
 from kvtier.server.schemas import TurnReport
 from kvtier.server.state import ServiceState
 
@@ -26,6 +26,6 @@ async def report_turns(body: TurnReport, request: Request) -> Response:
     if state.turns is None:
         raise RouteError(409, "this server runs an engine, which ranks its own sessions")
     tenant = identity_of(request.scope).tenant
-    state.turns.report([SessionTurn(f"{tenant}:{t.session}", TurnEvent(t.event), t.ago_s)
+    state.turns.report([SessionTurn(tenant_session(tenant, t.session), TurnEvent(t.event), t.ago_s)
                         for t in body.turns], tenant)
     return Response(status_code=204)

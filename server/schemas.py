@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvtier.chunk_keys import KEY_PATTERN
+from kvtier.client import MAX_TURNS_PER_REPORT
 
 MAX_BATCH_KEYS = 65536
 
@@ -116,7 +117,7 @@ class TurnItem(_Body):
 
 
 class TurnReport(_Body):
-    turns: list[TurnItem] = Field(max_length=4096, description="oldest first")
+    turns: list[TurnItem] = Field(max_length=MAX_TURNS_PER_REPORT, description="oldest first")
 
 
 class LookupResponse(_Doc):
