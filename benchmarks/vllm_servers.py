@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -38,6 +39,8 @@ class Running:
     proc: subprocess.Popen
     url: str
     log: Path
+    scratch: str | None = None
+    """A directory of the server's own outside the bench's (its regions), removed at stop."""
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -47,6 +50,8 @@ class Running:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 def free_port() -> int:
@@ -97,19 +102,21 @@ def start_kvtier_serve(workdir: Path, slot_bytes: int) -> Running:
     the tiers docs/vllm.md gives a sidecar beside vLLM: the connector's own defaults
     (:data:`~kvtier.connectors.tiers.connector_defaults.CONNECTOR_TIER_DEFAULTS`), as its
     in-process tiers have them."""
+    from kvtier.connectors.private_sidecar import memory_tempdir
     from kvtier.connectors.tiers.connector_defaults import CONNECTOR_TIER_DEFAULTS
 
     port = free_port()
     log = workdir / "kvtier-serve.log"
+    regions = memory_tempdir("kvtier-bench-regions-")  # it must exist: else no regions
     env = dict(os.environ, KVTIER_TIERS__DISK_DIR=str(workdir / "chunks"),
                KVTIER_TIERS__DISK_FSYNC="false", KVTIER_SERVER__CHUNK_SLOT_BYTES=str(slot_bytes),
-               KVTIER_SERVER__SHM_DIR=str(workdir / "shm"))
+               KVTIER_SERVER__SHM_DIR=regions)
     env.update({f"KVTIER_TIERS__{k.upper()}": str(v).lower() if isinstance(v, bool) else str(v)
                 for k, v in CONNECTOR_TIER_DEFAULTS.items()})
     proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "serve", "--port", str(port),
                              "--log-level", "warning"], stdout=log.open("w"),
                             stderr=subprocess.STDOUT, env=env)
-    running = Running(proc, f"http://127.0.0.1:{port}", log)
+    running = Running(proc, f"http://127.0.0.1:{port}", log, scratch=regions)
     _wait(running, "/healthz")
     return running
 

@@ -13,6 +13,7 @@ import atexit
 import logging
 import os
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
@@ -28,7 +29,20 @@ from kvtier.errors import ConfigError
 log = logging.getLogger(__name__)
 
 STARTUP_S = 60.0
-_running: dict[str, subprocess.Popen] = {}
+MEMORY_DIR = "/dev/shm"
+"""Where the sidecar's shared-memory regions are made: a memory filesystem, so that a
+region's pages are never written back to a drive. Where the host has none, a temporary
+directory serves (the regions work, at the page cache's pace)."""
+
+
+@dataclass
+class _Sidecar:
+    proc: subprocess.Popen
+    workdir: str
+    """The sidecar's own directory (its regions): removed when it stops."""
+
+
+_running: dict[str, _Sidecar] = {}
 """The sidecars this process started, by URL."""
 
 
@@ -47,12 +61,13 @@ class SidecarAddress:
 def _env(options: Mapping[str, Any], slot_bytes: int, workdir: str, token: str
          ) -> dict[str, str]:
     """The child's configuration: the connector's ``tiers`` as ``KVTIER_TIERS__*``, CPU slots
-    sized to the connector's chunks, shared-memory regions in a directory of its own. The
+    sized to the connector's chunks, shared-memory regions in ``workdir`` (which must
+    exist: a server whose ``shm_dir`` is missing offers no regions). The
     token travels in the environment, not argv: argv is visible to every user in ``ps``, and
     argparse reads a token that starts with ``-`` (one in 64 of ``token_urlsafe``) as an
     option and refuses to start."""
     env = dict(os.environ, KVTIER_SERVER__CHUNK_SLOT_BYTES=str(slot_bytes),
-               KVTIER_SERVER__SHM_DIR=os.path.join(workdir, "shm"),
+               KVTIER_SERVER__SHM_DIR=workdir,
                KVTIER_SERVER__AUTH_TOKEN=token)
     tiers = dict(options.get("tiers") or {})
     if not options.get("config"):  # the connector's own tiers (chunk_store.open_store's too)
@@ -62,30 +77,37 @@ def _env(options: Mapping[str, Any], slot_bytes: int, workdir: str, token: str
     return env
 
 
+def memory_tempdir(prefix: str) -> str:
+    """A new private directory for shared-memory regions, in :data:`MEMORY_DIR` where the
+    host has one (the caller removes it)."""
+    return tempfile.mkdtemp(prefix=prefix, dir=MEMORY_DIR if os.path.isdir(MEMORY_DIR) else None)
+
+
 def start(options: Mapping[str, Any], slot_bytes: int) -> SidecarAddress:
     """Start the private sidecar and wait until it answers; it is stopped at exit."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     token = secrets.token_urlsafe(24)
-    workdir = tempfile.mkdtemp(prefix="kvtier-vllm-sidecar-")
+    workdir = memory_tempdir("kvtier-vllm-sidecar-")
     cmd = [sys.executable, "-m", "kvtier.cli", "serve", "--host", "127.0.0.1",
            "--port", str(port), "--log-level", "warning"]
     if options.get("config"):
         cmd += ["--config", str(options["config"])]
-    proc = subprocess.Popen(cmd, env=_env(options, slot_bytes, workdir, token))
-    atexit.register(_stop, proc)
+    sidecar = _Sidecar(subprocess.Popen(cmd, env=_env(options, slot_bytes, workdir, token)), workdir)
+    atexit.register(_stop, sidecar)
     address = SidecarAddress(f"http://127.0.0.1:{port}", token)
-    _wait(proc, address)
-    _running[address.url] = proc
+    _wait(sidecar, address)
+    _running[address.url] = sidecar
     log.info("kvtier connector: private sidecar for %s at %s", dict(options.get("tiers") or {}),
              address.url)
     return address
 
 
-def _wait(proc: subprocess.Popen, address: SidecarAddress) -> None:
+def _wait(sidecar: _Sidecar, address: SidecarAddress) -> None:
     import httpx
 
+    proc = sidecar.proc
     deadline = time.monotonic() + STARTUP_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -96,22 +118,25 @@ def _wait(proc: subprocess.Popen, address: SidecarAddress) -> None:
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    _stop(proc)
+    _stop(sidecar)
     raise ConfigError("kvtier connector: the tiers' server for vLLM's ranks did not start "
                       f"(exit code {proc.returncode}); check the connector's tiers options")
 
 
 def stop(address: SidecarAddress) -> None:
     """Stop a sidecar this process started (its tiers' in-memory chunks go with it)."""
-    proc = _running.pop(address.url, None)
-    if proc is not None:
-        _stop(proc)
+    sidecar = _running.pop(address.url, None)
+    if sidecar is not None:
+        _stop(sidecar)
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def _stop(sidecar: _Sidecar) -> None:
+    proc = sidecar.proc
     if proc.poll() is None:
         proc.terminate()
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait()
+    shutil.rmtree(sidecar.workdir, ignore_errors=True)

@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import os
 import re
 import secrets
@@ -49,6 +50,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtier.server.errors import RouteError
+
+log = logging.getLogger(__name__)
 
 PREFIX = "kvtier-region-"
 _NAME_RE = re.compile(rf"{PREFIX}([0-9a-f]{{16}})-([0-9a-f]{{32}})")
@@ -131,6 +134,9 @@ class RegionTable:
         if self.directory is not None and self.directory.is_dir():
             self.removed_stale = self._remove_stale()
             self._server_lock = self._hold_server_lock()
+        elif self.directory is not None:  # same-host clients fall back to HTTP bodies
+            log.warning("server.shm_dir %s is not a directory: no shared-memory regions",
+                        self.directory)
 
     @property
     def enabled(self) -> bool:

@@ -385,12 +385,19 @@ def test_in_process_tiers_for_several_ranks_live_in_a_private_sidecar(tmp_path):
             assert reader.take_load_errors() == set()
             for a, b in zip(_block(src[r], 2), _block(dst, 6), strict=True):
                 assert torch.equal(a, b)
+        # the chunks crossed shared memory, not HTTP bodies: every store kept its region
+        assert all(store.client.shm for store in stores)
+        headers = {"Authorization": f"Bearer {address.token}"}
+        assert len(httpx.get(f"{address.url}/v1/regions", headers=headers).json()) >= 2
+        workdir = private_sidecar._running[address.url].workdir
+        assert os.path.isdir(workdir)
     finally:
         for store in stores:
             store.close()
         private_sidecar.stop(address)
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{address.url}/healthz", timeout=2)  # stopped
+    assert not os.path.exists(workdir)  # its regions' directory went with it
 
 
 def test_private_sidecar_starts_whatever_its_token_looks_like(tmp_path, monkeypatch):
@@ -407,7 +414,7 @@ def test_private_sidecar_starts_whatever_its_token_looks_like(tmp_path, monkeypa
     address = private_sidecar.start(options, 1 << 16)
     try:
         assert address.token == token
-        proc = private_sidecar._running[address.url]
+        proc = private_sidecar._running[address.url].proc
         assert token not in " ".join(proc.args)
         headers = {"Authorization": f"Bearer {token}"}
         assert httpx.post(f"{address.url}/v1/chunks/lookup", json={"keys": ["ab" * 8]},

@@ -148,6 +148,20 @@ def test_a_client_falls_back_to_bodies_where_no_region_can_be_used(tmp_path):
         assert bytes(kv.get_chunk_into(key(1), bytearray(1 << 16))) == served(blob)
 
 
+def test_a_missing_shm_dir_is_said_at_start_and_offers_no_region(tmp_path, caplog):
+    """A directory that is not there turns regions off (same-host clients use bodies, at
+    several times the CPU a chunk): the operator is told at start, not left to find out."""
+    cfg = _config(tmp_path, shm_dir=str(tmp_path / "nowhere"))
+    with caplog.at_level("WARNING", logger="kvtier.server.shm_regions"):
+        state = ServiceState.sidecar(cfg)
+    try:
+        assert not state.regions.enabled
+        assert any("nowhere" in r.getMessage() and "no shared-memory regions" in r.getMessage()
+                   for r in caplog.records)
+    finally:
+        state.close()
+
+
 def test_regions_left_by_a_dead_server_are_removed_at_start(tmp_path):
     (tmp_path / "shm").mkdir()
     dead = tmp_path / "shm" / ("kvtier-region-999999999-" + "a" * 32)
