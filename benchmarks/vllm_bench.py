@@ -298,6 +298,7 @@ def _round_row(got: dict[str, Any], reference: dict[str, Any] | None) -> dict[st
         "kvtier_loaded_blocks": m.get("vllm:kvtier_loaded_blocks_total"),
         "kvtier_saved_blocks": m.get("vllm:kvtier_saved_blocks_total"),
         "kvtier_derived_blocks": m.get("vllm:kvtier_derived_blocks_total"),
+        "kvtier_load_errors": m.get("vllm:kvtier_load_errors_total"),
         "recomputed_by_decision_tokens": m.get("vllm:kvtier_recomputed_by_decision_tokens_total"),
         "connector_forward_share": forward / step if step else None,
         "connector_schedule_s": m.get("vllm:kvtier_schedule_seconds_total"),

@@ -102,12 +102,12 @@ def start_kvtier_serve(workdir: Path, slot_bytes: int) -> Running:
     the tiers docs/vllm.md gives a sidecar beside vLLM: the connector's own defaults
     (:data:`~kvtier.connectors.tiers.connector_defaults.CONNECTOR_TIER_DEFAULTS`), as its
     in-process tiers have them."""
-    from kvtier.connectors.private_sidecar import memory_tempdir
+    from kvtier.connectors.private_sidecar import regions_dir
     from kvtier.connectors.tiers.connector_defaults import CONNECTOR_TIER_DEFAULTS
 
     port = free_port()
     log = workdir / "kvtier-serve.log"
-    regions = memory_tempdir("kvtier-bench-regions-")  # it must exist: else no regions
+    regions, scratch = regions_dir("kvtier-bench-regions-")  # it must exist: else no regions
     env = dict(os.environ, KVTIER_TIERS__DISK_DIR=str(workdir / "chunks"),
                KVTIER_TIERS__DISK_FSYNC="false", KVTIER_SERVER__CHUNK_SLOT_BYTES=str(slot_bytes),
                KVTIER_SERVER__SHM_DIR=regions)
@@ -116,7 +116,7 @@ def start_kvtier_serve(workdir: Path, slot_bytes: int) -> Running:
     proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "serve", "--port", str(port),
                              "--log-level", "warning"], stdout=log.open("w"),
                             stderr=subprocess.STDOUT, env=env)
-    running = Running(proc, f"http://127.0.0.1:{port}", log, scratch=regions)
+    running = Running(proc, f"http://127.0.0.1:{port}", log, scratch=scratch)
     _wait(running, "/healthz")
     return running
 

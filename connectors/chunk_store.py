@@ -241,10 +241,13 @@ class RemoteChunkStore:
         return len(head)
 
     def _read(self, key: str, held: list[torch.Tensor]) -> LentChunk | None:
+        """A chunk read into a staging buffer through the reply's body: the region may
+        hold chunks lent by this read already (a region read would write over them)."""
         buf = self.staging.acquire(self.chunk_bytes)
         held.append(buf)
         try:
-            got = self.client.get_chunk_into(key, memoryview(buf.numpy())[: self.chunk_bytes])
+            got = self.client.get_chunk_into(key, memoryview(buf.numpy())[: self.chunk_bytes],
+                                             through_region=False)
         except InvalidArgumentError:  # larger than any chunk of ours: not one of ours
             return None
         if got is None:

@@ -10,11 +10,13 @@ sidecar an operator runs. It stops with the process that started it.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import secrets
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -30,16 +32,16 @@ log = logging.getLogger(__name__)
 
 STARTUP_S = 60.0
 MEMORY_DIR = "/dev/shm"
-"""Where the sidecar's shared-memory regions are made: a memory filesystem, so that a
-region's pages are never written back to a drive. Where the host has none, a temporary
-directory serves (the regions work, at the page cache's pace)."""
+"""Where the sidecars' shared-memory regions are made: a memory filesystem, so that a
+region's pages are never written back to a drive."""
 
 
 @dataclass
 class _Sidecar:
     proc: subprocess.Popen
-    workdir: str
-    """The sidecar's own directory (its regions): removed when it stops."""
+    scratch: str | None = None
+    """A directory of the sidecar's own (its regions, where the host has no memory
+    filesystem to share): removed when it stops."""
 
 
 _running: dict[str, _Sidecar] = {}
@@ -58,16 +60,16 @@ class SidecarAddress:
         return {"url": self.url, "token": self.token, "shm": True}
 
 
-def _env(options: Mapping[str, Any], slot_bytes: int, workdir: str, token: str
+def _env(options: Mapping[str, Any], slot_bytes: int, regions: str, token: str
          ) -> dict[str, str]:
     """The child's configuration: the connector's ``tiers`` as ``KVTIER_TIERS__*``, CPU slots
-    sized to the connector's chunks, shared-memory regions in ``workdir`` (which must
-    exist: a server whose ``shm_dir`` is missing offers no regions). The
+    sized to the connector's chunks, shared-memory regions in ``regions`` (see
+    :func:`regions_dir`). The
     token travels in the environment, not argv: argv is visible to every user in ``ps``, and
     argparse reads a token that starts with ``-`` (one in 64 of ``token_urlsafe``) as an
     option and refuses to start."""
     env = dict(os.environ, KVTIER_SERVER__CHUNK_SLOT_BYTES=str(slot_bytes),
-               KVTIER_SERVER__SHM_DIR=workdir,
+               KVTIER_SERVER__SHM_DIR=regions,
                KVTIER_SERVER__AUTH_TOKEN=token)
     tiers = dict(options.get("tiers") or {})
     if not options.get("config"):  # the connector's own tiers (chunk_store.open_store's too)
@@ -77,10 +79,35 @@ def _env(options: Mapping[str, Any], slot_bytes: int, workdir: str, token: str
     return env
 
 
-def memory_tempdir(prefix: str) -> str:
-    """A new private directory for shared-memory regions, in :data:`MEMORY_DIR` where the
-    host has one (the caller removes it)."""
-    return tempfile.mkdtemp(prefix=prefix, dir=MEMORY_DIR if os.path.isdir(MEMORY_DIR) else None)
+def regions_home() -> str | None:
+    """This user's directory for sidecars' regions in :data:`MEMORY_DIR` (mode 0700), made
+    once and shared by every sidecar of the user: a sidecar that was killed leaves its
+    regions there, and the next one to start removes them (a server removes, at start, the
+    regions of every server whose lock is free). None where the host has no memory
+    filesystem, or where that path is not a private directory of this user's (another
+    user made it, or a link)."""
+    if not os.path.isdir(MEMORY_DIR):
+        return None
+    path = os.path.join(MEMORY_DIR, f"kvtier-regions-{os.getuid()}")
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        log.warning("kvtier: %s is not a private directory of this user's; a sidecar's "
+                    "regions go to a temporary directory instead", path)
+        return None
+    return path
+
+
+def regions_dir(prefix: str) -> tuple[str, str | None]:
+    """Where a sidecar starting now makes its regions (it must exist: a server whose
+    ``shm_dir`` is missing offers none), and a scratch directory made for it that the
+    caller removes when the sidecar stops (None: :func:`regions_home` serves)."""
+    home = regions_home()
+    if home is not None:
+        return home, None
+    scratch = tempfile.mkdtemp(prefix=prefix)
+    return scratch, scratch
 
 
 def start(options: Mapping[str, Any], slot_bytes: int) -> SidecarAddress:
@@ -89,12 +116,12 @@ def start(options: Mapping[str, Any], slot_bytes: int) -> SidecarAddress:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     token = secrets.token_urlsafe(24)
-    workdir = memory_tempdir("kvtier-vllm-sidecar-")
+    regions, scratch = regions_dir("kvtier-vllm-sidecar-")
     cmd = [sys.executable, "-m", "kvtier.cli", "serve", "--host", "127.0.0.1",
            "--port", str(port), "--log-level", "warning"]
     if options.get("config"):
         cmd += ["--config", str(options["config"])]
-    sidecar = _Sidecar(subprocess.Popen(cmd, env=_env(options, slot_bytes, workdir, token)), workdir)
+    sidecar = _Sidecar(subprocess.Popen(cmd, env=_env(options, slot_bytes, regions, token)), scratch)
     atexit.register(_stop, sidecar)
     address = SidecarAddress(f"http://127.0.0.1:{port}", token)
     _wait(sidecar, address)
@@ -139,4 +166,5 @@ def _stop(sidecar: _Sidecar) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    shutil.rmtree(sidecar.workdir, ignore_errors=True)
+    if sidecar.scratch is not None:
+        shutil.rmtree(sidecar.scratch, ignore_errors=True)

@@ -496,12 +496,16 @@ class Client:
         return body
 
     def get_chunk_into(
-        self, key: str, out: Blob, layers: tuple[int, int] | None = None
+        self, key: str, out: Blob, layers: tuple[int, int] | None = None,
+        through_region: bool = True,
     ) -> memoryview | None:
         """Read the chunk straight into ``out`` (a writable buffer that holds it): the
-        filled part of it, or None when it is not stored. No bytes object is made."""
+        filled part of it, or None when it is not stored. No bytes object is made. With
+        ``shm`` it comes through this thread's region, which it overwrites
+        (``through_region`` False: through the reply's body, leaving views of the region
+        that :meth:`get_chunks_in_region` lent intact)."""
         mem = memoryview(out).cast("B")
-        if layers is None and self.shm:
+        if layers is None and self.shm and through_region:
             views = self.get_chunks_in_region([key], len(mem))
             if views is not None:
                 got = views[0]

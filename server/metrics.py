@@ -53,6 +53,7 @@ class _SnapshotCollector(Collector):
             g = GaugeMetricFamily("kvtier_session_turns_running", "Sessions whose turn runs, as reported")
             g.add_metric([], turns["running"])
             yield g
+        yield from _region_metrics(snap.get("regions"))
         policy = snap.get("policy")
         if policy is not None:
             c = CounterMetricFamily(
@@ -185,6 +186,25 @@ def _manager_metrics(m: dict[str, Any] | None) -> Iterator[Metric]:
         for codec, row in sorted(m.get("codecs", {}).items()):
             c.add_metric([codec], row[key])
         yield c
+
+
+def _region_metrics(r: dict[str, Any] | None) -> Iterator[Metric]:
+    if r is None:
+        return
+    c = CounterMetricFamily("kvtier_shm_region_transfers",
+                            "Chunks same-host clients moved through shared-memory regions",
+                            labels=["op"])
+    b = CounterMetricFamily("kvtier_shm_region_transfer_bytes",
+                            "Bytes same-host clients moved through shared-memory regions",
+                            labels=["op"])
+    for op in ("put", "get"):
+        c.add_metric([op], r["transfers"][op])
+        b.add_metric([op], r["transfer_bytes"][op])
+    yield c
+    yield b
+    g = GaugeMetricFamily("kvtier_shm_regions_held", "Shared-memory regions held for clients")
+    g.add_metric([], r["held"])
+    yield g
 
 
 def _pool_metrics(p: dict[str, Any] | None) -> Iterator[Metric]:

@@ -195,6 +195,7 @@ async def put_chunk(key: Key, request: Request, tier: str | None = None,
         t0 = time.perf_counter()
         report = await run_in_threadpool(at_priority, priority, _put_from_region, state, manager,
                                          tenant, region, offset, length, key, where, start, owner)
+        state.regions.moved("put", length)
         return _put_answer(state, request, report, key, where, length, t0)
     length = declared_length(request)
     t0 = time.perf_counter()
@@ -393,6 +394,7 @@ async def get_chunk(key: Key, request: Request, layers: Layers = None,
             raise RouteError(400, "a GET into a region is of the whole chunk (no layers)")
         length, tier = await run_in_threadpool(_get_into_region, state, manager, tenant, region,
                                                offset, room, key, where, codecs)
+        state.regions.moved("get", length)
         state.metrics.transfer.labels("get").observe(time.perf_counter() - t0)
         state.metrics.transfer_bytes.labels("get").inc(length)
         state.metrics.tenant_bytes.labels(tenant, "get").inc(length)

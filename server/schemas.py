@@ -266,4 +266,8 @@ class Stats(_Doc):
     turns: dict[str, int] | None = None
     """Sidecar mode: sessions' turns its clients reported (``reported``), the sessions it
     remembers and the turns running (``POST /v1/chunks/turns``)."""
+    regions: dict[str, Any] | None = None
+    """Same-host clients' shared-memory regions: offered (``enabled``), ``held`` and
+    ``held_bytes``, chunks that crossed them by way (``transfers``, ``transfer_bytes``:
+    ``put``, ``get``), ``reclaimed`` at their lease's end."""
     policy: dict[str, Any] | None

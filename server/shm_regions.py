@@ -128,6 +128,9 @@ class RegionTable:
         self._lock = threading.Lock()
         self.reclaimed = 0
         """Regions reclaimed because their lease ran out."""
+        self.transfers = {"put": 0, "get": 0}
+        """Chunks moved through regions (instead of request and reply bodies), by way."""
+        self.transfer_bytes = {"put": 0, "get": 0}
         self.server_id = secrets.token_hex(8)
         self._server_lock: int | None = None
         self.removed_stale = 0
@@ -146,6 +149,20 @@ class RegionTable:
     def held_bytes(self) -> int:
         with self._lock:
             return self._bytes
+
+    def moved(self, way: str, nbytes: int) -> None:
+        """Count a chunk that crossed a region (``way``: ``put`` or ``get``)."""
+        with self._lock:
+            self.transfers[way] += 1
+            self.transfer_bytes[way] += nbytes
+
+    def stats(self) -> dict[str, object]:
+        """Whether regions are offered, those held, and what crossed them: a same-host
+        client that fell back to bodies shows as none moved."""
+        with self._lock:
+            return {"enabled": self.enabled, "held": len(self._regions), "held_bytes": self._bytes,
+                    "transfers": dict(self.transfers), "transfer_bytes": dict(self.transfer_bytes),
+                    "reclaimed": self.reclaimed}
 
     def _lock_path(self, server_id: str) -> Path:
         assert self.directory is not None

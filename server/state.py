@@ -104,6 +104,7 @@ class ServiceState:
             "pool": None,
             "sessions": None,
             "turns": None if self.turns is None else self.turns.stats(),
+            "regions": self.regions.stats(),
             "policy": None,
             "reuse": None,
         }

@@ -112,13 +112,16 @@ def test_through_kvtier_serve(model_dir, baseline, tmp_path):
     server, url, _ = start_serve(tmp_path / "serve-chunks", "t0k")
     headers = {"Authorization": "Bearer t0k"}
     try:
-        results, metrics = run_vllm(model_dir, "kvtier", {"url": url, "token": "t0k"})
+        results, metrics = run_vllm(model_dir, "kvtier", {"url": url, "token": "t0k", "shm": True})
         check_against_baseline(results, metrics, baseline)
         stats = httpx.get(f"{url}/v1/stats", headers=headers).json()
         stored = sum(t["chunks"] for t in stats["tiers"])
         full_blocks = len(results[0]["prompt_ids"]) // BLOCK
         assert stored >= -(-full_blocks // CHUNK_BLOCKS)  # the first prompt's chunks and tail
         assert stats["manager"]["hits_by_tier"]  # and the second request read them back
+        # through shared memory: every chunk saved and loaded crossed a region, no body
+        moved = stats["regions"]["transfers"]
+        assert moved["put"] >= 1 and moved["get"] >= 1
     finally:
         server.terminate()
         server.wait(timeout=30)

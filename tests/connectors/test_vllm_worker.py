@@ -247,15 +247,17 @@ def test_through_a_region_chunks_are_filled_and_lent_in_place(tmp_path, region_c
                 base = np.frombuffer(region._mem, np.uint8).ctypes.data  # noqa: SLF001
                 inside = [base <= c.buf.data_ptr() < base + region.size for c in lent[:4]]
                 assert inside == [i < region_chunks for i in range(4)]
+                for c in lent[:4]:  # the reads past the region's share left its chunks intact
+                    c.verify()
             assert store.staging.allocations == max(0, len(keys) - region_chunks)  # the rest
             with store.get_into([keys[0], keys[4], keys[1]]) as lent:
                 assert lent[0] is not None and lent[1:] == [None, None]
             reader = _worker(store, dst)
-            reader.load(_transfer(keys[:2], [8, 9, 10, 11]))
-            assert reader.take_load_errors() == set() and reader.stats.loaded_blocks == 4
+            reader.load(_transfer(keys[:4], [8, 9, 10, 11, 4, 5, 6, 7]))
+            assert reader.take_load_errors() == set() and reader.stats.loaded_blocks == 8
         finally:
             store.close()
-    for s, d in ((0, 8), (1, 9), (2, 10), (3, 11)):
+    for s, d in ((0, 8), (1, 9), (2, 10), (3, 11), (4, 4), (5, 5), (6, 6), (7, 7)):
         for a, b in zip(_block(src, s), _block(dst, d), strict=True):
             assert torch.equal(a, b)
 
@@ -388,16 +390,47 @@ def test_in_process_tiers_for_several_ranks_live_in_a_private_sidecar(tmp_path):
         # the chunks crossed shared memory, not HTTP bodies: every store kept its region
         assert all(store.client.shm for store in stores)
         headers = {"Authorization": f"Bearer {address.token}"}
-        assert len(httpx.get(f"{address.url}/v1/regions", headers=headers).json()) >= 2
-        workdir = private_sidecar._running[address.url].workdir
-        assert os.path.isdir(workdir)
+        stats = httpx.get(f"{address.url}/v1/stats", headers=headers).json()["regions"]
+        assert stats["transfers"]["put"] >= len(stores) and stats["transfers"]["get"] >= len(stores)
+        paths = [r["path"] for r in httpx.get(f"{address.url}/v1/regions", headers=headers).json()]
+        assert len(paths) == 2 and all(p.startswith(private_sidecar.MEMORY_DIR) for p in paths)
     finally:
         for store in stores:
             store.close()
         private_sidecar.stop(address)
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{address.url}/healthz", timeout=2)  # stopped
-    assert not os.path.exists(workdir)  # its regions' directory went with it
+    assert not any(os.path.exists(p) for p in paths)  # its regions went with it
+
+
+def test_regions_of_a_killed_private_sidecar_are_removed_by_the_next(tmp_path):
+    """A vLLM killed outright (SIGKILL) takes its private sidecar's cleanup with it; the
+    regions it leaves in memory are removed when the next private sidecar starts."""
+    import signal
+
+    import httpx
+
+    from kvtier.chunk_format import encode_chunk
+    from kvtier.client import Client
+    from kvtier.connectors import private_sidecar
+
+    options = {"tiers": {"cpu_bytes": 4 << 20, "disk_dir": None}}
+    first = private_sidecar.start(options, 1 << 16)
+    with Client(first.url, token=first.token, shm=True) as kv:
+        key = _keys(1)[0]
+        kv.put_chunk(key, encode_chunk(key, b"fp", torch.zeros(2, 2, 4, 1, 8)))
+        assert kv.shm
+        (region,) = httpx.get(f"{first.url}/v1/regions",
+                              headers={"Authorization": f"Bearer {first.token}"}).json()
+        proc = private_sidecar._running.pop(first.url).proc
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert os.path.exists(region["path"])  # left behind
+    second = private_sidecar.start(options, 1 << 16)
+    try:
+        assert not os.path.exists(region["path"])
+    finally:
+        private_sidecar.stop(second)
 
 
 def test_private_sidecar_starts_whatever_its_token_looks_like(tmp_path, monkeypatch):

@@ -48,6 +48,12 @@ def test_chunks_round_trip_through_a_region_in_cpu_and_disk_tiers(tmp_path):
             assert bytes(kv.get_chunk_into(k, out)) == served(b)
             assert kv.get_chunk(k) == served(b)  # the same chunks over HTTP bodies
         assert kv.shm and len(_regions(tmp_path)) == 1
+        regions = kv.stats()["regions"]  # what crossed the region, not the bodies
+        assert regions["enabled"] and regions["held"] == 1
+        assert regions["transfers"] == {"put": 7, "get": 6}
+        assert regions["transfer_bytes"]["get"] == sum(len(served(b)) for b in blobs.values())
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'kvtier_shm_region_transfers_total{op="put"} 7.0' in metrics
         tiers = {r["name"]: r for r in kv.stats()["tiers"]}
         assert tiers["disk"]["chunks"] >= 1 and tiers["cpu"]["chunks"] >= 1  # both were used
         assert kv.get_chunk_into(key(99), out) is None
@@ -146,6 +152,8 @@ def test_a_client_falls_back_to_bodies_where_no_region_can_be_used(tmp_path):
         assert kv.put_chunk(key(1), blob)["status"] == "stored"
         assert not kv.shm  # turned off after the server said no
         assert bytes(kv.get_chunk_into(key(1), bytearray(1 << 16))) == served(blob)
+        regions = kv.stats()["regions"]
+        assert not regions["enabled"] and regions["transfers"] == {"put": 0, "get": 0}
 
 
 def test_a_missing_shm_dir_is_said_at_start_and_offers_no_region(tmp_path, caplog):
