@@ -156,6 +156,9 @@ class KVTierConnector(KVConnectorBase_V1):
                                             save_decode=bool(self.extra.get("save_decode", True)),
                                             policy=self._policy(), role=self.kv_role)
         self.worker_side = WorkerSide(self._open_store, self.grid)
+        if self.role == KVConnectorRole.SCHEDULER:
+            recompute_failed_loads(self._kv_transfer_config,
+                                   _flag(self.extra, "recompute_failed_loads", True))
         if not (self._needs_shared and self.role == KVConnectorRole.WORKER):
             self._open_store()  # now, not on the first request (an arena is allocated)
 
@@ -375,6 +378,19 @@ class KVTierConnector(KVConnectorBase_V1):
             self._store.close()
         if self._shared is not None and self.role == KVConnectorRole.SCHEDULER:
             private_sidecar.stop(self._shared)
+
+
+def recompute_failed_loads(config: Any, recompute: bool) -> None:
+    """A chunk that cannot be loaded (evicted between the lookup and the load, corrupt, a
+    store gone) is a cache miss, its blocks recomputed, not a failed request. vLLM's own
+    default (``kv_load_failure_policy: fail``, for peers whose KV cannot be recomputed)
+    ends the request with an error instead; the scheduler reads the policy right after it
+    builds its connector, so the connector sets ``recompute`` there, unless its option
+    ``recompute_failed_loads`` is false (then vLLM's setting stands)."""
+    if recompute and getattr(config, "kv_load_failure_policy", "recompute") != "recompute":
+        config.kv_load_failure_policy = "recompute"
+        log.info("kvtier connector: blocks that fail to load are recomputed "
+                 "(kv_load_failure_policy: recompute; recompute_failed_loads: false keeps vLLM's)")
 
 
 def _flag(extra: dict[str, Any], name: str, default: bool) -> bool:

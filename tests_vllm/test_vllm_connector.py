@@ -96,6 +96,19 @@ def test_in_process_tiers(model_dir, baseline, tmp_path):
     assert metrics["vllm:kvtier_recomputed_by_decision_tokens"] == 0
 
 
+@pytest.mark.parametrize("async_loads", [True, False])
+def test_corrupt_stored_kv_is_recomputed_not_used(model_dir, baseline, tmp_path, async_loads):
+    """Every stored chunk corrupted on disk before the second request: each load fails its
+    checksum, vLLM recomputes those blocks (told through the connector's load errors) and
+    the tokens are vLLM alone's, with either load protocol."""
+    extra = {"tiers": {"cpu_bytes": 0, "disk_dir": str(tmp_path / "c"), "disk_fsync": False},
+             "async_loads": async_loads}
+    results, metrics = run_vllm(model_dir, "kvtier", extra, scenario="corrupt")
+    assert metrics["vllm:kvtier_load_errors"] > 0  # the corrupt chunks were found so
+    assert metrics["vllm:kvtier_loaded_blocks"] < shared_blocks(results)
+    check_tokens(results, baseline)
+
+
 def test_loads_before_the_forward_pass(model_dir, baseline, tmp_path):
     """``async_loads`` false: the second request's prefix is loaded in ``start_load_kv``,
     before the step's forward pass (the other tests run the default, vLLM's async-load

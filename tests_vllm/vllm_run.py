@@ -6,7 +6,9 @@ the tensor-parallel size (1; 2 runs a worker process per core).
 SCENARIO ``shared`` (default): two greedy requests sharing a long prefix; ``turns``: a
 conversation of two turns, the second sending the first's prompt and reply back with a new
 message (token ids); ``session``: the same, both requests with vLLM's session id "alice"; ``prefill`` / ``decode``: the first request only, run for one token
-(a prefill instance) or in full (its decode peer). Then one JSON line per request and one with the metrics.
+(a prefill instance) or in full (its decode peer); ``corrupt``: as ``shared``, with one byte
+of every chunk file in the connector's ``tiers.disk_dir`` flipped between the two requests.
+Then one JSON line per request and one with the metrics.
 """
 
 from __future__ import annotations
@@ -73,10 +75,28 @@ def main() -> None:
         report(llm.generate([f"{PREFIX} {SUFFIXES[0]}"], params)[0])
     else:
         params = SamplingParams(max_tokens=12, temperature=0, logprobs=3)
-        for suffix in SUFFIXES:
+        for i, suffix in enumerate(SUFFIXES):
+            if scenario == "corrupt" and i:
+                corrupt(json.loads(sys.argv[3])["tiers"]["disk_dir"])
             report(llm.generate([f"{PREFIX} {suffix}"], params)[0])
     metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
     print("METRICS " + json.dumps({k: v for k, v in metrics.items() if "cache" in k or "kvtier" in k}), flush=True)
+
+
+def corrupt(disk_dir: str) -> None:
+    """Flip a byte in the middle of every file under ``disk_dir`` (the stored chunks'
+    payloads: bytes a checksum covers)."""
+    for root, _, files in os.walk(disk_dir):
+        for name in files:
+            path = os.path.join(root, name)
+            size = os.path.getsize(path)
+            if size < 4096:
+                continue
+            with open(path, "r+b") as f:
+                f.seek(size // 2)
+                byte = f.read(1)
+                f.seek(size // 2)
+                f.write(bytes([byte[0] ^ 0xFF]))
 
 
 def in_session(llm, prompt, params, session, rid):
