@@ -64,10 +64,9 @@ def _env(options: Mapping[str, Any], slot_bytes: int, regions: str, token: str
          ) -> dict[str, str]:
     """The child's configuration: the connector's ``tiers`` as ``KVTIER_TIERS__*``, CPU slots
     sized to the connector's chunks, shared-memory regions in ``regions`` (see
-    :func:`regions_dir`). The
-    token travels in the environment, not argv: argv is visible to every user in ``ps``, and
-    argparse reads a token that starts with ``-`` (one in 64 of ``token_urlsafe``) as an
-    option and refuses to start."""
+    :func:`regions_dir`). The token travels in the environment, not argv: argv is visible
+    to every user in ``ps``, and argparse reads a token that starts with ``-`` (one in 64
+    of ``token_urlsafe``) as an option and refuses to start."""
     env = dict(os.environ, KVTIER_SERVER__CHUNK_SLOT_BYTES=str(slot_bytes),
                KVTIER_SERVER__SHM_DIR=regions,
                KVTIER_SERVER__AUTH_TOKEN=token)
