@@ -94,10 +94,10 @@ def setups(workdir: Path) -> dict[str, VllmSetup]:
                           "disk_fsync": False}}}, env=ONE_PROCESS),
         **_option_setups(workdir),
         "lmcache": VllmSetup("lmcache", {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"},
-                             extra_path=_site_packages(REPO / ".venv-lmcache")),
+                             extra_path=_site_packages(REPO / ".venv-lmcache"), peer=True),
         "vllm-native": VllmSetup("vllm-native", {
             "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30}}),
+            "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30}}, peer=True),
     }
 
 
@@ -150,6 +150,14 @@ def round_order(names: list[str], round_index: int) -> list[str]:
     return names[k:] + names[:k]
 
 
+def round_runs(names: list[str], round_index: int, known: dict[str, VllmSetup],
+               peer_rounds: int | None) -> list[str]:
+    """The setups round ``round_index`` runs, in order: the peers only in the first
+    ``peer_rounds`` rounds (None: in every round)."""
+    return [n for n in round_order(names, round_index)
+            if not (known[n].peer and peer_rounds is not None and round_index >= peer_rounds)]
+
+
 def _site_packages(venv: Path) -> str | None:
     """The site-packages of ``venv`` (LMCache's environment, built by the test command)."""
     found = sorted(venv.glob("lib/python3*/site-packages"))
@@ -173,6 +181,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "(default: every core, 0-N; vLLM binds one core by default, both with a connector)")
     p.add_argument("--setup-limit-s", type=float, default=600.0,
                    help="time one setup's replay may take (one that stalls is cut and says so)")
+    p.add_argument("--peer-rounds", type=int, default=None,
+                   help="run the peers (lmcache, vllm-native) in the first N rounds only "
+                   "(default: every round): a peer that cannot serve on this host says so once")
+    p.add_argument("--peer-limit-s", type=float, default=None,
+                   help="the peers' replay limit (default: --setup-limit-s)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None)
     p.set_defaults(func=run)
@@ -194,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
         for r in range(args.rounds):
             rounds.append({})
             known = round_setups(Path(tmp), r)
-            for name in round_order(names, r):
+            for name in round_runs(names, r, known, args.peer_rounds):
                 console.print(f"round {r + 1}: [bold]{name}[/bold] ...")
                 rounds[-1][name] = _one(known[name], args, work, Path(tmp) / f"r{r}-{name}")
                 rows = _summarise([n for n in names if n in rounds[0]], rounds)
@@ -244,11 +257,12 @@ def _one(setup: VllmSetup, args: argparse.Namespace, work: ChatWorkload, workdir
             sidecar = start_kvtier_serve(workdir, slot_bytes=_chunk_bytes(args, setup))
         server = start_vllm(args.vllm_python, args.model, setup, workdir, args,
                             sidecar.url if sidecar else None)
-        done = asyncio.run(replay(server.url, "m", work, limit_s=args.setup_limit_s))
+        limit_s = _limit_s(setup, args)
+        done = asyncio.run(replay(server.url, "m", work, limit_s=limit_s))
         got = {"turns": done.turns, "wall_s": done.wall_s, "metrics": metrics(server.url)}
         if not done.finished:
             got["unfinished"] = (f"{len(done.turns)} of {work.conversations * work.turns} turns "
-                                 f"in {args.setup_limit_s:.0f} s; it logged: "
+                                 f"in {limit_s:.0f} s; it logged: "
                                  f"{root_cause(server.log.read_text(errors='replace'))}")
         return got
     except RuntimeError as exc:
@@ -257,6 +271,13 @@ def _one(setup: VllmSetup, args: argparse.Namespace, work: ChatWorkload, workdir
         for s in (server, sidecar):
             if s is not None:
                 s.stop()
+
+
+def _limit_s(setup: VllmSetup, args: argparse.Namespace) -> float:
+    """How long ``setup``'s replay may take: a peer's own limit where one is given."""
+    if setup.peer and args.peer_limit_s is not None:
+        return args.peer_limit_s
+    return args.setup_limit_s
 
 
 def _stats(values: list[float]) -> dict[str, float | None]:

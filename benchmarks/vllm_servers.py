@@ -32,6 +32,9 @@ class VllmSetup:
     """Site-packages to append to vLLM's path (a peer's environment, e.g. LMCache's)."""
     env: tuple[tuple[str, str], ...] = ()
     """Environment for vLLM beyond the bench's (e.g. one process: no multiprocessing)."""
+    peer: bool = False
+    """Another project's connector (LMCache, vLLM's own offloading): it may run fewer rounds
+    and under a limit of its own (``--peer-rounds``, ``--peer-limit-s``)."""
 
 
 @dataclass

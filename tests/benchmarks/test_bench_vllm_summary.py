@@ -92,6 +92,25 @@ def test_each_round_starts_one_setup_later():
     assert round_order([], 2) == []
 
 
+def test_peers_run_in_their_rounds_only_and_under_their_own_limit(tmp_path):
+    """``--peer-rounds 1``: LMCache and vLLM's own offloading run in the first round (a
+    peer that cannot serve on this host says so once), kvtier and vLLM alone in every
+    round; ``--peer-limit-s`` bounds the peers' replays only."""
+    import argparse
+
+    from kvtier.benchmarks.vllm_bench import _limit_s, round_runs, setups
+
+    known = setups(tmp_path)
+    names = ["alone", "kvtier-inprocess", "lmcache", "vllm-native"]
+    assert sorted(round_runs(names, 0, known, 1)) == sorted(names)
+    assert sorted(round_runs(names, 1, known, 1)) == ["alone", "kvtier-inprocess"]
+    assert sorted(round_runs(names, 3, known, None)) == sorted(names)
+    args = argparse.Namespace(setup_limit_s=1200.0, peer_limit_s=300.0)
+    assert _limit_s(known["lmcache"], args) == 300.0
+    assert _limit_s(known["kvtier-serve"], args) == 1200.0
+    assert _limit_s(known["lmcache"], argparse.Namespace(setup_limit_s=900.0, peer_limit_s=None)) == 900.0
+
+
 def test_a_setups_sidecar_slots_fit_its_own_chunks(tmp_path):
     """The shared sidecar's CPU slots are sized to the chunks the setup's connector writes:
     a one-block-chunk setup gets one-block slots (chunk-sized slots would leave most of each
