@@ -133,6 +133,11 @@ def _save_pacing_setups(workdir: Path) -> dict[str, VllmSetup]:
         "kvtier-serve-no-yield": VllmSetup("kvtier-serve-no-yield", {
             **KVTIER, "kv_connector_extra_config": {"shm": True, "saves_yield_to_prefill": False}},
             sidecar=True),
+        # saves that yield but start a chunk as soon as a prefill step ends (``save_step_gap_s``
+        # 0), often beside the next prefill step
+        "kvtier-serve-gap-starts": VllmSetup("kvtier-serve-gap-starts", {
+            **KVTIER, "kv_connector_extra_config": {"shm": True, "save_step_gap_s": 0}},
+            sidecar=True),
     }
 
 

@@ -310,7 +310,8 @@ class KVTierConnector(KVConnectorBase_V1):
                                       async_loads=self.async_loads,
                                       accept_codecs=accept_codecs(self.extra),
                                       saves_yield=(None if "saves_yield_to_prefill" not in self.extra
-                                                   else _flag(self.extra, "saves_yield_to_prefill", False)))
+                                                   else _flag(self.extra, "saves_yield_to_prefill", False)),
+                                      save_step_gap_s=_seconds(self.extra, "save_step_gap_s"))
         self.worker_side.register(kv_caches, self._kv_cache_config.num_blocks)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
@@ -401,6 +402,20 @@ def _flag(extra: dict[str, Any], name: str, default: bool) -> bool:
             raise ConfigError(f"kvtier connector: {name} must be true or false, not {value!r}")
         return value.strip().lower() in ("true", "1", "yes")
     return bool(value)
+
+
+def _seconds(extra: dict[str, Any], name: str) -> float | None:
+    """A duration option of ``kv_connector_extra_config`` in seconds (None: unset)."""
+    value = extra.get(name)
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"kvtier connector: {name} must be a number of seconds, not {value!r}") from None
+    if not 0 <= seconds <= 60:  # NaN too
+        raise ConfigError(f"kvtier connector: {name} must be between 0 and 60 seconds, not {value!r}")
+    return seconds
 
 
 def _worker_rank(world: int) -> Rank:

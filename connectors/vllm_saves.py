@@ -12,7 +12,9 @@ step's forward pass, so it reads what that pass wrote.
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
+import math
 import os
 import threading
 import time
@@ -47,22 +49,43 @@ MAX_YIELD_S = 1.0
 fraction of a user's think time): under a stream of prefills it runs anyway, so that
 finished requests' blocks are not held for it without bound."""
 
+STEP_GAP_S = 0.05
+"""How long vLLM must have been between steps before a yielding save starts a chunk
+there. vLLM schedules its next step within milliseconds of the last one's end, and a
+chunk started in that gap runs beside the next step, which after a prefill is often
+another prefill (requests that arrived together are prefilled in consecutive steps):
+a chunk starts while a decode step runs, or once vLLM has been idle this long."""
+
+
+class _Step(enum.Enum):
+    """What vLLM's worker is doing, as a yielding save sees it."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    GAP = "gap"
+    """Between steps (or idle since :attr:`SaveQueue._ended_at`)."""
+
 
 class SaveQueue:
     """Background saves, one at a time in submission order, counted per request.
-    ``yield_to_prefill``: the background thread starts each chunk only while no prefill
-    step runs (:meth:`step_started`), up to :data:`MAX_YIELD_S` a save."""
+    ``yield_to_prefill``: the background thread starts each chunk only while a decode step
+    runs or vLLM is idle (:meth:`step_started`, :data:`STEP_GAP_S`), up to
+    :data:`MAX_YIELD_S` a save."""
 
     def __init__(self, background: bool = True, idle: bool = False,
-                 yield_to_prefill: bool = False) -> None:
+                 yield_to_prefill: bool = False, step_gap_s: float | None = None) -> None:
         self.background = background
         """False: every save runs in the caller (vLLM waits for it)."""
         self.idle = idle
         """The background thread runs at idle priority: only on a core vLLM leaves free."""
         self.yield_to_prefill = yield_to_prefill and background
-        self._clear = threading.Event()
-        """Set while no prefill step runs (always, unless ``yield_to_prefill``)."""
-        self._clear.set()
+        self.step_gap_s = STEP_GAP_S if step_gap_s is None else max(0.0, step_gap_s)
+        """How long vLLM is idle between steps before a yielding save starts a chunk there
+        (0: at once, as soon as a prefill step ends)."""
+        self._step = _Step.GAP
+        self._ended_at = -math.inf
+        """When the last step ended (-inf: idle since a drain, or no step yet)."""
+        self._changed = threading.Condition()
         self._deadline = threading.local()
         self._pool = (ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm-save",
                                          initializer=idle_priority if idle else None)
@@ -97,21 +120,35 @@ class SaveQueue:
     def step_started(self, prefill: bool) -> None:
         """vLLM starts a step (``prefill``: it computes prompt tokens, not only one token
         a request): with ``yield_to_prefill``, saves wait until it ends."""
-        if self.yield_to_prefill and prefill:
-            self._clear.clear()
+        self._set(_Step.PREFILL if prefill else _Step.DECODE)
 
     def step_ended(self) -> None:
-        self._clear.set()
+        self._set(_Step.GAP, time.monotonic())
+
+    def _set(self, step: _Step, ended_at: float | None = None) -> None:
+        with self._changed:
+            self._step = step
+            if ended_at is not None:
+                self._ended_at = ended_at
+            self._changed.notify_all()
 
     def pause(self) -> None:
-        """Called by a save before each chunk: waits while a prefill step runs, no longer
-        than :data:`MAX_YIELD_S` since its save began."""
-        if self._clear.is_set():
+        """Called by a save before each chunk: with ``yield_to_prefill`` it waits while a
+        prefill step runs or vLLM is between steps (less than :attr:`step_gap_s` since
+        the last ended), no longer than :data:`MAX_YIELD_S` since its save began."""
+        if not self.yield_to_prefill:
             return
         deadline = getattr(self._deadline, "at", None)
-        left = MAX_YIELD_S if deadline is None else deadline - time.monotonic()
-        if left > 0:
-            self._clear.wait(left)
+        deadline = time.monotonic() + MAX_YIELD_S if deadline is None else deadline
+        with self._changed:
+            while self._step is not _Step.DECODE:
+                now = time.monotonic()
+                wait = deadline - now
+                if self._step is _Step.GAP:
+                    wait = min(wait, self._ended_at + self.step_gap_s - now)
+                if wait <= 0:
+                    return
+                self._changed.wait(wait)
 
     def _run_in_background(self, ids: list[str], save: Callable[[], None]) -> None:
         """On the background thread a save's writes are background ones: on a drive they
@@ -152,7 +189,7 @@ class SaveQueue:
     def drain(self) -> None:
         """Wait for every save submitted so far (a save yielding to a prefill goes on:
         whoever drains needs it now)."""
-        self._clear.set()
+        self._set(_Step.GAP, -math.inf)
         last = self._last
         if last is not None:
             last.result()

@@ -100,7 +100,7 @@ class WorkerSide:
     def __init__(self, store: Callable[[], ChunkStore], grid: ChunkGrid, rank: Rank = Rank(),
                  background: bool = False, idle_saves: bool = False,
                  async_loads: bool = False, accept_codecs: frozenset[str] | None = None,
-                 saves_yield: bool | None = False) -> None:
+                 saves_yield: bool | None = False, save_step_gap_s: float | None = None) -> None:
         self._store = store
         self.accept_codecs = accept_codecs
         """The codecs of stored KV this worker loads (None: whatever the store lends, which
@@ -113,7 +113,8 @@ class WorkerSide:
         self._pieces: BlockPieces | None = None
         self._device: DeviceIO | None = None
         self.stats = WorkerStats()
-        self.saves = SaveQueue(background, idle_saves, yield_to_prefill=bool(saves_yield))
+        self.saves = SaveQueue(background, idle_saves, yield_to_prefill=bool(saves_yield),
+                               step_gap_s=save_step_gap_s)
         self._saves_yield = saves_yield
         """Saves yield to prefill steps; None: where vLLM's cache is on the host (its
         prefill and the saves share the cores), decided at :meth:`register`."""

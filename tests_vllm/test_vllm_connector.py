@@ -241,3 +241,16 @@ def test_prefill_on_one_instance_decode_on_another(model_dir, baseline, tmp_path
         server.wait(timeout=30)
     assert decoded["num_cached_tokens"] == (len(decoded["prompt_ids"]) - 1) // BLOCK * BLOCK
     check_tokens([decoded], baseline[:1])
+
+
+def test_duration_options_are_checked():
+    """``save_step_gap_s``: seconds, 0 to 60; anything else is refused at start, by name."""
+    from kvtier.connectors.vllm_connector import _seconds
+    from kvtier.errors import ConfigError
+
+    assert _seconds({}, "save_step_gap_s") is None
+    assert _seconds({"save_step_gap_s": "0.02"}, "save_step_gap_s") == 0.02
+    assert _seconds({"save_step_gap_s": 0}, "save_step_gap_s") == 0.0
+    for bad in ("soon", -1, 61, float("nan"), [1]):
+        with pytest.raises(ConfigError, match="save_step_gap_s"):
+            _seconds({"save_step_gap_s": bad}, "save_step_gap_s")

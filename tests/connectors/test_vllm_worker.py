@@ -610,6 +610,51 @@ def test_saves_that_yield_wait_out_a_prefill_step_and_no_longer_than_the_bound(t
         worker.close()
 
 
+def test_a_yielding_save_starts_no_chunk_in_the_gap_between_steps(tmp_path, monkeypatch):
+    """vLLM starts its next step milliseconds after the last one ended, often another
+    prefill: a save that waited out a prefill does not start a chunk in that gap; it
+    waits on through the next prefill, starts with a decode step, or once vLLM has been
+    idle for ``STEP_GAP_S``."""
+    from kvtier.connectors import vllm_saves
+
+    monkeypatch.setattr(vllm_saves, "STEP_GAP_S", 0.5)
+    src = caches(NUM_BLOCKS, True, seed=37)
+    store = _local(src, tmp_path)
+    keys = _keys(4)
+    worker = WorkerSide(lambda: store, GRID, background=True, saves_yield=True)
+    worker.register(src, NUM_BLOCKS)
+
+    def stored_within(n: int, seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while store.lookup(keys) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return store.lookup(keys) >= n
+
+    try:
+        worker.saves.step_started(prefill=True)
+        worker.save([ChunkTransfer("a", _transfer(keys, [0, 1, 2, 3])[0].chunks)])
+        worker.saves.step_ended()
+        worker.saves.step_started(prefill=True)  # the next prefill, at once
+        assert not stored_within(1, 0.7)  # longer than the gap: the step runs
+        worker.saves.step_ended()
+        t0 = time.monotonic()
+        assert not stored_within(1, 0.2)  # in the gap: nothing starts
+        worker.saves.step_started(prefill=False)  # a decode step: the save goes
+        assert stored_within(2, 30) and time.monotonic() - t0 < 10
+        worker.saves.step_ended()
+
+        worker.saves.step_started(prefill=True)
+        more = _keys(8)[2:4]
+        keys = _keys(8)
+        worker.save([ChunkTransfer("b", _transfer(more, [4, 5, 6, 7])[0].chunks)])
+        worker.saves.step_ended()
+        t0 = time.monotonic()
+        assert stored_within(4, 30)  # vLLM went idle: after the gap
+        assert time.monotonic() - t0 >= 0.4
+    finally:
+        worker.close()
+
+
 class _DyingStore(LocalChunkStore):
     """The in-process store whose medium goes away after ``puts`` stores (a sidecar that
     dies mid-save)."""
