@@ -119,7 +119,8 @@ class SaveQueue:
 
     def step_started(self, prefill: bool) -> None:
         """vLLM starts a step (``prefill``: it computes prompt tokens, not only one token
-        a request): with ``yield_to_prefill``, saves wait until it ends."""
+        a request): with ``yield_to_prefill``, saves wait while it runs, and after it
+        until a decode step starts or vLLM has been idle :attr:`step_gap_s`."""
         self._set(_Step.PREFILL if prefill else _Step.DECODE)
 
     def step_ended(self) -> None:
