@@ -55,6 +55,14 @@ def setups(workdir: Path) -> dict[str, VllmSetup]:
         "kvtier-serve-sync": VllmSetup("kvtier-serve-sync", {
             **KVTIER, "kv_connector_extra_config": {"shm": True, "async_loads": False}},
             sidecar=True),
+        # the same, each load parked or before the forward pass, chosen per request
+        "kvtier-inprocess-auto": VllmSetup("kvtier-inprocess-auto", {
+            **KVTIER, "kv_connector_extra_config": {
+                "tiers": {"cpu_bytes": 1 << 30, "disk_dir": str(workdir / "inprocess-auto-chunks"),
+                          "disk_fsync": False}, "async_loads": "auto"}}),
+        "kvtier-serve-auto": VllmSetup("kvtier-serve-auto", {
+            **KVTIER, "kv_connector_extra_config": {"shm": True, "async_loads": "auto"}},
+            sidecar=True),
         # a diagnostic: the same tiers, saving only (``kv_producer``, background saves): the
         # connector's cost under the load vLLM alone sees (returning turns recompute)
         "kvtier-saves-only": VllmSetup("kvtier-saves-only", {
@@ -329,6 +337,8 @@ def _round_row(got: dict[str, Any], reference: dict[str, Any] | None) -> dict[st
         "connector_forward_share": forward / step if step else None,
         "connector_schedule_s": m.get("vllm:kvtier_schedule_seconds_total"),
         "kvtier_lookups": m.get("vllm:kvtier_lookups_total"),
+        "parked_loads": m.get("vllm:kvtier_parked_loads_total"),
+        "loads_before_forward": m.get("vllm:kvtier_loads_before_forward_total"),
         "save_hold_s": m.get("vllm:kvtier_save_hold_seconds_total"),
         "held_requests": m.get("vllm:kvtier_held_requests_total"),
         "external_hit_tokens": m.get("vllm:external_prefix_cache_hits_total"),

@@ -66,6 +66,9 @@ class ChunkTransfer:
     chunks: list[ChunkSpan]
     session: str | None = None
     """The request's session (vLLM's session id), for the tiers' session-aware eviction."""
+    parked: bool = False
+    """A load's: vLLM parked the request while it loads (its async-load protocol: on the
+    loading thread); else it is loaded before the step's forward pass."""
 
 
 @dataclass
@@ -83,10 +86,19 @@ class StepPlan:
     prefill: bool = False
     """The step computes prompt tokens (more tokens than requests)."""
 
-    def needs_finishing(self) -> bool:
-        """A load of this step reads a chunk a finishing save writes."""
+    def needs_finishing(self, loads: list[ChunkTransfer] | None = None) -> bool:
+        """A load of this step (of ``loads``) reads a chunk a finishing save writes."""
         written = {c.key for t in self.finishing for c in t.chunks}
-        return any(c.key in written for t in self.loads for c in t.chunks)
+        return any(c.key in written for t in (self.loads if loads is None else loads)
+                   for c in t.chunks)
+
+    def parked_loads(self) -> list[ChunkTransfer]:
+        """The loads of requests vLLM parked (on the loading thread)."""
+        return [t for t in self.loads if t.parked]
+
+    def loads_before_forward(self) -> list[ChunkTransfer]:
+        """The loads that run before the step's forward pass."""
+        return [t for t in self.loads if not t.parked]
 
 
 class Role(enum.Enum):

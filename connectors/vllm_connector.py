@@ -30,7 +30,8 @@ compressed, docs/tiers.md), ``accept_codecs`` (the codecs of stored KV this inst
 ``[none]`` exact KV only; unset: exact KV and what the store's tiers write; a lossy chunk is
 decoded on load), ``chunk_tokens`` (256), ``save_decode`` (true: save
 a finished request's reply too), ``background_saves`` (true), ``async_loads`` (true: vLLM's
-async-load protocol, :mod:`.vllm_loads`; false: load before the forward pass), ``save_priority``
+async-load protocol, :mod:`.vllm_loads`; false: load before the forward pass; ``auto``: per
+request, whichever delays vLLM's requests less), ``save_priority``
 (``normal``; ``idle``: the save thread runs only on a core nothing else wants), ``policy``
 (true: load a
 stored prefix only where that beats recomputing it, :mod:`.vllm_policy`), ``profile`` (a
@@ -62,7 +63,7 @@ from kvtier.connectors.tiers.codec_setup import CodecContext
 from kvtier.connectors.vllm_blocks import DEFAULT_CHUNK_TOKENS, ChunkGrid, Rank, Role, StepPlan
 from kvtier.connectors.vllm_device_io import ENCODABLE
 from kvtier.connectors.vllm_metrics import Deltas, KVTierPromMetrics, KVTierStats
-from kvtier.connectors.vllm_policy import LoadObservation, LoadPolicy
+from kvtier.connectors.vllm_policy import LoadObservation, LoadPolicy, LoadTiming
 from kvtier.connectors.vllm_scheduler import SchedulerSide
 from kvtier.connectors.vllm_worker import WorkerSide
 from kvtier.errors import ConfigError
@@ -149,12 +150,14 @@ class KVTierConnector(KVConnectorBase_V1):
         self._deltas = Deltas()
         self._step_t0: float | None = None
         self.kv_role = Role(self._kv_transfer_config.kv_role or "kv_both")
-        self.async_loads = _flag(self.extra, "async_loads", True)
+        self.load_timing = LoadTiming.of(self.extra.get("async_loads", True))
         """Loads off the forward path: vLLM parks a request while its KV loads on a
-        background thread (:mod:`.vllm_loads`); else loads run before the forward pass."""
+        background thread (:mod:`.vllm_loads`); or before the forward pass; or either,
+        chosen per request (``auto``: :meth:`LoadPolicy.parks`)."""
         self.scheduler_side = SchedulerSide(self._open_store, self.grid, self.world,
                                             save_decode=bool(self.extra.get("save_decode", True)),
-                                            policy=self._policy(), role=self.kv_role)
+                                            policy=self._policy(), role=self.kv_role,
+                                            timing=self.load_timing)
         self.worker_side = WorkerSide(self._open_store, self.grid)
         if self.role == KVConnectorRole.SCHEDULER:
             recompute_failed_loads(self._kv_transfer_config,
@@ -168,7 +171,8 @@ class KVTierConnector(KVConnectorBase_V1):
         if self.role == KVConnectorRole.SCHEDULER:
             s = self.scheduler_side
             return {"hit_blocks": s.hit_blocks, "recomputed_by_decision_tokens": s.recomputed_by_decision,
-                    "schedule_seconds": s.busy_s, "lookups": s.lookups}
+                    "schedule_seconds": s.busy_s, "lookups": s.lookups,
+                    "parked_loads": s.parked_loads, "loads_before_forward": s.forward_loads}
         w, saves = self.worker_side.stats, self.worker_side.saves
         return {"loaded_blocks": w.loaded_blocks, "saved_blocks": w.saved_blocks,
                 "derived_blocks": w.derived_blocks,
@@ -258,7 +262,7 @@ class KVTierConnector(KVConnectorBase_V1):
     ) -> tuple[int | None, bool]:
         with self._scheduling():
             n = self.scheduler_side.matched_tokens(request, num_computed_tokens)
-            return n, self.async_loads and n > 0
+            return n, n > 0 and self.scheduler_side.parks(request)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -307,7 +311,7 @@ class KVTierConnector(KVConnectorBase_V1):
             raise ConfigError(f"kvtier connector: save_priority must be idle or normal, not {idle!r}")
         self.worker_side = WorkerSide(self._open_store, self.grid, _worker_rank(self.world),
                                       background=bool(background), idle_saves=idle == "idle",
-                                      async_loads=self.async_loads,
+                                      async_loads=self.load_timing is not LoadTiming.BEFORE_FORWARD,
                                       accept_codecs=accept_codecs(self.extra),
                                       saves_yield=(None if "saves_yield_to_prefill" not in self.extra
                                                    else _flag(self.extra, "saves_yield_to_prefill", False)),
@@ -344,12 +348,13 @@ class KVTierConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         plan = self._plan()
         self.worker_side.save(plan.finishing)  # finished requests' last chunks, blocks held
-        if self.async_loads:  # on the loading thread, after the saves they read
-            self.worker_side.load_async(plan.loads, after_saves=plan.needs_finishing())
-            return
-        if plan.needs_finishing():
-            self.worker_side.wait_saves()
-        self.worker_side.load(plan.loads)
+        now = plan.loads_before_forward()
+        if now:
+            if plan.needs_finishing(now):
+                self.worker_side.wait_saves()
+            self.worker_side.load(now)
+        parked = plan.parked_loads()  # on the loading thread, after the saves they read
+        self.worker_side.load_async(parked, after_saves=plan.needs_finishing(parked))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return

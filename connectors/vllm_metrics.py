@@ -20,6 +20,8 @@ COUNTERS: dict[str, str] = {
     "derived_blocks": "Blocks saved by cutting them out of a stored segment that held them (nothing uploaded).",
     "load_errors": "Blocks whose chunk was missing or failed its checks (vLLM recomputed them).",
     "recomputed_by_decision_tokens": "Stored tokens recomputed because loading them was slower.",
+    "parked_loads": "Requests whose KV loaded while vLLM parked them (its async-load protocol).",
+    "loads_before_forward": "Requests whose KV loaded before the forward pass of the step that scheduled them.",
     "load_seconds": "Time loads held vLLM's forward path.",
     "save_wait_seconds": "Time saves held vLLM's forward path (submitting, draining).",
     "step_seconds": "Time of vLLM's steps the connector took part in (its share: the two above).",

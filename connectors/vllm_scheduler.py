@@ -31,7 +31,7 @@ from kvtier.connectors.vllm_blocks import (
     StepPlan,
 )
 from kvtier.connectors.vllm_lookup import FINISHING, PrefixProbe, Stored
-from kvtier.connectors.vllm_policy import LoadObservation, LoadPolicy
+from kvtier.connectors.vllm_policy import LoadObservation, LoadPolicy, LoadTiming
 from kvtier.connectors.vllm_sources import SegmentSources
 from kvtier.connectors.vllm_turns import TurnReporter
 from kvtier.policies.restore import StoredChunk
@@ -71,6 +71,8 @@ class _Found:
     load: tuple[Stored, ...]
     declined: int = 0
     """Stored tokens the policy chose to recompute."""
+    parked: bool = True
+    """The load runs parked (vLLM's async-load protocol), not before the forward pass."""
 
     @property
     def blocks(self) -> int:
@@ -83,9 +85,11 @@ class SchedulerSide:
 
     def __init__(self, store: Callable[[], ChunkStore], grid: ChunkGrid, world: int = 1,
                  save_decode: bool = True, policy: LoadPolicy | None = None,
-                 role: Role = Role.BOTH) -> None:
+                 role: Role = Role.BOTH, timing: LoadTiming = LoadTiming.PARKED) -> None:
         self._store = store
         self.role = role
+        self.timing = timing
+        """When planned loads run: parked, before the forward pass, or chosen per request."""
         self.grid = grid
         self.policy = policy
         """Restore or recompute (None: every stored prefix is loaded)."""
@@ -112,6 +116,10 @@ class SchedulerSide:
         self._sources = SegmentSources()
         """Segments saved or found stored: a save of blocks one holds is cut out of it."""
         self.hit_blocks = 0
+        self.parked_loads = 0
+        """Requests loaded while vLLM parked them (its async-load protocol)."""
+        self.forward_loads = 0
+        """Requests loaded before the forward pass of the step that scheduled them."""
         self.busy_s = 0.0
         """Time vLLM's scheduler spent in this side's hooks (kept by the connector)."""
         self._prefetcher: ThreadPoolExecutor | None = None
@@ -195,7 +203,8 @@ class SchedulerSide:
             first += s.blocks
         chain = [s for s in chain if s.take]
         load, declined = self._chosen(chain, computed, len(prompt))
-        found = _Found(computed, covered, load, declined)
+        loads = sum(s.take for s in load) > computed
+        found = _Found(computed, covered, load, declined, not loads or self._parks(load, computed))
         self._found[request.request_id] = found  # acted on once vLLM allocates (no side effect here)
         return max(0, found.blocks * bs - num_computed_tokens) if found.blocks > computed else 0
 
@@ -212,6 +221,28 @@ class SchedulerSide:
             return tuple(chain), 0
         k = self.policy.chunks_to_load(new[skipped:], prompt_tokens, computed * bs)
         return (tuple(chain[: skipped + k]) if k else ()), sum(c.tokens for c in new[skipped + k :])
+
+    def _parks(self, load: tuple[Stored, ...], computed: int) -> bool:
+        """Whether a load of ``load`` past vLLM's ``computed`` blocks runs parked (see
+        :class:`LoadTiming`); one that reads a chunk a finishing save is writing always
+        does (it waits for the save on the loading thread, not on the forward path)."""
+        if self.timing is not LoadTiming.AUTO:
+            return self.timing is LoadTiming.PARKED
+        if self.policy is None or any(s.tier == FINISHING for s in load):
+            return True
+        nbytes: dict[str, int] = {}
+        first = 0
+        for s in load:
+            blocks = max(0, first + s.take - max(first, computed))
+            nbytes[s.tier] = nbytes.get(s.tier, 0) + blocks * self.grid.block_size * self.policy.kv_bytes_per_token
+            first += s.blocks
+        return self.policy.parks(nbytes)
+
+    def parks(self, request: Any) -> bool:
+        """Whether the load the last lookup of ``request`` planned runs parked (vLLM's
+        async-load protocol) rather than before the forward pass."""
+        found = self._found.get(request.request_id)
+        return found is None or found.parked
 
     def _parts(self, keys: Sequence[str]) -> list[str]:
         """Every rank's storage key of each of ``keys``, rank by rank."""
@@ -232,9 +263,13 @@ class SchedulerSide:
         if num_external_tokens <= 0:
             return
         self._loads[request.request_id] = ChunkTransfer(
-            request.request_id, self._spans(state, found), state.session)
+            request.request_id, self._spans(state, found), state.session, parked=found.parked)
         self._load_tiers[request.request_id] = {s.tier for s in found.load}
         self.hit_blocks += found.blocks - found.computed
+        if found.parked:
+            self.parked_loads += 1
+        else:
+            self.forward_loads += 1
 
     def _spans(self, state: _ReqState, found: _Found) -> list[ChunkSpan]:
         """The chunks to load: each one's blocks past those vLLM computed already and no
@@ -260,15 +295,17 @@ class SchedulerSide:
     # ------------------------------------------------------------------- steps
     def step_plan(self, scheduler_output: Any) -> StepPlan:
         """This step's loads, and saves of the chunks the step completes."""
+        scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
         if self.policy is not None:
             self.policy.steps.plan_built(time.monotonic(),
-                                         int(getattr(scheduler_output, "total_num_scheduled_tokens", 0)))
+                                         int(getattr(scheduler_output, "total_num_scheduled_tokens", 0)),
+                                         len(scheduled))
+            self.policy.step_planned()
         plan = StepPlan(loads=list(self._loads.values()), finishing=self._final_saves)
         self._loads.clear()
         self._final_saves = []
         self._finishing.clear()
         plan.preempted = bool(getattr(scheduler_output, "preempted_req_ids", None))
-        scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
         plan.prefill = sum(scheduled.values()) > len(scheduled)
         for req_id, computed in self._progress(scheduler_output).items():
             save = self._completed(req_id, computed)

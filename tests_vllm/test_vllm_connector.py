@@ -18,6 +18,8 @@ import pytest
 
 from kvtier.make_model.presets import get_preset
 from kvtier.make_model.writer import make_model
+from kvtier.policies.cost_model import CostModel, LinearCost, PrefillCost, TierCost
+from kvtier.policies.profile import save_profile
 from tests.serve_process import start_serve
 
 pytestmark = pytest.mark.vllm
@@ -179,6 +181,25 @@ def test_a_returning_turn_restores_the_previous_reply(model_dir, baseline_turns,
     assert reply_hit > len(first["prompt_ids"]) // BLOCK * BLOCK  # the reply fills a block more
     assert second["num_cached_tokens"] == reply_hit
     check_tokens(results, baseline_turns)
+
+
+def test_auto_load_timing_loads_a_small_prefix_before_the_forward_pass(model_dir, baseline_turns,
+                                                                       tmp_path):
+    """``async_loads: auto`` with the RAM tier's speed known (a ``profile``) and vLLM's step
+    time measured over the first request's decode: a regenerated reply's load of the
+    prompt's whole slots (saved during its prefill, not by the final save the first
+    request's end has just planned: a load reading that is always parked) runs before
+    the forward pass of the step that schedules it, with vLLM alone's tokens."""
+    ram = LinearCost(0.0, 10e9)
+    profile = save_profile(tmp_path / "profile.json", CostModel(
+        "any", "any", 1, 1, PrefillCost(0.0, 1e-3, 0.0), {"cpu": TierCost("cpu", ram, ram)}), {})
+    extra = {"tiers": {"cpu_bytes": 64 << 20, "disk_dir": str(tmp_path / "c"), "disk_fsync": False},
+             "async_loads": "auto", "profile": str(profile)}
+    results, metrics = run_vllm(model_dir, "kvtier", extra, scenario="regenerate")
+    assert results[1]["num_cached_tokens"] >= CHUNK_BLOCKS * BLOCK
+    assert (metrics["vllm:kvtier_loads_before_forward"], metrics["vllm:kvtier_parked_loads"]) == (1, 0)
+    assert metrics["vllm:kvtier_load_errors"] == 0
+    check_tokens(results, baseline_turns[:1] * 2)
 
 
 def test_a_sessions_turns_reach_kvtier_serve(model_dir, baseline_turns, tmp_path):

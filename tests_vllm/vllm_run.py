@@ -5,7 +5,8 @@ connector) or ``kvtier`` (KVTierConnector with EXTRA_JSON as kv_connector_extra_
 the tensor-parallel size (1; 2 runs a worker process per core).
 SCENARIO ``shared`` (default): two greedy requests sharing a long prefix; ``turns``: a
 conversation of two turns, the second sending the first's prompt and reply back with a new
-message (token ids); ``session``: the same, both requests with vLLM's session id "alice"; ``prefill`` / ``decode``: the first request only, run for one token
+message (token ids); ``session``: the same, both requests with vLLM's session id "alice";
+``regenerate``: the first turn, then the same prompt again (a regenerated reply); ``prefill`` / ``decode``: the first request only, run for one token
 (a prefill instance) or in full (its decode peer); ``corrupt``: as ``shared``, with one byte
 of every chunk file in the connector's ``tiers.disk_dir`` flipped between the two requests.
 Then one JSON line per request and one with the metrics.
@@ -69,6 +70,10 @@ def main() -> None:
         history = list(first.prompt_token_ids) + list(first.outputs[0].token_ids)
         more = llm.get_tokenizer().encode(f" {SUFFIXES[1]}", add_special_tokens=False)
         report(run({"prompt_token_ids": history + more}, "t2"))
+    elif scenario == "regenerate":  # the turns' first request, then the same again
+        params = SamplingParams(max_tokens=40, temperature=0, logprobs=3)
+        for _ in range(2):
+            report(llm.generate([f"{PREFIX} {SUFFIXES[0]}"], params)[0])
     elif scenario in ("prefill", "decode"):
         tokens = 1 if scenario == "prefill" else 12
         params = SamplingParams(max_tokens=tokens, temperature=0, logprobs=3)

@@ -15,9 +15,10 @@ from kvtier.connectors.tiers.cpu_tier import CPUTier
 from kvtier.connectors.tiers.disk_tier import DiskTier
 from kvtier.connectors.tiers.manager import TierManager
 from kvtier.connectors.vllm_blocks import ChunkGrid
-from kvtier.connectors.vllm_policy import MIN_PREFILL_TOKENS, LoadPolicy, StepMeter
+from kvtier.connectors.vllm_policy import MIN_PREFILL_TOKENS, LoadPolicy, LoadTiming, StepMeter
 from kvtier.connectors.vllm_scheduler import SchedulerSide
 from kvtier.connectors.vllm_worker import WorkerSide
+from kvtier.errors import ConfigError
 from kvtier.policies.cost_model import LinearCost, TierCost
 from kvtier.policies.restore import StoredChunk
 from tests.connectors.vllm_fakes import (
@@ -125,3 +126,63 @@ def test_the_step_meter_ignores_decode_steps_and_idle_gaps():
     meter.plan_built(t, 1000)
     meter.plan_built(t + 60, 1000)  # then the engine idled for a minute
     assert meter.per_token_s() == pytest.approx(1e-3)
+
+
+def _steps(policy: LoadPolicy, seconds: float, requests: int) -> None:
+    """vLLM's steps as the scheduler side sees them: plans ``seconds`` apart, each step
+    running ``requests`` requests (decodes: too few tokens to measure the prefill)."""
+    t = 2000.0
+    for _ in range(5):
+        policy.steps.plan_built(t, requests, requests)
+        t += seconds
+
+
+def test_auto_timing_loads_before_the_forward_only_where_the_steps_requests_wait_less():
+    cpu = TierCost("cpu", LinearCost(0, 1e9), LinearCost(0, 1e9))
+    policy = LoadPolicy(KV_PER_TOKEN, LAYERS, {"cpu": cpu})
+    assert policy.parks({"cpu": 1_000_000})  # vLLM's step time not measured yet
+    _steps(policy, 0.040, requests=3)  # three requests decoding, 40 ms a step
+    assert policy.parks({"disk": 1000})  # a tier never measured
+    # 1 MB at 1 GB/s: the step's 3 requests and this one wait 4 x 1 ms, not a 40 ms step
+    assert not policy.parks({"cpu": 1_000_000})
+    # another request's 10 MB in the same step: 4 x 11 ms > 40 ms, so it is parked
+    assert policy.parks({"cpu": 10_000_000})
+    policy.step_planned()  # the next step starts from nothing
+    assert not policy.parks({"cpu": 9_500_000})
+    policy.step_planned()
+    _steps(policy, 0.040, requests=39)  # a full batch: 40 x 1 ms is the whole step
+    assert policy.parks({"cpu": 1_500_000})
+
+
+def test_auto_timing_in_the_scheduler_parks_a_first_load_then_loads_before_the_forward(tmp_path):
+    """A tier's first load is parked (its speed unknown); once measured, a small load runs
+    before the forward pass of the step that schedules the request, and the counters say
+    which ran how."""
+    slot = 1 << 20
+    sched, worker, prompt = _setup(CPUTier(16 * slot, slot), per_token_s=1e-3)
+    sched.timing = LoadTiming.AUTO
+    first = Request("first", prompt + [7])
+    assert sched.matched_tokens(first, 0) == 8 * BLOCK
+    assert sched.parks(first)  # the cpu tier was never measured
+    _resume(sched, worker, prompt, "first")
+    assert "cpu" in sched.policy.tiers
+    again = Request("again", prompt + [8])
+    assert sched.matched_tokens(again, 0) == 8 * BLOCK
+    assert not sched.parks(again)  # 0.5 s steps: a few KB load long before
+    sched.allocated(again, list(range(20, 30)), 8 * BLOCK)
+    plan = sched.step_plan(SchedulerOutput([NewRequest("again", (list(range(20, 30)),), 8 * BLOCK)],
+                                           num_scheduled_tokens={"again": 1}))
+    assert [t.parked for t in plan.loads] == [False]
+    assert plan.loads_before_forward() == plan.loads and plan.parked_loads() == []
+    assert (sched.parked_loads, sched.forward_loads) == (1, 1)
+    sched.timing = LoadTiming.PARKED
+    assert sched.matched_tokens(Request("parked", prompt + [9]), 0) == 8 * BLOCK
+    assert sched.parks(Request("parked", prompt + [9]))
+
+
+def test_async_loads_option_values():
+    assert LoadTiming.of(True) is LoadTiming.of("true") is LoadTiming.PARKED
+    assert LoadTiming.of(False) is LoadTiming.of("0") is LoadTiming.BEFORE_FORWARD
+    assert LoadTiming.of("Auto") is LoadTiming.AUTO
+    with pytest.raises(ConfigError, match="async_loads must be true, false or auto"):
+        LoadTiming.of("sometimes")
