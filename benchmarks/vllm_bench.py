@@ -25,8 +25,8 @@ from typing import Any
 from kvtier.benchmarks.chat_replay import ChatWorkload, TurnResult, replay
 from kvtier.benchmarks.vllm_servers import (
     VllmSetup,
-    metrics,
     root_cause,
+    settled_metrics,
     start_kvtier_serve,
     start_vllm,
 )
@@ -272,7 +272,7 @@ def _one(setup: VllmSetup, args: argparse.Namespace, work: ChatWorkload, workdir
                             sidecar.url if sidecar else None)
         limit_s = _limit_s(setup, args)
         done = asyncio.run(replay(server.url, "m", work, limit_s=limit_s))
-        got = {"turns": done.turns, "wall_s": done.wall_s, "metrics": metrics(server.url)}
+        got = {"turns": done.turns, "wall_s": done.wall_s, "metrics": settled_metrics(server.url)}
         if not done.finished:
             got["unfinished"] = (f"{len(done.turns)} of {work.conversations * work.turns} turns "
                                  f"in {limit_s:.0f} s; it logged: "

@@ -151,6 +151,23 @@ def start_vllm(python: str, model: str, setup: VllmSetup, workdir: Path, args: A
     return running
 
 
+def settled_metrics(url: str, quiet_s: float = 1.0, limit_s: float = 30.0) -> dict[str, float]:
+    """The server's samples once its counters stopped moving for ``quiet_s`` (at most
+    ``limit_s``): a connector's last saves land after the last reply has been streamed
+    (a finished request's blocks are held for them), and a scrape at once missed them."""
+    import time
+
+    deadline = time.monotonic() + limit_s
+    last = metrics(url)
+    while time.monotonic() < deadline:
+        time.sleep(quiet_s)
+        now = metrics(url)
+        if all(now.get(k) == v for k, v in last.items() if k.endswith("_total")):
+            return now
+        last = now
+    return last
+
+
 def metrics(url: str) -> dict[str, float]:
     """The server's Prometheus samples, summed over labels (``name`` -> value)."""
     import httpx

@@ -129,3 +129,35 @@ def test_a_setups_sidecar_slots_fit_its_own_chunks(tmp_path):
     one = _chunk_bytes(args, every["kvtier-serve-block-chunks"])
     block = 3 * 2 * 32 * 2 * 64 * 4
     assert block <= one < 2 * block and 8 * block <= whole < 9 * block
+
+
+def test_metrics_are_read_once_the_counters_stop_moving():
+    """A server whose counter still grows after the last reply (a connector's last saves
+    landing): the bench reads it once it has stopped, not the first value it sees."""
+    import http.server
+    import threading
+    import time
+
+    from kvtier.benchmarks.vllm_servers import settled_metrics
+
+    started = time.monotonic()
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            saved = min(5, int((time.monotonic() - started) / 0.3))  # grows for 1.5 s
+            body = f"# TYPE kvtier_saved counter\nkvtier_saved_total {saved}\n".encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        got = settled_metrics(f"http://127.0.0.1:{server.server_address[1]}", quiet_s=0.5)
+        assert got["kvtier_saved_total"] == 5
+    finally:
+        server.shutdown()
