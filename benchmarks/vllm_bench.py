@@ -47,22 +47,6 @@ def setups(workdir: Path) -> dict[str, VllmSetup]:
                       "disk_fsync": False}}}),
         "kvtier-serve": VllmSetup("kvtier-serve", {**KVTIER, "kv_connector_extra_config": {"shm": True}},
                                   sidecar=True),
-        # the same, loading before the forward pass (``async_loads`` false)
-        "kvtier-inprocess-sync": VllmSetup("kvtier-inprocess-sync", {
-            **KVTIER, "kv_connector_extra_config": {
-                "tiers": {"cpu_bytes": 1 << 30, "disk_dir": str(workdir / "inprocess-sync-chunks"),
-                          "disk_fsync": False}, "async_loads": False}}),
-        "kvtier-serve-sync": VllmSetup("kvtier-serve-sync", {
-            **KVTIER, "kv_connector_extra_config": {"shm": True, "async_loads": False}},
-            sidecar=True),
-        # the same, each load parked or before the forward pass, chosen per request
-        "kvtier-inprocess-auto": VllmSetup("kvtier-inprocess-auto", {
-            **KVTIER, "kv_connector_extra_config": {
-                "tiers": {"cpu_bytes": 1 << 30, "disk_dir": str(workdir / "inprocess-auto-chunks"),
-                          "disk_fsync": False}, "async_loads": "auto"}}),
-        "kvtier-serve-auto": VllmSetup("kvtier-serve-auto", {
-            **KVTIER, "kv_connector_extra_config": {"shm": True, "async_loads": "auto"}},
-            sidecar=True),
         # a diagnostic: the same tiers, saving only (``kv_producer``, background saves): the
         # connector's cost under the load vLLM alone sees (returning turns recompute)
         "kvtier-saves-only": VllmSetup("kvtier-saves-only", {
@@ -111,7 +95,30 @@ def setups(workdir: Path) -> dict[str, VllmSetup]:
 
 def _option_setups(workdir: Path) -> dict[str, VllmSetup]:
     """kvtier with one connector option changed from its default, to measure that option."""
-    return {**_chunking_setups(workdir), **_save_pacing_setups(workdir)}
+    return {**_load_timing_setups(workdir), **_chunking_setups(workdir),
+            **_save_pacing_setups(workdir)}
+
+
+def _load_timing_setups(workdir: Path) -> dict[str, VllmSetup]:
+    """When loads run (``async_loads``): before the forward pass, or chosen per request."""
+    return {
+        # the same, loading before the forward pass (``async_loads`` false)
+        "kvtier-inprocess-sync": VllmSetup("kvtier-inprocess-sync", {
+            **KVTIER, "kv_connector_extra_config": {
+                "tiers": {"cpu_bytes": 1 << 30, "disk_dir": str(workdir / "inprocess-sync-chunks"),
+                          "disk_fsync": False}, "async_loads": False}}),
+        "kvtier-serve-sync": VllmSetup("kvtier-serve-sync", {
+            **KVTIER, "kv_connector_extra_config": {"shm": True, "async_loads": False}},
+            sidecar=True),
+        # the same, each load parked or before the forward pass, chosen per request
+        "kvtier-inprocess-auto": VllmSetup("kvtier-inprocess-auto", {
+            **KVTIER, "kv_connector_extra_config": {
+                "tiers": {"cpu_bytes": 1 << 30, "disk_dir": str(workdir / "inprocess-auto-chunks"),
+                          "disk_fsync": False}, "async_loads": "auto"}}),
+        "kvtier-serve-auto": VllmSetup("kvtier-serve-auto", {
+            **KVTIER, "kv_connector_extra_config": {"shm": True, "async_loads": "auto"}},
+            sidecar=True),
+    }
 
 
 def _chunking_setups(workdir: Path) -> dict[str, VllmSetup]:
