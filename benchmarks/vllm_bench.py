@@ -99,41 +99,31 @@ def _option_setups(workdir: Path) -> dict[str, VllmSetup]:
             **_save_pacing_setups(workdir)}
 
 
-def _load_timing_setups(workdir: Path) -> dict[str, VllmSetup]:
-    """When loads run (``async_loads``): before the forward pass, or chosen per request."""
+def _option_pair(workdir: Path, name: str, option: dict[str, Any]) -> dict[str, VllmSetup]:
+    """``kvtier-inprocess-<name>`` and ``kvtier-serve-<name>``: the two modes with
+    ``option`` changed from the connector's default."""
+    inprocess, serve = f"kvtier-inprocess-{name}", f"kvtier-serve-{name}"
     return {
-        # the same, loading before the forward pass (``async_loads`` false)
-        "kvtier-inprocess-sync": VllmSetup("kvtier-inprocess-sync", {
-            **KVTIER, "kv_connector_extra_config": {
-                "tiers": {"cpu_bytes": 1 << 30, "disk_dir": str(workdir / "inprocess-sync-chunks"),
-                          "disk_fsync": False}, "async_loads": False}}),
-        "kvtier-serve-sync": VllmSetup("kvtier-serve-sync", {
-            **KVTIER, "kv_connector_extra_config": {"shm": True, "async_loads": False}},
-            sidecar=True),
-        # the same, each load parked or before the forward pass, chosen per request
-        "kvtier-inprocess-auto": VllmSetup("kvtier-inprocess-auto", {
-            **KVTIER, "kv_connector_extra_config": {
-                "tiers": {"cpu_bytes": 1 << 30, "disk_dir": str(workdir / "inprocess-auto-chunks"),
-                          "disk_fsync": False}, "async_loads": "auto"}}),
-        "kvtier-serve-auto": VllmSetup("kvtier-serve-auto", {
-            **KVTIER, "kv_connector_extra_config": {"shm": True, "async_loads": "auto"}},
-            sidecar=True),
+        inprocess: VllmSetup(inprocess, {**KVTIER, "kv_connector_extra_config": {
+            "tiers": {"cpu_bytes": 1 << 30, "disk_dir": str(workdir / f"{name}-chunks"),
+                      "disk_fsync": False}, **option}}),
+        serve: VllmSetup(serve, {**KVTIER, "kv_connector_extra_config": {"shm": True, **option}},
+                         sidecar=True),
     }
+
+
+def _load_timing_setups(workdir: Path) -> dict[str, VllmSetup]:
+    """When loads run (``async_loads``): before the forward pass (``sync``), or each load
+    parked or before the forward pass, chosen per request (``auto``)."""
+    return {**_option_pair(workdir, "sync", {"async_loads": False}),
+            **_option_pair(workdir, "auto", {"async_loads": "auto"})}
 
 
 def _chunking_setups(workdir: Path) -> dict[str, VllmSetup]:
     """Chunks of one vLLM block (``chunk_tokens`` 1 rounds up to one block): every block
     saved once (a longer chunk's blocks are saved again while it fills, turn by turn), more
     and smaller objects."""
-    return {
-        "kvtier-inprocess-block-chunks": VllmSetup("kvtier-inprocess-block-chunks", {
-            **KVTIER, "kv_connector_extra_config": {
-                "tiers": {"cpu_bytes": 1 << 30, "disk_dir": str(workdir / "block-chunks"),
-                          "disk_fsync": False}, "chunk_tokens": 1}}),
-        "kvtier-serve-block-chunks": VllmSetup("kvtier-serve-block-chunks", {
-            **KVTIER, "kv_connector_extra_config": {"shm": True, "chunk_tokens": 1}},
-            sidecar=True),
-    }
+    return _option_pair(workdir, "block-chunks", {"chunk_tokens": 1})
 
 
 def _save_pacing_setups(workdir: Path) -> dict[str, VllmSetup]:
@@ -141,13 +131,7 @@ def _save_pacing_setups(workdir: Path) -> dict[str, VllmSetup]:
     default yields where vLLM's cache is on the host): a chunk is written as soon as it is
     computed, beside whatever prefill comes next."""
     return {
-        "kvtier-inprocess-no-yield": VllmSetup("kvtier-inprocess-no-yield", {
-            **KVTIER, "kv_connector_extra_config": {
-                "tiers": {"cpu_bytes": 1 << 30, "disk_dir": str(workdir / "no-yield-chunks"),
-                          "disk_fsync": False}, "saves_yield_to_prefill": False}}),
-        "kvtier-serve-no-yield": VllmSetup("kvtier-serve-no-yield", {
-            **KVTIER, "kv_connector_extra_config": {"shm": True, "saves_yield_to_prefill": False}},
-            sidecar=True),
+        **_option_pair(workdir, "no-yield", {"saves_yield_to_prefill": False}),
         # saves that yield but start a chunk as soon as a prefill step ends (``save_step_gap_s``
         # 0), often beside the next prefill step
         "kvtier-serve-gap-starts": VllmSetup("kvtier-serve-gap-starts", {
