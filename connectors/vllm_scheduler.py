@@ -212,10 +212,8 @@ class SchedulerSide:
                 ) -> tuple[tuple[Stored, ...], int]:
         """The leading stored chunks worth loading past vLLM's ``computed`` blocks, and the
         stored tokens left to recompute."""
-        bs, first, new = self.grid.block_size, 0, []
-        for s in chain:
-            new.append(StoredChunk(max(0, first + s.take - max(first, computed)) * bs, s.tier))
-            first += s.blocks
+        bs = self.grid.block_size
+        new = self._past_computed(chain, computed)
         skipped = sum(1 for c in new if c.tokens == 0)  # chunks vLLM holds whole
         if self.policy is None or skipped == len(chain):
             return tuple(chain), 0
@@ -231,12 +229,18 @@ class SchedulerSide:
         if self.policy is None or any(s.tier == FINISHING for s in load):
             return True
         nbytes: dict[str, int] = {}
-        first = 0
-        for s in load:
-            blocks = max(0, first + s.take - max(first, computed))
-            nbytes[s.tier] = nbytes.get(s.tier, 0) + blocks * self.grid.block_size * self.policy.kv_bytes_per_token
-            first += s.blocks
+        for c in self._past_computed(list(load), computed):
+            nbytes[c.tier] = nbytes.get(c.tier, 0) + c.tokens * self.policy.kv_bytes_per_token
         return self.policy.parks(nbytes)
+
+    def _past_computed(self, chain: list[Stored], computed: int) -> list[StoredChunk]:
+        """Each stored segment of ``chain`` with the tokens it brings past vLLM's
+        ``computed`` blocks (0 where vLLM holds it whole), and its tier."""
+        bs, first, out = self.grid.block_size, 0, []
+        for s in chain:
+            out.append(StoredChunk(max(0, first + s.take - max(first, computed)) * bs, s.tier))
+            first += s.blocks
+        return out
 
     def parks(self, request: Any) -> bool:
         """Whether the load the last lookup of ``request`` planned runs parked (vLLM's
