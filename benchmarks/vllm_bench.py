@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.benchmarks.chat_replay import ChatWorkload, TurnResult, replay
+from kvtier.benchmarks.paired_rounds import paired_ratio
 from kvtier.benchmarks.vllm_servers import (
     VllmSetup,
     root_cause,
@@ -355,8 +356,27 @@ def _summarise(names: list[str], rounds: list[dict[str, Any]]) -> list[dict[str,
         row: dict[str, Any] = {"setup": name, "rounds": per_round, "could_not_run": errors[0] if errors else None}
         if per_round:
             row.update(_means(name, per_round, rounds))
+            if name != "alone":
+                row.update(_paired_ratios(name, rounds))
         rows.append(row)
     return rows
+
+
+def _paired_ratios(name: str, rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """First- and returning-turn TTFT means against vLLM alone's, round by round, with the
+    95 % interval the rounds give their mean (:mod:`~kvtier.benchmarks.paired_rounds`)."""
+    out: dict[str, Any] = {}
+    for kind in ("first", "returning"):
+        pairs = []
+        for rnd in rounds:
+            got, alone = rnd.get(name), rnd.get("alone")
+            if not got or not alone or "error" in got or "error" in alone:
+                continue
+            pairs.append((_stats([t.ttft_s for t in got["turns"] if (t.turn > 0) == (kind == "returning")])["mean"],
+                          _stats([t.ttft_s for t in alone["turns"] if (t.turn > 0) == (kind == "returning")])["mean"]))
+        ratio = paired_ratio(pairs)
+        out[f"{kind}_ttft_ratio"] = None if ratio is None else ratio.as_dict()
+    return out
 
 
 def _means(name: str, per_round: list[dict[str, Any]], rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -391,11 +411,11 @@ def _print(console: Any, rows: list[dict[str, Any]]) -> None:
 
     table = Table(title="real vLLM, multi-turn with think times (ms; ratios to vLLM alone)")
     for col in ("setup", "returning TTFT mean", "median", "p99", "first TTFT mean", "median", "ITL", "tok/s",
-                "identical", "connector share", "note"):
+                "identical", "connector share", "first / returning x alone, 95 % over rounds", "note"):
         table.add_column(col)
     for r in rows:
         if r.get("could_not_run") and not r["rounds"]:
-            table.add_row(r["setup"], *["-"] * 9, "could not run: " + r["could_not_run"].split(" (server")[0][:120])
+            table.add_row(r["setup"], *["-"] * 10, "could not run: " + r["could_not_run"].split(" (server")[0][:120])
             continue
         same = r["identical_turns"]
         share = r["connector_forward_share"]
@@ -405,8 +425,17 @@ def _print(console: Any, rows: list[dict[str, Any]]) -> None:
                       ms(r["first_ttft_mean_s"], "first_ttft_mean_s"),
                       ms(r["first_ttft_median_s"], "first_ttft_median_s"), ms(r["itl_mean_s"], "itl_mean_s"),
                       f"{r['output_tok_per_s']:.1f}", f"{same[0]}/{same[1]}" if same else "-",
-                      f"{share:.1%}" if share is not None else "-", _note(r))
+                      f"{share:.1%}" if share is not None else "-",
+                      " / ".join(_interval(r.get(f"{k}_ttft_ratio")) for k in ("first", "returning")), _note(r))
     console.print(table)
+
+
+def _interval(ratio: dict[str, Any] | None) -> str:
+    if not ratio:
+        return "-"
+    if ratio["low"] is None:
+        return f"{ratio['mean']:.2f}"
+    return f"{ratio['mean']:.2f} [{ratio['low']:.2f}-{ratio['high']:.2f}]"
 
 
 def _note(row: dict[str, Any]) -> str:

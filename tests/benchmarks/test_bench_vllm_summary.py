@@ -41,6 +41,11 @@ def test_rounds_are_summarised_against_vllm_alone_of_the_same_round():
     assert kvtier["output_tok_per_s"] == pytest.approx(18 / 5.0)
     assert kvtier["itl_mean_s"] == pytest.approx(0.2)
     assert peer["rounds"] == [] and peer["could_not_run"].startswith("ValueError: No supported")
+    # each round against vLLM alone of the same round
+    assert kvtier["returning_ttft_ratio"]["by_round"] == [0.25, 0.25]
+    assert kvtier["first_ttft_ratio"]["by_round"] == [1.0, 1.0]
+    assert kvtier["first_ttft_ratio"]["low"] == kvtier["first_ttft_ratio"]["high"] == 1.0
+    assert "first_ttft_ratio" not in alone
 
 
 def test_medians_are_reported_beside_means():
