@@ -38,6 +38,15 @@ class ChatWorkload:
     think_sigma: float = 0.8
     clients: int = 4
     seed: int = 0
+    session_ids: bool = False
+    """Each conversation's requests carry its session id (the ``X-Session-Id`` header, which
+    vLLM's OpenAI server and ``kvtier serve`` both read): what a deployment whose clients
+    name their sessions sends, and what session-aware eviction and prefetch act on. Off by
+    default, as vLLM's own multi-turn benchmark client sends none."""
+
+    def session_id(self, conversation: int) -> str | None:
+        """The id conversation ``conversation``'s requests carry (none for the warm-ups)."""
+        return f"chat-{self.seed}-{conversation}" if self.session_ids and conversation >= 0 else None
 
     def system_prompt(self) -> str:
         rng = random.Random(self.seed)
@@ -80,6 +89,9 @@ class TurnResult:
     text: str = ""
     prompt_tokens: int = 0
     error: str | None = None
+    started_s: float = float("nan")
+    """When the request was sent, seconds after the replay's clock started: which turns ran
+    beside which (a first turn may share vLLM's steps with others' returning turns)."""
 
 
 async def _turn(client: Any, url: str, model: str, messages: list[dict], work: ChatWorkload,
@@ -88,9 +100,11 @@ async def _turn(client: Any, url: str, model: str, messages: list[dict], work: C
     body = {"model": model, "messages": messages, "stream": True, "temperature": 0,
             "max_tokens": work.answer_tokens, "ignore_eos": True, "return_token_ids": True,
             "stream_options": {"include_usage": True}}
-    out = TurnResult(conversation, turn, ttft_s=float("nan"))
+    session = work.session_id(conversation)
+    headers = {"X-Session-Id": session} if session else None
     t0 = last = time.perf_counter()
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
+    out = TurnResult(conversation, turn, ttft_s=float("nan"), started_s=t0)
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as resp:
         if resp.status_code != 200:
             out.error = f"{resp.status_code}: {(await resp.aread())[:200]!r}"
             return out
@@ -171,5 +185,7 @@ async def replay(url: str, model: str | None, work: ChatWorkload, timeout_s: flo
         except asyncio.TimeoutError:
             finished = False
         wall = time.perf_counter() - t0
+    for r in results:  # sent at perf_counter() time: from the replay's start
+        r.started_s -= t0
     results.sort(key=lambda r: (r.conversation, r.turn))
     return Replay(results, wall, finished)

@@ -178,7 +178,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--setups", default="alone,kvtier-inprocess,kvtier-serve,lmcache,vllm-native")
     p.add_argument("--rounds", type=int, default=2)
     for name, value in asdict(ChatWorkload()).items():
-        p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+        if isinstance(value, bool):
+            p.add_argument(f"--{name.replace('_', '-')}", action=argparse.BooleanOptionalAction, default=value)
+        else:
+            p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--kv-blocks", type=int, default=320, help="vLLM's KV cache, in blocks")
     p.add_argument("--max-model-len", type=int, default=4096)
@@ -314,6 +317,7 @@ def _round_row(got: dict[str, Any], reference: dict[str, Any] | None) -> dict[st
         "returning_ttft": _stats([t.ttft_s for t in turns if t.turn > 0]),
         "returning_ttfts_s": {f"{t.conversation}:{t.turn}": round(t.ttft_s, 4)
                               for t in turns if t.turn > 0},
+        "started_s": {f"{t.conversation}:{t.turn}": round(t.started_s, 4) for t in turns},
         "itl_mean_s": statistics.fmean([x for t in turns for x in t.itl_s] or [float("nan")]),
         "wall_s": got["wall_s"],
         "output_tok_per_s": sum(len(t.token_ids) for t in turns) / got["wall_s"],

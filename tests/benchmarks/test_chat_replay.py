@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from dataclasses import replace
 
 from kvtier.benchmarks.chat_replay import ChatWorkload, replay
 from kvtier.server.state import ServiceState
@@ -28,9 +29,32 @@ def test_conversations_replay_with_their_history_and_stream(model_dir, tmp_path)
     assert all(t.error is None and t.text for t in first)
     assert all(t.ttft_s > 0 and not math.isnan(t.ttft_s) for t in first) and wall > 0
     assert all(len(t.itl_s) >= 1 for t in first)  # streamed, not one blob
+    for c in range(3):  # sent after the clock started, each turn after the last one's reply
+        starts = [t.started_s for t in first if t.conversation == c]
+        assert 0 <= starts[0] < starts[1] < starts[2] < wall
     prompts = [t.prompt_tokens for t in first if t.conversation == 0]
     assert prompts == sorted(prompts) and prompts[0] < prompts[-1]  # each turn carries the last
     assert [t.text for t in first] == [t.text for t in again]  # greedy: the same replies
+
+
+def test_session_ids_reach_the_server_one_per_conversation(model_dir, tmp_path):  # noqa: F811
+    """With ``session_ids`` each conversation's turns carry its id (``X-Session-Id``): the
+    engine keeps one session a conversation, where anonymous turns leave none behind, and
+    the replies are the same."""
+    import httpx
+
+    work = ChatWorkload(conversations=3, turns=2, system_words=30, user_words=8,
+                        answer_tokens=6, think_median_s=0.01, clients=2)
+    state = ServiceState.with_engine(_config(tmp_path), model_dir)
+    with running(state) as url:
+        anonymous = asyncio.run(replay(url, None, work)).turns
+        kept_anonymous = httpx.get(f"{url}/v1/stats").json()["sessions"]["total"]
+        named = asyncio.run(replay(url, None, replace(work, session_ids=True))).turns
+        kept_named = httpx.get(f"{url}/v1/stats").json()["sessions"]["total"]
+    assert kept_anonymous == 0 and kept_named == 3
+    assert work.session_id(-1) is None and replace(work, session_ids=True).session_id(2) == "chat-0-2"
+    assert all(t.error is None for t in named)
+    assert [t.text for t in named] == [t.text for t in anonymous]
 
 
 def test_think_times_are_seeded_and_heavy_tailed():
