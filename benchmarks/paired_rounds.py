@@ -5,7 +5,7 @@ that mean (Student's t over the rounds).
 
 Why over rounds and not over turns: with real servers most of the spread is between
 server starts, not between turns of one start (docs/vllm.md, session 40: one start of
-vLLM alone served every first-turn group 10 % slower than the next start did). Turns of
+vLLM alone served every first-turn group 13-16 % slower than the next start did). Turns of
 one start are not independent samples; starts are.
 """
 
