@@ -337,6 +337,8 @@ def _round_row(got: dict[str, Any], reference: dict[str, Any] | None) -> dict[st
         "loads_before_forward": m.get("vllm:kvtier_loads_before_forward_total"),
         "save_hold_s": m.get("vllm:kvtier_save_hold_seconds_total"),
         "held_requests": m.get("vllm:kvtier_held_requests_total"),
+        "kvtier_steps": m.get("vllm:kvtier_steps_total"),
+        "session_turns_reported": m.get("vllm:kvtier_session_turns_reported_total"),
         "external_hit_tokens": m.get("vllm:external_prefix_cache_hits_total"),
         "prefix_cache_hit_tokens": m.get("vllm:prefix_cache_hits_total"),
     }

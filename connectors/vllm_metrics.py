@@ -30,6 +30,7 @@ COUNTERS: dict[str, str] = {
     "lookups": "Questions the scheduler asked the store (vLLM asks again for a request it could not schedule).",
     "save_hold_seconds": "Time finished requests' blocks were held until their saves landed.",
     "held_requests": "Finished requests whose blocks were held for their saves.",
+    "session_turns_reported": "Turn starts and ends of vLLM's sessions reported to the store (session-aware eviction).",
 }
 
 

@@ -207,8 +207,9 @@ def test_a_sessions_turns_reach_kvtier_serve(model_dir, baseline_turns, tmp_path
     session-aware tiers rank the session by them), and the turns are vLLM alone's."""
     server, url, _ = start_serve(tmp_path / "serve-chunks", "t0k")
     try:
-        results, _ = run_vllm(model_dir, "kvtier", {"url": url, "token": "t0k"}, scenario="session")
+        results, metrics = run_vllm(model_dir, "kvtier", {"url": url, "token": "t0k"}, scenario="session")
         check_tokens(results, baseline_turns)
+        assert metrics["vllm:kvtier_session_turns_reported"] >= 1  # vLLM's own /metrics count them
         assert results[1]["num_cached_tokens"] > len(results[0]["prompt_ids"]) // BLOCK * BLOCK
         turns = httpx.get(f"{url}/v1/stats", headers={"Authorization": "Bearer t0k"}).json()["turns"]
         assert turns["sessions"] == 1 and turns["reported"] >= 3  # the last end may go at exit
