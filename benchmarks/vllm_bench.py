@@ -347,10 +347,11 @@ def _round_row(got: dict[str, Any], reference: dict[str, Any] | None) -> dict[st
 def _summarise(names: list[str], rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per setup: each round's figures, then the mean over rounds and the ratios to vLLM
     alone of the same round."""
+    by_round: dict[str, dict[int, dict[str, Any]]] = {}
     rows = []
     for name in names:
-        per_round, errors = [], []
-        for rnd in rounds:
+        per_round, errors = by_round.setdefault(name, {}), []
+        for i, rnd in enumerate(rounds):
             got = rnd.get(name)
             if got is None:
                 continue
@@ -358,30 +359,27 @@ def _summarise(names: list[str], rounds: list[dict[str, Any]]) -> list[dict[str,
                 errors.append(got["error"])
                 continue
             alone = rnd.get("alone")
-            per_round.append(_round_row(got, alone if alone and "error" not in alone and name != "alone" else None))
-        row: dict[str, Any] = {"setup": name, "rounds": per_round, "could_not_run": errors[0] if errors else None}
+            per_round[i] = _round_row(got, alone if alone and "error" not in alone and name != "alone" else None)
+        row: dict[str, Any] = {"setup": name, "rounds": list(per_round.values()),
+                               "could_not_run": errors[0] if errors else None}
         if per_round:
-            row.update(_means(name, per_round, rounds))
-            if name != "alone":
-                row.update(_paired_ratios(name, rounds))
+            row.update(_means(name, row["rounds"], rounds))
         rows.append(row)
+    for row in rows:  # once vLLM alone's rounds are known, wherever it is listed
+        if row["setup"] != "alone" and by_round[row["setup"]] and by_round.get("alone"):
+            row.update(_paired_ratios(by_round[row["setup"]], by_round["alone"]))
     return rows
 
 
-def _paired_ratios(name: str, rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    """First- and returning-turn TTFT means against vLLM alone's, round by round, with the
-    95 % interval the rounds give their mean (:mod:`~kvtier.benchmarks.paired_rounds`)."""
+def _paired_ratios(rows: dict[int, dict[str, Any]], alone: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """First- and returning-turn TTFT means against vLLM alone's (``rows`` and ``alone``:
+    round rows by round), round by round, with the 95 % interval the rounds give their
+    mean (:mod:`~kvtier.benchmarks.paired_rounds`)."""
     out: dict[str, Any] = {}
-    for kind in ("first", "returning"):
-        pairs = []
-        for rnd in rounds:
-            got, alone = rnd.get(name), rnd.get("alone")
-            if not got or not alone or "error" in got or "error" in alone:
-                continue
-            pairs.append((_stats([t.ttft_s for t in got["turns"] if (t.turn > 0) == (kind == "returning")])["mean"],
-                          _stats([t.ttft_s for t in alone["turns"] if (t.turn > 0) == (kind == "returning")])["mean"]))
-        ratio = paired_ratio(pairs)
-        out[f"{kind}_ttft_ratio"] = None if ratio is None else ratio.as_dict()
+    for kind in ("first_ttft", "returning_ttft"):
+        ratio = paired_ratio([(row[kind]["mean"], alone[i][kind]["mean"])
+                              for i, row in rows.items() if i in alone])
+        out[f"{kind}_ratio"] = None if ratio is None else ratio.as_dict()
     return out
 
 
