@@ -18,7 +18,7 @@ import json
 import logging
 import statistics
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +97,7 @@ def setups(workdir: Path) -> dict[str, VllmSetup]:
 def _option_setups(workdir: Path) -> dict[str, VllmSetup]:
     """kvtier with one connector option changed from its default, to measure that option."""
     return {**_load_timing_setups(workdir), **_chunking_setups(workdir),
-            **_save_pacing_setups(workdir)}
+            **_save_pacing_setups(workdir), **_thread_cores_setups(workdir)}
 
 
 def _option_pair(workdir: Path, name: str, option: dict[str, Any]) -> dict[str, VllmSetup]:
@@ -111,6 +111,15 @@ def _option_pair(workdir: Path, name: str, option: dict[str, Any]) -> dict[str, 
         serve: VllmSetup(serve, {**KVTIER, "kv_connector_extra_config": {"shm": True, **option}},
                          sidecar=True),
     }
+
+
+def _thread_cores_setups(workdir: Path) -> dict[str, VllmSetup]:
+    """The connector's threads on the one core of vLLM's worker thread that starts them
+    (``KVTIER_THREAD_CORES=inherit``, Linux's rule; by default they run on every core of
+    the worker's process: :mod:`kvtier.thread_cores`)."""
+    inherit = (("KVTIER_THREAD_CORES", "inherit"),)
+    return {name: replace(setup, env=setup.env + inherit)
+            for name, setup in _option_pair(workdir, "inherit-cores", {}).items()}
 
 
 def _load_timing_setups(workdir: Path) -> dict[str, VllmSetup]:
@@ -335,6 +344,7 @@ def _round_row(got: dict[str, Any], reference: dict[str, Any] | None) -> dict[st
         "kvtier_lookups": m.get("vllm:kvtier_lookups_total"),
         "parked_loads": m.get("vllm:kvtier_parked_loads_total"),
         "loads_before_forward": m.get("vllm:kvtier_loads_before_forward_total"),
+        "parked_load_s": m.get("vllm:kvtier_parked_load_seconds_total"),
         "save_hold_s": m.get("vllm:kvtier_save_hold_seconds_total"),
         "held_requests": m.get("vllm:kvtier_held_requests_total"),
         "kvtier_steps": m.get("vllm:kvtier_steps_total"),

@@ -178,6 +178,7 @@ class KVTierConnector(KVConnectorBase_V1):
         return {"loaded_blocks": w.loaded_blocks, "saved_blocks": w.saved_blocks,
                 "derived_blocks": w.derived_blocks,
                 "load_errors": w.load_errors, "load_seconds": w.load_s,
+                "parked_load_seconds": w.async_load_s,
                 "save_wait_seconds": w.save_wait_s, "step_seconds": w.step_s, "steps": w.steps,
                 "save_hold_seconds": saves.hold_s, "held_requests": saves.holds}
 

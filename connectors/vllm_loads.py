@@ -19,6 +19,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Generic, Protocol, TypeVar
 
+from kvtier.thread_cores import spread_this_thread
+
 log = logging.getLogger(__name__)
 
 
@@ -40,7 +42,8 @@ class LoadQueue(Generic[L]):
     def __init__(self, load: Callable[[L], set[int]], blocks: Callable[[L], set[int]]) -> None:
         self._load = load
         self._blocks = blocks
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm-load")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm-load",
+                                        initializer=spread_this_thread)
         self._lock = threading.Lock()
         self._pending: Counter[str] = Counter()
         self._done: set[str] = set()

@@ -23,6 +23,7 @@ COUNTERS: dict[str, str] = {
     "parked_loads": "Requests whose KV loaded while vLLM parked them (its async-load protocol).",
     "loads_before_forward": "Requests whose KV loaded before the forward pass of the step that scheduled them.",
     "load_seconds": "Time loads held vLLM's forward path.",
+    "parked_load_seconds": "Time parked requests' loads took on the loading thread (off the forward path).",
     "save_wait_seconds": "Time saves held vLLM's forward path (submitting, draining).",
     "step_seconds": "Time of vLLM's steps the connector took part in (its share: the two above).",
     "steps": "vLLM steps the connector took part in.",

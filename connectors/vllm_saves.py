@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvtier.io_priority import background_io
+from kvtier.thread_cores import spread_this_thread
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,11 @@ def idle_priority() -> None:
         return
     with contextlib.suppress(AttributeError, OSError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
+
+def _idle_save_thread() -> None:
+    spread_this_thread()
+    idle_priority()
 
 
 MAX_YIELD_S = 1.0
@@ -88,7 +94,7 @@ class SaveQueue:
         self._changed = threading.Condition()
         self._deadline = threading.local()
         self._pool = (ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm-save",
-                                         initializer=idle_priority if idle else None)
+                                         initializer=_idle_save_thread if idle else spread_this_thread)
                       if background else None)
         self._lock = threading.Lock()
         self._pending: Counter[str] = Counter()

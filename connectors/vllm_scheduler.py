@@ -35,6 +35,7 @@ from kvtier.connectors.vllm_policy import LoadObservation, LoadPolicy, LoadTimin
 from kvtier.connectors.vllm_sources import SegmentSources
 from kvtier.connectors.vllm_turns import TurnReporter
 from kvtier.policies.restore import StoredChunk
+from kvtier.thread_cores import spread_this_thread
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +151,8 @@ class SchedulerSide:
         if not self.role.loads or not state.seq.slots:
             return None
         if self._prefetcher is None:
-            self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm-prefetch")
+            self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm-prefetch",
+                                                  initializer=spread_this_thread)
         return self._prefetcher.submit(self._prefetch, state.seq)
 
     def _prefetch(self, seq: SequenceKeys) -> int:

@@ -15,6 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvtier.chunk_wire import ServiceError
 from kvtier.client import MAX_TURNS_PER_REPORT, SessionTurn, TurnEvent
+from kvtier.thread_cores import spread_this_thread
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,8 @@ class TurnReporter:
                 return
             self._queued = True
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm-turns")
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm-turns",
+                                                initializer=spread_this_thread)
             pool = self._pool
         pool.submit(self._flush)
 

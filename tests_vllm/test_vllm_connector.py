@@ -96,6 +96,10 @@ def test_in_process_tiers(model_dir, baseline, tmp_path):
     # every counter is exported from the start, at 0 where nothing happened
     assert metrics["vllm:kvtier_load_errors"] == 0
     assert metrics["vllm:kvtier_recomputed_by_decision_tokens"] == 0
+    # loads are parked by default; their time on the loading thread is a counter of its own
+    # (LLM.get_metrics reads counters as ints: the seconds are checked over HTTP by the bench)
+    assert metrics["vllm:kvtier_parked_loads"] >= 1 and metrics["vllm:kvtier_loads_before_forward"] == 0
+    assert "vllm:kvtier_parked_load_seconds" in metrics
 
 
 @pytest.mark.parametrize("async_loads", [True, False])

@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable
 
 from kvtier.io_priority import background_io
+from kvtier.thread_cores import spread_this_thread
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class SlotReserve:
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
+        spread_this_thread()
         while True:
             self._wanted.wait()
             self._wanted.clear()

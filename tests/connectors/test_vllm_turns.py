@@ -14,15 +14,17 @@ from kvtier.connectors.vllm_turns import MAX_PENDING, TurnReporter
 
 
 def test_events_go_in_order_in_batches_with_their_age():
-    gate, batches = threading.Event(), []
+    gate, sending, batches = threading.Event(), threading.Event(), []
 
     def send(turns):
+        sending.set()
         gate.wait(10)
         batches.append(list(turns))
 
     clock = [100.0]
     reporter = TurnReporter(send, clock=lambda: clock[0])
     reporter.started("a")  # its batch waits at the gate while the next events queue up
+    assert sending.wait(10)  # taken by the reporter's thread (once it has started)
     clock[0] += 2.0
     reporter.ended("a")
     reporter.started("b")
