@@ -468,7 +468,9 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     x = range(len(ran))
     ax.bar([i - 0.2 for i in x], [r["first_ttft_mean_s"] * 1e3 for r in ran], 0.4, label="first turn")
     ax.bar([i + 0.2 for i in x], [r["returning_ttft_mean_s"] * 1e3 for r in ran], 0.4, label="returning turn")
-    ax.set_xticks(list(x), [r["setup"] for r in ran])
+    crowded = len(ran) > 4  # long setup names overlap side by side: tilt them
+    ax.set_xticks(list(x), [r["setup"] for r in ran], rotation=20 if crowded else 0,
+                  ha="right" if crowded else "center", fontsize=8 if crowded else None)
     ax.set_ylabel("mean TTFT (ms)")
     ax.legend()
     fig.tight_layout()
