@@ -28,6 +28,7 @@ from redis.connection import Encoder, PythonRespSerializer
 from redis.retry import Retry as SyncRetry
 
 from kvtier.errors import InvalidArgumentError
+from kvtier.thread_cores import spread_this_thread
 
 T = TypeVar("T")
 
@@ -142,7 +143,7 @@ class RedisConnection:
     def __init__(self, url: str, *, cluster: bool, timeout_s: float, max_connections: int) -> None:
         self.timeout_s = timeout_s
         self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="kvtier-redis", daemon=True)
+        self._thread = threading.Thread(target=self._run_loop, name="kvtier-redis", daemon=True)
         self._thread.start()
         self.client = self.run_on_loop(
             make_async_client(url, cluster=cluster, timeout_s=timeout_s, max_connections=max_connections),
@@ -158,8 +159,12 @@ class RedisConnection:
         if not cluster:
             self.sync = make_sync_client(url, timeout_s=timeout_s, max_connections=max_connections)
             self._io = concurrent.futures.ThreadPoolExecutor(
-                max_connections, thread_name_prefix="kvtier-redis-io"
+                max_connections, thread_name_prefix="kvtier-redis-io", initializer=spread_this_thread
             )
+
+    def _run_loop(self) -> None:
+        spread_this_thread()
+        self.loop.run_forever()
 
     def run_on_loop(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
