@@ -58,18 +58,20 @@ def process_cores() -> frozenset[int] | None:
 
 def spread_this_thread() -> frozenset[int] | None:
     """Let the calling thread run on every core of its process (:func:`process_cores`)
-    where it is confined to fewer; the cores it may use after, or None where unknown."""
+    where it is confined to fewer; the cores it may use after, or None where unknown.
+    Never raises: it runs as pools' initializers, and a pool whose initializer fails is
+    broken for good, while a thread left on its cores only runs slower."""
     if not hasattr(os, "sched_setaffinity"):
         return None
-    if mode() == "inherit":
-        return frozenset(os.sched_getaffinity(0))
-    mine = frozenset(os.sched_getaffinity(0))
-    wider = process_cores()
-    if wider is None or wider <= mine:
-        return mine
     try:
+        mine = frozenset(os.sched_getaffinity(0))
+        if mode() == "inherit":
+            return mine
+        wider = process_cores()
+        if wider is None or wider <= mine:
+            return mine
         os.sched_setaffinity(0, wider)  # 0: the calling thread, on Linux
     except OSError as exc:  # a cgroup that forbids it: the thread stays where it was
-        log.debug("kvtier: could not widen a thread's cores to %s: %s", sorted(wider), exc)
-        return mine
+        log.debug("kvtier: could not widen a thread's cores: %s", exc)
+        return None
     return wider

@@ -100,3 +100,14 @@ def _check(seen: dict, first: list[int], process: list[int]) -> None:
         assert seen[name] == process, (name, seen)
     for name in ("restore", "store"):
         assert all(c == process for c in seen[name]), (name, seen)
+
+
+def test_an_unknown_setting_is_named_in_a_warning_and_the_default_used(monkeypatch, caplog):
+    from kvtier.thread_cores import ENV, mode
+
+    monkeypatch.setenv(ENV, "everywhere")
+    with caplog.at_level("WARNING", logger="kvtier.thread_cores"):
+        assert mode() == "process"
+    assert "everywhere" in caplog.text and "inherit" in caplog.text
+    monkeypatch.setenv(ENV, " Inherit ")
+    assert mode() == "inherit"
