@@ -463,11 +463,14 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ran = [r for r in rows if r.get("returning_ttft_mean_s") is not None]
+    ran = [r for r in rows if r.get("first_ttft_mean_s") is not None]
     fig, ax = plt.subplots(figsize=(7, 3.5))
     x = range(len(ran))
     ax.bar([i - 0.2 for i in x], [r["first_ttft_mean_s"] * 1e3 for r in ran], 0.4, label="first turn")
-    ax.bar([i + 0.2 for i in x], [r["returning_ttft_mean_s"] * 1e3 for r in ran], 0.4, label="returning turn")
+    back = [i for i in x if ran[i].get("returning_ttft_mean_s") is not None]  # none: --turns 1
+    if back:
+        ax.bar([i + 0.2 for i in back], [ran[i]["returning_ttft_mean_s"] * 1e3 for i in back], 0.4,
+               label="returning turn")
     crowded = len(ran) > 4  # long setup names overlap side by side: tilt them
     ax.set_xticks(list(x), [r["setup"] for r in ran], rotation=20 if crowded else 0,
                   ha="right" if crowded else "center", fontsize=8 if crowded else None)
