@@ -4,12 +4,12 @@ the one core of the thread that happened to start them.
 Linux gives a new thread the CPU affinity of the thread that creates it. vLLM's CPU worker
 binds its main thread and each of its OpenMP threads to one core of its rank
 (``VLLM_CPU_OMP_THREADS_BIND``), and the connector's threads are started from that main
-thread: all of them would share its one core. The two restore workers that verify and
-scatter half a load each would take turns on it (a load twice as long), and every save
-and load would take its time from the one OpenMP thread bound there while the step's
-other threads wait for it at their next barrier. Widened to the union of the process's
-threads' cores (the rank's cores: a rank bound to one core keeps its threads there), the
-kernel places them where the step loses least and runs two of them at once.
+thread: all of them would share its one core, the restore workers that verify and
+scatter parts of a load (up to 8 on a large host) taking turns on it. Widened to the union
+of the process's threads' cores (the rank's cores: a rank bound to one core keeps its
+threads there), they can run side by side. On a two-core host it measured no different
+(docs/vllm.md, session 41): whenever vLLM computes, its OpenMP threads hold both cores and
+a kvtier thread takes its time from one of them wherever it runs.
 
 Threads call :func:`spread_this_thread` as they start (a pool's initializer). Where the
 platform has no affinity calls, or the process is not pinned, it does nothing; nor where
