@@ -22,6 +22,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from kvtier.benchmarks import process_cpu
 from kvtier.benchmarks.chat_replay import ChatWorkload, TurnResult, replay
 from kvtier.benchmarks.paired_rounds import paired_ratio
 from kvtier.benchmarks.vllm_servers import (
@@ -275,8 +276,13 @@ def _one(setup: VllmSetup, args: argparse.Namespace, work: ChatWorkload, workdir
         server = start_vllm(args.vllm_python, args.model, setup, workdir, args,
                             sidecar.url if sidecar else None)
         limit_s = _limit_s(setup, args)
+        roots = [s.proc.pid for s in (server, sidecar) if s is not None]
+        cpu_before = process_cpu.sample(roots)
         done = asyncio.run(replay(server.url, "m", work, limit_s=limit_s))
         got = {"turns": done.turns, "wall_s": done.wall_s, "metrics": settled_metrics(server.url)}
+        cpu_after = process_cpu.sample(roots)
+        if cpu_before is not None and cpu_after is not None:
+            got["cpu_s"] = (cpu_after - cpu_before).as_dict()
         if not done.finished:
             got["unfinished"] = (f"{len(done.turns)} of {work.conversations * work.turns} turns "
                                  f"in {limit_s:.0f} s; it logged: "
@@ -351,6 +357,7 @@ def _round_row(got: dict[str, Any], reference: dict[str, Any] | None) -> dict[st
         "session_turns_reported": m.get("vllm:kvtier_session_turns_reported_total"),
         "external_hit_tokens": m.get("vllm:external_prefix_cache_hits_total"),
         "prefix_cache_hit_tokens": m.get("vllm:prefix_cache_hits_total"),
+        "cpu_s": got.get("cpu_s"),
     }
 
 
@@ -407,6 +414,8 @@ def _means(name: str, per_round: list[dict[str, Any]], rounds: list[dict[str, An
            "wall_s": mean("wall_s"), "output_tok_per_s": mean("output_tok_per_s"),
            "connector_forward_share": mean("connector_forward_share"),
            "recomputed_by_decision_tokens": mean("recomputed_by_decision_tokens")}
+    cpu = [r["cpu_s"] for r in per_round if r.get("cpu_s")]
+    out["cpu_s"] = {k: statistics.fmean(c[k] for c in cpu) for k in cpu[0]} if cpu else None
     same = [r["identical_to_alone"] for r in per_round if r["identical_to_alone"]]
     out["identical_turns"] = [sum(a for a, _ in same), sum(b for _, b in same)] if same else None
     return out
@@ -425,11 +434,12 @@ def _print(console: Any, rows: list[dict[str, Any]]) -> None:
 
     table = Table(title="real vLLM, multi-turn with think times (ms; ratios to vLLM alone)")
     for col in ("setup", "returning TTFT mean", "median", "p99", "first TTFT mean", "median", "ITL", "tok/s",
-                "identical", "connector share", "first / returning x alone, 95 % over rounds", "note"):
+                "identical", "connector share", "CPU s: vLLM / kvtier (sidecar)",
+                "first / returning x alone, 95 % over rounds", "note"):
         table.add_column(col)
     for r in rows:
         if r.get("could_not_run") and not r["rounds"]:
-            table.add_row(r["setup"], *["-"] * 10, "could not run: " + r["could_not_run"].split(" (server")[0][:120])
+            table.add_row(r["setup"], *["-"] * 11, "could not run: " + r["could_not_run"].split(" (server")[0][:120])
             continue
         same = r["identical_turns"]
         share = r["connector_forward_share"]
@@ -439,9 +449,17 @@ def _print(console: Any, rows: list[dict[str, Any]]) -> None:
                       ms(r["first_ttft_mean_s"], "first_ttft_mean_s"),
                       ms(r["first_ttft_median_s"], "first_ttft_median_s"), ms(r["itl_mean_s"], "itl_mean_s"),
                       f"{r['output_tok_per_s']:.1f}", f"{same[0]}/{same[1]}" if same else "-",
-                      f"{share:.1%}" if share is not None else "-",
+                      f"{share:.1%}" if share is not None else "-", _cpu(r.get("cpu_s")),
                       " / ".join(_interval(r.get(f"{k}_ttft_ratio")) for k in ("first", "returning")), _note(r))
     console.print(table)
+
+
+def _cpu(cpu: dict[str, float] | None) -> str:
+    """CPU seconds a round (:mod:`~kvtier.benchmarks.process_cpu`): vLLM's own threads, then
+    kvtier's, of which its sidecar process's."""
+    if not cpu:
+        return "-"
+    return f"{cpu['vllm_s']:.1f} / {cpu['kvtier_s']:.1f} ({cpu['sidecar_s']:.1f})"
 
 
 def _interval(ratio: dict[str, Any] | None) -> str:

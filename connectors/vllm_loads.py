@@ -19,7 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Generic, Protocol, TypeVar
 
-from kvtier.thread_cores import spread_this_thread
+from kvtier.thread_start import thread_started
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class LoadQueue(Generic[L]):
         self._load = load
         self._blocks = blocks
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm-load",
-                                        initializer=spread_this_thread)
+                                        initializer=thread_started)
         self._lock = threading.Lock()
         self._pending: Counter[str] = Counter()
         self._done: set[str] = set()

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvtier.io_priority import background_io
-from kvtier.thread_cores import spread_this_thread
+from kvtier.thread_start import thread_started
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def idle_priority() -> None:
 
 
 def _idle_save_thread() -> None:
-    spread_this_thread()
+    thread_started()
     idle_priority()
 
 
@@ -94,7 +94,7 @@ class SaveQueue:
         self._changed = threading.Condition()
         self._deadline = threading.local()
         self._pool = (ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm-save",
-                                         initializer=_idle_save_thread if idle else spread_this_thread)
+                                         initializer=_idle_save_thread if idle else thread_started)
                       if background else None)
         self._lock = threading.Lock()
         self._pending: Counter[str] = Counter()

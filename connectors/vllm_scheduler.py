@@ -35,7 +35,7 @@ from kvtier.connectors.vllm_policy import LoadObservation, LoadPolicy, LoadTimin
 from kvtier.connectors.vllm_sources import SegmentSources
 from kvtier.connectors.vllm_turns import TurnReporter
 from kvtier.policies.restore import StoredChunk
-from kvtier.thread_cores import spread_this_thread
+from kvtier.thread_start import thread_started
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ class SchedulerSide:
             return None
         if self._prefetcher is None:
             self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm-prefetch",
-                                                  initializer=spread_this_thread)
+                                                  initializer=thread_started)
         return self._prefetcher.submit(self._prefetch, state.seq)
 
     def _prefetch(self, seq: SequenceKeys) -> int:

@@ -15,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvtier.chunk_wire import ServiceError
 from kvtier.client import MAX_TURNS_PER_REPORT, SessionTurn, TurnEvent
-from kvtier.thread_cores import spread_this_thread
+from kvtier.thread_start import thread_started
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class TurnReporter:
             self._queued = True
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm-turns",
-                                                initializer=spread_this_thread)
+                                                initializer=thread_started)
             pool = self._pool
         pool.submit(self._flush)
 

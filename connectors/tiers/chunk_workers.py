@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Generic, TypeVar
 
-from kvtier.thread_cores import spread_this_thread
+from kvtier.thread_start import thread_started
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -52,7 +52,7 @@ def _pool(name: str) -> tuple[ThreadPoolExecutor, int]:
 
 def _mark(name: str) -> None:
     _here.pool = name
-    spread_this_thread()  # not only the core of the thread that started the pool
+    thread_started()  # not only the core of the thread that started the pool
 
 
 def on_pool(name: str) -> bool:

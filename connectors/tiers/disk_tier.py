@@ -48,7 +48,7 @@ from kvtier.connectors.tiers.lent_chunk import ReadingBuffer
 from kvtier.errors import InvalidArgumentError, TierError
 from kvtier.io_priority import WaitedFirst
 from kvtier.policies.eviction import ChunkInfo, EvictionPolicy, eviction_policy
-from kvtier.thread_cores import spread_this_thread
+from kvtier.thread_start import thread_started
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class DiskTier(Tier):
         for f in found:  # chunks survive restarts; the oldest are the least recently used
             self._index.add(f.key, None, f.size, charge=self.occupancy(f.size))
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
-            max_workers, thread_name_prefix="kvtier-disk", initializer=spread_this_thread
+            max_workers, thread_name_prefix="kvtier-disk", initializer=thread_started
         )
         self._own_staging = staging is None
         self._staging = StagingPool() if staging is None else staging

@@ -28,7 +28,7 @@ from redis.connection import Encoder, PythonRespSerializer
 from redis.retry import Retry as SyncRetry
 
 from kvtier.errors import InvalidArgumentError
-from kvtier.thread_cores import spread_this_thread
+from kvtier.thread_start import thread_started
 
 T = TypeVar("T")
 
@@ -159,11 +159,11 @@ class RedisConnection:
         if not cluster:
             self.sync = make_sync_client(url, timeout_s=timeout_s, max_connections=max_connections)
             self._io = concurrent.futures.ThreadPoolExecutor(
-                max_connections, thread_name_prefix="kvtier-redis-io", initializer=spread_this_thread
+                max_connections, thread_name_prefix="kvtier-redis-io", initializer=thread_started
             )
 
     def _run_loop(self) -> None:
-        spread_this_thread()
+        thread_started()
         self.loop.run_forever()
 
     def run_on_loop(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 
 from kvtier.io_priority import background_io
-from kvtier.thread_cores import spread_this_thread
+from kvtier.thread_start import thread_started
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class SlotReserve:
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
-        spread_this_thread()
+        thread_started()
         while True:
             self._wanted.wait()
             self._wanted.clear()

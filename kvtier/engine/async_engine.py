@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from kvtier.engine.engine import Engine, turn_error
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.session import TurnResult
+from kvtier.thread_start import thread_started
 
 _STOP = object()
 T = TypeVar("T")
@@ -39,6 +40,7 @@ class AsyncEngine:
     # ----------------------------------------------------------------- thread side
     def _loop(self) -> None:
         """Admit submitted work between steps; step while anything runs."""
+        thread_started()
         pending: list[tuple[Callable[[], None], Callable[[], bool]]] = []
         while True:
             block = not pending and not self.engine.scheduler.has_work

@@ -31,6 +31,7 @@ from kvtier.errors import ChunkFormatError, OutOfBlocksError
 from kvtier.gpu_pool import PagedKVPool
 from kvtier.gpu_pool.kernels import host_native, scatter_blocks, scatter_blocks_host
 from kvtier.gpu_pool.kernels.host_native import scatter_blocks_verified
+from kvtier.thread_start import thread_started
 from kvtier.transfer.device_restore import copy_then_check
 from kvtier.transfer.layer_load import LayerLoad
 from kvtier.transfer.lossy_restore import (
@@ -487,7 +488,8 @@ class Restorer:
     # ---------------------------------------------------------------- loader thread
     def _loader(self) -> ThreadPoolExecutor:
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvtier-restore")
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvtier-restore",
+                                                initializer=thread_started)
         return self._executor
 
     def _reap_if_idle(self) -> None:

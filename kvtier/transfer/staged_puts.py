@@ -17,6 +17,7 @@ from kvtier.connectors.tiers.base import ChunkWrite
 from kvtier.connectors.tiers.chunk_workers import map_store
 from kvtier.connectors.tiers.manager import PutReport, TierManager
 from kvtier.policies.eviction import ChunkInfo
+from kvtier.thread_start import thread_started
 from kvtier.transfer.chunk_sources import ChunkSource
 
 PUT_BATCH_BYTES = 128 << 20
@@ -99,7 +100,8 @@ class StagedPuts:
         """Put one batch on the putter thread (batches in order), with the caller's I/O
         priority (a background store stays one there)."""
         if self._putter is None:
-            self._putter = ThreadPoolExecutor(1, thread_name_prefix="kvtier-put")
+            self._putter = ThreadPoolExecutor(1, thread_name_prefix="kvtier-put",
+                                              initializer=thread_started)
         return self._putter.submit(contextvars.copy_context().run, self.manager.store, writes, tier)
 
     def _settle(self, batch: _Batch, result: StagedResult) -> None:

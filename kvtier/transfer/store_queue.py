@@ -15,6 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvtier.errors import InvalidArgumentError
 from kvtier.io_priority import background_io
+from kvtier.thread_start import thread_started
 from kvtier.transfer.kv_transfer import KVTransfer, SaveReport
 
 
@@ -26,7 +27,8 @@ class StoreQueue:
             )
         self.kv = kv
         self.max_inflight_bytes = max_inflight_bytes
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvtier-store")
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvtier-store",
+                                        initializer=thread_started)
         self._cond = threading.Condition()
         self.inflight_bytes = 0
         self.peak_inflight_bytes = 0
