@@ -15,9 +15,11 @@ bench reports its time apart: ``connector_schedule_s``). Linux only (``/proc``);
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 PROC = Path("/proc")
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
@@ -27,31 +29,54 @@ SIDECAR_ARGS = ("kvtier.cli", "serve")
 connector's private one)."""
 
 
+ROLES = ("vllm", "kvtier_threads", "sidecar")
+ENDED = "(threads that ended)"
+
+
 @dataclass(frozen=True)
 class CpuSplit:
-    """CPU seconds (user + system) by who spent them."""
+    """CPU seconds (user + system) by who spent them: ``threads`` maps ``role/process/thread``
+    (the kernel's names, a pool's thread numbers dropped) to seconds. Roles: ``vllm``
+    (vLLM's threads), ``kvtier_threads`` (kvtier's named threads inside vLLM's processes:
+    the connector's saves, loads...), ``sidecar`` (a kvtier sidecar process, every thread)."""
 
-    vllm_s: float = 0.0
-    """vLLM's processes, less kvtier's threads in them."""
-    kvtier_threads_s: float = 0.0
-    """kvtier's named threads inside vLLM's processes (the connector's saves, loads...)."""
-    sidecar_s: float = 0.0
-    """kvtier sidecar processes, every thread."""
+    threads: Mapping[str, float] = field(default_factory=dict)
 
     def __add__(self, other: CpuSplit) -> CpuSplit:
-        return CpuSplit(self.vllm_s + other.vllm_s, self.kvtier_threads_s + other.kvtier_threads_s,
-                        self.sidecar_s + other.sidecar_s)
+        keys = set(self.threads) | set(other.threads)
+        return CpuSplit({k: self.threads.get(k, 0.0) + other.threads.get(k, 0.0) for k in keys})
 
     def __sub__(self, other: CpuSplit) -> CpuSplit:
-        return CpuSplit(self.vllm_s - other.vllm_s, self.kvtier_threads_s - other.kvtier_threads_s,
-                        self.sidecar_s - other.sidecar_s)
+        keys = set(self.threads) | set(other.threads)
+        return CpuSplit({k: self.threads.get(k, 0.0) - other.threads.get(k, 0.0) for k in keys})
+
+    def role_s(self, role: str) -> float:
+        return sum(v for k, v in self.threads.items() if k.split("/", 1)[0] == role)
+
+    @property
+    def vllm_s(self) -> float:
+        return self.role_s("vllm")
+
+    @property
+    def kvtier_threads_s(self) -> float:
+        return self.role_s("kvtier_threads")
+
+    @property
+    def sidecar_s(self) -> float:
+        return self.role_s("sidecar")
 
     @property
     def kvtier_s(self) -> float:
         return self.kvtier_threads_s + self.sidecar_s
 
-    def as_dict(self) -> dict[str, float]:
-        return {**{k: round(v, 3) for k, v in asdict(self).items()}, "kvtier_s": round(self.kvtier_s, 3)}
+    def as_dict(self) -> dict[str, Any]:
+        """Totals by role, ``kvtier_s``, and ``threads``: each group's seconds, largest first
+        (those under 10 ms left out)."""
+        out: dict[str, Any] = {f"{r}_s": round(self.role_s(r), 3) for r in ROLES}
+        out["kvtier_s"] = round(self.kvtier_s, 3)
+        out["threads"] = {k: round(v, 3) for k, v in
+                          sorted(self.threads.items(), key=lambda kv: -kv[1]) if v >= 0.01}
+        return out
 
 
 def _stat_fields(path: Path) -> tuple[str, list[str]] | None:
@@ -97,23 +122,35 @@ def _is_sidecar(pid: int) -> bool:
     return all(w in words for w in SIDECAR_ARGS)
 
 
+def thread_group(name: str) -> str:
+    """A thread's kernel name without a pool's number (``kvtier-store_3`` -> ``kvtier-store``)."""
+    return re.sub(r"[_-]?\d+$", "", name) or name
+
+
 def _process(pid: int) -> CpuSplit:
     got = _stat_fields(PROC / str(pid) / "stat")
     if got is None:
         return CpuSplit()
-    total = _cpu_s(got[1])  # the whole process, threads that ended included
-    if _is_sidecar(pid):
-        return CpuSplit(sidecar_s=total)
-    ours = 0.0
+    process, total = got[0], _cpu_s(got[1])  # the whole process, threads that ended included
+    sidecar = _is_sidecar(pid)
+    threads: dict[str, float] = {}
     try:
         tasks = list((PROC / str(pid) / "task").iterdir())
     except OSError:
         tasks = []
     for task in tasks:
         t = _stat_fields(task / "stat")
-        if t is not None and t[0].startswith(KVTIER_THREAD_PREFIX):
-            ours += _cpu_s(t[1])
-    return CpuSplit(vllm_s=total - ours, kvtier_threads_s=ours)
+        if t is None:
+            continue
+        ours = t[0].startswith(KVTIER_THREAD_PREFIX)
+        role = "sidecar" if sidecar else "kvtier_threads" if ours else "vllm"
+        key = f"{role}/{process}/{thread_group(t[0])}"
+        threads[key] = threads.get(key, 0.0) + _cpu_s(t[1])
+    ended = total - sum(threads.values())
+    if ended > 0:
+        key = f"{'sidecar' if sidecar else 'vllm'}/{process}/{ENDED}"
+        threads[key] = ended
+    return CpuSplit(threads)
 
 
 def sample(roots: Iterable[int]) -> CpuSplit | None:

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from kvtier.benchmarks.process_cpu import CpuSplit, descendants, sample
+from kvtier.benchmarks.process_cpu import CpuSplit, descendants, sample, thread_group
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc is Linux's")
 
@@ -62,8 +62,7 @@ def _start(*args: str) -> subprocess.Popen:
 
 
 def test_kvtier_threads_are_counted_apart_from_the_process_they_run_in() -> None:
-    before = sample([])
-    assert before == CpuSplit()
+    assert sample([]) == CpuSplit()
     proc = _start("0.4", "0.2")
     try:
         got = sample([proc.pid])
@@ -73,6 +72,7 @@ def test_kvtier_threads_are_counted_apart_from_the_process_they_run_in() -> None
     assert 0.35 <= got.kvtier_threads_s <= 0.6
     assert got.vllm_s >= 0.2  # the main thread's burn, interpreter start-up on top
     assert got.sidecar_s == 0.0
+    assert 0.35 <= got.threads["kvtier_threads/python/kvtier-burn"] <= 0.6
 
 
 def test_a_sidecar_below_the_root_counts_as_the_sidecar_whole() -> None:
@@ -89,8 +89,17 @@ def test_a_sidecar_below_the_root_counts_as_the_sidecar_whole() -> None:
         assert got is not None
         assert got.sidecar_s >= 0.3
         assert got.kvtier_threads_s >= 0.09
-        split = got - CpuSplit(vllm_s=0.0, kvtier_threads_s=0.05)
-        assert split.kvtier_s == pytest.approx(got.kvtier_s - 0.05)
-        assert set(split.as_dict()) == {"vllm_s", "kvtier_threads_s", "sidecar_s", "kvtier_s"}
+        later = got + CpuSplit({"kvtier_threads/python/kvtier-burn": 0.05})
+        assert (later - got).kvtier_s == pytest.approx(0.05)
+        report = got.as_dict()
+        assert set(report) == {"vllm_s", "kvtier_threads_s", "sidecar_s", "kvtier_s", "threads"}
+        assert report["sidecar_s"] == pytest.approx(got.sidecar_s, abs=1e-3)
     finally:
         proc.communicate("\n", timeout=30)
+
+
+def test_a_pools_thread_number_is_dropped_from_its_group() -> None:
+    assert thread_group("kvtier-store_3") == "kvtier-store"
+    assert thread_group("kvtier-chunk-re") == "kvtier-chunk-re"
+    assert thread_group("python3") == "python"
+    assert thread_group("7") == "7"
