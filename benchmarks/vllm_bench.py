@@ -414,10 +414,21 @@ def _means(name: str, per_round: list[dict[str, Any]], rounds: list[dict[str, An
            "wall_s": mean("wall_s"), "output_tok_per_s": mean("output_tok_per_s"),
            "connector_forward_share": mean("connector_forward_share"),
            "recomputed_by_decision_tokens": mean("recomputed_by_decision_tokens")}
-    cpu = [r["cpu_s"] for r in per_round if r.get("cpu_s")]
-    out["cpu_s"] = {k: statistics.fmean(c[k] for c in cpu) for k in cpu[0]} if cpu else None
+    out["cpu_s"] = _mean_cpu([r["cpu_s"] for r in per_round if r.get("cpu_s")])
     same = [r["identical_to_alone"] for r in per_round if r["identical_to_alone"]]
     out["identical_turns"] = [sum(a for a, _ in same), sum(b for _, b in same)] if same else None
+    return out
+
+
+def _mean_cpu(rounds: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The rounds' CPU split (:mod:`~kvtier.benchmarks.process_cpu`) averaged: each role's
+    seconds, and each thread group's (0 in a round without it)."""
+    if not rounds:
+        return None
+    out: dict[str, Any] = {k: statistics.fmean(r[k] for r in rounds) for k in rounds[0] if k != "threads"}
+    groups = {g for r in rounds for g in r.get("threads", {})}
+    out["threads"] = dict(sorted(((g, statistics.fmean(r.get("threads", {}).get(g, 0.0) for r in rounds))
+                                  for g in groups), key=lambda kv: -kv[1]))
     return out
 
 

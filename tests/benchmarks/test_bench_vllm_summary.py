@@ -166,3 +166,23 @@ def test_metrics_are_read_once_the_counters_stop_moving():
         assert got["kvtier_saved_total"] == 5
     finally:
         server.shutdown()
+
+
+def test_the_cpu_split_is_averaged_over_rounds_thread_group_by_group():
+    def cpu(vllm: float, save: float | None) -> dict:
+        threads = {"vllm/VLLM::Worker/python": vllm}
+        if save is not None:
+            threads["kvtier_threads/VLLM::Worker/kvtier-vllm-sav"] = save
+        return {"vllm_s": vllm, "kvtier_threads_s": save or 0.0, "sidecar_s": 0.0,
+                "kvtier_s": save or 0.0, "threads": threads}
+
+    rounds = [{"kvtier": {"turns": _turns(1.0, 1.0), "wall_s": 1.0, "metrics": {}, "cpu_s": cpu(10.0, 1.0)}},
+              {"kvtier": {"turns": _turns(1.0, 1.0), "wall_s": 1.0, "metrics": {}, "cpu_s": cpu(12.0, None)}},
+              {"kvtier": {"turns": _turns(1.0, 1.0), "wall_s": 1.0, "metrics": {}}}]  # off Linux
+    (row,) = _summarise(["kvtier"], rounds)
+    assert row["cpu_s"]["vllm_s"] == pytest.approx(11.0)
+    assert row["cpu_s"]["kvtier_s"] == pytest.approx(0.5)
+    assert row["cpu_s"]["threads"] == {"vllm/VLLM::Worker/python": pytest.approx(11.0),
+                                       "kvtier_threads/VLLM::Worker/kvtier-vllm-sav": pytest.approx(0.5)}
+    (without,) = _summarise(["kvtier"], rounds[2:])
+    assert without["cpu_s"] is None
