@@ -144,7 +144,8 @@ def _process(pid: int) -> CpuSplit:
             continue
         ours = t[0].startswith(KVTIER_THREAD_PREFIX)
         role = "sidecar" if sidecar else "kvtier_threads" if ours else "vllm"
-        key = f"{role}/{process}/{thread_group(t[0])}"
+        main = " (main)" if task.name == str(pid) else ""  # a process's first thread
+        key = f"{role}/{process}/{thread_group(t[0])}{main}"
         threads[key] = threads.get(key, 0.0) + _cpu_s(t[1])
     ended = total - sum(threads.values())
     if ended > 0:

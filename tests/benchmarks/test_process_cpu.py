@@ -73,6 +73,7 @@ def test_kvtier_threads_are_counted_apart_from_the_process_they_run_in() -> None
     assert got.vllm_s >= 0.2  # the main thread's burn, interpreter start-up on top
     assert got.sidecar_s == 0.0
     assert 0.35 <= got.threads["kvtier_threads/python/kvtier-burn"] <= 0.6
+    assert got.threads["vllm/python/python (main)"] >= 0.2
 
 
 def test_a_sidecar_below_the_root_counts_as_the_sidecar_whole() -> None:
