@@ -24,8 +24,9 @@ from typing import Any
 PROC = Path("/proc")
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
 KVTIER_THREAD_PREFIX = "kvtier"
-SIDECAR_ARGS = ("kvtier.cli", "serve")
-"""A process whose command line holds these is a kvtier sidecar (the bench's or a
+SIDECAR_PROGRAMS = ("kvtier", "kvtier.cli", "kvtier.cli.main")
+"""A process whose command line runs one of these (a console script by its file name, a
+module by its name) with ``serve`` is a kvtier sidecar (the bench's, an operator's, or a
 connector's private one)."""
 
 
@@ -118,8 +119,8 @@ def _is_sidecar(pid: int) -> bool:
         args = (PROC / str(pid) / "cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
-    words = [a.decode(errors="replace") for a in args]
-    return all(w in words for w in SIDECAR_ARGS)
+    words = [a.decode(errors="replace") for a in args if a]
+    return "serve" in words and any(os.path.basename(w) in SIDECAR_PROGRAMS for w in words)
 
 
 def thread_group(name: str) -> str:

@@ -28,6 +28,7 @@ from kvtier.benchmarks.paired_rounds import paired_ratio
 from kvtier.benchmarks.vllm_servers import (
     VllmSetup,
     root_cause,
+    route_requests,
     settled_metrics,
     start_kvtier_serve,
     start_vllm,
@@ -278,11 +279,16 @@ def _one(setup: VllmSetup, args: argparse.Namespace, work: ChatWorkload, workdir
         limit_s = _limit_s(setup, args)
         roots = [s.proc.pid for s in (server, sidecar) if s is not None]
         cpu_before = process_cpu.sample(roots)
+        asked_before = route_requests(sidecar.url) if sidecar else {}
         done = asyncio.run(replay(server.url, "m", work, limit_s=limit_s))
         got = {"turns": done.turns, "wall_s": done.wall_s, "metrics": settled_metrics(server.url)}
         cpu_after = process_cpu.sample(roots)
         if cpu_before is not None and cpu_after is not None:
             got["cpu_s"] = (cpu_after - cpu_before).as_dict()
+        if sidecar:  # what the connector asked of the sidecar, by route
+            asked = route_requests(sidecar.url)
+            got["sidecar_requests"] = {k: n - asked_before.get(k, 0) for k, n in asked.items()
+                                       if n > asked_before.get(k, 0) and "/metrics" not in k}
         if not done.finished:
             got["unfinished"] = (f"{len(done.turns)} of {work.conversations * work.turns} turns "
                                  f"in {limit_s:.0f} s; it logged: "
@@ -358,6 +364,7 @@ def _round_row(got: dict[str, Any], reference: dict[str, Any] | None) -> dict[st
         "external_hit_tokens": m.get("vllm:external_prefix_cache_hits_total"),
         "prefix_cache_hit_tokens": m.get("vllm:prefix_cache_hits_total"),
         "cpu_s": got.get("cpu_s"),
+        "sidecar_requests": got.get("sidecar_requests"),
     }
 
 

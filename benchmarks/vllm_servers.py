@@ -179,3 +179,19 @@ def metrics(url: str) -> dict[str, float]:
         for sample in family.samples:
             out[sample.name] = out.get(sample.name, 0.0) + float(sample.value)
     return out
+
+
+def route_requests(url: str) -> dict[str, int]:
+    """A ``kvtier serve``'s HTTP requests so far by ``METHOD route`` (its
+    ``kvtier_http_requests_total``, every status)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, int] = {}
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "kvtier_http_requests_total":
+                key = f"{sample.labels['method']} {sample.labels['route']}"
+                out[key] = out.get(key, 0) + int(sample.value)
+    return out

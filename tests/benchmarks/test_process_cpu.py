@@ -104,3 +104,19 @@ def test_a_pools_thread_number_is_dropped_from_its_group() -> None:
     assert thread_group("kvtier-chunk-re") == "kvtier-chunk-re"
     assert thread_group("python3") == "python"
     assert thread_group("7") == "7"
+
+
+@pytest.mark.parametrize("program", [["-m", "kvtier.cli", "serve"], ["-m", "kvtier.cli.main", "serve"],
+                                     ["/opt/venv/bin/kvtier", "serve", "--port", "1"]])
+def test_a_sidecar_is_known_by_how_it_was_started(program: list[str]) -> None:
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    proc, other = subprocess.Popen([*sleep, *program]), subprocess.Popen([*sleep, "serve"])
+    try:
+        got, not_ours = sample([proc.pid]), sample([other.pid])
+        assert got is not None and not_ours is not None
+        assert got.threads and all(k.startswith("sidecar/") for k in got.threads)
+        assert not_ours.threads and all(k.startswith("vllm/") for k in not_ours.threads)
+    finally:
+        for p in (proc, other):
+            p.kill()
+            p.wait()

@@ -415,6 +415,43 @@ def test_a_lookup_is_one_round_trip_prefix_and_tail_together():
     assert asker.lookups == 2  # what the connector reports as vllm:kvtier_lookups_total
 
 
+def test_what_the_store_said_at_arrival_is_the_lookup_when_vllm_schedules_the_request():
+    """vLLM adds a request, then schedules it: where the arrival's lookup found nothing to
+    raise into RAM, its answer stands for the scheduling one (vLLM's loop waits on no round
+    trip), once; a later try of the same request asks again."""
+    asker, counted, turn2 = _after_a_first_turn()
+    t2 = Request("t2", turn2)
+    assert asker.arrived(t2).result(timeout=30) == 0  # all in RAM: nothing raised...
+    assert counted.calls == 1  # ...and no prefetch asked for: one lookup
+    assert asker.matched_tokens(t2, 0) == 5 * BLOCK  # the same answer as asking
+    assert counted.calls == 1 and asker.lookups == 0
+    assert asker.matched_tokens(t2, 0) == 5 * BLOCK  # vLLM could not schedule it: asked again
+    assert counted.calls == 2 and asker.lookups == 1
+    new = Request("new", list(range(7000, 7000 + 9 * BLOCK)))  # a first turn: nothing stored
+    asker.arrived(new).result(timeout=30)
+    assert asker.matched_tokens(new, 0) == 0
+    assert counted.calls == 3
+
+
+def test_an_arrival_answer_older_than_its_bound_is_asked_again(monkeypatch):
+    from kvtier.connectors import vllm_scheduler
+
+    asker, counted, turn2 = _after_a_first_turn()
+    t2 = Request("t2", turn2)
+    asker.arrived(t2).result(timeout=30)
+    monkeypatch.setattr(vllm_scheduler, "ARRIVAL_ANSWER_S", 0.0)
+    assert asker.matched_tokens(t2, 0) == 5 * BLOCK
+    assert counted.calls == 2
+
+
+def test_a_finished_request_leaves_no_arrival_answer_behind():
+    asker, counted, turn2 = _after_a_first_turn()
+    t2 = Request("t2", turn2)
+    asker.arrived(t2).result(timeout=30)
+    asker.finished(t2, [])  # aborted before vLLM scheduled it
+    assert asker._arrival_answers == {}
+
+
 def test_a_long_prompt_asks_for_the_tails_after_its_prefix_is_known(monkeypatch):
     from kvtier.connectors import vllm_lookup
 
@@ -695,3 +732,15 @@ def test_a_sequences_keys_reuse_its_prompts_whole_slots_and_are_the_same(prompt_
     assert len(set(every)) == len(every)
     assert [fresh.full_key(0), fresh.full_key(1), fresh.segment(8, 9).key] == [
         k.key for k in grid.keys(tokens)]
+
+
+def test_an_arrival_answer_of_several_round_trips_answers_every_question_at_scheduling(monkeypatch):
+    from kvtier.connectors import vllm_lookup
+
+    monkeypatch.setattr(vllm_lookup, "MAX_SPECULATIVE_KEYS", 4)
+    asker, counted, turn2 = _after_a_first_turn()
+    t2 = Request("t2", turn2)
+    asker.arrived(t2).result(timeout=30)
+    assert counted.calls == 2  # the prefix, then the tails
+    assert asker.matched_tokens(t2, 0) == 5 * BLOCK
+    assert counted.calls == 2
