@@ -12,6 +12,7 @@ chunks, found in the first).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -46,6 +47,8 @@ class Answers:
     request's lookup at arrival, reused when vLLM schedules it)."""
 
     tiers: dict[str, str | None] = field(default_factory=dict)
+    at: float = field(default_factory=time.monotonic)
+    """When the first question was asked (the answers are at most this old)."""
 
 
 class PrefixProbe:

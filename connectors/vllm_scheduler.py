@@ -15,12 +15,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.connectors.chunk_store import ChunkStore
-from kvtier.connectors.tiers.cpu_tier import CPUTier
+from kvtier.connectors.vllm_arrivals import ArrivalLookups
 from kvtier.connectors.vllm_blocks import (
     ChunkGrid,
     ChunkSpan,
@@ -31,23 +31,13 @@ from kvtier.connectors.vllm_blocks import (
     SequenceKeys,
     StepPlan,
 )
-from kvtier.connectors.vllm_lookup import FINISHING, Answers, PrefixProbe, Stored
+from kvtier.connectors.vllm_lookup import FINISHING, PrefixProbe, Stored
 from kvtier.connectors.vllm_policy import LoadObservation, LoadPolicy, LoadTiming
 from kvtier.connectors.vllm_sources import SegmentSources
 from kvtier.connectors.vllm_turns import TurnReporter
 from kvtier.policies.restore import StoredChunk
-from kvtier.thread_start import thread_started
 
 log = logging.getLogger(__name__)
-
-ARRIVAL_ANSWER_S = 1.0
-"""How long what the store said about a request's keys when vLLM added it stands as the
-request's lookup when vLLM schedules it: one round trip fewer on vLLM's scheduling path,
-where its loop waits for the answer (vLLM schedules a request it has room for at its next
-step, milliseconds after it arrived; a request kept waiting longer is asked about again).
-In between, saves may land and chunks may leave the store: an answer that old misses the
-first (those tokens are computed) or names the second (the load fails and vLLM computes
-those blocks), never loads wrong KV."""
 
 @dataclass
 class _ReqState:
@@ -133,10 +123,8 @@ class SchedulerSide:
         """Requests loaded before the forward pass of the step that scheduled them."""
         self.busy_s = 0.0
         """Time vLLM's scheduler spent in this side's hooks (kept by the connector)."""
-        self._prefetcher: ThreadPoolExecutor | None = None
-        self._arrival_answers: dict[str, tuple[float, Answers]] = {}
-        """What the store said about a request's keys when vLLM added it (and when), where
-        nothing was to be raised into the fastest tier: its lookup at scheduling."""
+        self.arrivals = ArrivalLookups(self._store, self.ranks, self._parts)
+        """Requests' keys asked about when vLLM adds them (their chunks raised into RAM)."""
         self.turns = TurnReporter(lambda turns: self._store().report_turns(turns))
         """When sessions' turns start and end, for the store's session-aware tiers (sent
         by an instance that serves whole turns: not a prefill peer)."""
@@ -157,32 +145,13 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ arrivals
     def arrived(self, request: Any) -> Future[int] | None:
-        """vLLM added a request (it may wait in the queue before it is scheduled): raise
-        its stored chunks from the slower tiers into the fastest one in the background, so
-        that its load reads them from RAM. None where nothing is prefetched."""
+        """vLLM added a request (it may wait in the queue before it is scheduled): ask
+        about its keys and raise its stored chunks from the slower tiers into the fastest
+        one in the background (:mod:`.vllm_arrivals`). None where nothing is asked."""
         state = self._state(request)
         if not self.role.loads or not state.seq.slots:
             return None
-        if self._prefetcher is None:
-            self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm-prefetch",
-                                                  initializer=thread_started)
-        return self._prefetcher.submit(self._prefetch, request.request_id, state.seq)
-
-    def _prefetch(self, req_id: str, seq: SequenceKeys) -> int:
-        """Raise the segments a lookup of ``seq`` would find into the fastest tier; where
-        all of them are there already (or none is stored), keep the answer for the
-        request's lookup when vLLM schedules it."""
-        try:
-            store = self._store()
-            answers = Answers()
-            found = PrefixProbe(self.ranks).probe(store, seq, record=answers)
-            if all(s.tier == CPUTier.name for s in found):
-                self._arrival_answers[req_id] = (time.monotonic(), answers)
-                return 0
-            return store.prefetch(self._parts([s.key for s in found]))
-        except Exception as exc:  # noqa: BLE001 - a failed prefetch only costs speed
-            log.info("kvtier prefetch failed: %s", exc)
-            return 0
+        return self.arrivals.arrive(request.request_id, state.seq)
 
     def _state(self, request: Any) -> _ReqState:
         state = self._requests.get(request.request_id)
@@ -207,7 +176,7 @@ class SchedulerSide:
         usable = (len(prompt) - 1) // bs
         try:
             stored = self._probe.probe(self._store(), state.seq, self._finishing,
-                                       known=self._arrival_answer(request.request_id))
+                                       known=self.arrivals.answer(request.request_id))
         except Exception as exc:  # noqa: BLE001 - an unreachable store is a miss
             log.warning("kvtier lookup failed, recomputing: %s", exc)
             stored = []
@@ -229,14 +198,6 @@ class SchedulerSide:
         found = _Found(computed, covered, load, declined, not loads or self._parks(load, computed))
         self._found[request.request_id] = found  # acted on once vLLM allocates (no side effect here)
         return max(0, found.blocks * bs - num_computed_tokens) if found.blocks > computed else 0
-
-    def _arrival_answer(self, req_id: str) -> Answers | None:
-        """The answer the request's lookup got when vLLM added it, once, while fresh
-        (:data:`ARRIVAL_ANSWER_S`); None: ask the store."""
-        got = self._arrival_answers.pop(req_id, None)
-        if got is None or time.monotonic() - got[0] > ARRIVAL_ANSWER_S:
-            return None
-        return got[1]
 
     def _chosen(self, chain: list[Stored], computed: int, prompt_tokens: int
                 ) -> tuple[tuple[Stored, ...], int]:
@@ -424,7 +385,7 @@ class SchedulerSide:
         save of it landed."""
         req_id = request.request_id
         self._found.pop(req_id, None)
-        self._arrival_answers.pop(req_id, None)
+        self.arrivals.forget(req_id)
         self._loads.pop(req_id, None)
         self._load_tiers.pop(req_id, None)
         state = self._requests.pop(req_id, None)
@@ -454,5 +415,4 @@ class SchedulerSide:
     def close(self) -> None:
         """Send the turn reports still pending; stop the background threads."""
         self.turns.close()
-        if self._prefetcher is not None:
-            self._prefetcher.shutdown(wait=False)
+        self.arrivals.close()

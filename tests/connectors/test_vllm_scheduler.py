@@ -7,6 +7,8 @@ a miss, not an error."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -434,12 +436,12 @@ def test_what_the_store_said_at_arrival_is_the_lookup_when_vllm_schedules_the_re
 
 
 def test_an_arrival_answer_older_than_its_bound_is_asked_again(monkeypatch):
-    from kvtier.connectors import vllm_scheduler
+    from kvtier.connectors import vllm_arrivals
 
     asker, counted, turn2 = _after_a_first_turn()
     t2 = Request("t2", turn2)
     asker.arrived(t2).result(timeout=30)
-    monkeypatch.setattr(vllm_scheduler, "ARRIVAL_ANSWER_S", 0.0)
+    monkeypatch.setattr(vllm_arrivals, "ANSWER_STANDS_S", 0.0)
     assert asker.matched_tokens(t2, 0) == 5 * BLOCK
     assert counted.calls == 2
 
@@ -449,7 +451,7 @@ def test_a_finished_request_leaves_no_arrival_answer_behind():
     t2 = Request("t2", turn2)
     asker.arrived(t2).result(timeout=30)
     asker.finished(t2, [])  # aborted before vLLM scheduled it
-    assert asker._arrival_answers == {}
+    assert asker.arrivals.answer("t2") is None
 
 
 def test_a_long_prompt_asks_for_the_tails_after_its_prefix_is_known(monkeypatch):
@@ -744,3 +746,50 @@ def test_an_arrival_answer_of_several_round_trips_answers_every_question_at_sche
     assert counted.calls == 2  # the prefix, then the tails
     assert asker.matched_tokens(t2, 0) == 5 * BLOCK
     assert counted.calls == 2
+
+
+class _Gated(_Counted):
+    """A counted store whose first ``locate`` waits until ``gate`` is set (a question in
+    flight on a slow sidecar)."""
+
+    def __init__(self, store) -> None:
+        super().__init__(store)
+        self.gate, self.asking, self._first = threading.Event(), threading.Event(), True
+
+    def locate(self, keys):
+        self.calls += 1
+        if self._first:
+            self._first = False
+            self.asking.set()
+            assert self.gate.wait(30)
+        return self.store.locate(keys)
+
+
+def _gated_after_a_first_turn() -> tuple[SchedulerSide, _Gated, list[int]]:
+    sched, (worker,), store = _sides()
+    turn1 = list(range(50, 50 + 5 * BLOCK + 4))
+    _run(sched, [worker], Request("t1", turn1), list(range(6)))
+    gated = _Gated(store)
+    return SchedulerSide(lambda: gated, GRID), gated, turn1 + list(range(900, 900 + 3 * BLOCK))
+
+
+def test_a_scheduling_lookup_waits_for_the_arrivals_question_in_flight_instead_of_asking_again():
+    asker, gated, turn2 = _gated_after_a_first_turn()
+    t2 = Request("t2", turn2)
+    job = asker.arrived(t2)
+    threading.Timer(0.2, gated.gate.set).start()  # the sidecar answers a little later
+    assert asker.matched_tokens(t2, 0) == 5 * BLOCK  # called at once, as vLLM does
+    assert job.done() and gated.calls == 1 and asker.lookups == 0
+
+
+def test_a_request_whose_question_queues_behind_anothers_asks_for_itself():
+    asker, gated, turn2 = _gated_after_a_first_turn()
+    first, second = Request("a", turn2), Request("b", turn2 + [7])
+    asker.arrived(first)  # its question hangs on the slow store...
+    assert gated.asking.wait(30)
+    asker.arrived(second)  # ...and the second's queues behind it
+    assert asker.matched_tokens(second, 0) == 5 * BLOCK  # not kept waiting for the first's
+    assert asker.lookups == 1
+    gated.gate.set()
+    assert asker.matched_tokens(first, 0) == 5 * BLOCK
+    assert asker.lookups == 1  # the first's own answer stood for it
