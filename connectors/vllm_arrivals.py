@@ -86,21 +86,23 @@ class ArrivalLookups:
         return job
 
     def _ask(self, answer: Future[Answers | None], seq: SequenceKeys) -> int:
-        answers: Answers | None = None
         try:
             store = self._store()
             answers = Answers()
             found = PrefixProbe(self._ranks).probe(store, seq, record=answers)
             if all(s.tier == CPUTier.name for s in found):
+                answer.set_result(answers)
                 return 0
-            answers = None  # tiers change as the chunks are raised: asked again at scheduling
+            # tiers change as the chunks are raised: the scheduling lookup asks again, at
+            # once (told before the raise, which reads slower tiers, so as not to wait it)
+            answer.set_result(None)
             return store.prefetch(self._parts([s.key for s in found]))
         except Exception as exc:  # noqa: BLE001 - a failed prefetch only costs speed
             log.info("kvtier prefetch failed: %s", exc)
-            answers = None
             return 0
         finally:
-            answer.set_result(answers)
+            if not answer.done():
+                answer.set_result(None)
             with self._lock:
                 self._unfinished -= 1
 

@@ -793,3 +793,35 @@ def test_a_request_whose_question_queues_behind_anothers_asks_for_itself():
     gated.gate.set()
     assert asker.matched_tokens(first, 0) == 5 * BLOCK
     assert asker.lookups == 1  # the first's own answer stood for it
+
+
+def test_a_scheduling_lookup_does_not_wait_for_the_arrivals_raise_from_disk(tmp_path, monkeypatch):
+    """Where the arrival's question found chunks below RAM it raises them (reads from
+    disk); the scheduling lookup asks for itself at once instead of waiting for that."""
+    from kvtier.connectors import vllm_arrivals
+
+    monkeypatch.setattr(vllm_arrivals, "ANSWER_WAIT_S", 600.0)  # a wait would show
+    sched, worker, store, turn1 = _alice_over_ram_and_disk(tmp_path, CPUTier(4 << 20, 1 << 20))
+    _run(sched, [worker], Request("bob", list(range(900, 900 + 8 * BLOCK + 1))), list(range(10, 19)))
+    gate, raising = threading.Event(), threading.Event()
+
+    class SlowRaise(_Counted):
+        def prefetch(self, keys):
+            raising.set()
+            assert gate.wait(30)
+            return self.store.prefetch(keys)
+
+    slow = SlowRaise(store)
+    asker = SchedulerSide(lambda: slow, GRID)
+    turn2 = Request("t2", turn1.prompt_token_ids + [1, 2, 3])
+    job = asker.arrived(turn2)
+    assert raising.wait(30)
+    matched: list[int] = []
+    looking = threading.Thread(target=lambda: matched.append(asker.matched_tokens(turn2, 0)))
+    looking.start()
+    looking.join(30)  # the raise is held for as long
+    assert matched == [6 * BLOCK]  # found on disk, without waiting for the raise
+    assert not job.done() and asker.lookups == 1
+    gate.set()
+    looking.join(30)
+    assert job.result(timeout=30) == 3
