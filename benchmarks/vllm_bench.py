@@ -354,7 +354,7 @@ def _round_row(got: dict[str, Any], reference: dict[str, Any] | None) -> dict[st
         "connector_forward_share": forward / step if step else None,
         "connector_schedule_s": m.get("vllm:kvtier_schedule_seconds_total"),
         "kvtier_lookups": m.get("vllm:kvtier_lookups_total"),
-        "arrival_answers": m.get("vllm:kvtier_arrival_answers_total"),
+        "arrival_raises": m.get("vllm:kvtier_arrival_raises_total"),
         "parked_loads": m.get("vllm:kvtier_parked_loads_total"),
         "loads_before_forward": m.get("vllm:kvtier_loads_before_forward_total"),
         "parked_load_s": m.get("vllm:kvtier_parked_load_seconds_total"),

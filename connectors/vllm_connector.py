@@ -172,7 +172,7 @@ class KVTierConnector(KVConnectorBase_V1):
             s = self.scheduler_side
             return {"hit_blocks": s.hit_blocks, "recomputed_by_decision_tokens": s.recomputed_by_decision,
                     "schedule_seconds": s.busy_s, "lookups": s.lookups,
-                    "arrival_answers": s.arrivals.answered,
+                    "arrival_raises": s.arrivals.raises,
                     "parked_loads": s.parked_loads, "loads_before_forward": s.forward_loads,
                     "session_turns_reported": s.turns.sent}
         w, saves = self.worker_side.stats, self.worker_side.saves

@@ -12,9 +12,8 @@ chunks, found in the first).
 
 from __future__ import annotations
 
-import time
-from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 
 from kvtier.connectors.chunk_store import ChunkStore
 from kvtier.connectors.vllm_blocks import ChunkGrid, Rank, SequenceKeys
@@ -40,17 +39,6 @@ class Stored:
     take: int = 0
 
 
-@dataclass
-class Answers:
-    """What the store said about keys: each key asked -> the tier holding every rank's part
-    of it, or None (not stored). Recorded by one probe, consulted by a later one (a
-    request's lookup at arrival, reused when vLLM schedules it)."""
-
-    tiers: dict[str, str | None] = field(default_factory=dict)
-    at: float = field(default_factory=time.monotonic)
-    """When the first question was asked (the answers are at most this old)."""
-
-
 class PrefixProbe:
     """Asks the store about a prompt's segments: ``finishing`` are keys a final save is
     about to write (counted as stored, in :data:`FINISHING`)."""
@@ -60,15 +48,14 @@ class PrefixProbe:
         self.round_trips = 0
         """Questions asked of the store so far."""
 
-    def probe(self, store: ChunkStore, seq: SequenceKeys, finishing: Collection[str] = (),
-              known: Answers | None = None, record: Answers | None = None) -> list[Stored]:
+    def probe(self, store: ChunkStore, seq: SequenceKeys, finishing: Collection[str] = ()
+              ) -> list[Stored]:
         """The stored segments, in order, that cover the longest stored prefix of ``seq``'s
-        full blocks (the fewest segments that reach it). Keys ``known`` answers name are not
-        asked again; every answer is added to ``record``."""
+        full blocks (the fewest segments that reach it)."""
         room = MAX_SPECULATIVE_KEYS // len(self.ranks)
         whole = [k for s in range(seq.slots) if (k := seq.full_key(s)) is not None]
         pieces, asked = _pieces(seq, 0, room - len(whole), at_least_one=False)
-        tier = self._answers(store, whole + pieces, known, record)
+        tier = self._locate(store, whole + pieces)
         out: list[Stored] = []
         for slot in range(seq.slots):
             key = seq.full_key(slot)
@@ -78,23 +65,11 @@ class PrefixProbe:
                 continue
             if slot >= asked:
                 pieces, asked = _pieces(seq, slot, room, at_least_one=True)
-                tier.update(self._answers(store, pieces, known, record))
+                tier.update(self._locate(store, pieces))
             cover = _cover(seq, slot, tier, finishing)
             out += cover
             if sum(s.blocks for s in cover) < seq.grid.chunk_blocks:
                 break
-        return out
-
-    def _answers(self, store: ChunkStore, keys: list[str], known: Answers | None,
-                 record: Answers | None) -> dict[str, str]:
-        """Key -> tier for the stored ones of ``keys``: from ``known`` where it names
-        them, else asked of the store (one round trip for all the others)."""
-        told: Mapping[str, str | None] = known.tiers if known is not None else {}
-        ask = [k for k in keys if k not in told]
-        got = self._locate(store, ask) if ask else {}
-        out = {k: t for k in keys if (t := got.get(k) if k not in told else told[k]) is not None}
-        if record is not None:
-            record.tiers.update({k: out.get(k) for k in keys})
         return out
 
     def _locate(self, store: ChunkStore, keys: list[str]) -> dict[str, str]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.connectors.chunk_store import ChunkStore
-from kvtier.connectors.vllm_arrivals import ArrivalLookups
+from kvtier.connectors.vllm_arrivals import ArrivalPrefetch
 from kvtier.connectors.vllm_blocks import (
     ChunkGrid,
     ChunkSpan,
@@ -123,7 +123,7 @@ class SchedulerSide:
         """Requests loaded before the forward pass of the step that scheduled them."""
         self.busy_s = 0.0
         """Time vLLM's scheduler spent in this side's hooks (kept by the connector)."""
-        self.arrivals = ArrivalLookups(self._store, self.ranks, self._parts)
+        self.arrivals = ArrivalPrefetch(self._store, self.ranks, self._parts)
         """Requests' keys asked about when vLLM adds them (their chunks raised into RAM)."""
         self.turns = TurnReporter(lambda turns: self._store().report_turns(turns))
         """When sessions' turns start and end, for the store's session-aware tiers (sent
@@ -151,7 +151,7 @@ class SchedulerSide:
         state = self._state(request)
         if not self.role.loads or not state.seq.slots:
             return None
-        return self.arrivals.arrive(request.request_id, state.seq)
+        return self.arrivals.arrive(state.seq)
 
     def _state(self, request: Any) -> _ReqState:
         state = self._requests.get(request.request_id)
@@ -175,8 +175,7 @@ class SchedulerSide:
         bs = self.grid.block_size
         usable = (len(prompt) - 1) // bs
         try:
-            stored = self._probe.probe(self._store(), state.seq, self._finishing,
-                                       known=self.arrivals.answer(request.request_id))
+            stored = self._probe.probe(self._store(), state.seq, self._finishing)
         except Exception as exc:  # noqa: BLE001 - an unreachable store is a miss
             log.warning("kvtier lookup failed, recomputing: %s", exc)
             stored = []
@@ -385,7 +384,6 @@ class SchedulerSide:
         save of it landed."""
         req_id = request.request_id
         self._found.pop(req_id, None)
-        self.arrivals.forget(req_id)
         self._loads.pop(req_id, None)
         self._load_tiers.pop(req_id, None)
         state = self._requests.pop(req_id, None)

@@ -7,8 +7,6 @@ a miss, not an error."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -325,6 +323,7 @@ def test_a_sessions_next_request_promotes_its_chunks_before_it_is_scheduled(tmp_
     turn2 = Request("t2", turn1.prompt_token_ids + [1, 2, 3])
     turn2.session_id = "alice"
     assert sched.arrived(turn2).result(timeout=30) == 3  # read from disk, written to RAM
+    assert sched.arrivals.raises == 1
     assert store.where(keys) == ["cpu"] * 3
     assert sched.matched_tokens(turn2, 0) == 6 * BLOCK
 
@@ -417,41 +416,19 @@ def test_a_lookup_is_one_round_trip_prefix_and_tail_together():
     assert asker.lookups == 2  # what the connector reports as vllm:kvtier_lookups_total
 
 
-def test_what_the_store_said_at_arrival_is_the_lookup_when_vllm_schedules_the_request():
-    """vLLM adds a request, then schedules it: where the arrival's lookup found nothing to
-    raise into RAM, its answer stands for the scheduling one (vLLM's loop waits on no round
-    trip), once; a later try of the same request asks again."""
+def test_an_arrival_whose_chunks_are_all_in_ram_asks_for_no_raise():
+    """vLLM adds a request whose stored chunks are all in RAM (or a first turn, none
+    stored): the background question is one lookup, no prefetch; the scheduling lookup
+    asks as before."""
     asker, counted, turn2 = _after_a_first_turn()
     t2 = Request("t2", turn2)
-    assert asker.arrived(t2).result(timeout=30) == 0  # all in RAM: nothing raised...
-    assert counted.calls == 1  # ...and no prefetch asked for: one lookup
-    assert asker.matched_tokens(t2, 0) == 5 * BLOCK  # the same answer as asking
-    assert counted.calls == 1 and asker.lookups == 0
-    assert asker.matched_tokens(t2, 0) == 5 * BLOCK  # vLLM could not schedule it: asked again
+    assert asker.arrived(t2).result(timeout=30) == 0
+    assert counted.calls == 1 and asker.arrivals.raises == 0  # a lookup, no prefetch
+    assert asker.matched_tokens(t2, 0) == 5 * BLOCK
     assert counted.calls == 2 and asker.lookups == 1
     new = Request("new", list(range(7000, 7000 + 9 * BLOCK)))  # a first turn: nothing stored
-    asker.arrived(new).result(timeout=30)
-    assert asker.matched_tokens(new, 0) == 0
-    assert counted.calls == 3
-
-
-def test_an_arrival_answer_older_than_its_bound_is_asked_again(monkeypatch):
-    from kvtier.connectors import vllm_arrivals
-
-    asker, counted, turn2 = _after_a_first_turn()
-    t2 = Request("t2", turn2)
-    asker.arrived(t2).result(timeout=30)
-    monkeypatch.setattr(vllm_arrivals, "ANSWER_STANDS_S", 0.0)
-    assert asker.matched_tokens(t2, 0) == 5 * BLOCK
-    assert counted.calls == 2
-
-
-def test_a_finished_request_leaves_no_arrival_answer_behind():
-    asker, counted, turn2 = _after_a_first_turn()
-    t2 = Request("t2", turn2)
-    asker.arrived(t2).result(timeout=30)
-    asker.finished(t2, [])  # aborted before vLLM scheduled it
-    assert asker.arrivals.answer("t2") is None
+    assert asker.arrived(new).result(timeout=30) == 0
+    assert counted.calls == 3 and asker.arrivals.raises == 0
 
 
 def test_a_long_prompt_asks_for_the_tails_after_its_prefix_is_known(monkeypatch):
@@ -734,94 +711,3 @@ def test_a_sequences_keys_reuse_its_prompts_whole_slots_and_are_the_same(prompt_
     assert len(set(every)) == len(every)
     assert [fresh.full_key(0), fresh.full_key(1), fresh.segment(8, 9).key] == [
         k.key for k in grid.keys(tokens)]
-
-
-def test_an_arrival_answer_of_several_round_trips_answers_every_question_at_scheduling(monkeypatch):
-    from kvtier.connectors import vllm_lookup
-
-    monkeypatch.setattr(vllm_lookup, "MAX_SPECULATIVE_KEYS", 4)
-    asker, counted, turn2 = _after_a_first_turn()
-    t2 = Request("t2", turn2)
-    asker.arrived(t2).result(timeout=30)
-    assert counted.calls == 2  # the prefix, then the tails
-    assert asker.matched_tokens(t2, 0) == 5 * BLOCK
-    assert counted.calls == 2
-
-
-class _Gated(_Counted):
-    """A counted store whose first ``locate`` waits until ``gate`` is set (a question in
-    flight on a slow sidecar)."""
-
-    def __init__(self, store) -> None:
-        super().__init__(store)
-        self.gate, self.asking, self._first = threading.Event(), threading.Event(), True
-
-    def locate(self, keys):
-        self.calls += 1
-        if self._first:
-            self._first = False
-            self.asking.set()
-            assert self.gate.wait(30)
-        return self.store.locate(keys)
-
-
-def _gated_after_a_first_turn() -> tuple[SchedulerSide, _Gated, list[int]]:
-    sched, (worker,), store = _sides()
-    turn1 = list(range(50, 50 + 5 * BLOCK + 4))
-    _run(sched, [worker], Request("t1", turn1), list(range(6)))
-    gated = _Gated(store)
-    return SchedulerSide(lambda: gated, GRID), gated, turn1 + list(range(900, 900 + 3 * BLOCK))
-
-
-def test_a_scheduling_lookup_waits_for_the_arrivals_question_in_flight_instead_of_asking_again():
-    asker, gated, turn2 = _gated_after_a_first_turn()
-    t2 = Request("t2", turn2)
-    job = asker.arrived(t2)
-    threading.Timer(0.2, gated.gate.set).start()  # the sidecar answers a little later
-    assert asker.matched_tokens(t2, 0) == 5 * BLOCK  # called at once, as vLLM does
-    assert job.done() and gated.calls == 1 and asker.lookups == 0
-
-
-def test_a_request_whose_question_queues_behind_anothers_asks_for_itself():
-    asker, gated, turn2 = _gated_after_a_first_turn()
-    first, second = Request("a", turn2), Request("b", turn2 + [7])
-    asker.arrived(first)  # its question hangs on the slow store...
-    assert gated.asking.wait(30)
-    asker.arrived(second)  # ...and the second's queues behind it
-    assert asker.matched_tokens(second, 0) == 5 * BLOCK  # not kept waiting for the first's
-    assert asker.lookups == 1
-    gated.gate.set()
-    assert asker.matched_tokens(first, 0) == 5 * BLOCK
-    assert asker.lookups == 1  # the first's own answer stood for it
-
-
-def test_a_scheduling_lookup_does_not_wait_for_the_arrivals_raise_from_disk(tmp_path, monkeypatch):
-    """Where the arrival's question found chunks below RAM it raises them (reads from
-    disk); the scheduling lookup asks for itself at once instead of waiting for that."""
-    from kvtier.connectors import vllm_arrivals
-
-    monkeypatch.setattr(vllm_arrivals, "ANSWER_WAIT_S", 600.0)  # a wait would show
-    sched, worker, store, turn1 = _alice_over_ram_and_disk(tmp_path, CPUTier(4 << 20, 1 << 20))
-    _run(sched, [worker], Request("bob", list(range(900, 900 + 8 * BLOCK + 1))), list(range(10, 19)))
-    gate, raising = threading.Event(), threading.Event()
-
-    class SlowRaise(_Counted):
-        def prefetch(self, keys):
-            raising.set()
-            assert gate.wait(30)
-            return self.store.prefetch(keys)
-
-    slow = SlowRaise(store)
-    asker = SchedulerSide(lambda: slow, GRID)
-    turn2 = Request("t2", turn1.prompt_token_ids + [1, 2, 3])
-    job = asker.arrived(turn2)
-    assert raising.wait(30)
-    matched: list[int] = []
-    looking = threading.Thread(target=lambda: matched.append(asker.matched_tokens(turn2, 0)))
-    looking.start()
-    looking.join(30)  # the raise is held for as long
-    assert matched == [6 * BLOCK]  # found on disk, without waiting for the raise
-    assert not job.done() and asker.lookups == 1
-    gate.set()
-    looking.join(30)
-    assert job.result(timeout=30) == 3
