@@ -488,8 +488,7 @@ class Restorer:
     # ---------------------------------------------------------------- loader thread
     def _loader(self) -> ThreadPoolExecutor:
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvtier-restore",
-                                                initializer=thread_started)
+            self._executor = ThreadPoolExecutor(1, "kvtier-restore", thread_started)
         return self._executor
 
     def _reap_if_idle(self) -> None:

@@ -12,8 +12,6 @@ import pytest
 
 from kvtier.benchmarks.process_cpu import CpuSplit, descendants, sample, thread_group
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc is Linux's")
-
 BURN = textwrap.dedent("""
     import sys, threading, time
     from kvtier.thread_start import name_this_thread

@@ -3,17 +3,12 @@
 
 from __future__ import annotations
 
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import pytest
-
 from kvtier.connectors.vllm_saves import SaveQueue
 from kvtier.thread_start import NAME_BYTES, kernel_name, name_this_thread, thread_started
-
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc is Linux's")
 
 
 def _kernel_name_of_this_thread() -> str:
