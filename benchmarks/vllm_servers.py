@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -168,30 +169,29 @@ def settled_metrics(url: str, quiet_s: float = 1.0, limit_s: float = 30.0) -> di
     return last
 
 
-def metrics(url: str) -> dict[str, float]:
-    """The server's Prometheus samples, summed over labels (``name`` -> value)."""
+def _samples(url: str) -> Iterator[Any]:
+    """The server's Prometheus samples (``name``, ``labels``, ``value``)."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        yield from family.samples
+
+
+def metrics(url: str) -> dict[str, float]:
+    """The server's Prometheus samples, summed over labels (``name`` -> value)."""
     out: dict[str, float] = {}
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out[sample.name] = out.get(sample.name, 0.0) + float(sample.value)
+    for sample in _samples(url):
+        out[sample.name] = out.get(sample.name, 0.0) + float(sample.value)
     return out
 
 
 def route_requests(url: str) -> dict[str, int]:
     """A ``kvtier serve``'s HTTP requests so far by ``METHOD route`` (its
     ``kvtier_http_requests_total``, every status)."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
     out: dict[str, int] = {}
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "kvtier_http_requests_total":
-                key = f"{sample.labels['method']} {sample.labels['route']}"
-                out[key] = out.get(key, 0) + int(sample.value)
+    for sample in _samples(url):
+        if sample.name == "kvtier_http_requests_total":
+            key = f"{sample.labels['method']} {sample.labels['route']}"
+            out[key] = out.get(key, 0) + int(sample.value)
     return out

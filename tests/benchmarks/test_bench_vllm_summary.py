@@ -8,7 +8,7 @@ import pytest
 
 from kvtier.benchmarks.chat_replay import TurnResult
 from kvtier.benchmarks.vllm_bench import _summarise
-from kvtier.benchmarks.vllm_servers import root_cause
+from kvtier.benchmarks.vllm_servers import root_cause, route_requests
 
 
 def _turns(ttft_first: float, ttft_next: float, change: int | None = None) -> list[TurnResult]:
@@ -186,3 +186,21 @@ def test_the_cpu_split_is_averaged_over_rounds_thread_group_by_group():
                                        "kvtier_threads/VLLM::Worker/kvtier-vllm-sav": pytest.approx(0.5)}
     (without,) = _summarise(["kvtier"], rounds[2:])
     assert without["cpu_s"] is None
+
+
+def test_a_sidecars_requests_are_counted_by_route(tmp_path):
+    """What the bench reports as ``sidecar_requests``: a real ``kvtier serve``'s requests by
+    method and route template, read from its ``/metrics``."""
+    import httpx
+
+    from kvtier.benchmarks.vllm_servers import start_kvtier_serve
+
+    sidecar = start_kvtier_serve(tmp_path, slot_bytes=1 << 20)
+    try:
+        before = route_requests(sidecar.url)
+        for key in ("a" * 32, "b" * 32):
+            assert httpx.get(f"{sidecar.url}/v1/chunks/{key}", timeout=30).status_code == 404
+        after = route_requests(sidecar.url)
+    finally:
+        sidecar.stop()
+    assert after["GET /v1/chunks/{key}"] - before.get("GET /v1/chunks/{key}", 0) == 2
