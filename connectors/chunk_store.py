@@ -131,13 +131,16 @@ class LocalChunkStore:
 REGION_READ_BYTES = 64 << 20
 """How much of one read a store takes through its thread's shared-memory region (the
 region stays that large; the server's ``server.shm_bytes`` is shared by every client)."""
+REGION_ALIGN = 4096
+"""The most a read into a region leaves between two chunks (each starts at a page)."""
 
 
 class RemoteChunkStore:
     """A running ``kvtier serve`` (sidecar or engine mode) through its chunk data plane.
     For a server on this host (``shm``) chunks are filled straight into the thread's
-    shared-memory region and lent straight out of it (up to ``REGION_READ_BYTES`` of a
-    read: the rest, and every chunk without ``shm``, through reused staging buffers)."""
+    shared-memory region and lent straight out of it, a read's chunks in one request (up
+    to ``REGION_READ_BYTES`` of them: the rest, and every chunk without ``shm``, through
+    reused staging buffers)."""
 
     def __init__(self, url: str, chunk_bytes: int, token: str | None = None,
                  timeout: float = 30.0, shm: bool = False,
@@ -147,7 +150,8 @@ class RemoteChunkStore:
         self.client = Client(url, token=token, timeout=timeout, shm=shm, accept_codecs=accept_codecs)
         self.chunk_bytes = chunk_bytes
         """The largest chunk the connector writes: the room each read is given."""
-        self.region_chunks = max(1, REGION_READ_BYTES // chunk_bytes)
+        self.region_bytes = REGION_READ_BYTES
+        """The most of one read that comes through the region."""
         self.staging = StagingPool(max_idle_bytes=256 << 20)
 
     def lookup(self, keys: Sequence[str]) -> int:
@@ -221,24 +225,25 @@ class RemoteChunkStore:
                 self.staging.release(buf)
 
     def _lend_from_region(self, keys: Sequence[str], out: list[LentChunk | None]) -> int:
-        """Lend the first chunks out of the region (filling ``out``); the index reads go
-        on from: 0 without a region, ``len(keys)`` once one is missing (a prefix ends
-        there)."""
+        """Lend the leading chunks out of the region, read in one request (filling
+        ``out``); the index reads go on from: 0 without a region, ``len(keys)`` once one is
+        missing (a prefix ends there)."""
         if not self.client.shm or not keys:
             return 0
-        head = list(keys[: self.region_chunks])
+        room = max(self.chunk_bytes, min(len(keys) * (self.chunk_bytes + REGION_ALIGN),
+                                         self.region_bytes))
         try:
-            views = self.client.get_chunks_in_region(head, self.chunk_bytes)
+            read = self.client.get_chunks_in_region(keys, room)
         except InvalidArgumentError:  # larger than any chunk of ours: not one of ours
             return len(keys)
-        if views is None:
+        if read is None:
             return 0
-        for i, view in enumerate(views):
-            chunk = None if view is None else self._lent(keys[i], torch.frombuffer(view, dtype=torch.uint8))
+        for i, view in enumerate(read.views):
+            chunk = self._lent(keys[i], torch.frombuffer(view, dtype=torch.uint8))
             if chunk is None:
                 return len(keys)  # a gap: nothing after it is used
             out[i] = chunk
-        return len(head)
+        return len(keys) if read.ended else len(read.views)
 
     def _read(self, key: str, held: list[torch.Tensor]) -> LentChunk | None:
         """A chunk read into a staging buffer through the reply's body: the region may

@@ -223,6 +223,16 @@ _SESSION_PARAM = re.compile(r"[\x20-\x7e]{1,256}")
 
 
 @dataclass(frozen=True)
+class RegionReads:
+    """Chunks one read put in a thread's shared-memory region (views of it, in key order)."""
+
+    views: list[memoryview]
+    ended: bool
+    """The key after them is not stored (a prefix ends there). False: every key was read,
+    or the next did not fit in the room (the caller reads it another way)."""
+
+
+@dataclass(frozen=True)
 class ChunkOwner:
     """The conversation a stored chunk belongs to and its place in it (e.g. its first
     block): a session-aware tier keeps a session's chunks together and gives up the last
@@ -450,36 +460,32 @@ class Client:
             return json.loads(body)
         return None
 
-    def get_chunks_in_region(self, keys: Sequence[str], room: int) -> list[memoryview | None] | None:
-        """Read chunks into this thread's shared-memory region, ``room`` bytes apart, up to
-        the first one not stored: each a view of the region (None from the first missing
-        one on), valid until this thread's next region call; no copy on this side. None
-        where no region can be used (the caller reads into buffers of its own)."""
+    def get_chunks_in_region(self, keys: Sequence[str], room: int) -> RegionReads | None:
+        """Read the stored prefix of ``keys`` into this thread's shared-memory region in one
+        request, within its first ``room`` bytes: views of the region, valid until this
+        thread's next region call; no copy on this side. None where no region can be used
+        (the caller reads into buffers of its own). InvalidArgumentError where the first
+        chunk is larger than ``room``."""
         link = self._region()
         for attempt in (0, 1) if link is not None else ():
             try:
-                region = link.room(room * len(keys))
+                region = link.room(room)
             except RegionUnavailable as exc:
                 self._no_region(exc)
                 return None
-            out: list[memoryview | None] = [None] * len(keys)
-            for i, key in enumerate(keys):
-                params = {"region": link.id, "offset": i * room, "room": room}
-                status, body = self._region_call("GET", f"/v1/chunks/{key}", params, None)
-                if _region_gone(status, body):
-                    if i == 0 and not attempt:
-                        break  # the server restarted: a new region, once
-                    raise error_from(status, body)
-                if status == 404:
-                    return out
-                if status == 413:
-                    raise InvalidArgumentError(f"chunk {key} does not fit a {room}-byte buffer")
-                if status != 200:
-                    raise error_from(status, body)
-                out[i] = region[i * room : i * room + json.loads(body)["length"]]
-            else:
-                return out
-            link.forget()
+            status, body = self._region_call(
+                "POST", "/v1/chunks/batch/get-into-region", None,
+                {"keys": list(keys), "region": link.id, "room": room})
+            if _region_gone(status, body) and not attempt:
+                link.forget()  # the server restarted: a new region, once
+                continue
+            if status == 413:
+                raise InvalidArgumentError(f"chunk {keys[0]} does not fit a {room}-byte buffer")
+            if status != 200:
+                raise error_from(status, body)
+            got = json.loads(body)
+            views = [region[c["offset"] : c["offset"] + c["length"]] for c in got["chunks"]]
+            return RegionReads(views, ended=got["stopped"] == "missing")
         return None
 
     def get_chunk(self, key: str, layers: tuple[int, int] | None = None) -> bytes | None:
@@ -506,11 +512,11 @@ class Client:
         that :meth:`get_chunks_in_region` lent intact)."""
         mem = memoryview(out).cast("B")
         if layers is None and self.shm and through_region:
-            views = self.get_chunks_in_region([key], len(mem))
-            if views is not None:
-                got = views[0]
-                if got is None:
+            read = self.get_chunks_in_region([key], len(mem))
+            if read is not None:
+                if not read.views:
                     return None
+                got = read.views[0]
                 np.copyto(np.frombuffer(mem[: len(got)], np.uint8), np.frombuffer(got, np.uint8))
                 return mem[: len(got)]
         if self.wire is None:

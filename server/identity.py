@@ -51,7 +51,8 @@ def required_scope(method: str, path: str) -> str | None:
         return "read"  # a region is memory to move chunks through, no access to any chunk
     if path.startswith("/v1/chunks"):
         reads = method in ("GET", "HEAD") or path in (
-            "/v1/chunks/lookup", "/v1/chunks/batch/get", "/v1/chunks/prefetch")
+            "/v1/chunks/lookup", "/v1/chunks/batch/get", "/v1/chunks/batch/get-into-region",
+            "/v1/chunks/prefetch")
         return "read" if reads else "write"
     if path.startswith(("/v1/chat/", "/v1/models")):
         return "chat"

@@ -38,7 +38,6 @@ from kvtier.chunk_keys import KEY_PATTERN, KEY_RE
 from kvtier.connectors.tiers.base import Blob, ChunkWrite, PutResult
 from kvtier.connectors.tiers.blobs import get_each, put_blobs
 from kvtier.connectors.tiers.derived import Derived, TokenRange, derive_chunk
-from kvtier.connectors.tiers.lent_chunk import LentChunk
 from kvtier.connectors.tiers.manager import PutReport, TierManager
 from kvtier.errors import ChunkError, ChunkFormatError, InvalidArgumentError
 from kvtier.io_priority import IOPriority, at_priority
@@ -54,7 +53,10 @@ from kvtier.server.chunk_versions import Settled, Version, settle
 from kvtier.server.errors import RouteError, error_responses
 from kvtier.server.identity import identity_of, tenant_session
 from kvtier.server.reader_codecs import AcceptCodecs, reader_codecs
+from kvtier.server.region_reads import get_into_region, get_prefix_into_region
 from kvtier.server.schemas import (
+    BatchGetIntoRegionRequest,
+    BatchGetIntoRegionResponse,
     BatchGetRequest,
     BatchPutResponse,
     DeriveRequest,
@@ -63,14 +65,12 @@ from kvtier.server.schemas import (
     LookupResponse,
     PrefetchResponse,
     PutResponse,
+    RegionChunkResponse,
 )
 from kvtier.server.shm_regions import Region
 from kvtier.server.state import ServiceState
 
 router = APIRouter(prefix="/v1/chunks", tags=["chunks"])
-GROUP_BYTES = 4 << 20
-"""A GET into a region checks and copies a chunk this many bytes of layers at a time."""
-
 MSGPACK = "application/x-msgpack"
 OCTETS = "application/octet-stream"
 Key = Annotated[str, Path(pattern=KEY_PATTERN, description="chunk key")]
@@ -392,7 +392,7 @@ async def get_chunk(key: Key, request: Request, layers: Layers = None,
     if region is not None:
         if span is not None:
             raise RouteError(400, "a GET into a region is of the whole chunk (no layers)")
-        length, tier = await run_in_threadpool(_get_into_region, state, manager, tenant, region,
+        length, tier = await run_in_threadpool(get_into_region, state, manager, tenant, region,
                                                offset, room, key, where, codecs)
         state.regions.moved("get", length)
         state.metrics.transfer.labels("get").observe(time.perf_counter() - t0)
@@ -427,61 +427,6 @@ async def get_chunk(key: Key, request: Request, layers: Layers = None,
     state.metrics.tenant_bytes.labels(tenant, "get").inc(len(blob))
     return PiecewiseResponse([blob], OCTETS, {"X-KVTier-Tier": tier or ""}, held,
                              state.replies.write_timeout_s)
-
-
-def _get_into_region(state: ServiceState, manager: TierManager, tenant: str, region_id: str,
-                     offset: int, room: int | None, key: str, where: str,
-                     codecs: frozenset[str] | None) -> tuple[int, str]:
-    """Write the verified chunk into the caller's region (worker thread): (length, tier).
-    Each group of layers is checked right before it is copied (the bytes are read from
-    memory once); a copy that fails a check is dropped from its tier and the chunk is read
-    through the slower tiers instead (404 where none holds it)."""
-    with state.regions.using(tenant, region_id) as region:
-        end = region.size if room is None else min(region.size, offset + room)
-        loc = manager.lookup([where], codecs)
-        if not loc.length:
-            manager.count_misses()
-            raise RouteError(404, f"chunk {key} is not stored")
-        with manager.lease_chunks([where], loc, codecs) as (part,):
-            name = manager.tiers[loc.tiers[0]].name
-            if part is not None and _checked_copy_to_region(region, offset, end, key, part):
-                if loc.tiers[0] > 0:
-                    manager.promote({where: memoryview(part.buf.numpy())})
-                return part.buf.numel(), name
-        ((blob, tier),) = get_each(manager, [where], codecs=codecs)  # after a failed check
-        if blob is None:
-            raise RouteError(404, f"chunk {key} is not stored")
-        _copy_to_region(region, offset, end, key, memoryview(blob))
-        return len(blob), tier or ""
-
-
-def _checked_copy_to_region(region: Region, offset: int, end: int, key: str, part: LentChunk
-                            ) -> bool:
-    """A lent chunk's header, then each group of its layers once checked, into the region;
-    False when a check failed (the region holds no chunk then)."""
-    buf, header = part.buf, part.header
-    _check_room(region, offset, end, key, buf.numel())
-    mem = memoryview(buf.numpy())
-    at = buf.numel() - header.payload_nbytes
-    step = header.layer_nbytes
-    region.write_from(offset, mem[:at])
-    try:
-        for a, b in part.checked_groups(GROUP_BYTES):
-            region.write_from(offset + at + a * step, mem[at + a * step : at + b * step])
-    except ChunkFormatError:
-        return False  # dropped from its tier when the lease ends
-    return True
-
-
-def _check_room(region: Region, offset: int, end: int, key: str, nbytes: int) -> None:
-    if offset + nbytes > end:
-        raise RouteError(413, f"chunk {key} is {nbytes} bytes: it does not fit in the "
-                         f"{max(end - offset, 0)} bytes of region {region.id} at offset {offset}")
-
-
-def _copy_to_region(region: Region, offset: int, end: int, key: str, data: memoryview) -> None:
-    _check_room(region, offset, end, key, len(data))
-    region.write_from(offset, data)
 
 
 def _lease_whole(manager: TierManager, key: str, codecs: frozenset[str] | None):
@@ -617,6 +562,34 @@ async def batch_get(body: BatchGetRequest, request: Request, accept: AcceptCodec
     state.metrics.tenant_bytes.labels(tenant, "get").inc(nbytes)
     return PiecewiseResponse(chunk_list_parts(blobs), MSGPACK, reservation=held,
                              write_timeout_s=state.replies.write_timeout_s)
+
+
+@router.post("/batch/get-into-region", response_model=BatchGetIntoRegionResponse,
+             responses=_ERRORS)
+async def batch_get_into_region(body: BatchGetIntoRegionRequest, request: Request,
+                                accept: AcceptCodecs = None) -> BatchGetIntoRegionResponse:
+    """The stored prefix of ``keys`` written into the caller's shared-memory region in one
+    round trip: the chunks one after another from ``offset`` (each at a page boundary),
+    each verified as it is copied, until a key is not stored or the next chunk does not
+    fit in ``room`` (413, nothing written, when the first one cannot). A restore reads a
+    conversation's chunks this way; :mod:`kvtier.server.region_reads`."""
+    state, manager = _manager(request)
+    _check_keys(body.keys)
+    tenant = identity_of(request.scope).tenant
+    t0 = time.perf_counter()
+    got = await run_in_threadpool(
+        get_prefix_into_region, state, manager, tenant, body.region, body.offset, body.room,
+        body.keys, [_stored_as(request, k) for k in body.keys], reader_codecs(accept))
+    nbytes = sum(c.length for c in got.chunks)
+    for c in got.chunks:
+        state.regions.moved("get", c.length)
+    state.metrics.transfer.labels("get").observe(time.perf_counter() - t0)
+    state.metrics.transfer_bytes.labels("get").inc(nbytes)
+    state.metrics.tenant_bytes.labels(tenant, "get").inc(nbytes)
+    return BatchGetIntoRegionResponse(
+        chunks=[RegionChunkResponse(key=c.key, offset=c.offset, length=c.length, tier=c.tier)
+                for c in got.chunks],
+        stopped=None if got.stopped is None else got.stopped.value)
 
 
 def _unpacked_and_verified(manager: TierManager, raw: bytes | memoryview

@@ -169,6 +169,29 @@ class GetIntoRegionResponse(_Doc):
     tier: str
 
 
+class BatchGetIntoRegionRequest(_Body):
+    keys: list[str] = Field(min_length=1, max_length=MAX_BATCH_KEYS)
+    region: str = Field(pattern=r"^[0-9a-f]{32}$", description="a region of the caller's")
+    offset: int = Field(default=0, ge=0, description="where in the region the first chunk goes")
+    room: int | None = Field(default=None, ge=1, description=(
+        "bytes the chunks may take from offset (default: to the region's end)"))
+
+
+class RegionChunkResponse(_Doc):
+    key: str
+    offset: int = Field(description="where in the region the chunk lies")
+    length: int
+    tier: str
+
+
+class BatchGetIntoRegionResponse(_Doc):
+    chunks: list[RegionChunkResponse] = Field(description=(
+        "the leading keys read, in order, each at a page boundary after the one before"))
+    stopped: Literal["missing", "room"] | None = Field(description=(
+        "why the keys after them were not read: the next one is not stored (missing) or "
+        "does not fit in what is left of the room (room); null: every key was read"))
+
+
 class BatchPutResponse(_Doc):
     stored: list[str]
     present: list[str]

@@ -18,7 +18,7 @@ import xxhash
 
 from kvtier.chunk_format import max_chunk_bytes
 from kvtier.config import KVTierConfig
-from kvtier.connectors.chunk_store import LocalChunkStore, RemoteChunkStore
+from kvtier.connectors.chunk_store import REGION_ALIGN, LocalChunkStore, RemoteChunkStore
 from kvtier.connectors.tiers.cpu_tier import CPUTier
 from kvtier.connectors.tiers.disk_tier import DiskTier
 from kvtier.connectors.tiers.manager import TierManager
@@ -230,16 +230,18 @@ def test_blocks_round_trip_through_a_running_kvtier_serve(tmp_path, shm):
 def test_through_a_region_chunks_are_filled_and_lent_in_place(tmp_path, region_chunks):
     """With ``shm`` a save gathers straight into the worker thread's region and a load
     scatters straight out of it: no staging buffer is made (beyond the region's share
-    of a read, ``region_chunks``, the rest come through staging buffers); every block
+    of a read, ``region_chunks``, read in one request: the rest come through staging
+    buffers); every block
     bit-exact, a missing chunk ends the prefix."""
     cfg = _sidecar_config(tmp_path)
     src, dst = caches(NUM_BLOCKS, True, seed=12), caches(NUM_BLOCKS, True, seed=13)
     keys = _keys(10)  # five chunks: four stored, then one that is not
     with running(ServiceState.sidecar(cfg)) as url:
         store = RemoteChunkStore(url, _chunk_bytes(src), shm=True)
-        store.region_chunks = region_chunks
         try:
             _worker(store, src).save(_transfer(keys[:4], list(range(8))))
+            size = len(store.client.get_chunk(keys[0]))  # room for exactly region_chunks:
+            store.region_bytes = (region_chunks - 1) * -(-size // REGION_ALIGN) * REGION_ALIGN + size
             assert store.staging.allocations == 0 and store.client.shm
             with store.get_into(keys) as lent:
                 assert [c is not None for c in lent] == [True] * 4 + [False]
