@@ -51,9 +51,16 @@ def _idle_save_thread() -> None:
 
 
 MAX_YIELD_S = 1.0
-"""The longest a save waits for prefill steps to end (a few prefill steps of a CPU, a
-fraction of a user's think time): under a stream of prefills it runs anyway, so that
-finished requests' blocks are not held for it without bound."""
+"""The longest yielding saves hold a finished request's blocks (a few prefill steps of a
+CPU, a fraction of a user's think time): once vLLM has named a request finished whose
+saves have not landed, the saves go on this long after, under a stream of prefills too."""
+
+MAX_RUNNING_YIELD_S = 30.0
+"""The longest a save of requests still running waits for prefill steps to end. Nobody
+waits for it: its blocks are in vLLM's cache, where another request over the same tokens
+finds them, until the request finishes (then :data:`MAX_YIELD_S` bounds the wait) or is
+preempted (its drain does not wait at all). A bound all the same, so that no save waits
+without one."""
 
 STEP_GAP_S = 0.05
 """How long vLLM must have been between steps before a yielding save starts a chunk
@@ -92,7 +99,8 @@ class SaveQueue:
         self._ended_at = -math.inf
         """When the last step ended (-inf: idle since a drain, or no step yet)."""
         self._changed = threading.Condition()
-        self._deadline = threading.local()
+        self._began = threading.local()
+        """When the save on this thread began (``at``)."""
         self._pool = (ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm-save",
                                          initializer=_idle_save_thread if idle else thread_started)
                       if background else None)
@@ -142,20 +150,28 @@ class SaveQueue:
     def pause(self) -> None:
         """Called by a save before each chunk: with ``yield_to_prefill`` it waits while a
         prefill step runs or vLLM is between steps (less than :attr:`step_gap_s` since
-        the last ended), no longer than :data:`MAX_YIELD_S` since its save began."""
+        the last ended), no longer than :data:`MAX_RUNNING_YIELD_S` since its save began,
+        nor than :data:`MAX_YIELD_S` since vLLM named finished a request whose saves have
+        not landed (its blocks are held for them: this save may be ahead of them)."""
         if not self.yield_to_prefill:
             return
-        deadline = getattr(self._deadline, "at", None)
-        deadline = time.monotonic() + MAX_YIELD_S if deadline is None else deadline
+        began = getattr(self._began, "at", None)
+        began = time.monotonic() if began is None else began
         with self._changed:
             while self._step is not _Step.DECODE:
                 now = time.monotonic()
-                wait = deadline - now
+                wait = min(began + MAX_RUNNING_YIELD_S, self._held_since() + MAX_YIELD_S) - now
                 if self._step is _Step.GAP:
                     wait = min(wait, self._ended_at + self.step_gap_s - now)
                 if wait <= 0:
                     return
                 self._changed.wait(wait)
+
+    def _held_since(self) -> float:
+        """When vLLM named finished the first request whose blocks it still holds for
+        saves (inf: none)."""
+        with self._lock:
+            return min(self._finished_at.values(), default=math.inf)
 
     def _run_in_background(self, ids: list[str], save: Callable[[], None]) -> None:
         """On the background thread a save's writes are background ones: on a drive they
@@ -164,7 +180,7 @@ class SaveQueue:
             self._run(ids, save)
 
     def _run(self, ids: list[str], save: Callable[[], None]) -> None:
-        self._deadline.at = time.monotonic() + MAX_YIELD_S
+        self._began.at = time.monotonic()
         try:
             save()
         except Exception:  # noqa: BLE001 - never lose the count: the blocks must be freed
@@ -185,12 +201,15 @@ class SaveQueue:
                 if i in self._seen:
                     self._finishing.add(i)
                     self._finished_at.setdefault(i, now)
+            held = bool(self._finishing)
             done = {i for i in self._finishing if self._pending[i] <= 0}
             self._finishing -= done
             self._seen -= done
             for i in done:
                 self.hold_s += now - self._finished_at.pop(i, now)
                 self.holds += 1
+        if held and self.yield_to_prefill:
+            self._set(self._step)  # a yielding save looks at the holds again
         return done
 
     def drain(self) -> None:

@@ -566,7 +566,9 @@ def test_the_connectors_own_disk_tier_bypasses_the_page_cache_unless_told_otherw
 def test_saves_that_yield_wait_out_a_prefill_step_and_no_longer_than_the_bound(tmp_path, monkeypatch):
     """``saves_yield_to_prefill``: a chunk is written only once the prefill step running
     when its save came ends; a decode step does not hold it; a prefill that never ends
-    holds it no longer than the bound; whoever drains the saves does not wait for a step."""
+    holds it no longer than the bound, which for a running request's save is long (nobody
+    waits for it) and once vLLM holds a finished request's blocks for it short; whoever
+    drains the saves does not wait for a step."""
     from kvtier.connectors import vllm_saves
 
     src = caches(NUM_BLOCKS, True, seed=31)
@@ -594,19 +596,30 @@ def test_saves_that_yield_wait_out_a_prefill_step_and_no_longer_than_the_bound(t
 
         monkeypatch.setattr(vllm_saves, "MAX_YIELD_S", 0.2)
         worker.saves.step_started(prefill=True)  # and it never ends
-        t0 = time.monotonic()
         last = _keys(10)[4:5]
         worker.save([ChunkTransfer("c", _transfer(last, [8, 9])[0].chunks)])
+        time.sleep(0.6)
+        assert store.lookup(_keys(10)) == 4  # "c" runs: nobody waits for its save
+        t0 = time.monotonic()
+        assert worker.finished({"c"}) == set()  # now vLLM holds its blocks for it
         while store.lookup(_keys(10)) < 5 and time.monotonic() < t0 + 30:
             time.sleep(0.01)
         assert store.lookup(_keys(10)) == 5 and time.monotonic() - t0 < 10  # the bound, not the step
+        assert worker.finished(set()) == {"c"}
 
-        monkeypatch.setattr(vllm_saves, "MAX_YIELD_S", 60.0)
+        monkeypatch.setattr(vllm_saves, "MAX_RUNNING_YIELD_S", 0.3)  # a running request's bound
+        t0 = time.monotonic()
+        worker.save([ChunkTransfer("e", _transfer(_keys(12)[5:6], [10, 11])[0].chunks)])
+        while store.lookup(_keys(12)) < 6 and time.monotonic() < t0 + 30:
+            time.sleep(0.01)
+        assert store.lookup(_keys(12)) == 6 and time.monotonic() - t0 < 10
+
+        monkeypatch.setattr(vllm_saves, "MAX_RUNNING_YIELD_S", 60.0)
         worker.saves.step_started(prefill=True)
         t0 = time.monotonic()
-        worker.save([ChunkTransfer("d", _transfer(_keys(12)[5:6], [10, 11])[0].chunks)])
+        worker.save([ChunkTransfer("d", _transfer(_keys(14)[6:7], [0, 1])[0].chunks)])
         worker.wait_saves()  # a preemption drains: it does not wait for the step
-        assert store.lookup(_keys(12)) == 6 and time.monotonic() - t0 < 30
+        assert store.lookup(_keys(14)) == 7 and time.monotonic() - t0 < 30
     finally:
         worker.saves.step_ended()
         worker.close()
