@@ -82,8 +82,8 @@ class _Step(enum.Enum):
 class SaveQueue:
     """Background saves, one at a time in submission order, counted per request.
     ``yield_to_prefill``: the background thread starts each chunk only while a decode step
-    runs or vLLM is idle (:meth:`step_started`, :data:`STEP_GAP_S`), up to
-    :data:`MAX_YIELD_S` a save."""
+    runs or vLLM is idle (:meth:`step_started`, :data:`STEP_GAP_S`), holding a finished
+    request's blocks no longer than :data:`MAX_YIELD_S` for it (:meth:`pause`)."""
 
     def __init__(self, background: bool = True, idle: bool = False,
                  yield_to_prefill: bool = False, step_gap_s: float | None = None) -> None:
