@@ -66,6 +66,7 @@ OPERATIONS = [
     "POST /v1/chunks/prefetch",
     "POST /v1/chunks/turns",
     "POST /v1/chunks/batch/get",
+    "POST /v1/chunks/batch/get-into-region",
     "POST /v1/chunks/batch/put",
     "POST /v1/regions",
     "GET /v1/regions",
