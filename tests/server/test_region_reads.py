@@ -6,6 +6,7 @@ corrupt copy, reads only the caller's tenant's chunks into the caller's own regi
 from __future__ import annotations
 
 import httpx
+import numpy as np
 import pytest
 
 from kvtier.chunk_format import namespaced_key
@@ -48,8 +49,6 @@ def test_a_stored_prefix_comes_in_one_request_packed_and_bit_exact(tmp_path):
 
 
 def _offset(link, view: memoryview) -> int:
-    import numpy as np
-
     base = np.frombuffer(link._mem, np.uint8).ctypes.data  # noqa: SLF001
     return np.frombuffer(view, np.uint8).ctypes.data - base
 
