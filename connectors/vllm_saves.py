@@ -209,7 +209,8 @@ class SaveQueue:
                 self.hold_s += now - self._finished_at.pop(i, now)
                 self.holds += 1
         if held and self.yield_to_prefill:
-            self._set(self._step)  # a yielding save looks at the holds again
+            with self._changed:  # a yielding save looks at the holds again
+                self._changed.notify_all()
         return done
 
     def drain(self) -> None:
