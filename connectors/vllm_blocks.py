@@ -85,6 +85,9 @@ class StepPlan:
     preempted: bool = False
     prefill: bool = False
     """The step computes prompt tokens (more tokens than requests)."""
+    idle: bool = False
+    """The step computes nothing: vLLM steps only to hear whether the saves its finished
+    requests' blocks are held for have landed."""
 
     def needs_finishing(self, loads: list[ChunkTransfer] | None = None) -> bool:
         """A load of this step (of ``loads``) reads a chunk a finishing save writes."""

@@ -325,7 +325,8 @@ class KVTierConnector(KVConnectorBase_V1):
         super().bind_connector_metadata(connector_metadata)
         self._step_t0 = time.perf_counter()
         if isinstance(connector_metadata, KVTierConnectorMetadata):
-            self.worker_side.saves.step_started(connector_metadata.plan.prefill)
+            plan = connector_metadata.plan
+            self.worker_side.saves.step_started(plan.prefill, idle=plan.idle)
             if self._shared is None:
                 self._shared = connector_metadata.store
 

@@ -8,6 +8,11 @@ the first asks about every slot stored whole and every segment each slot may hol
 slots' as a bound on its size allows; a slot neither stored whole nor asked about in
 pieces is asked about in another (long prompts: their stored prefix is mostly whole
 chunks, found in the first).
+
+vLLM looks up the requests it schedules in one pass one after the other; several that
+arrived together (users whose replies ended in the same step send their next messages
+at once) are asked about in that first question together (:class:`PassLookups`): one round
+trip a pass, not one a request, each waiting on a busy sidecar.
 """
 
 from __future__ import annotations
@@ -26,6 +31,10 @@ MAX_SPECULATIVE_KEYS = 512
 """Keys one lookup may ask about (every rank's part counted) beyond the slots stored whole,
 before the segments of further slots are asked about in another round trip. Hashing a
 key costs microseconds; a round trip to a sidecar on a busy host, milliseconds."""
+
+MAX_PASS_KEYS = 4 * MAX_SPECULATIVE_KEYS
+"""Keys the first question of several requests looked up together may hold (a request
+left out is asked about in a round trip of its own)."""
 
 
 @dataclass(frozen=True)
@@ -52,10 +61,32 @@ class PrefixProbe:
               ) -> list[Stored]:
         """The stored segments, in order, that cover the longest stored prefix of ``seq``'s
         full blocks (the fewest segments that reach it)."""
+        return self.probe_many(store, [seq], finishing)[0]
+
+    def probe_many(self, store: ChunkStore, seqs: Sequence[SequenceKeys],
+                   finishing: Collection[str] = ()) -> list[list[Stored]]:
+        """:meth:`probe` of the leading ``seqs`` whose first questions fit in one round trip
+        of :data:`MAX_PASS_KEYS` keys (the first always), asked together; a long prompt's
+        further slots in questions of its own. One answer per sequence asked about."""
         room = MAX_SPECULATIVE_KEYS // len(self.ranks)
-        whole = [k for s in range(seq.slots) if (k := seq.full_key(s)) is not None]
-        pieces, asked = _pieces(seq, 0, room - len(whole), at_least_one=False)
-        tier = self._locate(store, whole + pieces)
+        first: dict[str, None] = {}
+        asked: list[int] = []
+        for seq in seqs:
+            whole = [k for s in range(seq.slots) if (k := seq.full_key(s)) is not None]
+            pieces, upto = _pieces(seq, 0, room - len(whole), at_least_one=False)
+            if asked and (len(first) + len(whole) + len(pieces)) * len(self.ranks) > MAX_PASS_KEYS:
+                break
+            first.update(dict.fromkeys(whole + pieces))
+            asked.append(upto)
+        tier = self._locate(store, list(first))
+        return [self._walk(store, seq, dict(tier), upto, finishing)
+                for seq, upto in zip(seqs, asked, strict=False)]
+
+    def _walk(self, store: ChunkStore, seq: SequenceKeys, tier: dict[str, str], asked: int,
+              finishing: Collection[str]) -> list[Stored]:
+        """``seq``'s stored segments from the answers in ``tier`` (slots up to ``asked``
+        asked about in pieces), asking about further slots' pieces where it gets there."""
+        room = MAX_SPECULATIVE_KEYS // len(self.ranks)
         out: list[Stored] = []
         for slot in range(seq.slots):
             key = seq.full_key(slot)
@@ -113,3 +144,52 @@ def _cover(seq: SequenceKeys, slot: int, tier: dict[str, str], finishing: Collec
         if found is not None and (b not in best or len(best[a]) + 1 < len(best[b])):
             best[b] = [*best[a], Stored(key, b - a, found)]
     return best[max(best)]
+
+
+class PassLookups:
+    """The lookups of one scheduling pass of vLLM's asked together: the first request it
+    looks up brings every request that arrived and was not looked up yet into the same
+    round trip, and their answers wait for their own lookups in the pass. An answer lives
+    until the pass ends (:meth:`pass_ended`): the store may change before the next.
+
+    A request that arrived and was not looked up in the pass after it (it waits in the
+    queue) is named by :meth:`pass_ended`, with its answer where one was asked, so that its
+    chunks can be raised into RAM while it waits."""
+
+    def __init__(self, probe: PrefixProbe) -> None:
+        self._probe = probe
+        self._unasked: dict[str, SequenceKeys] = {}
+        """Requests that arrived and were not looked up since, in arrival order."""
+        self._answers: dict[str, list[Stored]] = {}
+        """Answers asked in this pass for requests not looked up yet."""
+
+    def arrived(self, req_id: str, seq: SequenceKeys) -> None:
+        self._unasked[req_id] = seq
+
+    def lookup(self, store: ChunkStore, req_id: str, seq: SequenceKeys,
+               finishing: Collection[str] = ()) -> list[Stored]:
+        """The stored segments of ``seq`` (:meth:`PrefixProbe.probe`), asked with every
+        arrived request's not asked about yet, or taken from that question's answer."""
+        self._unasked.pop(req_id, None)
+        answer = self._answers.pop(req_id, None)
+        if answer is not None:
+            return answer
+        others = [(r, s) for r, s in self._unasked.items() if r not in self._answers]
+        answers = self._probe.probe_many(store, [seq, *(s for _, s in others)], finishing)
+        for (other, _), found in zip(others, answers[1:], strict=False):
+            self._answers[other] = found
+        return answers[0]
+
+    def pass_ended(self) -> list[tuple[SequenceKeys, list[Stored] | None]]:
+        """The requests that arrived and were not looked up in this pass, each with the
+        answer asked about it in the pass where there is one; forgets them, and every
+        answer."""
+        waiting = [(seq, self._answers.get(r)) for r, seq in self._unasked.items()]
+        self._unasked.clear()
+        self._answers.clear()
+        return waiting
+
+    def forget(self, req_id: str) -> None:
+        """``req_id`` finished (or was aborted) before it was looked up."""
+        self._unasked.pop(req_id, None)
+        self._answers.pop(req_id, None)

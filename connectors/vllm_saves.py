@@ -97,7 +97,10 @@ class SaveQueue:
         (0: at once, as soon as a prefill step ends)."""
         self._step = _Step.GAP
         self._ended_at = -math.inf
-        """When the last step ended (-inf: idle since a drain, or no step yet)."""
+        """When the last step ended (-inf: idle since a drain, an idle step, or no step
+        yet)."""
+        self._idle_step = False
+        """The step running, or the last, computes nothing."""
         self._changed = threading.Condition()
         self._began = threading.local()
         """When the save on this thread began (``at``)."""
@@ -131,14 +134,23 @@ class SaveQueue:
             return
         self._last = self._pool.submit(self._run_in_background, ids, save)
 
-    def step_started(self, prefill: bool) -> None:
+    def step_started(self, prefill: bool, idle: bool = False) -> None:
         """vLLM starts a step (``prefill``: it computes prompt tokens, not only one token
         a request): with ``yield_to_prefill``, saves wait while it runs, and after it
-        until a decode step starts or vLLM has been idle :attr:`step_gap_s`."""
-        self._set(_Step.PREFILL if prefill else _Step.DECODE)
+        until a decode step starts or vLLM has been idle :attr:`step_gap_s`.
+
+        A step that computes nothing (``idle``: vLLM polls for the saves it holds finished
+        requests' blocks for, a step every millisecond or so) is vLLM idle: saves go on
+        from it, and the gap after it is no step's end. Counted as a decode step instead,
+        a save woken by it found the step over and the next gap begun (the worker's
+        thread keeps the interpreter between polls), and held the blocks
+        :data:`MAX_YIELD_S` every time (docs/vllm.md, session 44)."""
+        self._idle_step = idle
+        self._set(_Step.GAP if idle else _Step.PREFILL if prefill else _Step.DECODE,
+                  -math.inf if idle else None)
 
     def step_ended(self) -> None:
-        self._set(_Step.GAP, time.monotonic())
+        self._set(_Step.GAP, None if self._idle_step else time.monotonic())
 
     def _set(self, step: _Step, ended_at: float | None = None) -> None:
         with self._changed:

@@ -31,7 +31,7 @@ from kvtier.connectors.vllm_blocks import (
     SequenceKeys,
     StepPlan,
 )
-from kvtier.connectors.vllm_lookup import FINISHING, PrefixProbe, Stored
+from kvtier.connectors.vllm_lookup import FINISHING, PassLookups, PrefixProbe, Stored
 from kvtier.connectors.vllm_policy import LoadObservation, LoadPolicy, LoadTiming
 from kvtier.connectors.vllm_sources import SegmentSources
 from kvtier.connectors.vllm_turns import TurnReporter
@@ -99,6 +99,8 @@ class SchedulerSide:
         self._load_tiers: dict[str, set[str]] = {}
         self.ranks = [Rank(i, world) for i in range(world)]
         self._probe = PrefixProbe(self.ranks)
+        self._lookups = PassLookups(self._probe)
+        """A pass's lookups, asked together."""
         self.save_decode = save_decode
         """Save a finished request's reply too (a returning turn restores it)."""
         self._requests: dict[str, _ReqState] = {}
@@ -144,14 +146,20 @@ class SchedulerSide:
         return self._probe.round_trips
 
     # ------------------------------------------------------------------ arrivals
-    def arrived(self, request: Any) -> Future[int] | None:
-        """vLLM added a request (it may wait in the queue before it is scheduled): ask
-        about its keys and raise its stored chunks from the slower tiers into the fastest
-        one in the background (:mod:`.vllm_arrivals`). None where nothing is asked."""
+    def arrived(self, request: Any) -> None:
+        """vLLM added a request: it is looked up with the pass's first lookup, or, where
+        the pass after its arrival does not look it up (it waits in the queue), its stored
+        chunks are raised from the slower tiers into the fastest one in the background
+        (:meth:`raise_waiting`)."""
         state = self._state(request)
-        if not self.role.loads or not state.seq.slots:
-            return None
-        return self.arrivals.arrive(state.seq)
+        if state.seq.slots:
+            self._lookups.arrived(request.request_id, state.seq)
+
+    def raise_waiting(self) -> list[Future[int]]:
+        """The end of a scheduling pass: raise the chunks of the requests that arrived
+        before it and were not looked up in it (:mod:`.vllm_arrivals`)."""
+        waiting = self._lookups.pass_ended()
+        return [self.arrivals.arrive(seq, found) for seq, found in waiting] if self.role.loads else []
 
     def _state(self, request: Any) -> _ReqState:
         state = self._requests.get(request.request_id)
@@ -175,7 +183,8 @@ class SchedulerSide:
         bs = self.grid.block_size
         usable = (len(prompt) - 1) // bs
         try:
-            stored = self._probe.probe(self._store(), state.seq, self._finishing)
+            stored = self._lookups.lookup(self._store(), request.request_id, state.seq,
+                                          self._finishing)
         except Exception as exc:  # noqa: BLE001 - an unreachable store is a miss
             log.warning("kvtier lookup failed, recomputing: %s", exc)
             stored = []
@@ -290,6 +299,7 @@ class SchedulerSide:
     def step_plan(self, scheduler_output: Any) -> StepPlan:
         """This step's loads, and saves of the chunks the step completes."""
         scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+        self.raise_waiting()
         if self.policy is not None:
             self.policy.steps.plan_built(time.monotonic(),
                                          int(getattr(scheduler_output, "total_num_scheduled_tokens", 0)),
@@ -301,6 +311,7 @@ class SchedulerSide:
         self._finishing.clear()
         plan.preempted = bool(getattr(scheduler_output, "preempted_req_ids", None))
         plan.prefill = sum(scheduled.values()) > len(scheduled)
+        plan.idle = not any(scheduled.values())
         for req_id, computed in self._progress(scheduler_output).items():
             save = self._completed(req_id, computed)
             if save is not None:
@@ -383,6 +394,7 @@ class SchedulerSide:
         too, with ``save_decode``). True: its blocks stay until the workers report every
         save of it landed."""
         req_id = request.request_id
+        self._lookups.forget(req_id)
         self._found.pop(req_id, None)
         self._loads.pop(req_id, None)
         self._load_tiers.pop(req_id, None)

@@ -322,7 +322,9 @@ def test_a_sessions_next_request_promotes_its_chunks_before_it_is_scheduled(tmp_
     assert store.where(keys) == ["disk"] * 3
     turn2 = Request("t2", turn1.prompt_token_ids + [1, 2, 3])
     turn2.session_id = "alice"
-    assert sched.arrived(turn2).result(timeout=30) == 3  # read from disk, written to RAM
+    sched.arrived(turn2)  # and vLLM's next pass does not schedule it: it waits
+    [raised] = sched.raise_waiting()
+    assert raised.result(timeout=30) == 3  # read from disk, written to RAM
     assert sched.arrivals.raises == 1
     assert store.where(keys) == ["cpu"] * 3
     assert sched.matched_tokens(turn2, 0) == 6 * BLOCK
@@ -416,19 +418,75 @@ def test_a_lookup_is_one_round_trip_prefix_and_tail_together():
     assert asker.lookups == 2  # what the connector reports as vllm:kvtier_lookups_total
 
 
-def test_an_arrival_whose_chunks_are_all_in_ram_asks_for_no_raise():
+def test_a_waiting_arrival_whose_chunks_are_all_in_ram_asks_for_no_raise():
     """vLLM adds a request whose stored chunks are all in RAM (or a first turn, none
-    stored): the background question is one lookup, no prefetch; the scheduling lookup
-    asks as before."""
+    stored) and does not schedule it in the next pass: the background question is one
+    lookup, no prefetch; the scheduling lookup asks as before."""
     asker, counted, turn2 = _after_a_first_turn()
     t2 = Request("t2", turn2)
-    assert asker.arrived(t2).result(timeout=30) == 0
+    asker.arrived(t2)
+    [raised] = asker.raise_waiting()
+    assert raised.result(timeout=30) == 0
     assert counted.calls == 1 and asker.arrivals.raises == 0  # a lookup, no prefetch
     assert asker.matched_tokens(t2, 0) == 5 * BLOCK
     assert counted.calls == 2 and asker.lookups == 1
     new = Request("new", list(range(7000, 7000 + 9 * BLOCK)))  # a first turn: nothing stored
-    assert asker.arrived(new).result(timeout=30) == 0
+    asker.arrived(new)
+    [raised] = asker.raise_waiting()
+    assert raised.result(timeout=30) == 0
     assert counted.calls == 3 and asker.arrivals.raises == 0
+
+
+def test_a_request_looked_up_in_the_pass_after_its_arrival_asks_nothing_more():
+    asker, counted, turn2 = _after_a_first_turn()
+    t2 = Request("t2", turn2)
+    asker.arrived(t2)
+    assert asker.matched_tokens(t2, 0) == 5 * BLOCK
+    assert asker.raise_waiting() == [] and counted.calls == 1
+
+
+def test_requests_that_arrived_together_are_looked_up_in_one_round_trip():
+    """Users whose replies ended in the same step send their next messages at once: vLLM
+    looks them up one after another in its next pass, and the first question asks about
+    all of them. Each answer is the one a question of its own gets."""
+    asker, counted, turn2 = _after_a_first_turn()
+    alone, _, _ = _after_a_first_turn()
+    others = [list(range(7000, 7000 + 9 * BLOCK)), turn2[: 3 * BLOCK] + [1] * BLOCK]
+    reqs = [Request(f"r{i}", p) for i, p in enumerate([turn2, *others])]
+    for r in reqs:
+        asker.arrived(r)
+    got = [asker.matched_tokens(r, 0) for r in reqs]
+    assert counted.calls == 1 and asker.lookups == 1
+    assert got == [alone.matched_tokens(Request(r.request_id, r.prompt_token_ids), 0)
+                   for r in reqs] == [5 * BLOCK, 0, 2 * BLOCK]
+    assert asker.raise_waiting() == []
+
+
+def test_an_answer_asked_with_another_request_does_not_outlive_its_pass():
+    """A request asked about with the pass's first lookup and not looked up in that pass
+    (vLLM had no room for it) is asked again in the pass that schedules it: the store may
+    have changed. While it waits, its chunks are raised from that first answer (no
+    question more)."""
+    asker, counted, turn2 = _after_a_first_turn()
+    first, waiting = Request("a", list(range(7000, 7000 + 9 * BLOCK))), Request("b", turn2)
+    asker.arrived(first)
+    asker.arrived(waiting)
+    assert asker.matched_tokens(first, 0) == 0 and counted.calls == 1
+    [raised] = asker.raise_waiting()  # the pass ends without looking ``waiting`` up
+    assert raised.result(timeout=30) == 0 and counted.calls == 1  # all in RAM: no prefetch
+    assert asker.matched_tokens(waiting, 0) == 5 * BLOCK and counted.calls == 2
+
+
+def test_a_pass_asks_about_no_more_keys_than_one_question_holds(monkeypatch):
+    from kvtier.connectors import vllm_lookup
+
+    asker, counted, turn2 = _after_a_first_turn()
+    reqs = [Request("t2", turn2), Request("new", list(range(7000, 7000 + 9 * BLOCK)))]
+    monkeypatch.setattr(vllm_lookup, "MAX_PASS_KEYS", 1)  # room for the first request only
+    for r in reqs:
+        asker.arrived(r)
+    assert [asker.matched_tokens(r, 0) for r in reqs] == [5 * BLOCK, 0]
+    assert counted.calls == 2
 
 
 def test_a_long_prompt_asks_for_the_tails_after_its_prefix_is_known(monkeypatch):

@@ -716,3 +716,33 @@ def test_saves_yield_to_prefill_by_default_where_the_cache_is_on_the_host(tmp_pa
         worker.register(src, NUM_BLOCKS)
         assert worker.saves.yield_to_prefill is expected
         worker.close()
+
+
+def test_a_yielding_save_goes_on_from_a_step_that_computes_nothing(tmp_path, monkeypatch):
+    """vLLM holding a finished request's blocks for its saves steps with nothing to compute,
+    about every millisecond, to hear whether they landed: such a step is vLLM idle, and the
+    gap after it no step's end. (A save that took it for a decode step found it over when
+    it woke and waited out the gap after it, again and again, until the hold's bound.)"""
+    from kvtier.connectors import vllm_saves
+
+    monkeypatch.setattr(vllm_saves, "STEP_GAP_S", 5.0)
+    monkeypatch.setattr(vllm_saves, "MAX_YIELD_S", 60.0)
+    src = caches(NUM_BLOCKS, True, seed=41)
+    store = _local(src, tmp_path)
+    keys = _keys(4)
+    worker = WorkerSide(lambda: store, GRID, background=True, saves_yield=True)
+    worker.register(src, NUM_BLOCKS)
+    try:
+        worker.saves.step_started(prefill=True)
+        worker.save([ChunkTransfer("a", _transfer(keys, [0, 1, 2, 3])[0].chunks)])
+        worker.saves.step_ended()
+        time.sleep(0.3)
+        assert store.lookup(keys) == 0  # in the gap after a prefill: nothing starts
+        t0 = time.monotonic()
+        worker.saves.step_started(prefill=False, idle=True)
+        worker.saves.step_ended()  # over before the save looks
+        while store.lookup(keys) < 2 and time.monotonic() < t0 + 30:
+            time.sleep(0.01)
+        assert store.lookup(keys) == 2 and time.monotonic() - t0 < 4  # not the gap's 5 s
+    finally:
+        worker.close()
