@@ -29,7 +29,7 @@ COUNTERS: dict[str, str] = {
     "steps": "vLLM steps the connector took part in.",
     "schedule_seconds": "Time vLLM's scheduler spent in the connector's hooks (lookups, plans).",
     "lookups": "Questions the scheduler asked the store (vLLM asks again for a request it could not schedule).",
-    "arrival_raises": "Requests whose chunks were found below RAM when vLLM added them (raised into RAM before scheduling).",
+    "arrival_raises": "Requests left waiting whose chunks were found below RAM (raised into RAM before scheduling).",
     "save_hold_seconds": "Time finished requests' blocks were held until their saves landed.",
     "held_requests": "Finished requests whose blocks were held for their saves.",
     "session_turns_reported": "Turn starts and ends of vLLM's sessions reported to the store (session-aware eviction).",
