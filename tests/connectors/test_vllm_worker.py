@@ -563,6 +563,16 @@ def test_the_connectors_own_disk_tier_bypasses_the_page_cache_unless_told_otherw
     assert "KVTIER_TIERS__DISK_O_DIRECT" not in from_file  # a config file is taken as written
 
 
+def _yielding_worker(tmp_path, seed: int) -> tuple[WorkerSide, LocalChunkStore, list[str]]:
+    """A worker whose background saves yield to prefill steps, over a store of its own,
+    and the keys of a four-block prompt's two chunks."""
+    src = caches(NUM_BLOCKS, True, seed=seed)
+    store = _local(src, tmp_path)
+    worker = WorkerSide(lambda: store, GRID, background=True, saves_yield=True)
+    worker.register(src, NUM_BLOCKS)
+    return worker, store, _keys(4)
+
+
 def test_saves_that_yield_wait_out_a_prefill_step_and_no_longer_than_the_bound(tmp_path, monkeypatch):
     """``saves_yield_to_prefill``: a chunk is written only once the prefill step running
     when its save came ends; a decode step does not hold it; a prefill that never ends
@@ -571,11 +581,7 @@ def test_saves_that_yield_wait_out_a_prefill_step_and_no_longer_than_the_bound(t
     drains the saves does not wait for a step."""
     from kvtier.connectors import vllm_saves
 
-    src = caches(NUM_BLOCKS, True, seed=31)
-    store = _local(src, tmp_path)
-    keys = _keys(4)
-    worker = WorkerSide(lambda: store, GRID, background=True, saves_yield=True)
-    worker.register(src, NUM_BLOCKS)
+    worker, store, keys = _yielding_worker(tmp_path, seed=31)
     try:
         worker.saves.step_started(prefill=True)
         worker.save([ChunkTransfer("a", _transfer(keys, [0, 1, 2, 3])[0].chunks)])
@@ -633,11 +639,7 @@ def test_a_yielding_save_starts_no_chunk_in_the_gap_between_steps(tmp_path, monk
     from kvtier.connectors import vllm_saves
 
     monkeypatch.setattr(vllm_saves, "STEP_GAP_S", 0.5)
-    src = caches(NUM_BLOCKS, True, seed=37)
-    store = _local(src, tmp_path)
-    keys = _keys(4)
-    worker = WorkerSide(lambda: store, GRID, background=True, saves_yield=True)
-    worker.register(src, NUM_BLOCKS)
+    worker, store, keys = _yielding_worker(tmp_path, seed=37)
 
     def stored_within(n: int, seconds: float) -> bool:
         deadline = time.monotonic() + seconds
@@ -727,11 +729,7 @@ def test_a_yielding_save_goes_on_from_a_step_that_computes_nothing(tmp_path, mon
 
     monkeypatch.setattr(vllm_saves, "STEP_GAP_S", 5.0)
     monkeypatch.setattr(vllm_saves, "MAX_YIELD_S", 60.0)
-    src = caches(NUM_BLOCKS, True, seed=41)
-    store = _local(src, tmp_path)
-    keys = _keys(4)
-    worker = WorkerSide(lambda: store, GRID, background=True, saves_yield=True)
-    worker.register(src, NUM_BLOCKS)
+    worker, store, keys = _yielding_worker(tmp_path, seed=41)
     try:
         worker.saves.step_started(prefill=True)
         worker.save([ChunkTransfer("a", _transfer(keys, [0, 1, 2, 3])[0].chunks)])
