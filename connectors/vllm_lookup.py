@@ -57,6 +57,11 @@ class PrefixProbe:
         self.round_trips = 0
         """Questions asked of the store so far."""
 
+    @property
+    def _room(self) -> int:
+        """Keys of one rank's parts a question may hold beyond the slots stored whole."""
+        return MAX_SPECULATIVE_KEYS // len(self.ranks)
+
     def probe(self, store: ChunkStore, seq: SequenceKeys, finishing: Collection[str] = ()
               ) -> list[Stored]:
         """The stored segments, in order, that cover the longest stored prefix of ``seq``'s
@@ -68,7 +73,7 @@ class PrefixProbe:
         """:meth:`probe` of the leading ``seqs`` whose first questions fit in one round trip
         of :data:`MAX_PASS_KEYS` keys (the first always), asked together; a long prompt's
         further slots in questions of its own. One answer per sequence asked about."""
-        room = MAX_SPECULATIVE_KEYS // len(self.ranks)
+        room = self._room
         first: dict[str, None] = {}
         asked: list[int] = []
         for seq in seqs:
@@ -86,7 +91,7 @@ class PrefixProbe:
               finishing: Collection[str]) -> list[Stored]:
         """``seq``'s stored segments from the answers in ``tier`` (slots up to ``asked``
         asked about in pieces), asking about further slots' pieces where it gets there."""
-        room = MAX_SPECULATIVE_KEYS // len(self.ranks)
+        room = self._room
         out: list[Stored] = []
         for slot in range(seq.slots):
             key = seq.full_key(slot)
