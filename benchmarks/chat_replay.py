@@ -160,6 +160,15 @@ class Replay:
     """Every turn ran within the replay's time limit."""
 
 
+async def warm_up(url: str, model: str, work: ChatWorkload, timeout_s: float = 600.0) -> None:
+    """The unmeasured warm-up requests (:data:`WARMUP_REQUESTS`), one after the other."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=timeout_s) as client:
+        for i in range(WARMUP_REQUESTS):
+            await _turn(client, url, model, work.warmup_messages(i), work, -1, 0)
+
+
 async def replay(url: str, model: str | None, work: ChatWorkload, timeout_s: float = 600.0,
                  limit_s: float | None = None, warmup: bool = True) -> Replay:
     """Run every conversation against ``url`` (``model``: the first the server lists where
@@ -175,8 +184,8 @@ async def replay(url: str, model: str | None, work: ChatWorkload, timeout_s: flo
         if model is None:
             listed = (await client.get(f"{url}/v1/models")).json()
             model = str(listed["data"][0]["id"])
-        for i in range(WARMUP_REQUESTS if warmup else 0):
-            await _turn(client, url, model, work.warmup_messages(i), work, -1, 0)
+        if warmup:
+            await warm_up(url, model, work, timeout_s)
         t0 = time.perf_counter()
         everyone = asyncio.gather(*(_conversation(client, url, model, work, c, gate, results)
                                     for c in range(work.conversations)))

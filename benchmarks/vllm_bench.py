@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.benchmarks import process_cpu
-from kvtier.benchmarks.chat_replay import ChatWorkload, TurnResult, replay
+from kvtier.benchmarks.chat_replay import ChatWorkload, TurnResult, replay, warm_up
 from kvtier.benchmarks.paired_rounds import paired_ratio
 from kvtier.benchmarks.vllm_servers import (
     VllmSetup,
@@ -278,9 +278,14 @@ def _one(setup: VllmSetup, args: argparse.Namespace, work: ChatWorkload, workdir
                             sidecar.url if sidecar else None)
         limit_s = _limit_s(setup, args)
         roots = [s.proc.pid for s in (server, sidecar) if s is not None]
+        asyncio.run(warm_up(server.url, "m", work))
+        # the warm-ups' own work (a connector's saves of them, the holds of their blocks)
+        # done before the clock starts, alike for every setup: left running, it fell on
+        # the opening burst's first prefill in some starts (docs/vllm.md, session 45)
+        settled_metrics(server.url)
         cpu_before = process_cpu.sample(roots)
         asked_before = route_requests(sidecar.url) if sidecar else {}
-        done = asyncio.run(replay(server.url, "m", work, limit_s=limit_s))
+        done = asyncio.run(replay(server.url, "m", work, limit_s=limit_s, warmup=False))
         got = {"turns": done.turns, "wall_s": done.wall_s, "metrics": settled_metrics(server.url)}
         cpu_after = process_cpu.sample(roots)
         if cpu_before is not None and cpu_after is not None:
@@ -317,6 +322,19 @@ def _stats(values: list[float]) -> dict[str, float | None]:
         return {"mean": None, "median": None, "p99": None}
     p99 = statistics.quantiles(values, n=100)[98] if len(values) > 1 else values[0]
     return {"mean": statistics.fmean(values), "median": statistics.median(values), "p99": p99}
+
+
+def _phase_means(m: dict[str, float]) -> dict[str, float | None]:
+    """vLLM's own split of a request's time to its first token, mean over the replay's
+    requests (its two warm-ups included): waiting in its queue (arrival to first
+    scheduled: where a scheduler hook or a parked load shows) and prefilling (first
+    scheduled to first token: where anything slowing the forward passes shows)."""
+    def mean(name: str) -> float | None:
+        count = m.get(f"vllm:{name}_count")
+        return m.get(f"vllm:{name}_sum", 0.0) / count if count else None
+
+    return {"queue_s_mean": mean("request_queue_time_seconds"),
+            "prefill_s_mean": mean("request_prefill_time_seconds")}
 
 
 def _round_row(got: dict[str, Any], reference: dict[str, Any] | None) -> dict[str, Any]:
@@ -364,6 +382,7 @@ def _round_row(got: dict[str, Any], reference: dict[str, Any] | None) -> dict[st
         "session_turns_reported": m.get("vllm:kvtier_session_turns_reported_total"),
         "external_hit_tokens": m.get("vllm:external_prefix_cache_hits_total"),
         "prefix_cache_hit_tokens": m.get("vllm:prefix_cache_hits_total"),
+        **_phase_means(m),
         "cpu_s": got.get("cpu_s"),
         "sidecar_requests": got.get("sidecar_requests"),
     }

@@ -204,3 +204,17 @@ def test_a_sidecars_requests_are_counted_by_route(tmp_path):
     finally:
         sidecar.stop()
     assert after["GET /v1/chunks/{key}"] - before.get("GET /v1/chunks/{key}", 0) == 2
+
+
+def test_each_round_splits_time_to_first_token_as_vllm_does():
+    """vLLM's own histograms: time queued and time prefilling, a mean each; none where
+    vLLM reported no request."""
+    metrics = {"vllm:request_queue_time_seconds_sum": 0.3, "vllm:request_queue_time_seconds_count": 6,
+               "vllm:request_prefill_time_seconds_sum": 2.4, "vllm:request_prefill_time_seconds_count": 6}
+    (kvtier,) = _summarise(["kvtier"], [{"kvtier": {"turns": _turns(2.0, 1.0), "wall_s": 1.0,
+                                                     "metrics": metrics}}])
+    (row,) = kvtier["rounds"]
+    assert row["queue_s_mean"] == pytest.approx(0.05)
+    assert row["prefill_s_mean"] == pytest.approx(0.4)
+    (empty,) = _summarise(["e"], [{"e": {"turns": _turns(2.0, 1.0), "wall_s": 1.0, "metrics": {}}}])
+    assert empty["rounds"][0]["queue_s_mean"] is None
