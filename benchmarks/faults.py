@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from kvtier.benchmarks import faults_tenants  # noqa: E402 - the hostile-tenant cases
+from kvtier.benchmarks import faults_reads, faults_tenants
 from kvtier.benchmarks.fault_parts import (
     HEALTHZ_GOAL_S,
     HealthProbe,
@@ -325,6 +325,7 @@ CASES: dict[str, Callable[[Path, dict], Row]] = {
     "limits": case_body_limits,
     "load": case_metrics_and_batches_under_load,
     **faults_tenants.CASES,
+    **faults_reads.CASES,
 }
 
 
@@ -332,10 +333,14 @@ def scales(quick: bool, sessions: int | None) -> dict:
     if quick:
         return {"files": 8, "writes": 3000, "kill_after_s": 1.0, "sessions": sessions or 64,
                 "upload_bytes": 32 << 20, "redis_keys": 20_000, "batch_chunks": 8,
-                "hostile_budget": 32 << 20, "hostile_sockets": 4}
+                "hostile_budget": 32 << 20, "hostile_sockets": 4, "reads_budget": 32 << 20,
+                "reads_derives": 24, "reads_hold_s": 3.0, "reads_baseline": 8,
+                "redis_grown_bytes": 64 << 20}
     return {"files": 32, "writes": 3000, "kill_after_s": 1.5, "sessions": sessions or 1000,
             "upload_bytes": 250 << 20, "redis_keys": 300_000, "batch_chunks": 200,
-            "hostile_budget": 128 << 20, "hostile_sockets": 16}
+            "hostile_budget": 128 << 20, "hostile_sockets": 16, "reads_budget": 64 << 20,
+            "reads_derives": 24, "reads_hold_s": 3.0, "reads_baseline": 16,
+            "redis_grown_bytes": 256 << 20}
 
 
 @contextlib.contextmanager

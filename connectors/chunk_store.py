@@ -17,13 +17,22 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 
 from kvtier.chunk_format import chunk_view
+from kvtier.chunk_wire import ServiceError
+from kvtier.connectors.store_breaker import (
+    Breaker,
+    Call,
+    StoreDeadlines,
+    StoreFaults,
+    StoreUnavailableError,
+    fault_of,
+)
 from kvtier.connectors.tiers.base import ChunkWrite
 from kvtier.connectors.tiers.codec_setup import CodecContext, resolved_auto_fields
 from kvtier.connectors.tiers.derived import Derived, TokenRange, derive_chunk
@@ -38,6 +47,8 @@ from kvtier.policies.eviction import ChunkInfo
 if TYPE_CHECKING:
     from kvtier.client import ChunkOwner, SessionTurn
     from kvtier.config import KVTierConfig
+
+T = TypeVar("T")
 
 
 class ChunkStore(Protocol):
@@ -140,59 +151,106 @@ class RemoteChunkStore:
     For a server on this host (``shm``) chunks are filled straight into the thread's
     shared-memory region and lent straight out of it, a read's chunks in one request (up
     to ``REGION_READ_BYTES`` of them: the rest, and every chunk without ``shm``, through
-    reused staging buffers)."""
+    reused staging buffers).
+
+    Every request has a deadline (``deadlines``: lookups a short one, vLLM's scheduler
+    waits on them; loads and saves a longer one), and a server that fails to answer is
+    set aside for a back-off while a probe asks again (:mod:`.store_breaker`): lookups
+    then raise :class:`~kvtier.connectors.store_breaker.StoreUnavailableError` at once
+    (a miss), loads too (recomputed), saves come back refused as ``unavailable``."""
 
     def __init__(self, url: str, chunk_bytes: int, token: str | None = None,
-                 timeout: float = 30.0, shm: bool = False,
+                 deadlines: StoreDeadlines = StoreDeadlines(), shm: bool = False,
                  accept_codecs: frozenset[str] | None = None) -> None:
         from kvtier.client import Client
 
-        self.client = Client(url, token=token, timeout=timeout, shm=shm, accept_codecs=accept_codecs)
+        self.url = url
+        self.deadlines = deadlines
+        self.client = Client(url, token=token, timeout=deadlines.transfer_s, shm=shm,
+                             accept_codecs=accept_codecs)
+        """Loads, saves, prefetches and turn reports."""
+        self.asker = Client(url, token=token, timeout=deadlines.lookup_s,
+                            accept_codecs=accept_codecs)
+        """Lookups (vLLM's scheduler waits on them) and the breaker's probe."""
+        self.breaker = Breaker(deadlines.retry_s, self.asker.health, f"kvtier serve at {url}")
         self.chunk_bytes = chunk_bytes
         """The largest chunk the connector writes: the room each read is given."""
         self.region_bytes = REGION_READ_BYTES
         """The most of one read that comes through the region."""
         self.staging = StagingPool(max_idle_bytes=256 << 20)
 
+    @property
+    def faults(self) -> StoreFaults:
+        return self.breaker.faults
+
+    def _guarded(self, call: Call, request: Callable[[], T]) -> T:
+        """``request`` sent unless the store is set aside; a failure without an answer
+        sets it aside (its connection was closed by the client)."""
+        if not self.breaker.allow(call):
+            raise StoreUnavailableError(f"{self.breaker.name} is set aside after a failure "
+                                        f"(probed every {self.deadlines.retry_s:g} s)")
+        try:
+            out = request()
+        except ServiceError:
+            self.breaker.answered()  # an error status is an answer
+            raise
+        except Exception as exc:
+            fault = fault_of(exc)
+            if fault is not None:
+                self.breaker.failed(fault)
+            raise
+        self.breaker.answered()
+        return out
+
     def lookup(self, keys: Sequence[str]) -> int:
-        return self.client.lookup(keys).length if keys else 0
+        return self._guarded(Call.LOOKUP, lambda: self.asker.lookup(keys).length) if keys else 0
 
     def where(self, keys: Sequence[str]) -> list[str]:
-        return list(self.client.lookup(keys).tiers) if keys else []
+        return list(self._guarded(Call.LOOKUP, lambda: self.asker.lookup(keys).tiers)) if keys else []
 
     def present(self, keys: Sequence[str]) -> list[bool]:
-        return self.client.present(keys) if keys else []
+        return self._guarded(Call.LOOKUP, lambda: self.asker.present(keys)) if keys else []
 
     def locate(self, keys: Sequence[str]) -> list[str | None]:
-        return self.client.locate(keys) if keys else []
+        return self._guarded(Call.LOOKUP, lambda: self.asker.locate(keys)) if keys else []
 
     def prefetch(self, keys: Sequence[str]) -> int:
-        return self.client.prefetch(keys) if keys else 0
+        return self._guarded(Call.HINT, lambda: self.client.prefetch(keys)) if keys else 0
 
     def report_turns(self, turns: Sequence[SessionTurn]) -> None:
-        self.client.report_turns(turns)
+        self._guarded(Call.HINT, lambda: self.client.report_turns(turns))
+
+    def tier_capacities(self) -> list[dict[str, Any]]:
+        """The server's tiers as ``/v1/stats`` names them (name, capacity_bytes, ...)."""
+        return list(self._guarded(Call.HINT, self.client.stats)["tiers"])
 
     def landing_codec(self) -> Codec:
         return Codec.NONE  # the service encodes what it stores compressed
 
     def put_from(self, writes: Sequence[ChunkWrite]) -> dict[str, str]:
-        """Keys not stored, with why. A ``conflict`` is not among them: another writer
-        stored that key first (one version per key), so its KV is there to load."""
-        from kvtier.chunk_wire import ServiceError
-
+        """Keys not stored, with why: the server's reasons (``too_large`` for a body over
+        its limit), or ``unavailable`` where it did not answer or is set aside. A
+        ``conflict`` is not among them: another writer stored that key first (one version
+        per key), so its KV is there to load."""
         failed: dict[str, str] = {}
         for write in writes:
             try:
-                self._put(write)
+                self._guarded(Call.SAVE, lambda w=write: self._put(w))
             except ServiceError as exc:
-                if exc.status != 409:
-                    failed[write.key] = f"{exc.status}: {exc}"
+                if exc.status == 413:
+                    failed[write.key] = f"too_large: {exc.message}"
+                elif exc.status != 409:
+                    failed[write.key] = f"{exc.status}: {exc.message}"
+            except Exception as exc:
+                if fault_of(exc) is None and not isinstance(exc, StoreUnavailableError):
+                    raise
+                failed[write.key] = f"unavailable: {exc}"
         return failed
 
     def derive(self, key: str, source: str, tokens: TokenRange, info: ChunkInfo | None = None
                ) -> bool:
-        return self.client.derive_chunk(key, source, tokens.first, tokens.count,
-                                        _owner(info)) is not None
+        return self._guarded(Call.SAVE, lambda: self.client.derive_chunk(
+            key, source, tokens.first, tokens.count, _owner(info))) is not None
 
     def _put(self, write: ChunkWrite) -> None:
         def fill(room: memoryview) -> int:
@@ -214,15 +272,19 @@ class RemoteChunkStore:
         held: list[torch.Tensor] = []
         out: list[LentChunk | None] = [None] * len(keys)
         try:
-            for i in range(self._lend_from_region(keys, out), len(keys)):
-                chunk = self._read(keys[i], held)
-                if chunk is None:
-                    break
-                out[i] = chunk
+            self._guarded(Call.LOAD, lambda: self._read_all(keys, out, held))
             yield out
         finally:
             for buf in held:
                 self.staging.release(buf)
+
+    def _read_all(self, keys: Sequence[str], out: list[LentChunk | None],
+                  held: list[torch.Tensor]) -> None:
+        for i in range(self._lend_from_region(keys, out), len(keys)):
+            chunk = self._read(keys[i], held)
+            if chunk is None:
+                break
+            out[i] = chunk
 
     def _lend_from_region(self, keys: Sequence[str], out: list[LentChunk | None]) -> int:
         """Lend the leading chunks out of the region, read in one request (filling
@@ -269,6 +331,7 @@ class RemoteChunkStore:
 
     def close(self) -> None:
         self.client.close()
+        self.asker.close()
         self.staging.close()
 
 
@@ -333,7 +396,8 @@ def with_auto_codecs(options: Mapping[str, Any], ctx: CodecContext | None) -> di
 def open_store(options: Mapping[str, Any], slot_bytes: int) -> ChunkStore:
     """A store from a connector's options.
 
-    ``url`` (and ``token``, ``shm``): a running ``kvtier serve``. Otherwise in-process tiers
+    ``url`` (and ``token``, ``shm``, the deadlines of
+    :class:`~kvtier.connectors.store_breaker.StoreDeadlines`): a running ``kvtier serve``. Otherwise in-process tiers
     from ``config`` (a YAML path) and/or ``tiers`` (a mapping of :class:`TiersConfig`
     fields); ``slot_bytes`` sizes the CPU arena's slots to the engine's chunks; a tier's
     ``auto`` codec is none here (resolve it first: :func:`with_auto_codecs`).
@@ -342,7 +406,8 @@ def open_store(options: Mapping[str, Any], slot_bytes: int) -> ChunkStore:
     codecs = accept_codecs(options)
     if options.get("url"):
         return RemoteChunkStore(str(options["url"]), slot_bytes, options.get("token"),
-                                shm=bool(options.get("shm", False)), accept_codecs=codecs)
+                                StoreDeadlines.of(options), shm=bool(options.get("shm", False)),
+                                accept_codecs=codecs)
     from kvtier.connectors.tiers.factory import build_tiers
 
     cache_key = json.dumps([options.get("config"), dict(options.get("tiers") or {}),

@@ -4,7 +4,9 @@ of its own and the scheduler another, so tiers inside one of them would be seen 
 the others. The scheduler side starts the server as a child process holding the tiers the
 connector was given (``tiers``, ``config``), on a free loopback port with a bearer token
 of its own, and the workers reach it through shared memory (``shm``), as they would a
-sidecar an operator runs. It stops with the process that started it.
+sidecar an operator runs, with the same deadlines and back-off (``lookup_timeout_s``,
+``transfer_timeout_s``, ``store_retry_s``: a stalled private sidecar costs vLLM one
+deadline, not one per request). It stops with the process that started it.
 """
 
 from __future__ import annotations
@@ -147,6 +149,12 @@ def _wait(sidecar: _Sidecar, address: SidecarAddress) -> None:
     _stop(sidecar)
     raise ConfigError("kvtier connector: the tiers' server for vLLM's ranks did not start "
                       f"(exit code {proc.returncode}); check the connector's tiers options")
+
+
+def process_id(address: SidecarAddress) -> int | None:
+    """The process id of a sidecar this process started and has not stopped (None: none)."""
+    sidecar = _running.get(address.url)
+    return None if sidecar is None else sidecar.proc.pid
 
 
 def stop(address: SidecarAddress) -> None:

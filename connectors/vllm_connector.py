@@ -28,7 +28,8 @@ Options (``kv_connector_extra_config``): ``url``/``token``/``shm`` (a ``kvtier s
 ``config``/``tiers`` (in-process tiers; ``tiers: {disk_codec: int8}`` keeps the disk's chunks
 compressed, docs/tiers.md), ``accept_codecs`` (the codecs of stored KV this instance loads:
 ``[none]`` exact KV only; unset: exact KV and what the store's tiers write; a lossy chunk is
-decoded on load), ``chunk_tokens`` (256), ``save_decode`` (true: save
+decoded on load), ``lookup_timeout_s`` / ``transfer_timeout_s`` / ``store_retry_s`` (a
+``kvtier serve``'s deadlines and back-off, :mod:`.store_breaker`), ``chunk_tokens`` (256), ``save_decode`` (true: save
 a finished request's reply too), ``background_saves`` (true), ``async_loads`` (true: vLLM's
 async-load protocol, :mod:`.vllm_loads`; false: load before the forward pass; ``auto``: per
 request, whichever delays vLLM's requests less), ``save_priority``
@@ -57,8 +58,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtier.chunk_format import max_chunk_bytes
 from kvtier.connectors import private_sidecar
-from kvtier.connectors.chunk_store import ChunkStore, accept_codecs, open_store, with_auto_codecs
+from kvtier.connectors.chunk_store import (
+    ChunkStore,
+    RemoteChunkStore,
+    accept_codecs,
+    open_store,
+    with_auto_codecs,
+)
 from kvtier.connectors.private_sidecar import SidecarAddress
+from kvtier.connectors.save_refusals import ram_tier_problem
+from kvtier.connectors.store_breaker import StoreDeadlines
 from kvtier.connectors.tiers.codec_setup import CodecContext
 from kvtier.connectors.vllm_blocks import DEFAULT_CHUNK_TOKENS, ChunkGrid, Rank, Role, StepPlan
 from kvtier.connectors.vllm_device_io import ENCODABLE
@@ -142,7 +151,10 @@ class KVTierConnector(KVConnectorBase_V1):
         self.workers_apart = parallel.distributed_executor_backend not in (None, "uni")
         """vLLM runs its workers in processes of their own (TP/PP > 1, or vLLM's CPU backend
         with multiprocessing, which uses the multiprocess executor even for one worker)."""
+        StoreDeadlines.of(self.extra)  # refused at start, by name, where out of range
         self._store: ChunkStore | None = None
+        self._chunk_bytes = 0
+        """The largest chunk this side writes (the store's slots are sized to it)."""
         self._profile: CostModel | None = None
         self._shared: SidecarAddress | None = None
         """In-process tiers that vLLM's rank processes share: the private sidecar holding
@@ -174,14 +186,20 @@ class KVTierConnector(KVConnectorBase_V1):
                     "schedule_seconds": s.busy_s, "lookups": s.lookups,
                     "arrival_raises": s.arrivals.raises,
                     "parked_loads": s.parked_loads, "loads_before_forward": s.forward_loads,
-                    "session_turns_reported": s.turns.sent}
+                    "session_turns_reported": s.turns.sent, **self._store_faults()}
         w, saves = self.worker_side.stats, self.worker_side.saves
-        return {"loaded_blocks": w.loaded_blocks, "saved_blocks": w.saved_blocks,
+        return {**self._store_faults(), **self.worker_side.refusals.counters(),
+                "loaded_blocks": w.loaded_blocks, "saved_blocks": w.saved_blocks,
                 "derived_blocks": w.derived_blocks,
                 "load_errors": w.load_errors, "load_seconds": w.load_s,
                 "parked_load_seconds": w.async_load_s,
                 "save_wait_seconds": w.save_wait_s, "step_seconds": w.step_s, "steps": w.steps,
                 "save_hold_seconds": saves.hold_s, "held_requests": saves.holds}
+
+    def _store_faults(self) -> dict[str, int]:
+        """What a ``kvtier serve`` cost this side: timeouts, breaker opens, skips."""
+        store = self._store
+        return store.faults.counters() if isinstance(store, RemoteChunkStore) else {}
 
     def get_kv_connector_stats(self) -> KVTierStats | None:
         return self._deltas.since_last(self.stats)
@@ -256,7 +274,23 @@ class KVTierConnector(KVConnectorBase_V1):
                                       "ranks' shared tiers are")
                 options = {**options, **self._shared.options()}
             self._store = open_store(options, slot)
+            self._chunk_bytes = slot
         return self._store
+
+    def _check_ram_tier(self) -> None:
+        """Say at start, with the setting to change, where the server's RAM tier cannot
+        hold one of this worker's chunks (every save would be refused there)."""
+        store = self._open_store()
+        if not isinstance(store, RemoteChunkStore):
+            return
+        try:
+            tiers = store.tier_capacities()
+        except Exception as exc:  # noqa: BLE001 - a check, not a condition of starting
+            log.info("kvtier connector: could not ask %s for its tiers: %s", store.url, exc)
+            return
+        problem = ram_tier_problem(tiers, self._chunk_bytes)
+        if problem is not None:
+            log.warning("kvtier connector: %s", problem)
 
     # ------------------------------------------------------------- scheduler side
     # Every hook runs on vLLM's scheduling path, between its steps: timed (schedule_seconds).
@@ -320,6 +354,8 @@ class KVTierConnector(KVConnectorBase_V1):
                                                    else _flag(self.extra, "saves_yield_to_prefill", False)),
                                       save_step_gap_s=_seconds(self.extra, "save_step_gap_s"))
         self.worker_side.register(kv_caches, self._kv_cache_config.num_blocks)
+        if self.extra.get("url") and self.worker_side.rank.index == 0:
+            self._check_ram_tier()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

@@ -33,6 +33,16 @@ COUNTERS: dict[str, str] = {
     "save_hold_seconds": "Time finished requests' blocks were held until their saves landed.",
     "held_requests": "Finished requests whose blocks were held for their saves.",
     "session_turns_reported": "Turn starts and ends of vLLM's sessions reported to the store (session-aware eviction).",
+    "store_timeouts": "Requests to kvtier serve that found no answer within their deadline (connection closed).",
+    "store_failures": "Requests to kvtier serve that failed without an answer otherwise (refused, reset).",
+    "store_breaker_opens": "Times kvtier serve was set aside after a failure (skipped, then probed).",
+    "skipped_lookups": "Lookups answered as a miss without asking, kvtier serve set aside (recomputed).",
+    "skipped_loads": "Loads not asked for, kvtier serve set aside (their blocks recomputed).",
+    "skipped_saves": "Chunk saves not sent, kvtier serve set aside (counted in refused_saves_unavailable too).",
+    "refused_saves_too_large": "Chunk saves refused: larger than the store's tiers take.",
+    "refused_saves_full": "Chunk saves refused: the store was full.",
+    "refused_saves_unavailable": "Chunk saves lost: the store did not answer, or was set aside.",
+    "refused_saves_error": "Chunk saves refused for any other reason (the log says which).",
 }
 
 

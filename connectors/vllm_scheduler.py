@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.connectors.chunk_store import ChunkStore
+from kvtier.connectors.store_breaker import StoreUnavailableError
 from kvtier.connectors.vllm_arrivals import ArrivalPrefetch
 from kvtier.connectors.vllm_blocks import (
     ChunkGrid,
@@ -185,6 +186,8 @@ class SchedulerSide:
         try:
             stored = self._lookups.lookup(self._store(), request.request_id, state.seq,
                                           self._finishing)
+        except StoreUnavailableError:  # set aside after a failure: a miss, counted by the store
+            stored = []
         except Exception as exc:  # noqa: BLE001 - an unreachable store is a miss
             log.warning("kvtier lookup failed, recomputing: %s", exc)
             stored = []

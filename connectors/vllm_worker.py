@@ -32,6 +32,8 @@ import torch
 
 from kvtier.chunk_format import DTYPES, chunk_layout, encode_into
 from kvtier.connectors.chunk_store import ChunkStore
+from kvtier.connectors.save_refusals import SaveRefusals
+from kvtier.connectors.store_breaker import StoreUnavailableError, fault_of
 from kvtier.connectors.tiers.base import ChunkWrite
 from kvtier.connectors.tiers.chunk_workers import map_restore
 from kvtier.connectors.tiers.derived import TokenRange
@@ -118,6 +120,8 @@ class WorkerSide:
         self._saves_yield = saves_yield
         """Saves yield to prefill steps; None: where vLLM's cache is on the host (its
         prefill and the saves share the cores), decided at :meth:`register`."""
+        self.refusals = SaveRefusals()
+        """Chunks the store refused to save, by why (counted, and logged now and then)."""
         self._load_errors: set[int] = set()
         self._observed: list[LoadObservation] = []
         self._lock = threading.Lock()
@@ -203,9 +207,11 @@ class WorkerSide:
             else:
                 failed = self._store().put_from(writes)
                 tried.update(w.key for w in writes)
-        except Exception as exc:  # noqa: BLE001 - a failed save is a future miss
-            log.warning("kvtier save of %d chunks failed after %d: %s",
-                        len(writes), len(tried), exc)
+        except Exception as exc:  # noqa: BLE001 - a failed save is a future miss, counted
+            lost = fault_of(exc) is not None or isinstance(exc, StoreUnavailableError)
+            why = f"{'unavailable' if lost else 'error'}: {type(exc).__name__}: {exc}"
+            failed.update({w.key: why for w in writes if w.key not in tried})
+        self.refusals.refused(failed)
         self.stats.saved_blocks += sum(n for key, n in spans
                                        if key in tried and key not in failed)
 
@@ -331,6 +337,8 @@ class WorkerSide:
                         loaded.update(item.span.targets)
                     else:
                         log.warning("kvtier load of chunk %s failed (recomputed): %s", item.key, error)
+        except StoreUnavailableError:
+            pass  # set aside after a failure: counted by the store, every block recomputed
         except Exception as exc:  # noqa: BLE001 - every block not loaded is an error
             log.warning("kvtier load failed (recomputed): %s", exc)
         wanted = _planned_blocks(load)

@@ -7,9 +7,12 @@ PUT sends the caller's buffer as it is (one ``sendall``) and a GET reads the rep
 into the caller's buffer (``readinto``) or into one ``bytes`` of the reply's length. Each
 thread keeps its own keep-alive connection (``http.client`` connections are not
 thread-safe); a request on a connection the server closed meanwhile is sent again once on a
-fresh one (every chunk request is idempotent: chunks are content-addressed). A server that
-cannot be reached raises ``OSError`` (``ConnectionError``, ``TimeoutError``) where the httpx
-path raises ``httpx.TransportError``; an error status is a :class:`ServiceError` on both.
+fresh one (every chunk request is idempotent: chunks are content-addressed). A connection
+that failed in any other way (a timeout, a reply left unread or cut short) is closed and
+forgotten, never used again: ``http.client`` keeps such a connection half-way through its
+last exchange, and each later request on it would fail at once. A server that cannot be
+reached raises ``OSError`` (``ConnectionError``, ``TimeoutError``) where the httpx path
+raises ``httpx.TransportError``; an error status is a :class:`ServiceError` on both.
 """
 
 from __future__ import annotations
@@ -23,7 +26,10 @@ from urllib.parse import urlencode, urlsplit
 
 from kvtier.errors import InvalidArgumentError, KVTierError
 
-_STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
+_STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError,
+          http.client.CannotSendRequest)
+"""Failures of a reused keep-alive connection that say only that it went stale (the server
+closed it between requests): the request is sent again once, on a fresh connection."""
 
 ACCEPT_CODECS_HEADER = "X-KVTier-Accept-Codecs"
 """The request header naming the codecs of stored KV a reader takes (comma-separated:
@@ -69,42 +75,67 @@ class ChunkWire:
         self.prefix = url.path.rstrip("/")
         self.headers = dict(headers)
         self.timeout = timeout
+        """Seconds any one send or receive may wait (``http.client``'s socket timeout)."""
         self._local = threading.local()
-        self._all: list[http.client.HTTPConnection] = []
+        self._all: set[http.client.HTTPConnection] = set()
         self._lock = threading.Lock()
 
-    def _conn(self, fresh: bool = False) -> http.client.HTTPConnection:
+    def _conn(self) -> http.client.HTTPConnection:
+        """This thread's connection; a fresh one where its last reply was left unread
+        (a read that failed or timed out part-way): that connection is out of step."""
+        last = getattr(self._local, "last", None)
+        if last is not None and not last.isclosed():
+            self.discard()
         conn = getattr(self._local, "conn", None)
-        if conn is not None and not fresh:
-            return conn
-        if conn is not None:
-            conn.close()
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
-        self._local.conn = conn
-        with self._lock:
-            self._all.append(conn)
+        if conn is None:
+            conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+            self._local.conn = conn
+            with self._lock:
+                self._all.add(conn)
         return conn
+
+    @property
+    def open_connections(self) -> int:
+        """Connections made and not closed yet, every thread's."""
+        with self._lock:
+            return len(self._all)
+
+    def discard(self) -> None:
+        """Close this thread's connection and forget it: the next request opens a new one."""
+        conn = getattr(self._local, "conn", None)
+        self._local.conn = self._local.last = None
+        if conn is not None:
+            with self._lock:
+                self._all.discard(conn)
+            conn.close()
 
     def request(
         self, method: str, path: str, params: Mapping[str, Any] | None = None,
         body: Any = None, headers: Mapping[str, str] | None = None,
     ) -> http.client.HTTPResponse:
         """Send one request and return its response with the body unread (read it all
-        before the next request on this thread)."""
+        before the next request on this thread; a reply left unread costs the connection).
+        Any failure closes the connection."""
         target = self.prefix + path + ("?" + urlencode(params) if params else "")
         merged = {**self.headers, **(headers or {})}
         if body is not None:
             merged["Content-Length"] = str(memoryview(body).nbytes)
         for attempt in (0, 1):
-            conn = self._conn(fresh=attempt > 0)
+            conn = self._conn()
             reused = conn.sock is not None
             try:
                 conn.request(method, target, body=body, headers=merged)
-                return conn.getresponse()
+                resp = conn.getresponse()
             except _STALE:
-                conn.close()
+                self.discard()
                 if attempt or not reused:
                     raise
+                continue
+            except BaseException:
+                self.discard()
+                raise
+            self._local.last = resp
+            return resp
         raise AssertionError("unreachable")
 
     def read_into(self, resp: http.client.HTTPResponse, out: memoryview) -> memoryview:
@@ -130,6 +161,6 @@ class ChunkWire:
 
     def close(self) -> None:
         with self._lock:
-            conns, self._all = self._all, []
+            conns, self._all = self._all, set()
         for conn in conns:
             conn.close()

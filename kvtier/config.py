@@ -123,7 +123,7 @@ class TiersConfig(_Section):
     latency bound plus its bytes at this rate."""
     write_policy: Literal["write_through", "write_back"] = "write_back"
     cpu_free_reserve: float = 0.0
-    """Fraction of the CPU arena's slots kept free by handing its coldest chunks down in
+    """Fraction of the CPU arena's units kept free by handing its coldest chunks down in
     the background (a store then waits for its own copy only, not for a disk write or a
     Redis SET). 0: a store into a full arena hands its victim down itself. The vLLM
     connector's own tiers default to 0.05 (vLLM holds a finished request's blocks until its
@@ -310,10 +310,15 @@ class ServerConfig(_Section):
     max_inflight_bytes: ByteSize | None = None
     """Request bodies held at once across all requests; past it a request gets 503 with
     ``Retry-After`` (default: an eighth of the machine's memory, at most 2 GiB, never
-    below ``max_body_bytes``). A chunked body counts as its pieces arrive."""
+    below ``max_body_bytes``). A chunked body counts as its pieces arrive. Chunks read
+    for clients (replies, batch GETs, reads into regions, prefetches, derives) are held
+    to a budget of the same size of their own, and the staging pool keeps at most the
+    two budgets' bytes of idle buffers."""
     tenant_inflight_share: float = 0.5
-    """The part of ``max_inflight_bytes`` one tenant's bodies may hold at once (never less
-    than one largest body), so one tenant cannot starve the others."""
+    """The part of ``max_inflight_bytes`` one tenant's bodies (and, apart, its reads) may
+    hold at once (never less than one largest body), so one tenant cannot starve the
+    others; also the part of ``shm_bytes`` one tenant's regions may hold where
+    ``shm_bytes_per_tenant`` is unset. Applies where the tokens name several tenants."""
     body_timeout_s: float = 60.0
     """A request body must arrive within this many seconds in all (else 408)."""
     reply_write_timeout_s: float = 30.0
@@ -330,20 +335,52 @@ class ServerConfig(_Section):
     shm_regions_per_tenant: int = 8
     """Regions one tenant may hold at once."""
     shm_bytes_per_tenant: ByteSize | None = None
-    """Bytes one tenant's regions may hold together (unset: ``shm_bytes``)."""
+    """Bytes one tenant's regions may hold together (unset: ``tenant_inflight_share`` of
+    ``shm_bytes`` where the tokens name several tenants, never below ``max_body_bytes``;
+    all of ``shm_bytes`` with a single tenant)."""
     shm_lease_s: float = 600.0
     """A region no request has used (a chunk PUT or GET through it, or a renewal) for this
     many seconds is reclaimed: a client that died without deleting its regions does not
     hold their memory for the life of the server."""
-    chunk_slot_bytes: ByteSize = ByteSize(4 << 20)
-    """Sidecar mode (no ``--model``): the CPU arena's slot size, the largest chunk it holds
-    (bigger chunks go to the disk tier). Engine mode sizes slots from the model."""
+    chunk_slot_bytes: ByteSize = ByteSize(64 << 10)
+    """Sidecar mode (no ``--model``): the CPU arena's allocation unit (rounded up to a
+    page). A chunk of any size takes a contiguous run of as many units as it needs, so
+    this bounds no chunk (only ``tiers.cpu_bytes`` does); a chunk wastes less than a unit.
+    Set it to the chunk size of the one model a sidecar serves to have each chunk take
+    exactly one unit. The name is kept from when it was a fixed slot, the largest chunk
+    the arena held. Engine mode uses one chunk of its model."""
     max_tokens_default: int = 256
     """``/v1/chat/completions``: output tokens when a request names no ``max_tokens``."""
     served_model_names: list[str] = []
     """Engine mode: the names ``/v1/models`` lists and chat requests may ask for (the first
     is the one replies carry when a request names none); empty: the model directory's name.
     A request naming any other model gets OpenAI's 404 ``model_not_found``."""
+    request_head_timeout_s: float = 10.0
+    """A connection must send a complete request head within this many seconds of opening,
+    and of its previous reply on a kept-alive connection; else it is closed (with a 408
+    where part of a head arrived): sockets that send nothing hold no descriptor for long."""
+    max_connections: int = 4096
+    """Connections held open at once (never more than the descriptor limit less
+    ``reserved_descriptors``). At the cap a new connection closes the longest-idle one
+    (no request in flight); where every one has a request in flight it is closed unread."""
+    tenant_connection_share: float = 0.5
+    """With several tenants: the part of ``max_connections`` one tenant's connections may
+    hold; past it the tenant's request on a further connection gets 503 with
+    ``Retry-After`` and that connection is closed."""
+    open_files_limit: int | None = None
+    """The descriptor soft limit (``RLIMIT_NOFILE``) ``kvtier serve`` sets at start; unset:
+    the hard limit. Logged."""
+    reserved_descriptors: int = 256
+    """Descriptors kept from connections for files, Redis, regions and the engine: the
+    connection cap is at most the descriptor limit less these."""
+    drain_timeout_s: float = 10.0
+    """On SIGTERM or SIGINT, requests in flight are drained for at most this long."""
+    stop_timeout_s: float = 30.0
+    """From SIGTERM or SIGINT the process is gone within this many seconds, whatever its
+    threads are doing (past it, it exits at once with status 1)."""
+    max_chat_chars: int = 4_000_000
+    """``/v1/chat/completions``: the most characters a request's messages may hold; with
+    the model's context it bounds a history before it is tokenized (400 past either)."""
 
     @field_validator("quotas")
     @classmethod
@@ -360,7 +397,7 @@ class ServerConfig(_Section):
         return v
 
     @field_validator("max_body_bytes", "chunk_slot_bytes", "max_tokens_default",
-                     "shm_regions_per_tenant")
+                     "shm_regions_per_tenant", "max_connections", "max_chat_chars")
     @classmethod
     def _positive_size(cls, v: int) -> int:
         if v <= 0:
@@ -368,14 +405,36 @@ class ServerConfig(_Section):
         return v
 
     @field_validator("body_timeout_s", "body_idle_timeout_s", "shm_lease_s",
-                     "reply_write_timeout_s")
+                     "reply_write_timeout_s", "request_head_timeout_s", "drain_timeout_s",
+                     "stop_timeout_s")
     @classmethod
     def _positive_time(cls, v: float) -> float:
         if not v > 0:
             raise ValueError(f"must be a positive number of seconds, got {v}")
         return v
 
-    @field_validator("tenant_inflight_share")
+    @field_validator("open_files_limit")
+    @classmethod
+    def _open_files(cls, v: int | None) -> int | None:
+        if v is not None and v < 64:
+            raise ValueError(f"must be at least 64 descriptors, got {v}")
+        return v
+
+    @field_validator("reserved_descriptors")
+    @classmethod
+    def _reserve(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError(f"must be 0 or more, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _stop_after_drain(self) -> ServerConfig:
+        if self.stop_timeout_s < self.drain_timeout_s:
+            raise ValueError(f"stop_timeout_s ({self.stop_timeout_s}) must be at least "
+                             f"drain_timeout_s ({self.drain_timeout_s})")
+        return self
+
+    @field_validator("tenant_inflight_share", "tenant_connection_share")
     @classmethod
     def _share(cls, v: float) -> float:
         if not 0 < v <= 1:

@@ -22,10 +22,8 @@ from dataclasses import dataclass
 from enum import Enum
 
 from kvtier.chunk_format import ChunkHeader, logical_key
-from kvtier.connectors.tiers.lent_chunk import LentChunk
 from kvtier.connectors.tiers.manager import TierManager
-from kvtier.errors import ChunkFormatError
-from kvtier.kv_codecs import CODEC_NAMES as ANY_CODEC
+from kvtier.connectors.tiers.stored_versions import stored_version
 from kvtier.server.errors import RouteError
 
 
@@ -67,25 +65,10 @@ class KeyLocks:
 def settle(manager: TierManager, where: str, upload: ChunkHeader) -> Settled:
     """Whether ``upload`` (verified, to be stored under ``where``) is new, the chunk already
     stored, or (409) another version of a stored key. Call with the key's lock held."""
-    loc = manager.lookup([where], ANY_CODEC)  # a stored version, whatever its codec
-    if not loc.length:
+    stored = stored_version(manager, where)  # a copy that fails its checks is none
+    if stored is None:
         return Settled(Version.NEW)
-    with manager.lease_chunks([where], loc, ANY_CODEC) as (stored,):
-        header = None if stored is None else _verified_header(stored)
-    if header is None:  # the copy failed its checks (and was dropped): clear the others too
-        manager.delete([where])
-        return Settled(Version.NEW)
-    if header.identity_checksum() == upload.identity_checksum():
-        return Settled(Version.SAME, manager.tiers[loc.tiers[0]].name)
+    if stored.same_as(upload):
+        return Settled(Version.SAME, manager.tiers[stored.tier].name)
     raise RouteError(409, f"chunk {logical_key(where)} is stored already with other content; "
                      "chunks are immutable: DELETE it first to replace it", "chunk_exists")
-
-
-def _verified_header(stored: LentChunk) -> ChunkHeader | None:
-    """The stored chunk's header once every layer passed its check; None when one failed
-    (the chunk is dropped from its tier when the lease ends)."""
-    try:
-        stored.verify()
-    except ChunkFormatError:
-        return None
-    return stored.header

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -280,6 +280,20 @@ class ServiceMetrics:
             registry=r,
         )  # fmt: skip
         self.errors = Counter("kvtier_errors", "Errors by kind", ["kind"], registry=r)
+        self.connections_open = Gauge(
+            "kvtier_connections_open", "Client connections open now", registry=r)
+        self.connections_closed = Counter(
+            "kvtier_connections_closed",
+            "Connections the server closed itself: head_timeout, evicted_idle (at the cap), "
+            "refused_cap (at the cap, none idle), tenant_cap (503)", ["reason"], registry=r)
+        self.descriptor_limit = Gauge(
+            "kvtier_descriptor_limit", "The process's descriptor soft limit", registry=r)
+        self.connection_cap = Gauge(
+            "kvtier_connection_cap", "Connections held open at most", registry=r)
+        self.chat_disconnects = Counter(
+            "kvtier_chat_client_gone",
+            "Chat turns whose client went away before the reply, aborted at the next step",
+            ["stream"], registry=r)
         self._snapshot = _SnapshotCollector()
         r.register(self._snapshot)
 

@@ -1,5 +1,5 @@
-"""What runs around every route: a bearer token and a request-body size limit (two guards),
-and the request counter.
+"""What runs around every route: a bearer token, a request-body size limit and a tenant's
+share of the connections (three guards), and the request counter.
 
 The guards are plain ASGI middleware so they act before FastAPI reads a body: an oversize
 upload is refused from its ``Content-Length`` (or as soon as a chunked body passes the
@@ -17,13 +17,15 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvtier.server.connection_limits import CloseReason, ConnectionTable
 from kvtier.server.errors import error_body
 from kvtier.server.identity import IDENTITY_KEY, Identity, required_scope
 from kvtier.server.tenant_budget import TenantBudget
 
 
-async def _send_error(send: Send, status: int, message: str, headers: list | None = None) -> None:
-    body = json.dumps(error_body(status, message)).encode()
+async def _send_error(send: Send, status: int, message: str, headers: list | None = None,
+                      type_: str | None = None) -> None:
+    body = json.dumps(error_body(status, message, type_)).encode()
     await send(
         {
             "type": "http.response.start",
@@ -291,3 +293,33 @@ class RequestCounter:
         finally:
             route = getattr(scope.get("route"), "path", "unmatched")
             self.count(scope["method"], route, str(status))
+
+
+class ConnectionGate:
+    """With several tenants, one tenant's connections hold at most its share of the
+    connection cap: a request of a tenant past it, on a connection not yet its own, is
+    answered 503 with ``Retry-After`` and ``Connection: close`` (its connection goes, so
+    the tenant's count stays within its share). Connections are those of the server's
+    :class:`~kvtier.server.connection_limits.ConnectionTable`, found by the request's
+    client address."""
+
+    def __init__(self, app: ASGIApp, table: ConnectionTable) -> None:
+        self.app = app
+        self.table = table
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        ident = scope.get(IDENTITY_KEY)
+        if scope["type"] != "http" or ident is None or self.table.limits.per_tenant is None:
+            await self.app(scope, receive, send)
+            return
+        client = scope.get("client")
+        if self.table.attribute(tuple(client) if client else None, ident.tenant):
+            await self.app(scope, receive, send)
+            return
+        self.table.count_close(CloseReason.TENANT_CAP)
+        await _send_error(
+            send, 503,
+            f"tenant {ident.tenant!r} holds {self.table.tenant_count(ident.tenant)} "
+            f"connections, its share of server.max_connections "
+            f"({self.table.limits.per_tenant}): reuse kept-alive connections, or retry",
+            [(b"retry-after", b"1"), (b"connection", b"close")], "too_many_connections")

@@ -12,6 +12,12 @@ group of layers as they are copied, until one is missing or the next does not fi
 Every copy is checked right before it is written (the bytes are read from memory once); a
 copy that fails a check is dropped from its tier and the chunk read through the slower
 tiers instead. A hit below the fastest tier is promoted, as any read's is.
+
+What a tier lends for the copy (a staging buffer a disk file was read into, a pinned CPU
+slot) is the server's memory while the copy runs: the chunks' sizes are taken from the
+tiers' indexes first, so a chunk that cannot fit in the room is a 413 (or the end of the
+read) before anything is leased, and the chunks leased together are charged against the
+read budget (:mod:`kvtier.server.reply_budget`) while they are held.
 """
 
 from __future__ import annotations
@@ -22,9 +28,10 @@ from enum import Enum
 
 from kvtier.connectors.tiers.blobs import get_each
 from kvtier.connectors.tiers.lent_chunk import LentChunk
-from kvtier.connectors.tiers.manager import TierManager
+from kvtier.connectors.tiers.manager import Location, TierManager
 from kvtier.errors import ChunkFormatError
 from kvtier.server.errors import RouteError
+from kvtier.server.reply_budget import ReplyBudget
 from kvtier.server.shm_regions import Region
 from kvtier.server.state import ServiceState
 
@@ -34,8 +41,9 @@ ALIGN = 4096
 """Where each chunk of a batch read starts: a page boundary (a chunk's payload lies at a
 multiple of 64 bytes into it, so the reader's views of it are aligned for any dtype)."""
 LEASE_GROUP = 16
-"""Keys of a batch read leased at a time (a disk tier's reads of them run together; no
-more are held than the region could take soon)."""
+"""Keys of a batch read leased at a time, at most (a disk tier's reads of them run
+together): only those the room can take, and no more bytes than the read budget's
+``group_bytes``."""
 
 
 class Stop(str, Enum):
@@ -72,7 +80,8 @@ def get_into_region(state: ServiceState, manager: TierManager, tenant: str, regi
     404 where no tier holds it, 413 where it does not fit."""
     with state.regions.using(tenant, region_id) as region:
         end = region.size if room is None else min(region.size, offset + room)
-        got = _read_at(manager, region, offset, end, [key], [where], codecs, whole_room=True)
+        got = _read_at(_Reader(manager, state.replies, tenant, codecs), region, offset, end,
+                       [key], [where], whole_room=True)
         if not got.chunks:
             raise RouteError(404, f"chunk {key} is not stored")
         return got.chunks[0].length, got.chunks[0].tier
@@ -86,43 +95,87 @@ def get_prefix_into_region(state: ServiceState, manager: TierManager, tenant: st
     not fit at all."""
     with state.regions.using(tenant, region_id) as region:
         end = region.size if room is None else min(region.size, offset + room)
-        return _read_at(manager, region, offset, end, keys, wheres, codecs, whole_room=False)
+        return _read_at(_Reader(manager, state.replies, tenant, codecs), region, offset, end,
+                        keys, wheres, whole_room=False)
 
 
-def _read_at(manager: TierManager, region: Region, offset: int, end: int, keys: Sequence[str],
-             wheres: Sequence[str], codecs: frozenset[str] | None, whole_room: bool) -> PrefixRead:
+@dataclass(frozen=True)
+class _Reader:
+    """Whose reads these are, and through what: the stack, the read budget, the tenant
+    charged, the codecs the reader takes."""
+
+    manager: TierManager
+    reads: ReplyBudget
+    tenant: str
+    codecs: frozenset[str] | None
+
+
+def _read_at(reader: _Reader, region: Region, offset: int, end: int, keys: Sequence[str],
+             wheres: Sequence[str], whole_room: bool) -> PrefixRead:
     """The leading stored ``wheres`` copied into ``region[offset:end]`` in order, a group of
-    keys leased at a time; ``whole_room``: one key at ``offset`` exactly (no alignment). A
-    copy that fails its check ends its lease (which drops it from its tier) and the chunk
-    is read through the tiers again."""
+    keys leased at a time: as many as the room takes by their indexed sizes, charged
+    against the read budget while leased; ``whole_room``: one key at ``offset`` exactly
+    (no alignment). A copy that fails its check ends its lease (which drops it from its
+    tier) and the chunk is read through the tiers again."""
+    manager = reader.manager
     out: list[RegionChunk] = []
     pos = 0
     while pos < len(wheres):
-        group = list(wheres[pos : pos + LEASE_GROUP])
-        loc = manager.lookup(group, codecs)
+        window = list(wheres[pos : pos + LEASE_GROUP])
+        loc = manager.lookup(window, reader.codecs)
         if not loc.length:
             manager.count_misses()
             return PrefixRead(out, Stop.MISSING)
-        with manager.lease_chunks(group[: loc.length], loc, codecs) as parts:
-            failed = _copy_lent(manager, region, end, keys, wheres, pos, loc.tiers, parts, out,
+        sizes = manager.sizes(window[: loc.length], loc.tiers)
+        n = _taken(reader.reads, region, out, offset, end, keys[pos], sizes, whole_room)
+        if n == 0:
+            return PrefixRead(out, Stop.ROOM)
+        group = Location(n, loc.tiers[:n])
+        charge = sum(reader.reads.charge(size) for size in sizes[:n])
+        with (reader.reads.holding(reader.tenant, charge),
+              manager.lease_chunks(window[:n], group, reader.codecs) as parts):
+            failed = _copy_lent(manager, region, end, keys, wheres, pos, group.tiers, parts, out,
                                 offset, whole_room)
         if isinstance(failed, Stop):
             return PrefixRead(out, failed)
         if failed is not None:  # its corrupt copy is gone now: read it from where it is intact
-            ((blob, tier),) = get_each(manager, [wheres[failed]], codecs=codecs)
-            if blob is None:
-                return PrefixRead(out, Stop.MISSING)
-            start = _next(out, offset, whole_room)
-            if not _fits(region, start, end, keys[failed], len(blob), not out):
-                return PrefixRead(out, Stop.ROOM)
-            region.write_from(start, memoryview(blob))
+            with reader.reads.holding(reader.tenant, reader.reads.charge(sizes[failed - pos])):
+                ((blob, tier),) = get_each(manager, [wheres[failed]], codecs=reader.codecs)
+                if blob is None:
+                    return PrefixRead(out, Stop.MISSING)
+                start = _next(out, offset, whole_room)
+                if not _fits(region, start, end, keys[failed], len(blob), not out):
+                    return PrefixRead(out, Stop.ROOM)
+                region.write_from(start, memoryview(blob))
             out.append(RegionChunk(keys[failed], start, len(blob), tier or ""))
             pos = failed + 1
             continue
-        if loc.length < len(group):
+        if n == loc.length < len(window):
             return PrefixRead(out, Stop.MISSING)
-        pos += len(group)
+        pos += n
     return PrefixRead(out, None)
+
+
+def _taken(reads: ReplyBudget, region: Region, out: list[RegionChunk], offset: int, end: int,
+           first_key: str, sizes: Sequence[int | None], whole_room: bool) -> int:
+    """How many of the next stored chunks (their indexed ``sizes``) to lease together: those
+    the room takes, within the budget's ``group_bytes`` (one at least); a chunk of unknown
+    size goes alone, checked once lent. 0 where the next one does not fit in the room (a
+    413, before anything is leased, where it would be the first)."""
+    at = _next(out, offset, whole_room)
+    n = charged = 0
+    for size in sizes:
+        if size is None:
+            return n or 1
+        if at + size > end:
+            break
+        if n and charged + size > reads.group_bytes:
+            return n
+        n, charged = n + 1, charged + size
+        at = -(-(at + size) // ALIGN) * ALIGN
+    if n == 0:
+        _fits(region, at, end, first_key, sizes[0] or 0, not out)  # the 413 of a first chunk
+    return n
 
 
 def _next(out: list[RegionChunk], offset: int, whole_room: bool) -> int:

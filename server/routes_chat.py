@@ -10,11 +10,12 @@ runs in a throwaway session. Every response carries per-turn timings under ``kvt
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,10 +23,11 @@ from fastapi import APIRouter, Header, Request, Response
 from fastapi.responses import StreamingResponse
 
 from kvtier.engine.async_engine import AsyncEngine
-from kvtier.engine.engine import Engine
+from kvtier.engine.engine import Engine, RequestError
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.session import TurnResult
 from kvtier.errors import InvalidArgumentError
+from kvtier.server.chat_bounds import ChatBounds
 from kvtier.server.errors import RouteError, error_body, error_responses, status_of
 from kvtier.server.identity import DEFAULT_TENANT, identity_of, tenant_session
 from kvtier.server.schemas import ChatCompletion, ChatCompletionRequest, ModelCard, ModelList
@@ -47,20 +49,33 @@ def _params(body: ChatCompletionRequest, default_max: int) -> SamplingParams:
     )
 
 
-def _preparer(session_id: str, history: list[dict[str, str]]):
+@dataclass
+class _SessionSetup:
     """Continue the session when the request's history is what it holds; otherwise open
-    it from the history (runs on the engine thread, in the same step as the turn)."""
+    it from the history (runs on the engine thread, in the same step as the turn). A turn
+    the engine refuses leaves no session it opened behind (:meth:`undo`)."""
 
-    def prepare(engine: Engine) -> None:
-        session = engine.sessions.get(session_id)
-        if session is not None and [dict(m) for m in session.messages] == history:
+    session_id: str
+    history: list[dict[str, str]]
+    opened: bool = False
+
+    def __call__(self, engine: Engine) -> None:
+        session = engine.sessions.get(self.session_id)
+        if session is not None and [dict(m) for m in session.messages] == self.history:
             return
-        fresh = all(m["role"] == "system" for m in history) and len(history) <= 1
+        fresh = all(m["role"] == "system" for m in self.history) and len(self.history) <= 1
         if session is None and fresh:
             return  # a new conversation: begin_turn renders the system prompt itself
-        engine.open_session(session_id, history)
+        engine.open_session(self.session_id, self.history)
+        self.opened = True
 
-    return prepare
+    def undo(self, engine: Engine) -> None:
+        """Forget the session this request opened if it holds no turn (its turn was
+        refused) and no other turn runs in it."""
+        session = engine.sessions.get(self.session_id)
+        if (self.opened and session is not None and not session.turns
+                and self.session_id not in engine.busy_sessions):
+            engine.end_session(self.session_id)
 
 
 def _timings(result: TurnResult) -> dict[str, Any]:
@@ -102,7 +117,7 @@ class _Turn:
     message: str
     system: str | None
     params: SamplingParams
-    prepare: Callable[[Engine], None]
+    prepare: _SessionSetup
     model: str
     completion_id: str
     created: int
@@ -112,6 +127,11 @@ class _Turn:
         """End a throwaway session (no session id was given)."""
         if self.ephemeral:
             await _forget(self.eng, self.session_id)
+
+    async def refused(self, exc: BaseException) -> None:
+        """The engine refused the turn at admission: no session of it stays behind."""
+        if isinstance(exc, RequestError | InvalidArgumentError) and self.prepare.opened:
+            await self.eng.call(self.prepare.undo, self.eng.engine)
 
     def chunk(self, delta: dict[str, Any], finish_reason: str | None = None, **extra: Any) -> str:
         """One ``chat.completion.chunk`` server-sent event."""
@@ -202,7 +222,7 @@ def _turn(body: ChatCompletionRequest, state: ServiceState, x_session_id: str | 
     if tenant != DEFAULT_TENANT:  # tenants' sessions never meet: another tenant's id is not
         session_id = tenant_session(tenant, session_id)  # theirs to continue
     params = _params(body, state.config.server.max_tokens_default)
-    prepare = _preparer(session_id, history)
+    prepare = _SessionSetup(session_id, history)
     model = _served_name(state, body.model)
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -225,18 +245,41 @@ async def chat_completions(
 ) -> Any:
     """One chat turn; ``stream: true`` answers with server-sent events."""
     turn = _turn(body, request.app.state.kvtier, x_session_id, request.scope)
+    bounds: ChatBounds = request.app.state.chat_bounds
+    messages = [m.model_dump() for m in body.messages]
+    bounds.check_size(messages)  # before any tokenizing
+    await bounds.check_tokens(turn.eng.engine, messages)  # on a worker thread
     if not body.stream:
-        return await _complete(turn)
+        return await _complete(turn, request)
     return await _stream(turn, bool(body.stream_options and body.stream_options.include_usage))
 
 
-async def _complete(turn: _Turn) -> Response:
-    """The whole turn as one ``chat.completion``."""
+async def _until_disconnected(request: Request) -> None:
+    """Returns once the client has gone (its body was read already: nothing else comes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _complete(turn: _Turn, request: Request) -> Response:
+    """The whole turn as one ``chat.completion``. A client that goes away before the reply
+    aborts the turn at the engine's next step, as a stream's does."""
+    chat = asyncio.ensure_future(turn.eng.chat(
+        turn.session_id, turn.message, turn.params, turn.system, prepare=turn.prepare))
+    gone = asyncio.ensure_future(_until_disconnected(request))
     try:
-        result = await turn.eng.chat(
-            turn.session_id, turn.message, turn.params, turn.system, prepare=turn.prepare
-        )
+        await asyncio.wait({chat, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not chat.done():
+            turn.state.metrics.chat_disconnects.labels("false").inc()
+            turn.eng.cancel(turn.session_id, end_session=turn.ephemeral)
+        result = await chat  # an aborted turn ends at the next step
+    except BaseException as exc:
+        await turn.refused(exc)
+        raise
     finally:
+        gone.cancel()
+        if not chat.done():  # this request was cancelled itself: its turn goes too
+            turn.eng.cancel(turn.session_id, end_session=turn.ephemeral)
+            chat.add_done_callback(lambda t: t.cancelled() or t.exception())
         await turn.forget()
     turn.state.metrics.observe_turn(result.stats.as_dict())
     out = {
@@ -264,7 +307,8 @@ async def _stream(turn: _Turn, include_usage: bool) -> StreamingResponse:
     )
     try:
         first = await anext(events)  # a turn refused at admission is an HTTP error
-    except Exception:
+    except Exception as exc:
+        await turn.refused(exc)
         await turn.forget()
         raise
     return StreamingResponse(
@@ -298,6 +342,7 @@ async def _sse(
         # The client went away (the response was cancelled or closed): stop generating at
         # the next step, and a throwaway session goes with its turn. Nothing is awaited
         # here: a cancelled task cannot wait.
+        state.metrics.chat_disconnects.labels("true").inc()
         turn.eng.cancel(turn.session_id, end_session=turn.ephemeral)
         raise
     state.metrics.observe_turn(item.stats.as_dict())

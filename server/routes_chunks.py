@@ -12,7 +12,6 @@ dropped and reported as missing, never served.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import Counter
 from dataclasses import replace
@@ -36,12 +35,21 @@ from kvtier.chunk_format import (
 )
 from kvtier.chunk_keys import KEY_PATTERN, KEY_RE
 from kvtier.connectors.tiers.base import Blob, ChunkWrite, PutResult
-from kvtier.connectors.tiers.blobs import get_each, put_blobs
+from kvtier.connectors.tiers.blobs import put_blobs
 from kvtier.connectors.tiers.derived import Derived, TokenRange, derive_chunk
 from kvtier.connectors.tiers.manager import PutReport, TierManager
 from kvtier.errors import ChunkError, ChunkFormatError, InvalidArgumentError
 from kvtier.io_priority import IOPriority, at_priority
 from kvtier.policies.eviction import ChunkInfo
+from kvtier.server.budgeted_reads import (
+    LeasedChunk,
+    Unlent,
+    derive_charge,
+    lease_whole,
+    read_batch,
+    read_copy,
+)
+from kvtier.server.budgeted_reads import prefetch as budgeted_prefetch
 from kvtier.server.chunk_body import (
     LeasedResponse,
     PiecewiseResponse,
@@ -112,8 +120,6 @@ _MSGPACK_BODY = {
 }
 
 
-BATCH_GET_GROUP = 64
-"""Keys of a batch GET read at a time (the reply's size is checked between groups)."""
 HEAD_READ_BYTES = 8 + MAX_HEADER_BYTES
 """Enough of a chunk to hold its prefix and any header."""
 
@@ -331,7 +337,8 @@ async def derive_chunk_route(key: Key, body: DeriveRequest, request: Request,
                              tier: str | None = None, priority: PriorityArg = IOPriority.WAITED,
                              session: SessionArg = None, place: PlaceArg = 0) -> Response:
     """Store under ``key`` a run of the tokens of the caller's stored chunk ``source``
-    (every layer), cut inside the service: nothing is uploaded. 201 stored, 200 present;
+    (every layer), cut inside the service: nothing is uploaded. 201 stored, 200 present
+    (``key`` holds this very chunk), 409 ``chunk_exists`` where it holds another, as a PUT;
     404 where no exact copy of the source is stored (never stored, evicted, or kept only
     compressed: the caller uploads the chunk instead), 409 where the source is not KV to
     cut (a client's opaque bytes, a layer range), 400 where the tokens run past it."""
@@ -352,6 +359,9 @@ async def derive_chunk_route(key: Key, body: DeriveRequest, request: Request,
         raise RouteError(404, f"no exact copy of chunk {body.source} is stored")
     if done is Derived.NOT_KV:
         raise RouteError(409, f"chunk {body.source} is not KV to cut (opaque or a layer range)")
+    if done is Derived.CONFLICT:
+        raise RouteError(409, f"chunk {key} is stored already with other content; chunks are "
+                         "immutable: DELETE it first to replace it", "chunk_exists")
     if done is Derived.FAILED:
         raise RouteError(507, f"no tier could store chunk {key}")
     tiers = manager.locate([where])[0]
@@ -362,7 +372,11 @@ async def derive_chunk_route(key: Key, body: DeriveRequest, request: Request,
 
 def _derived(state: ServiceState, manager: TierManager, where: str, source: str,
              tokens: TokenRange, owner: ChunkInfo | None, start: int) -> Derived:
-    with state.key_locks.holding([where]):  # one writer of a key at a time
+    """The derive, its source's lease and its new chunk held against the read budget
+    while it runs (a 503 to retry where there is no room), as a PUT holds its body."""
+    tenant = storage_namespace(where) or ""
+    charge = derive_charge(state.replies, manager, source)
+    with state.replies.holding(tenant, charge), state.key_locks.holding([where]):
         return derive_chunk(manager, where, source, tokens, owner, start)
 
 
@@ -395,67 +409,38 @@ async def get_chunk(key: Key, request: Request, layers: Layers = None,
         length, tier = await run_in_threadpool(get_into_region, state, manager, tenant, region,
                                                offset, room, key, where, codecs)
         state.regions.moved("get", length)
-        state.metrics.transfer.labels("get").observe(time.perf_counter() - t0)
-        state.metrics.transfer_bytes.labels("get").inc(length)
-        state.metrics.tenant_bytes.labels(tenant, "get").inc(length)
+        _count_get(state, tenant, length, t0)
         body = GetIntoRegionResponse(key=key, length=length, tier=tier)
         return Response(body.model_dump_json(), media_type="application/json",
                         headers={"X-KVTier-Tier": tier})
-    if span is None:
-        leased = await run_in_threadpool(_lease_whole, manager, where, codecs)
-        if leased == "missing":
-            raise RouteError(404, f"chunk {key} is not stored")
-        if leased is not None:
-            view, lease, tier = leased
-            try:
-                held = state.replies.reserve(tenant, view.numel())
-            except RouteError:
-                await run_in_threadpool(lease.close)
-                raise
-            state.metrics.transfer.labels("get").observe(time.perf_counter() - t0)
-            state.metrics.transfer_bytes.labels("get").inc(view.numel())
-            state.metrics.tenant_bytes.labels(tenant, "get").inc(view.numel())
-            return LeasedResponse(view, lease, {"X-KVTier-Tier": tier}, OCTETS, held,
-                                  state.replies.write_timeout_s)
-    ((blob, tier),) = await run_in_threadpool(get_each, manager, [where], span, codecs)
-    if blob is None:
-        where = "" if span is None else f" (or layers {layers} lie outside it)"
-        raise RouteError(404, f"chunk {key} is not stored{where}")
-    held = state.replies.reserve(tenant, len(blob))
-    state.metrics.transfer.labels("get").observe(time.perf_counter() - t0)
-    state.metrics.transfer_bytes.labels("get").inc(len(blob))
-    state.metrics.tenant_bytes.labels(tenant, "get").inc(len(blob))
-    return PiecewiseResponse([blob], OCTETS, {"X-KVTier-Tier": tier or ""}, held,
-                             state.replies.write_timeout_s)
-
-
-def _lease_whole(manager: TierManager, key: str, codecs: frozenset[str] | None):
-    """(verified view of the whole chunk, its open lease, tier name); ``"missing"`` when
-    no tier holds it; None when the tier holding it did not lend it verified (a copy its
-    checks rejected, or one gone meanwhile: the caller reads on through every tier). A hit
-    below the fastest tier is promoted, as a read through ``get`` would be."""
-    loc = manager.lookup([key], codecs)
-    if not loc.length:
-        manager.count_misses()
-        return "missing"
-    lease = contextlib.ExitStack()
+    reads = state.replies
+    held = reads.reserve(tenant)  # grown to each read's size before the read
     try:
-        (part,) = lease.enter_context(manager.lease_chunks([key], loc, codecs))
-        if part is not None:
-            try:
-                part.verify()  # the whole chunk goes out: checked first
-            except ChunkFormatError:
-                part = None  # dropped from its tier when the lease ends
-        if part is None:
-            lease.close()
-            return None
-        view = part.buf
-        if loc.tiers[0] > 0:
-            manager.promote({key: memoryview(view.numpy())})
+        if span is None:
+            leased = await run_in_threadpool(lease_whole, reads, held, manager, where, codecs)
+            if leased is Unlent.MISSING:
+                raise RouteError(404, f"chunk {key} is not stored")
+            if isinstance(leased, LeasedChunk):
+                _count_get(state, tenant, leased.view.numel(), t0)
+                return LeasedResponse(leased.view, leased.lease, {"X-KVTier-Tier": leased.tier},
+                                      OCTETS, held, reads.write_timeout_s)
+        blob, tier = await run_in_threadpool(read_copy, reads, held, manager, where, span,
+                                             codecs)
+        if blob is None:
+            outside = "" if span is None else f" (or layers {layers} lie outside it)"
+            raise RouteError(404, f"chunk {key} is not stored{outside}")
     except BaseException:
-        lease.close()
+        held.release()
         raise
-    return view, lease, manager.tiers[loc.tiers[0]].name
+    _count_get(state, tenant, len(blob), t0)
+    return PiecewiseResponse([blob], OCTETS, {"X-KVTier-Tier": tier or ""}, held,
+                             reads.write_timeout_s)
+
+
+def _count_get(state: ServiceState, tenant: str, nbytes: int, t0: float) -> None:
+    state.metrics.transfer.labels("get").observe(time.perf_counter() - t0)
+    state.metrics.transfer_bytes.labels("get").inc(nbytes)
+    state.metrics.tenant_bytes.labels(tenant, "get").inc(nbytes)
 
 
 @router.head("/{key}", response_class=Response, responses={404: {"description": "not stored"}})
@@ -513,11 +498,15 @@ def _lookup(manager: TierManager, keys: list[str], each: bool, codecs: frozenset
 async def prefetch(body: LookupRequest, request: Request, accept: AcceptCodecs = None
                    ) -> dict[str, Any]:
     """Raise the stored prefix of ``keys`` into the fastest tier (each chunk a slower tier
-    holds is read, verified and written there): a request that will read them is coming."""
-    _, manager = _manager(request)
+    holds is read, verified and written there): a request that will read them is coming.
+    A key named twice is read once; the reads are charged against the read budget a run
+    at a time (503 where the first run finds no room)."""
+    state, manager = _manager(request)
     _check_keys(body.keys)
     keys = [_stored_as(request, k) for k in body.keys]
-    return {"promoted": await run_in_threadpool(manager.prefetch, keys, reader_codecs(accept))}
+    tenant = identity_of(request.scope).tenant
+    return {"promoted": await run_in_threadpool(budgeted_prefetch, state.replies, manager,
+                                                tenant, keys, reader_codecs(accept))}
 
 
 @router.post(
@@ -539,24 +528,16 @@ async def batch_get(body: BatchGetRequest, request: Request, accept: AcceptCodec
         raise RouteError(400, "layers must be non-negative")
     t0 = time.perf_counter()
     unique = list(dict.fromkeys(body.keys))  # a key asked for twice is read (and held) once
-    limit = state.replies.budget
-    counts = Counter(body.keys) if len(unique) < len(body.keys) else None
-    by_key: dict[str, bytes | None] = {}
-    nbytes = 0
-    for i in range(0, len(unique), BATCH_GET_GROUP):  # read in groups: stop once too large
-        group = unique[i : i + BATCH_GET_GROUP]
-        found = await run_in_threadpool(
-            get_each, manager, [_stored_as(request, k) for k in group], span, codecs)
-        for k, (blob, _) in zip(group, found, strict=True):
-            by_key[k] = blob
-            nbytes += len(blob) * (counts[k] if counts else 1) if blob else 0
-        if nbytes > limit:
-            raise RouteError(413, f"the reply would carry over {nbytes} bytes, over "
-                             f"server.max_inflight_bytes ({limit}): ask in smaller batches")
-    blobs = [by_key[k] for k in body.keys]
-    held_bytes = sum(len(b) for b in by_key.values() if b)
     tenant = identity_of(request.scope).tenant
-    held = state.replies.reserve(tenant, held_bytes)
+    held = state.replies.reserve(tenant)
+    try:
+        by_key, nbytes = await run_in_threadpool(
+            read_batch, state.replies, held, manager, unique,
+            [_stored_as(request, k) for k in unique], Counter(body.keys), span, codecs)
+    except BaseException:
+        held.release()
+        raise
+    blobs = [by_key[k] for k in body.keys]
     state.metrics.transfer.labels("get").observe(time.perf_counter() - t0)
     state.metrics.transfer_bytes.labels("get").inc(nbytes)
     state.metrics.tenant_bytes.labels(tenant, "get").inc(nbytes)

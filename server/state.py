@@ -14,7 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvtier.config import KVTierConfig
+from kvtier.config import KVTierConfig, ServerConfig
 from kvtier.connectors.tiers.factory import build_tiers
 from kvtier.connectors.tiers.manager import TierManager
 from kvtier.connectors.tiers.session_turns import SessionTurns
@@ -24,6 +24,7 @@ from kvtier.engine.session import ChatSession
 from kvtier.policies.live import LivePolicy
 from kvtier.policies.reuse_ceiling import ReuseCeiling
 from kvtier.server.chunk_versions import KeyLocks
+from kvtier.server.identity import identities
 from kvtier.server.metrics import ServiceMetrics
 from kvtier.server.reply_budget import ReplyBudget
 from kvtier.server.shm_regions import RegionTable
@@ -53,16 +54,33 @@ class ServiceState:
         """Sessions' turns as clients report them (a sidecar's; an engine ranks its own)."""
         self.metrics = ServiceMetrics()
         server = config.server
+        self.tenant_share = tenant_share(server)
+        """The part of each shared budget one tenant may hold (1.0 with a single tenant)."""
         self.regions = RegionTable(server.shm_dir, server.shm_bytes, server.shm_regions_per_tenant,
-                                   per_tenant_bytes=server.shm_bytes_per_tenant,
+                                   per_tenant_bytes=region_bytes_per_tenant(server),
                                    lease_s=server.shm_lease_s)
-        self.key_locks = KeyLocks()
-        self.replies = ReplyBudget(1 << 62, write_timeout_s=server.reply_write_timeout_s)
-        """Bytes replies hold until written (sized by the app: server.max_inflight_bytes)."""
-        """PUTs of one key run one at a time (server/chunk_versions.py)."""
         """Same-host clients' shared-memory regions (server/shm_regions.py)."""
+        self.key_locks = KeyLocks()
+        """PUTs of one key run one at a time (server/chunk_versions.py)."""
+        self.replies = ReplyBudget(1 << 62, write_timeout_s=server.reply_write_timeout_s)
+        """Bytes read for clients, held until let go (sized by the app: size_budgets)."""
         self.started = time.monotonic()
         self.created = int(time.time())
+
+    def size_budgets(self, budget: int) -> None:
+        """What requests may hold at once: ``budget`` bytes of request bodies (the app's
+        body guard), of uploads copied out of regions, and of chunks read for clients
+        (:attr:`replies`). The staging pool keeps idle what those budgets let requests
+        hold together (and, in engine mode, the engine's stores in flight): above the
+        steady working set, so no buffer is freed and pinned again; what a burst past it
+        grew is freed as it comes back."""
+        server = self.config.server
+        self.regions.inflight_budget = budget
+        self.replies = ReplyBudget(budget, self.tenant_share, server.reply_write_timeout_s,
+                                   ceiling=server.max_body_bytes)
+        if self.manager is not None:
+            engine_stores = self.config.engine.max_inflight_bytes if self.engine is not None else 0
+            self.manager.staging.cap_idle(2 * budget + engine_stores)
 
     @property
     def mode(self) -> str:
@@ -111,6 +129,24 @@ class ServiceState:
         if self.engine is not None:
             snap.update(await self.engine.call(engine_stats, self.engine.engine))
         return snap
+
+
+def tenant_share(server: ServerConfig) -> float:
+    """The part of a shared budget one tenant may hold: ``server.tenant_inflight_share``
+    where the tokens name several tenants, else all of it."""
+    several = len({i.tenant for i in identities(server).values()}) > 1
+    return server.tenant_inflight_share if several else 1.0
+
+
+def region_bytes_per_tenant(server: ServerConfig) -> int:
+    """Bytes one tenant's shared-memory regions may hold: ``server.shm_bytes_per_tenant``;
+    unset, its share of ``server.shm_bytes`` (all of it with a single tenant), never
+    below one largest region (``server.max_body_bytes``), so no tenant takes every byte
+    from the others."""
+    if server.shm_bytes_per_tenant is not None:
+        return server.shm_bytes_per_tenant
+    total = server.shm_bytes
+    return max(int(total * tenant_share(server)), min(server.max_body_bytes, total))
 
 
 def tier_stats(manager: TierManager | None) -> list[dict[str, Any]]:

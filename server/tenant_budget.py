@@ -1,6 +1,6 @@
 """Bytes held at once against a budget, and by each tenant against its share of it: what
-request bodies (server/middleware.py) and replies (server/reply_budget.py) may hold in
-memory, each direction a budget of its own."""
+request bodies (server/middleware.py) and reads for clients (server/reply_budget.py) may
+hold in memory, each direction a budget of its own."""
 
 from __future__ import annotations
 
@@ -37,6 +37,15 @@ class TenantBudget:
             self.held += nbytes
             self.by_tenant[tenant] = mine + nbytes
         return None
+
+    def take(self, tenant: str, nbytes: int) -> None:
+        """Hold ``nbytes`` for ``tenant`` unasked: bytes already in memory (a read of a
+        chunk whose size was not known before it was read)."""
+        if self.budget is None or nbytes <= 0:
+            return
+        with self._lock:
+            self.held += nbytes
+            self.by_tenant[tenant] = self.by_tenant.get(tenant, 0) + nbytes
 
     def give(self, tenant: str, nbytes: int) -> None:
         if self.budget is None or nbytes <= 0:

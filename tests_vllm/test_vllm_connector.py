@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -39,14 +40,22 @@ def model_dir(tmp_path_factory):
 
 def run_vllm(model: str, mode: str, extra: dict | None = None, scenario: str = "shared",
              tp: int = 1) -> tuple[list[dict], dict]:
+    results, metrics, _ = run_vllm_logged(model, mode, extra, scenario, tp)
+    return results, metrics
+
+
+def run_vllm_logged(model: str, mode: str, extra: dict | None = None, scenario: str = "shared",
+                    tp: int = 1, env: dict[str, str] | None = None) -> tuple[list[dict], dict, str]:
+    """:func:`run_vllm`, with more environment (``env``) and the run's log (stderr)."""
     cmd = [sys.executable, str(HERE / "vllm_run.py"), model, mode, json.dumps(extra or {}),
            scenario, str(tp)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **(env or {})})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     lines = proc.stdout.splitlines()
     results = [json.loads(x[7:]) for x in lines if x.startswith("RESULT ")]
     (metrics,) = [json.loads(x[8:]) for x in lines if x.startswith("METRICS ")]
-    return results, metrics
+    return results, metrics, proc.stderr
 
 
 @pytest.fixture(scope="module")
@@ -204,6 +213,50 @@ def test_auto_load_timing_loads_a_small_prefix_before_the_forward_pass(model_dir
     assert (metrics["vllm:kvtier_loads_before_forward"], metrics["vllm:kvtier_parked_loads"]) == (1, 0)
     assert metrics["vllm:kvtier_load_errors"] == 0
     check_tokens(results, baseline_turns[:1] * 2)
+
+
+def test_a_paused_sidecar_is_skipped_then_hit_again(model_dir, baseline, tmp_path):
+    """``kvtier serve`` stopped with SIGSTOP between requests: the lookup of the request
+    during the pause ends at its deadline (a miss: vLLM computes everything, vLLM alone's
+    tokens), the sidecar is set aside, and once SIGCONT resumed it kvtier hits again
+    within a few requests, every reply vLLM alone's."""
+    server, url, _ = start_serve(tmp_path / "serve-pause", "t0k")
+    try:
+        results, metrics, _ = run_vllm_logged(
+            model_dir, "kvtier", {"url": url, "token": "t0k", "shm": True}, scenario="pause",
+            env={"KVTIER_TEST_SIDECAR_PID": str(server.pid)})
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    first, second, during, *after = results
+    hit = shared_blocks([first, second]) * BLOCK
+    assert hit >= 10 * BLOCK
+    assert (first["num_cached_tokens"], second["num_cached_tokens"]) == (0, hit)
+    assert during["num_cached_tokens"] == 0  # the stalled sidecar: recomputed, not waited for
+    assert after and after[-1]["num_cached_tokens"] >= hit  # kvtier used again
+    check_tokens([first, second, during, *after], baseline[:1] + baseline[1:] * (2 + len(after)))
+    assert metrics["vllm:kvtier_store_timeouts"] >= 1
+    assert metrics["vllm:kvtier_store_breaker_opens"] >= 1
+
+
+def test_refused_saves_are_counted_and_said(model_dir, baseline, tmp_path):
+    """A sidecar whose RAM tier is smaller than one of the model's chunks, and no disk:
+    every save is refused as too_large, vLLM's metrics count them, the log says so at
+    start with the setting to change, and the tokens are vLLM alone's (nothing hit)."""
+    env = {"KVTIER_TIERS__DISK_BYTES": "0", "KVTIER_SERVER__CHUNK_SLOT_BYTES": str(64 << 10),
+           "KVTIER_TIERS__CPU_BYTES": str(256 << 10)}  # a chunk: 8 blocks of 32 KiB a layer, 2 layers
+    server, url, _ = start_serve(tmp_path / "serve-small", "t0k", env)
+    try:
+        results, metrics, log = run_vllm_logged(model_dir, "kvtier", {"url": url, "token": "t0k"})
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    check_tokens(results, baseline)
+    assert [r["num_cached_tokens"] for r in results] == [0, 0]
+    assert metrics["vllm:kvtier_refused_saves_too_large"] >= 1
+    assert metrics["vllm:kvtier_saved_blocks"] == 0
+    assert "less than one of this model's chunks" in log and "KVTIER_TIERS__CPU_BYTES" in log
+    assert "refused (too_large)" in log
 
 
 def test_a_sessions_turns_reach_kvtier_serve(model_dir, baseline_turns, tmp_path):

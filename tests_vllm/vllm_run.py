@@ -8,7 +8,10 @@ conversation of two turns, the second sending the first's prompt and reply back 
 message (token ids); ``session``: the same, both requests with vLLM's session id "alice";
 ``regenerate``: the first turn, then the same prompt again (a regenerated reply); ``prefill`` / ``decode``: the first request only, run for one token
 (a prefill instance) or in full (its decode peer); ``corrupt``: as ``shared``, with one byte
-of every chunk file in the connector's ``tiers.disk_dir`` flipped between the two requests.
+of every chunk file in the connector's ``tiers.disk_dir`` flipped between the two requests;
+``pause``: the two requests of ``shared``, then the second again while the sidecar (process
+id in ``KVTIER_TEST_SIDECAR_PID``) is stopped with SIGSTOP, then, once SIGCONT resumed it,
+the second again until kvtier hits (each attempt reported).
 Then one JSON line per request and one with the metrics.
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -78,6 +82,8 @@ def main() -> None:
         tokens = 1 if scenario == "prefill" else 12
         params = SamplingParams(max_tokens=tokens, temperature=0, logprobs=3)
         report(llm.generate([f"{PREFIX} {SUFFIXES[0]}"], params)[0])
+    elif scenario == "pause":
+        paused(llm, int(os.environ["KVTIER_TEST_SIDECAR_PID"]))
     else:
         params = SamplingParams(max_tokens=12, temperature=0, logprobs=3)
         for i, suffix in enumerate(SUFFIXES):
@@ -86,6 +92,24 @@ def main() -> None:
             report(llm.generate([f"{PREFIX} {suffix}"], params)[0])
     metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
     print("METRICS " + json.dumps({k: v for k, v in metrics.items() if "cache" in k or "kvtier" in k}), flush=True)
+
+
+def paused(llm, pid: int, attempts: int = 60) -> None:
+    """The ``pause`` scenario: kvtier stored, hit, stalled, then hit again."""
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=3)
+    first, second = (f"{PREFIX} {suffix}" for suffix in SUFFIXES)
+    report(llm.generate([first], params)[0])
+    report(llm.generate([second], params)[0])
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        report(llm.generate([second], params)[0])
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    for _ in range(attempts):  # the connector's probe finds the sidecar answering again
+        out = llm.generate([second], params)[0]
+        report(out)
+        if out.num_cached_tokens:
+            break
 
 
 def corrupt(disk_dir: str) -> None:

@@ -249,6 +249,12 @@ class Tier(ABC):
         call answer all of them in one."""
         return [self.contains_prefix([k]) > 0 for k in keys]
 
+    def stored_sizes(self, keys: Sequence[str]) -> list[int | None]:
+        """Each stored chunk's bytes as the tier's index knows them, without reading it, so
+        a reader can budget a read before it makes it (None: not stored, or a tier that
+        keeps no sizes of its own, such as Redis)."""
+        return [None] * len(keys)
+
     @abstractmethod
     def delete(self, keys: Sequence[str]) -> int:
         """Remove keys; returns how many were present."""

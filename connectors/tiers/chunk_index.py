@@ -163,3 +163,12 @@ class ChunkIndex(Generic[V]):
 
     def keys(self) -> Iterator[Hashable]:
         return iter(list(self._entries))
+
+    def values(self) -> dict[Hashable, V]:
+        """key -> where each chunk lies (a copy)."""
+        return {key: entry[0] for key, entry in self._entries.items()}
+
+    def move(self, key: Hashable, value: V) -> None:
+        """The chunk now lies at ``value`` (the CPU arena moved it): not an access, and
+        nothing the policy or the quotas know of it changes."""
+        self._entries[key] = (value, self._entries[key][1])

@@ -1,8 +1,9 @@
 """What the vLLM connector's own tiers (in-process, or its private sidecar) use where its
 options say nothing: a serving engine's host differs from a ``kvtier serve`` host.
 
-- ``cpu_free_reserve`` 5 %: vLLM holds a finished request's blocks until its saves land, and
-  a save into a full arena would otherwise wait for a demotion
+- ``cpu_free_reserve`` 5 % of the CPU arena's units kept free: vLLM holds a finished
+  request's blocks until its saves land, and a save into a full arena would otherwise wait
+  for a demotion
   (:mod:`kvtier.connectors.tiers.slot_reserve`).
 - ``disk_o_direct``: the disk tier bypasses the kernel's page cache. The CPU arena is the
   RAM cache above the disk; caching the same chunks again in the page cache costs a copy

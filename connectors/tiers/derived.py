@@ -8,7 +8,9 @@ writer, and the tiers hold the new chunk under its own key, found by its own loo
 Only exact KV is cut: a source stored lossy (a codec), opaque (a client's own layout) or
 holding a layer range is refused, and the writer uploads its own blocks; never wrong KV.
 The source is read as any lease reads it (checksums verified) and the new chunk's
-checksums are computed over the bytes written.
+checksums are computed over the bytes written. A key holds one version
+(:mod:`.stored_versions`): a derive onto a key that holds the same chunk finds it
+``PRESENT``, onto one holding another chunk is a ``CONFLICT``, as an upload of it would be.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvtier.chunk_format import DTYPES, chunk_layout, encode_into
+from kvtier.chunk_format import DTYPES, chunk_layout, encode_into, parse_header
 from kvtier.connectors.tiers.base import ChunkWrite
 from kvtier.connectors.tiers.manager import TierManager
+from kvtier.connectors.tiers.stored_versions import stored_version
 from kvtier.errors import ChunkError, InvalidArgumentError
 from kvtier.policies.eviction import ChunkInfo
 
@@ -32,7 +35,9 @@ class Derived(enum.Enum):
 
     STORED = "stored"
     PRESENT = "present"
-    """The new key was stored already (one version per key): nothing written."""
+    """The new key holds this very chunk already (one version per key): nothing written."""
+    CONFLICT = "conflict"
+    """The new key holds another chunk (immutable: delete it first): nothing written."""
     NO_SOURCE = "no_source"
     """No exact copy of the source is stored (never stored, evicted, or only lossy)."""
     NOT_KV = "not_kv"
@@ -58,9 +63,8 @@ def derive_chunk(manager: TierManager, key: str, source: str, tokens: TokenRange
                  info: ChunkInfo | None = None, tier: int = 0) -> Derived:
     """Store under ``key`` tokens ``tokens`` of the chunk ``source`` (keys as the tiers
     hold them: namespaced where a tenant's). An :class:`InvalidArgumentError` where the
-    range runs past the source's tokens."""
-    if manager.present([key])[0]:
-        return Derived.PRESENT
+    range runs past the source's tokens. Call with the key's writers kept out."""
+    existing = stored_version(manager, key)
     with manager.lease_chunks([source], codecs=EXACT) as lent:
         chunk = lent[0]
         if chunk is None:
@@ -85,6 +89,10 @@ def derive_chunk(manager: TierManager, key: str, source: str, tokens: TokenRange
                                lambda kv: kv.copy_(part))
 
         nbytes = chunk_layout(key, header.fingerprint, DTYPES[header.dtype], shape)[1]
+        if existing is not None:  # the same chunk, or another version of the key
+            scratch = torch.empty(nbytes, dtype=torch.uint8)
+            made = parse_header(scratch[: fill(scratch)].numpy())[0]
+            return Derived.PRESENT if existing.same_as(made) else Derived.CONFLICT
         if info is not None:
             info = replace(info, nbytes=nbytes)
         report = manager.store([ChunkWrite(key, nbytes, fill=fill, info=info)], tier)

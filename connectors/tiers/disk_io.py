@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import mmap
 import os
+import stat
 from typing import NamedTuple
 
 import numpy as np
@@ -134,8 +136,43 @@ def _write_direct(fd: int, blob: bytes | bytearray | memoryview) -> None:
     os.ftruncate(fd, n)
 
 
+class NotAChunkFile(OSError):
+    """Something other than a regular file where a chunk file belongs (a FIFO, a
+    directory, a symlink, a socket, a device): never read from; the tier moves it aside."""
+
+
+_NOT_A_FILE_ERRNOS = frozenset({errno.ELOOP, errno.ENXIO, errno.EISDIR})
+"""What opening a non-file for reading may fail with: a symlink under ``O_NOFOLLOW``, a
+socket, a directory."""
+
+
 def open_read(path: str, direct: bool) -> int:
-    return _open_direct(path, os.O_RDONLY) if direct else os.open(path, os.O_RDONLY)
+    """A descriptor to read the regular file ``path``, checked without ever blocking:
+    opened with ``O_NONBLOCK`` (a FIFO does not wait for a writer) and ``O_NOFOLLOW``, then
+    refused (:class:`NotAChunkFile`) unless ``fstat`` says it is a regular file; only then
+    are ``O_NONBLOCK`` cleared and, with ``direct``, ``O_DIRECT`` set (a filesystem that
+    refuses it raises :class:`DirectIOUnsupported`)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in _NOT_A_FILE_ERRNOS:
+            raise NotAChunkFile(exc.errno, f"not a regular file: {exc.strerror}", path) from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotAChunkFile(errno.EINVAL, f"not a regular file (mode {mode:o})", path)
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags | (os.O_DIRECT if direct else 0))
+        except OSError as exc:
+            if direct and exc.errno == errno.EINVAL:
+                raise DirectIOUnsupported(exc.errno, f"O_DIRECT refused: {exc.strerror}") from None
+            raise
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def read_range(fd: int, offset: int, length: int, direct: bool) -> bytes:
@@ -226,7 +263,8 @@ class ChunkFiles:
                         self.label, exc.strerror)
 
     def open_read(self, path: str) -> tuple[int, bool]:
-        """A file descriptor to read ``path`` from, and whether it is O_DIRECT."""
+        """A file descriptor to read the regular file ``path`` from, and whether it is
+        O_DIRECT (:func:`open_read`: anything else raises :class:`NotAChunkFile`)."""
         direct = self.direct
         try:
             return open_read(path, direct), direct

@@ -1,7 +1,8 @@
 """How a disk tier lays its directory out, and what it finds there at start-up.
 
 ``<dir>/<first 2 key chars>/<key>.kvc``, one file per chunk; ``.<key>.<random>.tmp`` for a
-write in flight; ``<dir>/.lock`` for the tiers (in one or several processes) sharing it.
+write in flight; ``<dir>/.lock`` for the tiers (in one or several processes) sharing it;
+``<dir>/.quarantine/`` for what was found in a chunk's place and is no regular file.
 """
 
 from __future__ import annotations
@@ -9,12 +10,13 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import stat
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.chunk_format import logical_key
-from kvtier.connectors.tiers.disk_io import unlink_if_present
+from kvtier.connectors.tiers.disk_quarantine import Quarantine
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +66,11 @@ class ChunkPaths:
         fcntl.flock(fd, fcntl.LOCK_SH)
         return fd, sole
 
-    def scan(self, remove_temps: bool) -> tuple[list[StoredFile], int]:
+    def scan(self, remove_temps: bool, quarantine: Quarantine) -> tuple[list[StoredFile], int]:
         """The chunk files, oldest first (least recently used first), and how many temp
-        files of interrupted writes were deleted (only with ``remove_temps``)."""
+        files of interrupted writes were deleted (only with ``remove_temps``). Only regular
+        files count (by ``lstat``: nothing is opened); anything else under a chunk's name
+        is moved aside into ``quarantine``."""
         found: list[StoredFile] = []
         removed = 0
         for sub in os.scandir(self.directory):
@@ -75,10 +79,13 @@ class ChunkPaths:
             for entry in os.scandir(sub.path):
                 if entry.name.endswith(TEMP_SUFFIX):
                     if remove_temps:
-                        unlink_if_present(entry.path)
+                        quarantine.discard(entry.path)
                         removed += 1
                 elif entry.name.endswith(CHUNK_SUFFIX):
                     st = entry.stat(follow_symlinks=False)
+                    if not stat.S_ISREG(st.st_mode):
+                        quarantine.move_aside(entry.path)
+                        continue
                     found.append(StoredFile(entry.name[: -len(CHUNK_SUFFIX)], st.st_size,
                                             st.st_mtime))
         if removed:

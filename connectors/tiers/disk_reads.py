@@ -5,12 +5,16 @@ No bytes object is made: a file's bytes land in a reused, page-aligned staging b
 range gets a header of its own framed around its payload (read at the same offset within a
 page as on disk, so ``O_DIRECT`` can land it in place). A background read lends a chunk once
 its head is read (header and first layer), the rest of the file read on the tier's pool.
-A file whose size disagrees with its header, or whose header cannot be read, is ``CORRUPT``:
-it is never lent (a torn file is never handed out).
+Every read opens only a regular file (checked without blocking, :func:`.disk_io.open_read`)
+and reads its header before it takes a buffer, sized by the header: a file whose size
+disagrees with it, or whose header cannot be read, is corrupt at the cost of a header
+read (a file grown sparse to gigabytes never sizes a buffer); it is never lent (a torn file
+is never handed out).
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import struct
@@ -39,11 +43,15 @@ log = logging.getLogger(__name__)
 _PREFIX = struct.Struct("<4sI")
 
 
-class _Corrupt:
-    """A file that is not a whole chunk (truncated, unreadable header, failed read)."""
+class ReadFailure(enum.Enum):
+    """Why a chunk file gave no chunk (its key is a miss)."""
 
-
-CORRUPT = _Corrupt()
+    CORRUPT = "corrupt"
+    """Not a whole chunk (truncated, grown, unreadable header, a failed read): deleted."""
+    FOREIGN = "foreign"
+    """Not a regular file (a FIFO, a directory, a symlink, ...): never read, moved aside."""
+    UNREADABLE = "unreadable"
+    """Could not be opened (out of descriptors, no permission): left as it is."""
 
 
 @dataclass
@@ -54,9 +62,9 @@ class FileRead:
     length: int
 
 
-ReadResult = FileRead | ReadingBuffer | _Corrupt | None
-"""What reading one chunk file gave: the chunk, one still being read, ``CORRUPT``, or
-None when the file is gone."""
+ReadResult = FileRead | ReadingBuffer | ReadFailure | None
+"""What reading one chunk file gave: the chunk, one still being read, why not, or None
+when the file is gone."""
 
 
 @dataclass
@@ -71,18 +79,30 @@ class ChunkFileReader:
     submit: Callable[..., Future[bool]]
     on_error: Callable[[str, OSError], None]
 
+    def _opened(self, key: str) -> tuple[int, bool] | ReadFailure | None:
+        """``key``'s file open for reading (a regular file only), or why not."""
+        try:
+            return self.open(key)
+        except (FileNotFoundError, NotADirectoryError):
+            return None  # gone (or its shard is no directory: no file there either)
+        except disk_io.NotAChunkFile:
+            return ReadFailure.FOREIGN
+        except OSError as exc:  # not the file's fault (descriptors, permissions): kept
+            self.on_error(key, exc)
+            return ReadFailure.UNREADABLE
+
     def read(self, key: str, layers: tuple[int, int] | None) -> ReadResult:
         """The whole chunk, or layers ``layers`` of it framed as a chunk."""
-        try:
-            fd, direct = self.open(key)
-        except FileNotFoundError:
-            return None
+        opened = self._opened(key)
+        if not isinstance(opened, tuple):
+            return opened
+        fd, direct = opened
         buf: torch.Tensor | None = None
         try:
             size = os.fstat(fd).st_size
             header, offset = read_header(fd, direct)
             if header is None or size != offset + header.payload_nbytes:
-                return CORRUPT
+                return ReadFailure.CORRUPT
             if layers is None:  # the whole file as written: the chunk's own bytes
                 buf = self.staging.acquire(disk_io.direct_read_room(0, size))
                 if not disk_io.read_into(fd, 0, size, memoryview(buf.numpy()), 0, direct):
@@ -106,34 +126,31 @@ class ChunkFileReader:
             os.close(fd)
 
     def read_head(self, key: str) -> ReadResult:
-        """The whole chunk: its first ``head_bytes`` (the header and, for the chunks of
-        common models, the first layer) in one read now, the rest on the pool (a
-        :class:`ReadingBuffer`); a small chunk, or an older one with an unaligned payload,
-        is read whole."""
-        try:
-            fd, direct = self.open(key)
-        except FileNotFoundError:
-            return None
+        """The whole chunk: its header first (sizing the buffer: a file whose size
+        disagrees is corrupt before any buffer is taken), then its first ``head_bytes``
+        (the header and, for the chunks of common models, the first layer) in one read
+        now, the rest on the pool (a :class:`ReadingBuffer`); a small chunk, or an older
+        one with an unaligned payload, is read whole."""
+        opened = self._opened(key)
+        if not isinstance(opened, tuple):
+            return opened
+        fd, direct = opened
         buf: torch.Tensor | None = None
         handed_over = False
         try:
             size = os.fstat(fd).st_size
+            header, offset = read_header(fd, direct)
+            if header is None or size != offset + header.payload_nbytes:
+                return ReadFailure.CORRUPT
             buf = self.staging.acquire(disk_io.direct_read_room(0, size))
             view = memoryview(buf.numpy())
             head = min(size, self.head_bytes)
+            if head == size or offset > head or offset % 8:  # small, or read whole
+                if not disk_io.read_into(fd, 0, size, view, 0, direct):
+                    return self._failed(buf)
+                return FileRead(buf, size)
             if not disk_io.read_into(fd, 0, head, view, 0, direct):
                 return self._failed(buf)
-            header, offset = _parsed(view[:head])
-            whole = header is None or head == size or offset % 8
-            if whole and head < size:  # a header past the head, or an unaligned payload
-                if not disk_io.read_into(fd, head, size - head, view, head, direct):
-                    return self._failed(buf)
-                if header is None:
-                    header, offset = _parsed(view[:size])
-            if header is None or size != offset + header.payload_nbytes:
-                return self._failed(buf)
-            if whole:
-                return FileRead(buf, size)
             done = self.submit(self._read_rest, key, fd, head, size, view, direct)
             handed_over = True
             return ReadingBuffer(buf[:size], head, done)
@@ -156,13 +173,13 @@ class ChunkFileReader:
             os.close(fd)
 
     def _failed(self, buf: torch.Tensor | None, key: str = "", exc: OSError | None = None
-                ) -> _Corrupt:
+                ) -> ReadFailure:
         """A read that failed: its buffer back, an I/O error logged and counted."""
         if buf is not None:
             self.staging.release(buf)
         if exc is not None:
             self.on_error(key, exc)
-        return CORRUPT
+        return ReadFailure.CORRUPT
 
 
 def _parsed(data: memoryview) -> tuple[ChunkHeader | None, int]:
@@ -180,3 +197,23 @@ def read_header(fd: int, direct: bool) -> tuple[ChunkHeader | None, int]:
         if len(head) < need <= _PREFIX.size + (1 << 16):
             head = disk_io.read_range(fd, 0, need, direct)
     return _parsed(head)
+
+
+def read_evicted(path: str, open_read: Callable[[str], tuple[int, bool]]) -> bytes | None:
+    """The bytes of an evicted chunk file (renamed aside) for the tier below, read as every
+    read is (a regular file only, sized by its header); None where it is no whole chunk."""
+    try:
+        fd, direct = open_read(path)
+    except OSError:
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        header, offset = read_header(fd, direct)
+        if header is None or size != offset + header.payload_nbytes:
+            return None
+        data = disk_io.read_range(fd, 0, size, direct)
+        return data if len(data) == size else None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)

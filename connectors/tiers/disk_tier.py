@@ -3,12 +3,15 @@ group commit (:mod:`.disk_writes`), read into staging buffers (:mod:`.disk_reads
 
 This class keeps the index (key -> size, recency, rebuilt from the directory at start-up,
 so chunks survive restarts), the capacity and its evictions, and runs a batch's reads and
-writes in parallel on a bounded thread pool. A file whose size or header is off is deleted
-and a miss; the stack verifies every chunk lent (a corrupt one is dropped). Tiers (in one or several processes) may
-share a directory: chunks are content-addressed, so they agree on every file; each keeps
-its own index and capacity, and a file another tier evicted is a miss. A shared ``flock``
-on ``<dir>/.lock`` tells a starting tier whether it is alone: only then does it delete temp
-files, which could otherwise belong to a live tier's write in flight.
+writes in parallel on a bounded thread pool. Only regular files are chunks: anything else
+in a chunk's place (a FIFO, a directory, a symlink) is never opened to read, and is moved
+aside (:mod:`.disk_quarantine`), so its key is a miss and storable again. A file whose size
+or header is off is deleted and a miss; the stack verifies every chunk lent (a corrupt one
+is dropped). Tiers (in one or several processes) may share a directory: chunks are
+content-addressed, so they agree on every file; each keeps its own index and capacity, and
+a file another tier evicted is a miss. A shared ``flock`` on ``<dir>/.lock`` tells a
+starting tier whether it is alone: only then does it delete temp files, which could
+otherwise belong to a live tier's write in flight.
 """
 
 from __future__ import annotations
@@ -39,9 +42,10 @@ from kvtier.connectors.tiers.base import (
 )
 from kvtier.connectors.tiers.chunk_checks import is_valid
 from kvtier.connectors.tiers.chunk_index import ChunkIndex
-from kvtier.connectors.tiers.disk_io import Doomed, unlink_if_present
+from kvtier.connectors.tiers.disk_io import Doomed
 from kvtier.connectors.tiers.disk_layout import ChunkPaths
-from kvtier.connectors.tiers.disk_reads import CORRUPT, ChunkFileReader, FileRead
+from kvtier.connectors.tiers.disk_quarantine import Quarantine, is_regular_file
+from kvtier.connectors.tiers.disk_reads import ChunkFileReader, FileRead, ReadFailure, read_evicted
 from kvtier.connectors.tiers.disk_writes import GroupCommit
 from kvtier.connectors.tiers.host_buffers import StagingPool, round_up
 from kvtier.connectors.tiers.lent_chunk import ReadingBuffer
@@ -108,7 +112,8 @@ class DiskTier(Tier):
         self._lock_fd, sole = self._paths.acquire_lock()
         self._index: ChunkIndex[None] = ChunkIndex(eviction_policy(eviction))
         self._reserved = 0
-        found, self.removed_temp_files = self._paths.scan(remove_temps=sole)
+        self._quarantine = Quarantine(self.directory)
+        found, self.removed_temp_files = self._paths.scan(sole, self._quarantine)
         for f in found:  # chunks survive restarts; the oldest are the least recently used
             self._index.add(f.key, None, f.size, charge=self.occupancy(f.size))
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
@@ -120,9 +125,15 @@ class DiskTier(Tier):
         self._reader = ChunkFileReader(self._staging, head_bytes, self._open, self._submit,
                                        self._read_error)
         self._commit = GroupCommit(self._paths, fsync, self._staging, self._files.write,
-                                   self._map)
+                                   self._map, self._quarantine)
         self.waited_first = WaitedFirst()
         """Background write batches wait for waited-for reads and writes (see io_priority)."""
+
+    @property
+    def quarantined(self) -> int:
+        """Foreign objects (not regular files) found in chunks' places and moved aside into
+        ``<dir>/.quarantine/`` since the tier started."""
+        return self._quarantine.moved
 
     @property
     def o_direct(self) -> bool:
@@ -261,14 +272,10 @@ class DiskTier(Tier):
         for key, path, info in evicted:
             data: bytes | None = None
             if self.read_evicted:
-                try:
-                    with open(path, "rb") as f:
-                        data = f.read()
-                except OSError:
-                    data = None
+                data = read_evicted(path, self._files.open_read)
                 if data is not None and not is_valid(key, data):
                     data = None
-            unlink_if_present(path)
+            self._quarantine.discard(path)
             out.append((key, data, info))
         return out
 
@@ -307,9 +314,11 @@ class DiskTier(Tier):
         staging buffers, several files at once (:mod:`.disk_reads`), unverified; the
         buffers go back to the pool when the block ends. A file that is gone is a miss;
         one that is truncated or whose header is unreadable is deleted (a torn file is
-        never lent). ``background`` (whole chunks): each is lent once its head is read, as
-        a :class:`ReadingBuffer`, the rest read on the pool while the reader works on the
-        chunks before it; the block's end waits for every read in flight."""
+        never lent), one that is not a regular file moved aside; each is a miss of its own
+        (the other keys are served). ``background`` (whole chunks): each is lent once its
+        head is read, as a :class:`ReadingBuffer`, the rest read on the pool while the
+        reader works on the chunks before it; the block's end waits for every read in
+        flight."""
         if layers is not None and not 0 <= layers[0] < layers[1]:
             raise InvalidArgumentError(f"layer range {layers} is empty or negative")
         with self._lock:
@@ -326,11 +335,14 @@ class DiskTier(Tier):
         out: list[torch.Tensor | ReadingBuffer | None] = [None] * len(keys)
         gone: list[str] = []
         corrupt: list[str] = []
+        foreign: list[str] = []
         held: list[torch.Tensor] = []
         pending: list[Future[bool]] = []
         for i, got in zip(present, reads, strict=True):
-            if got is CORRUPT:
+            if got is ReadFailure.CORRUPT:
                 corrupt.append(keys[i])
+            elif got is ReadFailure.FOREIGN:
+                foreign.append(keys[i])
             elif got is None:
                 gone.append(keys[i])
             elif isinstance(got, ReadingBuffer):
@@ -341,6 +353,7 @@ class DiskTier(Tier):
                 held.append(got.buf)
                 out[i] = got.buf[: got.length]
         self._forget(corrupt, gone)
+        self._move_aside(foreign)
         hits = [(v.buf if isinstance(v, ReadingBuffer) else v).numel() for v in out if v is not None]
         with self.stats.lock:
             self.stats.gets += len(keys)
@@ -361,11 +374,25 @@ class DiskTier(Tier):
             with self._lock:
                 for key in corrupt:
                     if self._index.pop(key) is not None:
-                        unlink_if_present(self._path(key))
+                        self._quarantine.discard(self._path(key))
                 for key in gone:
                     self._index.pop(key)
         for key in corrupt:
             log.warning("disk tier %s: chunk %s is corrupt or truncated; deleted", self.directory, key)
+
+    def _move_aside(self, foreign: Sequence[str]) -> None:
+        """Forget keys whose place holds no regular file and move that object aside: the
+        key is a miss, and a later put of it is stored."""
+        if not foreign:
+            return
+        with self._lock:
+            for key in foreign:
+                path = self._path(key)
+                if not is_regular_file(path):  # else a chunk was stored there meanwhile
+                    self._index.pop(key)
+                    self._quarantine.move_aside(path)
+        for _ in foreign:
+            self.stats.count_error("not_a_file")
 
     # --- the rest ------------------------------------------------------------------------
     def contains_prefix(self, keys: Sequence[str]) -> int:
@@ -373,12 +400,16 @@ class DiskTier(Tier):
         with self._lock:
             return self._index.leading_present(keys)
 
+    def stored_sizes(self, keys: Sequence[str]) -> list[int | None]:
+        with self._lock:
+            return [self._index.size(k) if k in self._index else None for k in keys]
+
     def delete(self, keys: Iterable[str]) -> int:
         n = 0
         with self._lock:
             for key in keys:
                 if self._index.pop(key) is not None:
-                    unlink_if_present(self._path(key))
+                    self._quarantine.discard(self._path(key))
                     n += 1
         return n
 

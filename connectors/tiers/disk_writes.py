@@ -4,13 +4,16 @@ Every chunk of the batch goes to a temp file (``.<key>.<random>.tmp``) in the ch
 directory and its data is synced, then all of them are renamed into place, then each
 touched directory is synced once: a chunk becomes visible only once its bytes are durable,
 a crash never leaves a torn chunk under a chunk name, and the directory sync is paid once
-per batch, not once per chunk. Nothing that failed stays on disk.
+per batch, not once per chunk. Nothing that failed stays on disk. A foreign object in the
+way (a directory where a chunk file or a shard directory belongs, which a rename cannot
+replace) is moved aside first, so no key is unstorable for good.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +21,7 @@ from typing import Any
 from kvtier.connectors.tiers.base import ChunkWrite
 from kvtier.connectors.tiers.disk_io import failure_reason, fsync_dir, unlink_if_present
 from kvtier.connectors.tiers.disk_layout import ChunkPaths
+from kvtier.connectors.tiers.disk_quarantine import Quarantine
 from kvtier.connectors.tiers.host_buffers import StagingPool
 
 log = logging.getLogger(__name__)
@@ -43,13 +47,15 @@ class _TempWrite:
 class GroupCommit:
     """Writes batches into ``paths``. ``write_file(path, data)`` writes and syncs one
     file (with the tier's ``O_DIRECT`` choice); ``map`` runs a function over items on the
-    tier's pool; fills land in ``staging`` buffers."""
+    tier's pool; fills land in ``staging`` buffers; foreign objects in the way go into
+    ``quarantine``."""
 
     paths: ChunkPaths
     fsync: bool
     staging: StagingPool
     write_file: Callable[[str, Any], None]
     map: Callable[[Callable[[Any], Any], Sequence[Any]], list[Any]]
+    quarantine: Quarantine
 
     def write(self, todo: Sequence[ChunkWrite]) -> dict[str, WriteOutcome]:
         """Write + sync every temp file, rename all, sync each directory once. An error a
@@ -70,7 +76,7 @@ class GroupCommit:
             reason = temp.reason
             if reason is None:
                 try:
-                    os.rename(temp.path, self.paths.path(write.key))
+                    self._rename_into_place(temp.path, self.paths.path(write.key))
                 except OSError as exc:
                     unlink_if_present(temp.path)
                     reason = failure_reason(exc)
@@ -81,14 +87,25 @@ class GroupCommit:
             self._sync_dirs(renamed, new_dirs, outcomes)
         return outcomes
 
+    def _rename_into_place(self, temp: str, path: str) -> None:
+        """Rename ``temp`` to ``path``; a directory there (which no rename replaces; any
+        other object is replaced) is moved aside first."""
+        try:
+            os.rename(temp, path)
+        except IsADirectoryError:
+            self.quarantine.move_aside(path)
+            os.rename(temp, path)
+
     def _make_dirs(self, todo: Sequence[ChunkWrite], outcomes: dict[str, WriteOutcome]) -> bool:
-        """Create the batch's missing shard directories; whether any was new."""
+        """Create the batch's missing shard directories (anything else in a shard's place,
+        a symlink included, moved aside first); whether any was new."""
         new_dirs = False
         for sub in {self.paths.shard(w.key) for w in todo}:
             path = self.paths.directory / sub
-            if path.is_dir():
+            if _is_real_dir(path):
                 continue
             try:
+                self.quarantine.move_aside(str(path), keep_files=False)
                 path.mkdir(exist_ok=True)
                 new_dirs = True
             except OSError as exc:
@@ -125,3 +142,11 @@ class GroupCommit:
         except Exception as exc:  # noqa: BLE001 - a fill's error, raised by the batch
             unlink_if_present(temp)
             return _TempWrite(temp, None, error=exc)
+
+
+def _is_real_dir(path: os.PathLike[str]) -> bool:
+    """A directory itself (by ``lstat``: a symlink to one is not)."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False

@@ -31,28 +31,29 @@ def configured_eviction(cfg: TiersConfig, field: str) -> EvictionPolicy:
         raise ConfigError(f"tiers.{field}: {exc}") from None
 
 
-def build_tiers(cfg: TiersConfig, slot_bytes: int, fingerprint: bytes,
+def build_tiers(cfg: TiersConfig, cpu_unit_bytes: int, fingerprint: bytes,
                 codecs: CodecContext | None = None) -> TierManager | None:
     """CPU, disk and Redis tiers as configured, fastest first; None when all are off.
+    ``cpu_unit_bytes``: the CPU arena's allocation unit (one full chunk where the model is
+    known; a chunk of any size takes as many units as it needs), rounded up to a page.
     ``codecs``: what resolving a tier's ``auto`` codec needs (None: ``auto`` is none)."""
     from kvtier.connectors.tiers.host_buffers import StagingPool, round_up
 
     tiers: list[Tier] = []
     staging = StagingPool()  # one pool of reused buffers: the manager's writes, disk and Redis reads
-    slot_bytes = round_up(slot_bytes)  # page-aligned slots: a demotion writes them with O_DIRECT as they are
+    unit = round_up(cpu_unit_bytes)  # page-aligned chunks: a demotion writes them with O_DIRECT as they are
     cpu_eviction = configured_eviction(cfg, "cpu_eviction")
     disk_eviction = configured_eviction(cfg, "disk_eviction")
     if cfg.cpu_bytes:
         from kvtier.connectors.tiers.cpu_tier import CPUTier
 
-        if cfg.cpu_bytes < slot_bytes:
+        if cfg.cpu_bytes < unit:
             raise ConfigError(
-                f"tiers.cpu_bytes={cfg.cpu_bytes} holds no chunk of this model "
-                f"({slot_bytes} bytes); raise it or set 0 to disable the CPU tier"
+                f"tiers.cpu_bytes={cfg.cpu_bytes} holds not one unit of the CPU arena "
+                f"({unit} bytes); raise it or set 0 to disable the CPU tier"
             )
-        reserve = math.ceil(cfg.cpu_free_reserve * (cfg.cpu_bytes // slot_bytes))
-        tiers.append(CPUTier(cfg.cpu_bytes, slot_bytes, eviction=cpu_eviction,
-                             reserve_slots=reserve))
+        reserve = math.ceil(cfg.cpu_free_reserve * (cfg.cpu_bytes // unit))
+        tiers.append(CPUTier(cfg.cpu_bytes, unit, eviction=cpu_eviction, reserve_units=reserve))
     if cfg.disk_bytes != 0:
         from kvtier.connectors.tiers.disk_tier import DiskTier
 

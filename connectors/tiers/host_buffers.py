@@ -114,7 +114,10 @@ class StagingPool:
 
     ``acquire(n)`` returns a uint8 tensor of at least ``n`` bytes, page-aligned; ``release``
     gives it back. At most ``max_idle_bytes`` of released buffers are kept (the rest are
-    freed), so a burst does not pin memory for good."""
+    freed), so a burst does not pin memory for good. A service ties that cap to the bytes
+    its budgets let requests hold at once (:meth:`cap_idle`): above that working set,
+    so buffers in steady use are reused, never freed and pinned again; no higher, so what
+    an uncharged burst once grew is not kept."""
 
     def __init__(self, max_idle_bytes: int = 1 << 30, pin: bool | None = None) -> None:
         self.max_idle_bytes = max_idle_bytes
@@ -122,9 +125,13 @@ class StagingPool:
         self._idle: dict[int, list[HostBuffer]] = {}
         self._idle_bytes = 0
         self._out: dict[int, HostBuffer] = {}
+        self._lent_bytes = 0
         self._lock = threading.Lock()
         self.allocations = 0
         """Buffers allocated so far (a steady-state data path leaves this unchanged)."""
+        self.peak_lent_bytes = 0
+        """The most bytes of buffers handed out at once (what the data path's budgets
+        bound; tests and stats read it)."""
 
     def acquire(self, nbytes: int) -> torch.Tensor:
         size = round_up(max(nbytes, 1), SIZE_CLASS)
@@ -139,6 +146,8 @@ class StagingPool:
             buf = HostBuffer(size, self._pin)
         with self._lock:
             self._out[buf.tensor.data_ptr()] = buf
+            self._lent_bytes += buf.nbytes
+            self.peak_lent_bytes = max(self.peak_lent_bytes, self._lent_bytes)
         return buf.tensor
 
     def release(self, tensor: torch.Tensor) -> None:
@@ -146,6 +155,7 @@ class StagingPool:
             buf = self._out.pop(tensor.data_ptr(), None)
             if buf is None:
                 raise ValueError("release of a buffer this pool did not hand out")
+            self._lent_bytes -= buf.nbytes
             if self._idle_bytes + buf.nbytes <= self.max_idle_bytes:
                 self._idle.setdefault(buf.nbytes, []).append(buf)
                 self._idle_bytes += buf.nbytes
@@ -170,6 +180,27 @@ class StagingPool:
     def idle_bytes(self) -> int:
         with self._lock:
             return self._idle_bytes
+
+    @property
+    def lent_bytes(self) -> int:
+        """Bytes of the buffers handed out and not given back yet."""
+        with self._lock:
+            return self._lent_bytes
+
+    def cap_idle(self, max_idle_bytes: int) -> None:
+        """Keep at most ``max_idle_bytes`` of released buffers from now on; idle buffers
+        past it are freed now, largest first."""
+        with self._lock:
+            self.max_idle_bytes = max_idle_bytes
+            freed: list[HostBuffer] = []
+            for size in sorted(self._idle, reverse=True):
+                bufs = self._idle[size]
+                while bufs and self._idle_bytes > max_idle_bytes:
+                    freed.append(bufs.pop())
+                    self._idle_bytes -= size
+            self._idle = {size: bufs for size, bufs in self._idle.items() if bufs}
+        for buf in freed:
+            buf.close()
 
     def close(self) -> None:
         with self._lock:

@@ -237,6 +237,27 @@ class TierManager:
                     found[j] = i
         return found
 
+    def sizes(self, keys: Sequence[str], tiers: Sequence[int | None]) -> list[int | None]:
+        """The bytes a read of each key would lend, from the index of the tier ``tiers``
+        names for it (a lookup's or :meth:`locate`'s answer), without reading anything:
+        what a reader budgets before it reads. None where that tier keeps no sizes (Redis),
+        the key is not located, or the tier failed to answer."""
+        out: list[int | None] = [None] * len(keys)
+        by_tier: dict[int, list[int]] = {}
+        for i, ti in enumerate(tiers[: len(keys)]):
+            if ti is not None:
+                by_tier.setdefault(ti, []).append(i)
+        for ti, idxs in by_tier.items():
+            tier = self.tiers[ti]
+            try:
+                found = tier.stored_sizes([keys[i] for i in idxs])
+            except Exception as exc:  # noqa: BLE001 - a failing tier knows no sizes
+                tier.stats.count_error(type(exc).__name__)
+                continue
+            for i, n in zip(idxs, found, strict=True):
+                out[i] = n
+        return out
+
     # ------------------------------------------------------------------- store
     def store(
         self,
@@ -327,7 +348,9 @@ class TierManager:
         """Raise the stored prefix of ``keys`` into the fastest tier (when
         ``promote_on_hit``): each chunk a slower tier holds is leased, verified and
         written into the fastest one from the lent memory (one copy). Returns how many
-        chunks were read. ``codecs``: what the reader who will read them takes."""
+        chunks were read. ``codecs``: what the reader who will read them takes. A key
+        named twice is read once (each read holds a buffer until the promotion is done)."""
+        keys = list(dict.fromkeys(keys))
         loc = self.lookup(keys, codecs)
         with self.lease_chunks(keys[: loc.length], loc, codecs) as lent:
             writes: list[ChunkWrite] = []

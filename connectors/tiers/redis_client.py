@@ -77,6 +77,12 @@ def reply_failure(reply: Exception) -> str:
     return f"error: {reply}"
 
 
+def is_wrong_type(reply: object) -> bool:
+    """A per-command error reply saying the key holds a value of another type (a list, a
+    hash, ...): under a chunk key, no chunk."""
+    return isinstance(reply, rexc.ResponseError) and str(reply).startswith("WRONGTYPE")
+
+
 def is_fault(reply: object) -> bool:
     """A per-command reply that is a connection fault (cluster pipelines return them)."""
     return isinstance(reply, (rexc.ConnectionError, rexc.TimeoutError, OSError))

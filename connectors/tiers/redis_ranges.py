@@ -1,7 +1,7 @@
-"""Reading layer ranges of chunks out of Redis values: two pipelined round trips, one for
-each value's header (its first ``HEADER_PROBE_BYTES``), one for each layer range's bytes
-(``GETRANGE``), framed as chunks holding only those layers (the writer's checksums carried
-over: the stack checks them)."""
+"""Reading Redis values by their headers (:mod:`.redis_heads`): layer ranges (``GETRANGE``
+of each range's bytes, framed as chunks holding only those layers, the writer's checksums
+carried over: the stack checks them) and, on a cluster, whole chunks (``GET`` of values
+whose length their header confirmed). Two pipelined round trips: headers, then bytes."""
 
 from __future__ import annotations
 
@@ -9,81 +9,67 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.chunk_format import ChunkHeader, layer_span, parse_header, slice_chunk
+from kvtier.chunk_format import layer_span, slice_chunk
+from kvtier.connectors.tiers.redis_heads import Head, probe_heads
 from kvtier.errors import ChunkError
 
-HEADER_PROBE_BYTES = 4096
-"""First bytes read by a layer-range read; covers the header of any chunk up to ~400 layers."""
-
 
 @dataclass
-class RangeReads:
-    """What a layer-range read found: each key's chunk of those layers (None: a miss),
-    and the values found corrupt (key -> bytes), to delete."""
+class ValueReads:
+    """What a read found: each key's chunk (None: a miss), and the keys whose values are
+    not chunks (unreadable header, a length it disagrees with, another type), to delete."""
 
     chunks: list[bytes | None]
-    corrupt: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass
-class _Planned:
-    index: int
-    header: ChunkHeader | None
-    """None: the header is longer than the probe; the whole value is read."""
-    offset: int = 0
+    not_chunks: list[str] = field(default_factory=list)
 
 
 async def read_layer_ranges(
     pipeline: Callable[[], Any], redis_key: Callable[[str], str], keys: Sequence[str],
     layers: tuple[int, int], count_faults: Callable[[Sequence[object]], None],
-) -> RangeReads:
+) -> ValueReads:
     """Layers ``layers`` of each key's chunk. ``pipeline()`` opens an asyncio pipeline;
     ``redis_key`` maps a chunk key to its Redis key; ``count_faults`` counts error replies."""
-    pipe = pipeline()
-    for k in keys:
-        pipe.getrange(redis_key(k), 0, HEADER_PROBE_BYTES - 1)
-    probes = await pipe.execute(raise_on_error=False)
-    count_faults(probes)
-    found = RangeReads([None] * len(keys))
-    plan: list[_Planned] = []
-    for i, (k, probe) in enumerate(zip(keys, probes, strict=True)):
-        if not isinstance(probe, bytes) or not probe:
-            continue  # miss
-        try:
-            header, offset = parse_header(probe)
-        except ChunkError:
-            if len(probe) == HEADER_PROBE_BYTES:  # maybe a header longer than the probe
-                plan.append(_Planned(i, None))
-            else:
-                found.corrupt[k] = len(probe)
-            continue
-        if not 0 <= layers[0] < layers[1] <= header.num_layers:
-            continue  # the chunk holds fewer layers than asked: a miss, not corruption
-        plan.append(_Planned(i, header, offset))
+    probes = await probe_heads(pipeline, redis_key, keys, count_faults)
+    found = ValueReads([None] * len(keys), probes.not_chunks)
+    plan: list[tuple[int, Head]] = []
+    for i, head in enumerate(probes.heads):
+        if head is not None and 0 <= layers[0] < layers[1] <= head.header.num_layers:
+            plan.append((i, head))  # else a miss; fewer layers than asked is no corruption
     if not plan:
         return found
     pipe = pipeline()
-    for p in plan:
-        if p.header is None:
-            pipe.get(redis_key(keys[p.index]))
-        else:
-            start, length = layer_span(p.header, layers)
-            pipe.getrange(redis_key(keys[p.index]), p.offset + start, p.offset + start + length - 1)
+    for i, head in plan:
+        start, length = layer_span(head.header, layers)
+        pipe.getrange(redis_key(keys[i]), head.offset + start, head.offset + start + length - 1)
     parts = await pipe.execute(raise_on_error=False)
     count_faults(parts)
-    for p, part in zip(plan, parts, strict=True):
-        if isinstance(part, bytes):  # else deleted or expired between the two round trips
-            _frame(found, keys[p.index], p, part, layers)
+    for (i, head), part in zip(plan, parts, strict=True):
+        if not isinstance(part, bytes):
+            continue  # deleted or expired between the two round trips
+        try:
+            found.chunks[i] = slice_chunk(head.header, layers, part)
+        except ChunkError:
+            found.not_chunks.append(keys[i])
     return found
 
 
-def _frame(found: RangeReads, key: str, p: _Planned, part: bytes, layers: tuple[int, int]) -> None:
-    header = p.header
-    try:
-        if header is None:
-            header, offset = parse_header(part)
-            start, length = layer_span(header, layers)
-            part = part[offset + start : offset + start + length]
-        found.chunks[p.index] = slice_chunk(header, layers, part)
-    except ChunkError:
-        found.corrupt[key] = header.payload_nbytes if header is not None else len(part)
+async def read_whole(
+    pipeline: Callable[[], Any], redis_key: Callable[[str], str], keys: Sequence[str],
+    count_faults: Callable[[Sequence[object]], None],
+) -> ValueReads:
+    """Each key's whole chunk, fetched only where its header confirmed the value's length
+    (what redis-py's parser allocates is then the chunk's size)."""
+    probes = await probe_heads(pipeline, redis_key, keys, count_faults)
+    found = ValueReads([None] * len(keys), probes.not_chunks)
+    plan = [(i, head) for i, head in enumerate(probes.heads) if head is not None]
+    if not plan:
+        return found
+    pipe = pipeline()
+    for i, _ in plan:
+        pipe.get(redis_key(keys[i]))
+    values = await pipe.execute(raise_on_error=False)
+    count_faults(values)
+    for (i, head), value in zip(plan, values, strict=True):
+        if isinstance(value, bytes) and len(value) == head.length:  # else changed meanwhile
+            found.chunks[i] = value
+    return found

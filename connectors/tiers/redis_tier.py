@@ -3,8 +3,11 @@
 One key per chunk holds the whole chunk (header and payload together), so a chunk is
 either wholly visible or absent — never the half-written pair of keys LMCache leaves.
 Every batch is one pipelined round trip (per node on a cluster): ``SET NX [EX]`` for a
-store, ``MGET`` (pipelined ``GET`` on a cluster) for a lease, ``EXISTS`` per key for
-``contains_prefix``; a layer-range lease is two (header probe, then the byte range).
+store, pipelined ``GET`` for a lease, ``EXISTS`` per key for ``contains_prefix``; a
+layer-range lease, and a cluster's whole-chunk lease, are two (header probe with
+``STRLEN``, then the bytes). Every read sizes what it takes by the chunk's header, never by
+the value: a value whose header disagrees with its length, or of another Redis type, is a
+miss of that key alone, and deleted.
 
 redis-py's asyncio client runs on a private event loop in a daemon thread; the Tier
 methods submit to it and wait at most the configured deadline (whole-chunk reads go over a
@@ -30,7 +33,7 @@ from kvtier.chunk_format import byte_view
 from kvtier.connectors.tiers.base import ChunkWrite, PutResult, Tier
 from kvtier.connectors.tiers.host_buffers import StagingPool
 from kvtier.connectors.tiers.redis_batches import BatchSizer
-from kvtier.connectors.tiers.redis_bulk import get_into
+from kvtier.connectors.tiers.redis_bulk import BadValue, get_into
 from kvtier.connectors.tiers.redis_client import (
     CLUSTER_SCHEME,
     FAULTS,
@@ -39,7 +42,7 @@ from kvtier.connectors.tiers.redis_client import (
     is_fault,
     reply_failure,
 )
-from kvtier.connectors.tiers.redis_ranges import read_layer_ranges
+from kvtier.connectors.tiers.redis_ranges import read_layer_ranges, read_whole
 from kvtier.connectors.tiers.redis_usage import RedisUsage
 from kvtier.errors import InvalidArgumentError
 from kvtier.io_priority import WaitedFirst
@@ -196,19 +199,20 @@ class RedisTier(Tier):
     async def _get(self, keys: Sequence[str], layers: tuple[int, int] | None
                    ) -> list[bytes | None]:
         """The values (or layer ranges framed as chunks), unverified: the stack checks
-        them. One whose header cannot be parsed is dropped here."""
+        them. Each is fetched by its header (:mod:`.redis_ranges`): a value that is not a
+        chunk (an unreadable header, a length it disagrees with, another type) is a miss
+        and deleted here."""
         if not keys:
             return []
         if layers is None:
-            out = await self._get_whole(keys)
+            reads = await read_whole(self._pipeline, self._rk, keys, self._count_reply_faults)
         else:
-            ranges = await read_layer_ranges(self._pipeline, self._rk, keys, layers,
-                                             self._count_reply_faults)
-            out = ranges.chunks
-            if ranges.corrupt:
-                await self._drop_corrupt(ranges.corrupt)
-        self._account_get(keys, [None if b is None else len(b) for b in out])
-        return out
+            reads = await read_layer_ranges(self._pipeline, self._rk, keys, layers,
+                                            self._count_reply_faults)
+        if reads.not_chunks:
+            await self._drop_corrupt(reads.not_chunks)
+        self._account_get(keys, [None if b is None else len(b) for b in reads.chunks])
+        return reads.chunks
 
     def _account_get(self, keys: Sequence[str], sizes: Sequence[int | None]) -> None:
         """Stats and tenant usage after a read: ``sizes`` per key, None for a miss."""
@@ -220,30 +224,24 @@ class RedisTier(Tier):
             self.stats.misses += len(keys) - hits
             self.stats.bytes_read += sum(n for n in sizes if n is not None)
 
-    async def _get_whole(self, keys: Sequence[str]) -> list[bytes | None]:
-        if self._sync is not None:
-            self.round_trips += 1
-            return await self._conn.blocking(self._sync.mget, [self._rk(k) for k in keys])
-        pipe = self._pipeline()
-        for k in keys:
-            pipe.get(self._rk(k))
-        replies = await pipe.execute(raise_on_error=False)
-        self._count_reply_faults(replies)
-        return [r if isinstance(r, bytes) else None for r in replies]
-
     def _count_reply_faults(self, replies: Sequence[object]) -> None:
         for r in replies:
             if is_fault(r):
                 self.stats.count_error(error_kind(r))
 
-    async def _drop_corrupt(self, corrupt: Mapping[str, int]) -> None:
+    async def _drop_corrupt(self, keys: Sequence[str]) -> None:
+        """Delete values found not to be chunks, counted as corrupt. What this instance
+        stored under those keys, if anything, is unknown (a value grown, or of another
+        type): the chunk count and the tenants' accounts drop them, the byte count stays."""
+        log.warning("redis tier: %d values are not chunks (an unreadable header, a length "
+                    "it disagrees with, or another type); deleted", len(keys))
         pipe = self._pipeline()
-        for k in corrupt:
+        for k in keys:
             pipe.delete(self._rk(k))
         await pipe.execute(raise_on_error=False)
         with self.stats.lock:
-            self.stats.corrupt += len(corrupt)
-        self._usage.removed(sum(corrupt.values()), len(corrupt))
+            self.stats.corrupt += len(keys)
+        self._usage.removed(0, len(keys), keys)
 
     async def _contains_prefix(self, keys: Sequence[str]) -> int:
         held = await self._contains_each(keys)
@@ -351,15 +349,25 @@ class RedisTier(Tier):
 
     def _get_into(self, keys: Sequence[str]) -> list[tuple[torch.Tensor, int] | None]:
         """Whole chunks read straight into staging buffers (see :mod:`.redis_bulk`), on
-        the calling thread; a fault is a miss of every key, counted as any read's."""
+        the calling thread. Each key is its own: a value that is not a chunk (its header
+        unreadable or disagreeing with its length, or of another Redis type) is a miss and
+        deleted, another error reply a miss; a fault is a miss of every key, counted as
+        any read's."""
         assert self._sync is not None
         self.round_trips += 1
-        try:
-            got = get_into(self._sync.connection_pool, [self._rk(k) for k in keys],
-                           self._staging.acquire, self._staging.release,
-                           self.deadline(self._batches.budget(len(keys))))
-        except FAULTS as exc:
-            got = self._fault("get", exc, lambda _: [None] * len(keys))
+        reads = get_into(self._sync.connection_pool, [self._rk(k) for k in keys],
+                         self._staging.acquire, self._staging.release,
+                         self.deadline(self._batches.budget(len(keys))))
+        if reads.fault is not None:
+            self._fault("get", reads.fault, lambda _: None)
+        bad = reads.bad()
+        for why in bad.values():
+            if why is BadValue.ERROR:
+                self.stats.count_error("reply_error")
+        not_chunks = [keys[i] for i, why in bad.items() if why is not BadValue.ERROR]
+        if not_chunks:
+            self._guarded("drop", self._drop_corrupt(not_chunks), lambda _: None)
+        got = [v if isinstance(v, tuple) else None for v in reads.values]
         sizes = [None if g is None else g[1] for g in got]
         for n in sizes:
             self._batches.saw(n)

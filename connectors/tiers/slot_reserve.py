@@ -1,12 +1,13 @@
-"""Free slots kept ready in the CPU arena: its coldest chunks handed down ahead of need.
+"""Free room kept ready in the CPU arena: its coldest chunks handed down ahead of need.
 
-A store into a full arena first hands its victim down (a write to disk, with fsync, or a
-Redis SET) and only then fills the slot: whoever waits for the store waits for the
+A store into a full arena first hands its victims down (a write to disk, with fsync, or a
+Redis SET) and only then fills their units: whoever waits for the store waits for the
 demotion too. For the vLLM connector that is vLLM itself, which holds a finished request's
 blocks until its saves land; a block held is one a waiting request cannot take. The
-reserve keeps ``target`` slots free on a background thread: after each store it hands the
-policy's victims down until that many are free, so a store finds a free slot and pays
-only its own copy. The victims are the ones the arena would give up a moment later.
+reserve keeps ``reserve_units`` of the arena's units free on a background thread: after
+each store it hands the policy's victims down until that many are free, so a store finds
+room and pays only its own copy. The victims are the ones the arena would give up a
+moment later. (The module keeps the name it had when the arena was cut into slots.)
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ log = logging.getLogger(__name__)
 
 
 class SlotReserve:
-    """``replenish()`` frees one slot (a victim handed down) and says whether it did;
+    """``replenish()`` frees one victim's units (handed down) and says whether it did;
     :meth:`wake` asks the thread to run it until it says no."""
 
     def __init__(self, replenish: Callable[[], bool], name: str = "kvtier-cpu-reserve") -> None:
@@ -60,6 +61,6 @@ class SlotReserve:
                     while not self._stopped and self._replenish():
                         pass
             except Exception:  # noqa: BLE001 - a failed hand-down: stores evict inline
-                log.exception("the CPU tier's free-slot reserve failed to hand a chunk down")
+                log.exception("the CPU tier's free-room reserve failed to hand a chunk down")
             if not self._wanted.is_set():
                 self._idle.set()

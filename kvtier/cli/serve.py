@@ -98,53 +98,60 @@ def check_exposure(host: str, token: str | None, allowed: bool) -> None:
                 host)
 
 
-SHUTDOWN_GRACE_S = 10.0
-"""How long a stop waits for requests in flight before closing their connections."""
+STARTUP_FAILURE = 3
+"""The exit status where the server could not start (the port taken ...), as uvicorn's."""
 
 
 class _StopSignal(BaseException):
     """SIGTERM or SIGINT reached ``kvtier serve`` (raised by its handler, caught by run)."""
 
 
-def _stop_on_signal(signum: int, _frame) -> None:
-    raise _StopSignal(signum)
-
-
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM or SIGINT, then stop cleanly and exit 0.
 
     uvicorn catches both signals, drains the requests in flight (at most
-    ``SHUTDOWN_GRACE_S``), then raises the signal again for the handler that was there
-    before it, which by default kills the process before ``state.close()`` could run
-    (regions left behind, tiers not closed). Ours is there before uvicorn's: it ends
-    ``uvicorn.run`` with :class:`_StopSignal`, and the ``finally`` closes the state."""
+    ``server.drain_timeout_s``), then raises the signal again for the handler that was
+    there before it, which by default kills the process before ``state.close()`` could run
+    (regions left behind, tiers not closed). Ours is there before uvicorn's: it ends the
+    serving with :class:`_StopSignal`, and the ``finally`` closes the state. Either
+    handler arms a :class:`~kvtier.server.serving.HardStop`: the process is gone
+    ``server.stop_timeout_s`` after the signal even where a thread never returns."""
     import signal
 
-    import uvicorn
-
     from kvtier.server.app import create_app
+    from kvtier.server.descriptors import raise_open_files_limit
+    from kvtier.server.serving import HardStop, bounded_server
 
     config = serve_config(args)
     check_exposure(config.server.host,
                    config.server.auth_token or (config.server.tokens[0].token
                                                 if config.server.tokens else None),
                    getattr(args, "allow_unauthenticated", False))
-    previous = {sig: signal.signal(sig, _stop_on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    hard_stop = HardStop(config.server.stop_timeout_s)
+
+    def stop_on_signal(signum: int, _frame) -> None:
+        hard_stop.arm()
+        raise _StopSignal(signum)
+
+    previous = {sig: signal.signal(sig, stop_on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
+        raise_open_files_limit(config.server.open_files_limit)
         state = build_state(args, config)
         cfg = state.config.server
         try:
             app = create_app(state)
             log.info(
-                "kvtier serve: %s mode on http://%s:%d (tiers: %s)",
+                "kvtier serve: %s mode on http://%s:%d (tiers: %s; at most %d connections)",
                 state.mode,
                 cfg.host,
                 cfg.port,
                 ", ".join(t.name for t in state.manager.tiers) if state.manager else "none",
+                app.state.connections.limits.max_connections,
             )
-            uvicorn.run(app, host=cfg.host, port=cfg.port,
-                        log_level=log_level(state.config, args).lower(),
-                        timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+            server = bounded_server(app, cfg, log_level(state.config, args).lower(), hard_stop)
+            server.run()
+            if not server.started:
+                return STARTUP_FAILURE
         finally:
             for sig in previous:  # a second signal must not cut the close short
                 signal.signal(sig, signal.SIG_IGN)

@@ -24,7 +24,7 @@ def test_every_fault_case_holds_at_full_size_and_serves_no_wrong_byte(tmp_path, 
     doc = json.loads(out.read_text())
     assert doc["config"]["sessions"] == 1000 and doc["config"]["redis_keys"] == 300_000
     rows = {r["case"]: r for r in doc["rows"]}
-    assert len(rows) == 11
+    assert len(rows) == 13
     for case, row in rows.items():
         assert row["ok"], (case, row["outcome"])
         assert row["wrong_bytes"] == 0 and row["failed_requests"] == 0, case
@@ -34,6 +34,9 @@ def test_every_fault_case_holds_at_full_size_and_serves_no_wrong_byte(tmp_path, 
     assert "1000 concurrent sessions (CPU, disk, Redis)" in rows
     hostile = rows["hostile clients (bodies, replies, duplicates)"]
     assert 0 < hostile["rss_grown_bytes"] <= hostile["rss_bound_bytes"]
+    reads = rows["reads on a tenant's behalf held to the budget"]
+    assert 0 <= reads["rss_grown_bytes"] <= reads["rss_bound_bytes"]
+    assert "foreign objects in the tiers" in rows
     for case in ("regions shrunk and abandoned", "one version per key; chunks bound to their "
                  "tenant", "SIGTERM while clients write"):
         assert rows[case]["ok"], case

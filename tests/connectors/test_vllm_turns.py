@@ -10,6 +10,7 @@ import threading
 from kvtier.chunk_wire import ServiceError
 from kvtier.client import SessionTurn, TurnEvent
 from kvtier.connectors.chunk_store import RemoteChunkStore
+from kvtier.connectors.store_breaker import StoreDeadlines
 from kvtier.connectors.vllm_turns import MAX_PENDING, TurnReporter
 
 
@@ -39,7 +40,7 @@ def test_events_go_in_order_in_batches_with_their_age():
 
 
 def test_an_unreachable_store_costs_only_the_report():
-    store = RemoteChunkStore("http://127.0.0.1:9", 1 << 16, timeout=2.0)
+    store = RemoteChunkStore("http://127.0.0.1:9", 1 << 16, deadlines=StoreDeadlines(transfer_s=2.0))
     reporter = TurnReporter(store.report_turns)
     reporter.started("s")
     reporter.drain()

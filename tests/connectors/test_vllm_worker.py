@@ -538,7 +538,7 @@ def test_the_connectors_own_tiers_keep_free_slots_unless_told_otherwise(tmp_path
     tiers = {"cpu_bytes": 40 * slot, "disk_dir": str(tmp_path / "a"), "disk_fsync": False}
     default = open_store({"tiers": tiers}, slot)
     off = open_store({"tiers": {**tiers, "disk_dir": str(tmp_path / "b"), "cpu_free_reserve": 0}}, slot)
-    assert default.manager.tiers[0].reserve_slots == 2 and off.manager.tiers[0].reserve_slots == 0
+    assert default.manager.tiers[0].reserve_units == 2 and off.manager.tiers[0].reserve_units == 0
 
 
 def test_the_connectors_own_disk_tier_bypasses_the_page_cache_unless_told_otherwise(tmp_path):

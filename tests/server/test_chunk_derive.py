@@ -84,3 +84,21 @@ def test_a_tenant_cannot_cut_another_tenants_chunk(tmp_path) -> None:
             reader.derive_chunk(key(2), key(1), 0, 4)  # a read-only token stores nothing
         assert a.derive_chunk(key(2), key(1), 0, 4)["status"] == "stored"
         assert not b.has_chunk(key(2))
+
+
+@pytest.mark.parametrize("tier", ["cpu", "disk"])
+def test_a_derive_onto_a_key_holding_another_chunk_is_refused_as_a_put_is(tmp_path, tier) -> None:
+    """One version per key: a derive onto a key that holds another chunk (in any tier) is
+    409 ``chunk_exists`` and leaves it as it was; onto one holding the same chunk, present."""
+    state = ServiceState.sidecar(_config(tmp_path, max_body_bytes=1 << 20))
+    kv = kv_of(4)
+    with running(state) as url, Client(url) as c:
+        c.put_chunk(key(1), encode_chunk(key(1), FP, kv))
+        other = kv_of(5)[:, :, :8].contiguous()
+        c.put_chunk(key(2), encode_chunk(key(2), FP, other), tier=tier)
+        resp = httpx.post(f"{url}/v1/chunks/{key(2)}/derive",
+                          json={"source": key(1), "first_token": 0, "tokens": 8})
+        assert resp.status_code == 409 and resp.json()["error"]["type"] == "chunk_exists"
+        assert torch.equal(kv_in(c.get_chunk(key(2))), other)  # left as it was
+        c.put_chunk(key(3), encode_chunk(key(3), FP, kv[:, :, 0:8].contiguous()), tier=tier)
+        assert c.derive_chunk(key(3), key(1), 0, 8)["status"] == "present"

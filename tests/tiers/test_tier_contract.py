@@ -55,7 +55,7 @@ class TierSpec:
 
 
 def _make_cpu(path: Path, capacity: int | None) -> Tier:
-    return CPUTier((capacity or 64) * SLOT, slot_bytes=SLOT)
+    return CPUTier((capacity or 64) * SLOT, unit_bytes=SLOT)
 
 
 def _corrupt_cpu(tier: Tier, key: str) -> None:

@@ -88,7 +88,7 @@ def test_tiers_default_to_lru_and_take_any_policy_by_name_or_instance(tmp_path):
 def test_unknown_tier_eviction_policy_is_a_config_error(tmp_path):
     cfg = TiersConfig(cpu_eviction="mru", disk_dir=str(tmp_path))
     with pytest.raises(ConfigError, match="tiers.cpu_eviction: unknown eviction policy 'mru'.*session-aware"):
-        build_tiers(cfg, slot_bytes=1 << 16, fingerprint=b"fp")
+        build_tiers(cfg, cpu_unit_bytes=1 << 16, fingerprint=b"fp")
     assert not any(tmp_path.iterdir()), "nothing is built before the names are checked"
     assert TiersConfig().cpu_eviction == "session-aware"
 
