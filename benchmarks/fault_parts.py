@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +27,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Serve:
-    """``kvtier serve`` (sidecar) as a child process with its config in the environment."""
+@dataclass(frozen=True)
+class OpenFiles:
+    """A child's descriptor limit (``RLIMIT_NOFILE``), as a shell may hand it over:
+    ``soft``, and ``hard`` (None: this process's hard limit, unchanged)."""
 
-    def __init__(self, workdir: Path, **config: Any) -> None:
+    soft: int
+    hard: int | None = None
+
+    def apply(self) -> None:
+        """Set the limit in the child, before it runs (``preexec_fn``)."""
+        import resource
+
+        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE,
+                           (self.soft, hard if self.hard is None else self.hard))
+
+
+class Serve:
+    """``kvtier serve`` as a child process with its config in the environment: a sidecar,
+    or engine mode on ``model`` (a model directory); ``nofile``: its descriptor limit at
+    start (unset: this process's)."""
+
+    def __init__(self, workdir: Path, model: Path | None = None, nofile: OpenFiles | None = None,
+                 **config: Any) -> None:
         self.workdir = workdir
+        self.model = model
+        self.nofile = nofile
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = dict(os.environ)
@@ -45,10 +68,12 @@ class Serve:
     def start(self) -> Serve:
         import httpx
 
+        model = ["--model", str(self.model)] if self.model is not None else []
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvtier.cli.main", "serve", "--port", str(self.port),
-             "--log-level", "error"], env=self.env,
+             "--log-level", "error", *model], env=self.env,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            preexec_fn=self.nofile.apply if self.nofile is not None else None,
         )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import http.client
 import json
 import logging
 import re
@@ -345,6 +346,17 @@ class Client:
         r = self.http.request(method, path, params=params, json=body)
         return r.status_code, r.content
 
+    def _through_region(self, link: RegionLink, method: str, path: str,
+                        params: dict[str, Any] | None, body: Any) -> tuple[int, bytes]:
+        """A request that moves bytes through ``link``'s region; one that gets no answer
+        (a timeout, a dropped connection) abandons the region (the server may still use
+        it) before the error goes on to the caller."""
+        try:
+            return self._region_call(method, path, params, body)
+        except (OSError, http.client.HTTPException, httpx.TransportError):
+            link.abandon()
+            raise
+
     def _no_region(self, why: RegionUnavailable) -> None:
         log.warning("shared-memory regions are off for this client: %s", why)
         self.shm = False
@@ -451,7 +463,7 @@ class Client:
                 return None
             n = fill(room)
             params = {"region": link.id, "offset": 0, "length": n, **(_put_params(tier, owner) or {})}
-            status, body = self._region_call("PUT", f"/v1/chunks/{key}", params, None)
+            status, body = self._through_region(link, "PUT", f"/v1/chunks/{key}", params, None)
             if _region_gone(status, body) and not attempt:
                 link.forget()
                 continue
@@ -473,8 +485,8 @@ class Client:
             except RegionUnavailable as exc:
                 self._no_region(exc)
                 return None
-            status, body = self._region_call(
-                "POST", "/v1/chunks/batch/get-into-region", None,
+            status, body = self._through_region(
+                link, "POST", "/v1/chunks/batch/get-into-region", None,
                 {"keys": list(keys), "region": link.id, "room": room})
             if _region_gone(status, body) and not attempt:
                 link.forget()  # the server restarted: a new region, once

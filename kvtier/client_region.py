@@ -2,7 +2,9 @@
 maps the file the server made and moves chunk bytes through it instead of a socket.
 
 :class:`RegionLink` creates the region on first use, grows it (a new one) when a chunk
-does not fit, and deletes it on close. Where the server offers no regions or the client
+does not fit, and deletes it on close. A request through the region that got no answer (a
+timeout, a dropped connection) costs the region: the server may still be writing into it
+or reading from it, so this side never lends or fills it again (:meth:`RegionLink.abandon`). Where the server offers no regions or the client
 cannot open the file (another host, another user), it says so once and the caller goes on
 with HTTP bodies.
 """
@@ -35,9 +37,13 @@ class RegionLink:
         self.id: str | None = None
         self._mem: mmap.mmap | None = None
         self.size = 0
+        self._abandoned: list[str] = []
+        """Regions given up after a request without an answer: deleted once the server
+        answers again (when the next region is opened), else reclaimed by their lease."""
 
     def _open(self, size: int) -> None:
         self.close()
+        self._delete_abandoned()
         status, body = self._send("POST", "/v1/regions", None, {"bytes": size})
         if status != 201:
             raise RegionUnavailable(f"the server offers no region ({status}: {body[:200]!r})")
@@ -68,6 +74,25 @@ class RegionLink:
         """Drop a region the server no longer knows (the next use makes a new one)."""
         self.id = None
         self.close()
+
+    def abandon(self) -> None:
+        """Never use this region again: a request through it got no answer, and the server
+        may still write the chunks it was asked for into it (over what this side would
+        lend next) or read a chunk out of it (while this side fills the next). The next
+        use makes a new region; this one is deleted once the server answers again."""
+        if self.id is not None:
+            self._abandoned.append(self.id)
+            self.id = None
+        self.close()
+
+    def _delete_abandoned(self) -> None:
+        while self._abandoned:
+            try:
+                self._send("DELETE", f"/v1/regions/{self._abandoned[0]}", None, None)
+            except Exception as exc:  # noqa: BLE001 - still no answer: its lease reclaims it
+                log.debug("could not delete abandoned region %s: %s", self._abandoned[0], exc)
+                return
+            self._abandoned.pop(0)
 
     def close(self) -> None:
         if self._mem is not None:

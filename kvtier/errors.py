@@ -91,3 +91,10 @@ class TierError(KVTierError):
 
 class TierUnavailableError(TierError):
     """The tier cannot be reached now (server down, timeout); callers fall back to recompute."""
+
+
+class DescriptorsExhaustedError(TierUnavailableError):
+    """The process is out of file descriptors (EMFILE, ENFILE): nothing stored could be
+    opened, which says nothing about whether it is stored. A reader that can recompute
+    takes it as a miss; the service answers 503 ``descriptors_exhausted`` (retry), never
+    "not found" or "full"."""

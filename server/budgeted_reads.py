@@ -62,7 +62,7 @@ def lease_whole(reads: ReplyBudget, held: Reservation, manager: TierManager, key
     held.grow_to(reads.charge(size))
     lease = contextlib.ExitStack()
     try:
-        (part,) = lease.enter_context(manager.lease_chunks([key], loc, codecs))
+        (part,) = lease.enter_context(manager.lease_chunks([key], loc, codecs, strict=True))
         if part is not None:
             try:
                 part.verify()  # the whole chunk goes out: checked first
@@ -90,7 +90,7 @@ def read_copy(reads: ReplyBudget, held: Reservation, manager: TierManager, key: 
         manager.count_misses()
         return None, None
     held.grow_to(reads.charge(planned.size))
-    ((blob, tier),) = get_each(manager, [key], span, codecs)
+    ((blob, tier),) = get_each(manager, [key], span, codecs, strict=True)
     held.settle(0 if blob is None else len(blob))
     return blob, tier
 
@@ -115,8 +115,8 @@ def read_batch(reads: ReplyBudget, held: Reservation, manager: TierManager,
     for run in runs(charges, reads.group_bytes, RUN_KEYS):
         held.grow_to(kept + sum(charges[j] for j in run))
         idx = [stored[j] for j in run]
-        for i, (blob, _) in zip(idx, get_each(manager, [wheres[i] for i in idx], span, codecs),
-                                strict=True):
+        got = get_each(manager, [wheres[i] for i in idx], span, codecs, strict=True)
+        for i, (blob, _) in zip(idx, got, strict=True):
             out[keys[i]] = blob
             if blob is not None:
                 kept += len(blob)

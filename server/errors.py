@@ -24,7 +24,13 @@ from kvtier.engine.engine import (
     SessionBusyError,
     UnknownSessionError,
 )
-from kvtier.errors import ChunkError, InvalidArgumentError, KVTierError, PoolError
+from kvtier.errors import (
+    ChunkError,
+    DescriptorsExhaustedError,
+    InvalidArgumentError,
+    KVTierError,
+    PoolError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +102,8 @@ def status_of(exc: BaseException) -> tuple[int, str]:
         return 404, "not_found"
     if isinstance(exc, SessionBusyError):
         return 409, "session_busy"  # docs/server.md: one turn at a time per session
+    if isinstance(exc, DescriptorsExhaustedError):
+        return 503, "descriptors_exhausted"  # whether it is stored is unknown: retry
     if isinstance(exc, ChunkError):
         return 400, "invalid_chunk"
     if isinstance(exc, PoolError):

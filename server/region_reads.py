@@ -133,14 +133,15 @@ def _read_at(reader: _Reader, region: Region, offset: int, end: int, keys: Seque
         group = Location(n, loc.tiers[:n])
         charge = sum(reader.reads.charge(size) for size in sizes[:n])
         with (reader.reads.holding(reader.tenant, charge),
-              manager.lease_chunks(window[:n], group, reader.codecs) as parts):
+              manager.lease_chunks(window[:n], group, reader.codecs, strict=True) as parts):
             failed = _copy_lent(manager, region, end, keys, wheres, pos, group.tiers, parts, out,
                                 offset, whole_room)
         if isinstance(failed, Stop):
             return PrefixRead(out, failed)
         if failed is not None:  # its corrupt copy is gone now: read it from where it is intact
             with reader.reads.holding(reader.tenant, reader.reads.charge(sizes[failed - pos])):
-                ((blob, tier),) = get_each(manager, [wheres[failed]], codecs=reader.codecs)
+                ((blob, tier),) = get_each(manager, [wheres[failed]], codecs=reader.codecs,
+                                          strict=True)
                 if blob is None:
                     return PrefixRead(out, Stop.MISSING)
                 start = _next(out, offset, whole_room)

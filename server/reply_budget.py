@@ -6,9 +6,10 @@ A client that asks for chunks holds the server's memory from the moment a tier l
 pinned against eviction) until the bytes are let go: a reply until its last byte is
 written, a read into a shared-memory region or a prefetch until the copy is made, a derive
 until its new chunk is stored. Every one of those reads is charged here, before it is
-made, from the sizes the tiers' indexes keep (:meth:`TierManager.sizes`; a chunk of a tier
-that keeps none, Redis, is charged :attr:`ReplyBudget.ceiling` bytes, the largest chunk a
-client can store, until it is read), and held while its bytes are:
+made, from the sizes the tiers know without reading (:meth:`TierManager.sizes`: the CPU
+and disk indexes, Redis's ``STRLEN``; a chunk whose size is unknown is charged
+:attr:`ReplyBudget.ceiling` bytes, the largest chunk a client can store, until it is
+read), and held while its bytes are:
 
 - what all requests hold stays within ``server.max_inflight_bytes``, and one tenant's
   within its share where there are several tenants: past either, 503 with
@@ -94,8 +95,12 @@ class ReplyBudget:
         return self._held.held
 
     def charge(self, size: int | None) -> int:
-        """What a read of a chunk of ``size`` bytes (None: unknown) is charged."""
-        return self.ceiling if size is None else size
+        """What a read of a chunk of ``size`` bytes (None: unknown) is charged before it is
+        made: never more than :attr:`ceiling`, so an index entry grown past any chunk (a
+        file grown while the server was down, a Redis value appended to) cannot make a
+        request 413 or 503 for good; the read, which checks the header first, finds it
+        not a chunk, and what a read really keeps is settled after it."""
+        return self.ceiling if size is None else min(size, self.ceiling)
 
     def reserve(self, tenant: str, nbytes: int = 0) -> Reservation:
         """Room for ``nbytes`` of ``tenant``'s reads, or a 503 with ``Retry-After``."""

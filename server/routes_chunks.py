@@ -37,6 +37,7 @@ from kvtier.chunk_keys import KEY_PATTERN, KEY_RE
 from kvtier.connectors.tiers.base import Blob, ChunkWrite, PutResult
 from kvtier.connectors.tiers.blobs import put_blobs
 from kvtier.connectors.tiers.derived import Derived, TokenRange, derive_chunk
+from kvtier.connectors.tiers.disk_io import NO_DESCRIPTORS
 from kvtier.connectors.tiers.manager import PutReport, TierManager
 from kvtier.errors import ChunkError, ChunkFormatError, InvalidArgumentError
 from kvtier.io_priority import IOPriority, at_priority
@@ -162,7 +163,12 @@ def _present(settled: Settled, where: str) -> PutReport:
 
 
 def _put_failed(report: PutReport) -> RouteError:
+    """507 where no tier had room; 503 ``descriptors_exhausted`` where a tier could not
+    open a file for want of descriptors (nothing is full: retry)."""
     reasons = "; ".join(f"{k}: {why}" for k, why in report.failed.items())
+    if any(NO_DESCRIPTORS in why for why in report.failed.values()):
+        return RouteError(503, f"no tier could store the chunk ({reasons})",
+                          "descriptors_exhausted")
     return RouteError(507, f"no tier could store the chunk ({reasons})")
 
 

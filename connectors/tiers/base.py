@@ -252,7 +252,7 @@ class Tier(ABC):
     def stored_sizes(self, keys: Sequence[str]) -> list[int | None]:
         """Each stored chunk's bytes as the tier's index knows them, without reading it, so
         a reader can budget a read before it makes it (None: not stored, or a tier that
-        keeps no sizes of its own, such as Redis)."""
+        knows no sizes)."""
         return [None] * len(keys)
 
     @abstractmethod

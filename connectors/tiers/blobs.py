@@ -40,10 +40,12 @@ def get_blobs(source: Tier | TierManager, keys: Sequence[str], layers: Layers = 
 
 
 def get_each(manager: TierManager, keys: Sequence[str], layers: Layers = None,
-             codecs: Collection[str] | None = None) -> list[tuple[bytes | None, str | None]]:
+             codecs: Collection[str] | None = None, strict: bool = False
+             ) -> list[tuple[bytes | None, str | None]]:
     """Each key on its own, not as a prefix: (verified copy, tier name) or (None, None);
     one lease per tier of the keys the faster tiers missed. Hits in a slower tier are
-    promoted (whole chunks). ``codecs``: what the reader takes (the stack's by default)."""
+    promoted (whole chunks). ``codecs``: what the reader takes (the stack's by default);
+    ``strict`` as :meth:`TierManager.lease_chunks` takes it."""
     if layers is not None and not 0 <= layers[0] < layers[1]:
         raise InvalidArgumentError(f"layer range {layers} is empty or negative")
     out: list[tuple[bytes | None, str | None]] = [(None, None)] * len(keys)
@@ -53,7 +55,7 @@ def get_each(manager: TierManager, keys: Sequence[str], layers: Layers = None,
         if not todo:
             break
         with manager.lease_chunks([keys[i] for i in todo], Location.all_in(ti, len(todo)),
-                                  codecs) as lent:
+                                  codecs, strict=strict) as lent:
             missed = []
             for i, chunk in zip(todo, lent, strict=True):
                 blob = _copied(chunk, layers)

@@ -31,10 +31,22 @@ HEAD_READ = 4096
 hundreds of layers; longer headers take a second read."""
 
 
+NO_DESCRIPTORS = "descriptors_exhausted"
+"""The ``PutResult.failed`` reason of a write that could not open its file for want of
+descriptors (the service answers 503, not 507: nothing is full)."""
+
+
+def out_of_descriptors(exc: OSError) -> bool:
+    """The process (EMFILE) or the system (ENFILE) has no descriptor left."""
+    return exc.errno in (errno.EMFILE, errno.ENFILE)
+
+
 def failure_reason(exc: OSError) -> str:
     """The ``PutResult.failed`` reason for a write error."""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return "disk_full"
+    if out_of_descriptors(exc):
+        return f"{NO_DESCRIPTORS}: {exc.strerror or exc}"
     return f"io_error: {exc.strerror or exc}"
 
 

@@ -51,7 +51,11 @@ class ReadFailure(enum.Enum):
     FOREIGN = "foreign"
     """Not a regular file (a FIFO, a directory, a symlink, ...): never read, moved aside."""
     UNREADABLE = "unreadable"
-    """Could not be opened (out of descriptors, no permission): left as it is."""
+    """Could not be opened (no permission, an I/O error): left as it is."""
+    NO_DESCRIPTORS = "no_descriptors"
+    """Could not be opened for want of descriptors: left as it is, and the whole lease
+    fails (:class:`~kvtier.errors.DescriptorsExhaustedError`): whether the key is stored
+    is unknown, not a miss."""
 
 
 @dataclass
@@ -89,7 +93,8 @@ class ChunkFileReader:
             return ReadFailure.FOREIGN
         except OSError as exc:  # not the file's fault (descriptors, permissions): kept
             self.on_error(key, exc)
-            return ReadFailure.UNREADABLE
+            return (ReadFailure.NO_DESCRIPTORS if disk_io.out_of_descriptors(exc)
+                    else ReadFailure.UNREADABLE)
 
     def read(self, key: str, layers: tuple[int, int] | None) -> ReadResult:
         """The whole chunk, or layers ``layers`` of it framed as a chunk."""

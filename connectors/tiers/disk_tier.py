@@ -49,7 +49,7 @@ from kvtier.connectors.tiers.disk_reads import ChunkFileReader, FileRead, ReadFa
 from kvtier.connectors.tiers.disk_writes import GroupCommit
 from kvtier.connectors.tiers.host_buffers import StagingPool, round_up
 from kvtier.connectors.tiers.lent_chunk import ReadingBuffer
-from kvtier.errors import InvalidArgumentError, TierError
+from kvtier.errors import DescriptorsExhaustedError, InvalidArgumentError, TierError
 from kvtier.io_priority import WaitedFirst
 from kvtier.policies.eviction import ChunkInfo, EvictionPolicy, eviction_policy
 from kvtier.thread_start import thread_started
@@ -315,7 +315,9 @@ class DiskTier(Tier):
         buffers go back to the pool when the block ends. A file that is gone is a miss;
         one that is truncated or whose header is unreadable is deleted (a torn file is
         never lent), one that is not a regular file moved aside; each is a miss of its own
-        (the other keys are served). ``background`` (whole chunks): each is lent once its
+        (the other keys are served). A file that cannot be opened for want of
+        descriptors fails the whole lease (:class:`DescriptorsExhaustedError`): whether
+        it is stored is unknown, and the other opens would fail alike. ``background`` (whole chunks): each is lent once its
         head is read, as a :class:`ReadingBuffer`, the rest read on the pool while the
         reader works on the chunks before it; the block's end waits for every read in
         flight."""
@@ -336,9 +338,11 @@ class DiskTier(Tier):
         gone: list[str] = []
         corrupt: list[str] = []
         foreign: list[str] = []
+        starved = 0
         held: list[torch.Tensor] = []
         pending: list[Future[bool]] = []
         for i, got in zip(present, reads, strict=True):
+            starved += got is ReadFailure.NO_DESCRIPTORS
             if got is ReadFailure.CORRUPT:
                 corrupt.append(keys[i])
             elif got is ReadFailure.FOREIGN:
@@ -362,6 +366,11 @@ class DiskTier(Tier):
             self.stats.bytes_read += sum(hits)
             self.stats.corrupt += len(corrupt)
         try:
+            if starved:
+                raise DescriptorsExhaustedError(
+                    f"disk tier {self.directory}: {starved} of {len(keys)} chunk files could "
+                    "not be opened: the process is out of file descriptors (raise its "
+                    "limit, or close connections); retry")
             yield out
         finally:
             futures_wait(pending)  # no read may land in a buffer handed out again

@@ -27,7 +27,12 @@ from kvtier.connectors.tiers.codec_writes import EncodedChunk, encode_writes
 from kvtier.connectors.tiers.host_buffers import StagingPool
 from kvtier.connectors.tiers.lent_chunk import LentChunk, ReadingBuffer
 from kvtier.connectors.tiers.quotas import TenantQuotas
-from kvtier.errors import ChunkError, ChunkMismatchError, InvalidArgumentError
+from kvtier.errors import (
+    ChunkError,
+    ChunkMismatchError,
+    DescriptorsExhaustedError,
+    InvalidArgumentError,
+)
 from kvtier.kv_codecs import Codec
 from kvtier.policies.eviction import ChunkInfo
 
@@ -240,7 +245,7 @@ class TierManager:
     def sizes(self, keys: Sequence[str], tiers: Sequence[int | None]) -> list[int | None]:
         """The bytes a read of each key would lend, from the index of the tier ``tiers``
         names for it (a lookup's or :meth:`locate`'s answer), without reading anything:
-        what a reader budgets before it reads. None where that tier keeps no sizes (Redis),
+        what a reader budgets before it reads. None where that tier knows no size,
         the key is not located, or the tier failed to answer."""
         out: list[int | None] = [None] * len(keys)
         by_tier: dict[int, list[int]] = {}
@@ -403,17 +408,21 @@ class TierManager:
     @contextlib.contextmanager
     def lease_chunks(
         self, keys: Sequence[str], location: Location | None = None,
-        codecs: Collection[str] | None = None,
+        codecs: Collection[str] | None = None, strict: bool = False,
     ) -> Iterator[list[LentChunk | None]]:
         """Whole chunks of ``keys`` as :class:`LentChunk` whose key, model and length are
         checked; their layers' checksums are checked by the reader right before it uses
         them (group by group: the bytes are read from memory once), or all at once with
         :meth:`LentChunk.verify`. A tier that reads in the background lends a chunk once
         its first layers are read. One that fails a check is dropped from its tier after
-        the block, as one that fails here is. ``codecs`` as :meth:`lease` takes them."""
+        the block, as one that fails here is. ``codecs`` as :meth:`lease` takes them.
+        ``strict``: a tier that cannot tell whether it holds a key for want of file
+        descriptors raises :class:`DescriptorsExhaustedError` (a service answers "retry",
+        not "not found"); otherwise that is a miss, as any failing tier's is (a reader that
+        can recompute)."""
         take = self.codecs if codecs is None else codecs
         with self._lent(keys, location or self.lookup(keys, take), None,
-                        background=True) as (lent, rejected):
+                        background=True, strict=strict) as (lent, rejected):
             out: list[LentChunk | None] = []
             for key, tier, view in lent:
                 out.append(None if view is None
@@ -443,7 +452,7 @@ class TierManager:
     @contextlib.contextmanager
     def _lent(
         self, keys: Sequence[str], location: Location, layers: tuple[int, int] | None,
-        background: bool = False,
+        background: bool = False, strict: bool = False,
     ) -> Iterator[tuple[list[tuple[str, Tier, torch.Tensor | ReadingBuffer | None]],
                         list[_Rejected]]]:
         """What each tier lends of ``keys`` (key, tier, unverified bytes or None), one
@@ -463,6 +472,11 @@ class TierManager:
                     views = stack.enter_context(tier.lease(
                         [keys[i] for i in idxs], layers,
                         background=background and tier.reads_in_background))
+                except DescriptorsExhaustedError as exc:
+                    tier.stats.count_error(type(exc).__name__)
+                    if strict:
+                        raise
+                    views = [None] * len(idxs)
                 except Exception as exc:  # noqa: BLE001 - a failing tier is a miss
                     tier.stats.count_error(type(exc).__name__)
                     views = [None] * len(idxs)

@@ -257,6 +257,17 @@ class RedisTier(Tier):
         self._count_reply_faults(replies)
         return [not isinstance(r, Exception) and bool(r) for r in replies]
 
+    async def _sizes(self, keys: Sequence[str]) -> list[int | None]:
+        if not keys:
+            return []
+        pipe = self._pipeline()
+        for k in keys:
+            pipe.strlen(self._rk(k))
+        replies = await pipe.execute(raise_on_error=False)
+        self._count_reply_faults(replies)
+        return [r if isinstance(r, int) and not isinstance(r, bool) and r > 0 else None
+                for r in replies]
+
     async def _delete(self, keys: Sequence[str]) -> int:
         if not keys:
             return 0
@@ -385,6 +396,13 @@ class RedisTier(Tier):
     def contains_each(self, keys: Sequence[str]) -> list[bool]:
         return self._guarded("contains_each", self._contains_each(keys),
                              lambda _: [False] * len(keys))
+
+    def stored_sizes(self, keys: Sequence[str]) -> list[int | None]:
+        """Each value's length (``STRLEN``, one pipelined round trip for all ``keys``): what
+        a read of it would lend, so a batch is budgeted by its real sizes rather than a
+        ceiling per key. An upper bound only: a value whose header disagrees is a miss when
+        it is read. None where nothing is stored, a value of another type, or Redis down."""
+        return self._guarded("sizes", self._sizes(keys), lambda _: [None] * len(keys))
 
     def delete(self, keys: Sequence[str]) -> int:
         return self._guarded("delete", self._delete(keys), lambda _: 0)

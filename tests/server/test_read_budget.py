@@ -258,7 +258,7 @@ def test_a_served_process_prefetching_one_disk_key_96_times_stays_flat(tmp_path)
         proc.wait(timeout=60)
 
 
-def test_redis_chunks_whose_sizes_no_index_keeps_are_charged_the_ceiling_and_served(tmp_path):
+def test_redis_chunks_are_budgeted_by_their_stored_lengths_before_any_read(tmp_path):
     from tests.redis_servers import RedisServer
 
     server = RedisServer()
@@ -267,7 +267,9 @@ def test_redis_chunks_whose_sizes_no_index_keeps_are_charged_the_ceiling_and_ser
         cfg = _config(tmp_path, max_body_bytes=2 * MiB, max_inflight_bytes=8 * MiB)
         cfg.tiers.cpu_bytes, cfg.tiers.disk_bytes, cfg.tiers.redis_url = 0, 0, server.url
         state = ServiceState.sidecar(cfg)
-        blobs = {key(i): _sized(i, 1) for i in range(6)}  # 6 MiB: each charged 2 MiB unread
+        blobs = {key(i): _sized(i, 1) for i in range(6)}  # 6 MiB in all
+        (redis_tier,) = state.manager.tiers
+        assert redis_tier.stored_sizes(list(blobs)) == [None] * 6  # nothing stored yet
         with running(state) as url, httpx.Client(base_url=url, timeout=60) as http:
             for k, b in blobs.items():
                 assert http.put(f"/v1/chunks/{k}", content=b).status_code == 201
@@ -276,8 +278,10 @@ def test_redis_chunks_whose_sizes_no_index_keeps_are_charged_the_ceiling_and_ser
             assert msgpack.unpackb(r.content) == [served(b) for b in blobs.values()]
             assert http.get(f"/v1/chunks/{key(0)}").content == served(blobs[key(0)])
             assert _until(lambda: state.replies.held == 0)
+            gets = redis_tier.stats.gets
             many = http.post("/v1/chunks/batch/get", json={"keys": list(blobs) * 2})
-            assert many.status_code == 413  # 12 MiB of reply: found out as it is read
+            assert many.status_code == 413  # 12 MiB of reply, known from the lengths
+            assert redis_tier.stats.gets == gets  # refused before any value was read
             assert state.replies.held == 0
     finally:
         server.cleanup()

@@ -93,3 +93,37 @@ def test_a_signal_stops_the_server_cleanly(serve, tmp_path, sig):
     for k, b in blobs.items():
         r = http.get(f"/v1/chunks/{k}")
         assert r.status_code == 200 and r.content == served(b)
+
+
+def test_a_region_read_that_got_no_answer_is_never_lent_again(serve, tmp_path):
+    """A paused server may still write a read's chunks into the region after the client
+    gave up on it: the client abandons that region (a new one for the next read) and
+    deletes it once the server answers again, so no region is written behind a lend."""
+    from kvtier.client import Client
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    proc, http = serve(shm)
+    url = str(http.base_url).rstrip("/")
+    blob = chunk(key(2), seed=2, layers=8, tokens=256)
+    with Client(url, token=TOKEN, timeout=2, shm=True) as kv:
+        kv.put_chunk(key(2), blob)
+        read = kv.get_chunks_in_region([key(2)], 1 << 20)
+        assert read is not None and bytes(read.views[0]) == served(blob)
+        del read
+        (first,) = _regions(shm)
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises((OSError, httpx.TransportError)):
+                kv.get_chunks_in_region([key(2)], 1 << 20)
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        read = kv.get_chunks_in_region([key(2)], 1 << 20)
+        assert read is not None and bytes(read.views[0]) == served(blob)
+        del read
+        assert first not in _regions(shm)  # deleted once the server answered
+        assert len(_regions(shm)) == 1  # the region the read went through instead
+
+
+def _regions(shm) -> list[str]:
+    return [name for name in os.listdir(shm) if not name.endswith(".lock")]
