@@ -216,7 +216,12 @@ def wrong_bytes(got: bytes | None, uploaded: bytes) -> int:
     from kvtier.config import DEFAULT_TENANT
 
     want = with_namespace(uploaded, DEFAULT_TENANT)
-    if got is None or got == want:
+    return 0 if got is None else differing_bytes(got, want)
+
+
+def differing_bytes(got: bytes, want: bytes) -> int:
+    """Bytes of ``got`` that differ from ``want``'s (a length difference counts in full)."""
+    if got == want:
         return 0
     n = min(len(got), len(want))
     return sum(a != b for a, b in zip(got[:n], want[:n], strict=True)) + abs(len(got) - len(want))

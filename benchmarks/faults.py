@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from kvtier.benchmarks import faults_reads, faults_tenants
+from kvtier.benchmarks import faults_clients, faults_reads, faults_tenants
 from kvtier.benchmarks.fault_parts import (
     HEALTHZ_GOAL_S,
     HealthProbe,
@@ -326,6 +326,7 @@ CASES: dict[str, Callable[[Path, dict], Row]] = {
     "load": case_metrics_and_batches_under_load,
     **faults_tenants.CASES,
     **faults_reads.CASES,
+    **faults_clients.CASES,
 }
 
 
@@ -335,12 +336,18 @@ def scales(quick: bool, sessions: int | None) -> dict:
                 "upload_bytes": 32 << 20, "redis_keys": 20_000, "batch_chunks": 8,
                 "hostile_budget": 32 << 20, "hostile_sockets": 4, "reads_budget": 32 << 20,
                 "reads_derives": 24, "reads_hold_s": 3.0, "reads_baseline": 8,
-                "redis_grown_bytes": 64 << 20}
+                "redis_grown_bytes": 64 << 20, "conn_sockets": 1100, "conn_low_sockets": 300,
+                "conn_head_timeout_s": 2.0, "turns_baseline": 6, "turns_hang_ups": 4,
+                "turns_huge": 2, "turns_huge_bytes": 2 << 20, "pause_s": 2.0,
+                "pause_chunks": 8}
     return {"files": 32, "writes": 3000, "kill_after_s": 1.5, "sessions": sessions or 1000,
             "upload_bytes": 250 << 20, "redis_keys": 300_000, "batch_chunks": 200,
             "hostile_budget": 128 << 20, "hostile_sockets": 16, "reads_budget": 64 << 20,
             "reads_derives": 24, "reads_hold_s": 3.0, "reads_baseline": 16,
-            "redis_grown_bytes": 256 << 20}
+            "redis_grown_bytes": 256 << 20, "conn_sockets": 1100, "conn_low_sockets": 300,
+            "conn_head_timeout_s": 2.0, "turns_baseline": 12, "turns_hang_ups": 8,
+            "turns_huge": 4, "turns_huge_bytes": 2 << 20, "pause_s": 4.0,
+            "pause_chunks": 16}
 
 
 @contextlib.contextmanager
