@@ -380,6 +380,10 @@ def _round_row(got: dict[str, Any], reference: dict[str, Any] | None) -> dict[st
         "held_requests": m.get("vllm:kvtier_held_requests_total"),
         "kvtier_steps": m.get("vllm:kvtier_steps_total"),
         "session_turns_reported": m.get("vllm:kvtier_session_turns_reported_total"),
+        "store_faults": {name: m.get(f"vllm:kvtier_{name}_total") for name in (
+            "store_timeouts", "store_failures", "store_breaker_opens", "skipped_lookups",
+            "skipped_loads", "skipped_saves", "refused_saves_too_large", "refused_saves_full",
+            "refused_saves_unavailable", "refused_saves_error")},
         "external_hit_tokens": m.get("vllm:external_prefix_cache_hits_total"),
         "prefix_cache_hit_tokens": m.get("vllm:prefix_cache_hits_total"),
         **_phase_means(m),
