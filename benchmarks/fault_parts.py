@@ -10,10 +10,12 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 HEALTHZ_GOAL_S = 0.1
 Row = dict[str, Any]
@@ -107,6 +109,51 @@ class Serve:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
         return 0
+
+
+class PeakRSS:
+    """The server's largest RSS, sampled every 20 ms from a thread of this process."""
+
+    def __init__(self, srv: Serve) -> None:
+        self.srv = srv
+        self.peak = srv.rss_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, self.srv.rss_bytes())
+
+    def __enter__(self) -> PeakRSS:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.srv.rss_bytes())
+
+
+class Victim(Protocol):
+    """A tenant going on with its own requests until told to stop."""
+
+    def run_until(self, done: threading.Event) -> None: ...
+
+
+T = TypeVar("T")
+
+
+def victim_during(victim: Victim, attack: Callable[[], T]) -> T:
+    """``attack()`` run while ``victim`` goes on with its requests on a thread of its own
+    (stopped, and waited for, once the attack is over): what the attack returned."""
+    done = threading.Event()
+    thread = threading.Thread(target=victim.run_until, args=(done,))
+    thread.start()
+    try:
+        return attack()
+    finally:
+        done.set()
+        thread.join()
 
 
 class Redis:

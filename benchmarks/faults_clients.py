@@ -46,13 +46,15 @@ from urllib.parse import urlsplit
 from kvtier.benchmarks.fault_parts import (
     HealthProbe,
     OpenFiles,
+    PeakRSS,
     Row,
     Serve,
     differing_bytes,
     make_chunk,
     row,
+    victim_during,
 )
-from kvtier.benchmarks.faults_reads import VICTIM_SLOWDOWN_GOAL, _Peak
+from kvtier.benchmarks.faults_reads import VICTIM_SLOWDOWN_GOAL
 from kvtier.benchmarks.faults_tenants import ALICE, MALLORY, MiB, _http, _served
 
 if TYPE_CHECKING:
@@ -193,7 +195,7 @@ def _alice_among_idle_sockets(srv: Serve, sockets: int, scale: dict) -> IdleSock
     with _http(srv.url, ALICE) as a:
         a.put(f"/v1/chunks/{old_key}", content=old).raise_for_status()
     base = srv.rss_bytes()
-    with _Peak(srv) as peak:
+    with PeakRSS(srv) as peak:
         held = _idle_sockets(srv.url, sockets)
         try:
             with _http(srv.url, ALICE) as a:  # a connection of her own among mallory's
@@ -397,15 +399,8 @@ def case_turns(work: Path, scale: dict) -> Row:
         before = median(victim.times)
         victim.times.clear()
         base = srv.rss_bytes()
-        done = threading.Event()
-        with HealthProbe(srv.url) as probe, _Peak(srv) as peak:
-            alice = threading.Thread(target=victim.run_until, args=(done,))
-            alice.start()
-            try:
-                attack = _attack_turns(srv.url, scale)
-            finally:
-                done.set()
-                alice.join()
+        with HealthProbe(srv.url) as probe, PeakRSS(srv) as peak:
+            attack = victim_during(victim, lambda: _attack_turns(srv.url, scale))
             turns = _hung_up_turns(srv.url, attack.hung_up)
         during = median(victim.times) if victim.times else float("nan")
         metrics = Scrape.of(srv.url)
@@ -660,7 +655,7 @@ def case_sidecar_pause(work: Path, scale: dict) -> Row:
         saved = sides.writer.stats.saved_blocks
         stored = _seconds_to_hit(scheduler, time.monotonic(), hit) is not None
         base = srv.rss_bytes()
-        with _Peak(srv) as peak:
+        with PeakRSS(srv) as peak:
             with _Pause(srv, scale["pause_s"]) as pause:
                 paused = _while_paused(scheduler, pause)
                 pause.resumed.wait()

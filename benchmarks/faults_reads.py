@@ -27,7 +27,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from statistics import median
 
-from kvtier.benchmarks.fault_parts import HealthProbe, Redis, Row, make_chunk, row
+from kvtier.benchmarks.fault_parts import (
+    HealthProbe,
+    PeakRSS,
+    Redis,
+    Row,
+    make_chunk,
+    row,
+    victim_during,
+)
 from kvtier.benchmarks.faults_tenants import ALICE, MALLORY, MiB, _http, _raw, _serve, _served
 
 VICTIM_SLOWDOWN_GOAL = 2.0
@@ -39,29 +47,6 @@ def _chunk_of(nbytes: int, i: int, salt: int, layers: int = 8) -> tuple[str, byt
     """A valid chunk of about ``nbytes`` (a little under: its header fits beside it)."""
     tokens = max(16, nbytes // (layers * 2 * 2 * 16 * 2) - 64)
     return make_chunk(i, tokens=tokens, layers=layers, salt=salt)
-
-
-class _Peak:
-    """The server's largest RSS, sampled every 20 ms from a thread of this process."""
-
-    def __init__(self, srv) -> None:
-        self.srv = srv
-        self.peak = srv.rss_bytes()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.02):
-            self.peak = max(self.peak, self.srv.rss_bytes())
-
-    def __enter__(self) -> _Peak:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.srv.rss_bytes())
 
 
 class _Victim:
@@ -191,16 +176,9 @@ def case_reads(work: Path, scale: dict) -> Row:
         victim.times.clear()
         time.sleep(1.0)  # settle after the uploads
         base = srv.rss_bytes()
-        done = threading.Event()
-        with HealthProbe(srv.url) as probe, _Peak(srv) as peak:
-            alice = threading.Thread(target=victim.run_until, args=(done,))
-            alice.start()
-            try:
-                codes = _attack_reads(srv.url, keys, scale)
-                took, alice_region = _take_every_region(srv.url, shm)
-            finally:
-                done.set()
-                alice.join()
+        with HealthProbe(srv.url) as probe, PeakRSS(srv) as peak:
+            codes, (took, alice_region) = victim_during(victim, lambda: (
+                _attack_reads(srv.url, keys, scale), _take_every_region(srv.url, shm)))
         during = median(victim.times) if victim.times else float("nan")
         with _http(srv.url, ALICE) as a:
             wrong = lost = 0
@@ -273,7 +251,7 @@ def case_foreign_objects(work: Path, scale: dict) -> Row:
         _foreign_files(work, bad)
         srv = _serve(work, **cfg).start()
         base = srv.rss_bytes()
-        with HealthProbe(srv.url) as probe, _Peak(srv) as peak, _http(srv.url, ALICE) as a:
+        with HealthProbe(srv.url) as probe, PeakRSS(srv) as peak, _http(srv.url, ALICE) as a:
             codes = [a.get(f"/v1/chunks/{k}").status_code for k in chunks]
             failed += sum(c != 404 for c in codes[:3]) + sum(c != 200 for c in codes[3:])
             for k, b in list(chunks.items())[3:]:
@@ -305,7 +283,7 @@ def case_foreign_objects(work: Path, scale: dict) -> Row:
             r.delete(typed_key)
             r.rpush(typed_key, b"not a chunk")
             base = srv.rss_bytes()
-            with _Peak(srv) as rpeak:
+            with PeakRSS(srv) as rpeak:
                 import msgpack
 
                 reply = a.post("/v1/chunks/batch/get", json={"keys": list(chunks)})
