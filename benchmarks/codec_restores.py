@@ -6,8 +6,9 @@ values, the serving dtype) are stored through the tier stack, which encodes them
 tier of that codec, then restored as the engine's host restore does: leased, each layer
 checked and then copied, or decoded where lossy, straight into memory that already exists
 (the pool's place) in one native pass, on the restore workers. With ``device`` a GPU, as the
-engine's restore to a GPU pool does: each chunk copied as stored to the device while the
-host checks it, and decoded there in the scatter (``transfer.device_restore``). ``kv_GBps`` is KV delivered per second (decoded bytes);
+engine's restore to a GPU pool does: a window of chunks copied as stored to the device,
+checked and decoded there, then scattered (both through ``transfer.block_path``).
+``kv_GBps`` is KV delivered per second (decoded bytes);
 ``none_kv_GBps`` the same for the uncompressed chunks in the same round. Rounds interleave
 the codecs; the median round is reported. ``tokens_held_ratio``: how many more tokens a
 tier of fixed bytes holds (stored bytes of ``none`` over the codec's, headers included).
@@ -28,12 +29,9 @@ import torch
 
 from kvtier.chunk_format import encode_chunk
 from kvtier.connectors.tiers.base import ChunkWrite, Tier
-from kvtier.connectors.tiers.chunk_workers import map_restore
 from kvtier.connectors.tiers.manager import TierManager
-from kvtier.gpu_pool.kernels.host_native import scatter_blocks_verified
 from kvtier.kv_codecs import Codec
-from kvtier.transfer.lossy_restore import scatter_lossy
-from kvtier.transfer.restore import RESTORE_GROUP_BYTES
+from kvtier.transfer.block_path import BlockSpan, CacheBlocks, scatter
 
 FP = b"bench-codec-restores"
 
@@ -108,59 +106,31 @@ def restore_rows(setup: RestoreSetup, codecs: list[Codec], redis_url: str | None
 
 def _restore(manager: TierManager, keys: list[str], kvs: list[torch.Tensor], device: str
              ) -> float:
-    """Seconds to lease, check, decode and copy every chunk into existing memory; the KV
-    delivered is checked against what was stored (exact for ``none``, close otherwise)."""
-    dst = [torch.zeros_like(kv) for kv in kvs]  # memory that exists (faulted in)
-
-    def one(item: tuple[Any, torch.Tensor]) -> bool:
-        """As the engine's host restore: each layer checked, then copied (uncompressed)
-        or decoded (lossy) into place in one native pass; ``out`` is a pool of one block
-        holding the whole chunk."""
-        chunk, out = item
-        if chunk is None:
-            return False
-        layers, _, tokens, heads, dim = chunk.header.shape
-        pool = out.view(layers, 1, 2, tokens, heads, dim)
-        if chunk.header.lossy:
-            scatter_lossy(chunk, 0, layers, 0, pool, [0])
-            return True
-        for a, b, sums in chunk.read_groups(RESTORE_GROUP_BYTES):
-            if scatter_blocks_verified(chunk.kv[a:b], sums, 0, pool[a:b], [0]) >= 0:
-                return False
-        return True
-
-    t0 = time.perf_counter()
-    with manager.lease_chunks(keys) as lent:
-        ok = map_restore(one, list(zip(lent, dst, strict=True)))
-    elapsed = time.perf_counter() - t0
-    if not all(ok):
-        raise RuntimeError(f"{ok.count(False)} of {len(keys)} chunks were not restored")
-    _check_delivered(dst, kvs)
-    return elapsed
+    """Seconds to lease, check, decode and copy every chunk into existing memory, as the
+    engine's restore does (the block path); the KV delivered is checked against what was
+    stored (exact for ``none``, close otherwise)."""
+    return _restore_to_device(manager, keys, kvs, device)
 
 
 def _restore_to_device(manager: TierManager, keys: list[str], kvs: list[torch.Tensor],
                        device: str) -> float:
-    """Seconds to lease every chunk and restore it into a pool on ``device`` as the engine
-    does (copied as stored while the host checks it; lossy chunks decoded in the scatter),
-    all copies done; the pool holds one chunk per block."""
-    from kvtier.transfer.device_restore import copy_then_check
-
+    """Seconds to lease every chunk and restore it into a pool on ``device`` through the
+    block path, all copies done; the pool (faulted in before) holds one chunk per block."""
     layers, two, tokens, heads, dim = kvs[0].shape
     pool = torch.zeros((layers, len(kvs), two, tokens, heads, dim), dtype=kvs[0].dtype,
                        device=device)
-    side = torch.cuda.Stream(pool.device) if pool.is_cuda else None
-    spans = [(0, [i]) for i in range(len(kvs))]
+    cache = CacheBlocks.of_pool(pool)
+    spans = [BlockSpan.of([i]) for i in range(len(kvs))]
     if pool.is_cuda:
         torch.cuda.synchronize(pool.device)
     t0 = time.perf_counter()
     with manager.lease_chunks(keys) as lent:
         if any(p is None for p in lent):
             raise RuntimeError("a chunk was not found")
-        failed = copy_then_check(pool, lambda: side, lent, spans, 0)
+        done = scatter(lent, spans, cache)  # type: ignore[arg-type]
     elapsed = time.perf_counter() - t0
-    if failed:
-        raise RuntimeError(f"chunks failed to restore: {failed}")
+    if done.reason is not None:
+        raise RuntimeError(f"chunk {done.served} failed to restore: {done.reason}")
     _check_delivered([pool[:, i].cpu() for i in range(len(kvs))], kvs)
     return elapsed
 

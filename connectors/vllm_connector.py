@@ -70,12 +70,12 @@ from kvtier.connectors.save_refusals import ram_tier_problem
 from kvtier.connectors.store_breaker import StoreDeadlines
 from kvtier.connectors.tiers.codec_setup import CodecContext
 from kvtier.connectors.vllm_blocks import DEFAULT_CHUNK_TOKENS, ChunkGrid, Rank, Role, StepPlan
-from kvtier.connectors.vllm_device_io import ENCODABLE
 from kvtier.connectors.vllm_metrics import Deltas, KVTierPromMetrics, KVTierStats
 from kvtier.connectors.vllm_policy import LoadObservation, LoadPolicy, LoadTiming
 from kvtier.connectors.vllm_scheduler import SchedulerSide
 from kvtier.connectors.vllm_worker import WorkerSide
 from kvtier.errors import ConfigError
+from kvtier.kv_codecs import ENCODABLE
 from kvtier.models.weights_digest import checkpoint_digest
 
 if TYPE_CHECKING:

@@ -1,21 +1,23 @@
 """The worker side of kvtier's vLLM connector: vLLM's per-layer cache tensors to and from
-the store, one copy and one checksum pass per block each way.
+the store. This side keeps the bookkeeping (which chunk goes to which blocks, what a
+chunk must be to be loaded, what failed); the bytes move through kvtier's one block path
+(:mod:`kvtier.transfer.block_path`), as the engine's do.
 
 A chunk holds ``chunk_blocks`` of vLLM's blocks (:mod:`.vllm_blocks`) of every layer, laid
-out layer-major as every kvtier chunk: per layer the K halves of its blocks, then their V
-halves. A save gathers each layer's blocks straight into memory the store provides (a CPU
-arena slot in-process; a staging buffer an upload goes out of) and checksums each group of
-layers while it is still in cache (:func:`~kvtier.chunk_format.encode_into`), on a
-background thread (:mod:`.vllm_saves`), off vLLM's forward path. A load scatters a lent
-chunk (a view of the arena's slot, or of the buffer a file or a reply was read into)
-straight into vLLM's cache, each group of layers checked right before it is copied; blocks
+out layer-major as every kvtier chunk: per layer the first halves of its blocks (K), then
+their second halves (V). A save gathers the blocks straight into memory the store provides
+(a CPU arena slot in-process; a staging buffer an upload goes out of) with each layer's
+checksum, on a background thread (:mod:`.vllm_saves`), off vLLM's forward path. A load
+scatters the lent chunks (views of the arena's slots, or of the buffers a file or a reply
+was read into) into vLLM's cache, each layer checked against its stored checksum; blocks
 vLLM computed already are left alone. A chunk that is missing, corrupt, of another layout
-or of another rank is reported as a load error and vLLM recomputes its blocks: never wrong
-KV. vLLM's blocks are copied whole, never reinterpreted: the chunk's nominal shape only
-carries the bytes, the fingerprint names the real layout and the rank. A tier that keeps
-chunks compressed (``tiers.<tier>_codec``) encodes those values of the cache's dtype, K
-apart from V, in groups of the nominal rows; such a chunk is decoded on load (where this
-connector takes its codec, ``accept_codecs``).
+or of another rank is not loaded, nor is any later chunk of the request: their blocks are
+load errors, and vLLM recomputes them (never wrong KV). vLLM's blocks are copied whole,
+never reinterpreted: the chunk's nominal shape only carries the bytes, the fingerprint
+names the real layout and the rank. A tier that keeps chunks compressed
+(``tiers.<tier>_codec``) encodes those values of the cache's dtype, K apart from V, in
+groups of the nominal rows (on a GPU, encoded there); such a chunk is decoded on load
+(where this connector takes its codec, ``accept_codecs``).
 """
 
 from __future__ import annotations
@@ -27,39 +29,25 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
-import numpy as np
 import torch
 
-from kvtier.chunk_format import DTYPES, chunk_layout, encode_into
+from kvtier.chunk_format import DTYPES, chunk_layout, encode_chunk, encode_into
 from kvtier.connectors.chunk_store import ChunkStore
 from kvtier.connectors.save_refusals import SaveRefusals
 from kvtier.connectors.store_breaker import StoreUnavailableError, fault_of
 from kvtier.connectors.tiers.base import ChunkWrite
-from kvtier.connectors.tiers.chunk_workers import map_restore
 from kvtier.connectors.tiers.derived import TokenRange
 from kvtier.connectors.tiers.lent_chunk import LentChunk
 from kvtier.connectors.vllm_blocks import ChunkGrid, ChunkSpan, ChunkTransfer, Rank
-from kvtier.connectors.vllm_device_blocks import BlockMove, DeviceBlocks
-from kvtier.connectors.vllm_device_io import DeviceIO
 from kvtier.connectors.vllm_loads import LoadQueue
-from kvtier.connectors.vllm_pieces import BlockPieces, CacheLayer
 from kvtier.connectors.vllm_policy import LoadObservation
 from kvtier.connectors.vllm_saves import SaveQueue
 from kvtier.errors import ChunkError, ChunkMismatchError, InvalidArgumentError
-from kvtier.gpu_pool.kernels.host_native import (
-    gather_pieces_hashed,
-    scatter_chunks_verified,
-    scatter_pieces_verified,
-)
-from kvtier.kv_codecs import Codec
+from kvtier.kv_codecs import ENCODABLE, Codec
 from kvtier.policies.eviction import ChunkInfo
-from kvtier.transfer.lossy_restore import LOSSY_GROUP_BYTES, decode_scratch
+from kvtier.transfer.block_path import BlockSpan, CacheBlocks, gather, scatter
 
 log = logging.getLogger(__name__)
-
-GROUP_BYTES = 4 << 20
-"""Layers are gathered and checksummed, or checked and scattered, this many bytes at a time."""
-
 
 def rank_fingerprint(fingerprint: bytes, rank: Rank) -> bytes:
     """What a rank's chunks carry in their header: the model and layout, and the rank."""
@@ -86,12 +74,16 @@ class WorkerStats:
 
 
 @dataclass(frozen=True)
-class _Item:
-    """One chunk to scatter: its storage key, its blocks, and what the store lent."""
+class CacheLayer:
+    """One layer's cache tensor and the dimension that indexes its blocks."""
 
-    key: str
-    span: ChunkSpan
-    chunk: LentChunk | None
+    name: str
+    kv: torch.Tensor
+    block_dim: int
+
+    def block(self, block_id: int) -> torch.Tensor:
+        """The layer's block (K and V), a view of the cache."""
+        return self.kv.select(self.block_dim, block_id)
 
 
 class WorkerSide:
@@ -102,7 +94,8 @@ class WorkerSide:
     def __init__(self, store: Callable[[], ChunkStore], grid: ChunkGrid, rank: Rank = Rank(),
                  background: bool = False, idle_saves: bool = False,
                  async_loads: bool = False, accept_codecs: frozenset[str] | None = None,
-                 saves_yield: bool | None = False, save_step_gap_s: float | None = None) -> None:
+                 saves_yield: bool | None = False, save_step_gap_s: float | None = None,
+                 device_copies: bool | None = None) -> None:
         self._store = store
         self.accept_codecs = accept_codecs
         """The codecs of stored KV this worker loads (None: whatever the store lends, which
@@ -111,9 +104,10 @@ class WorkerSide:
         self.rank = rank
         self.fingerprint = rank_fingerprint(grid.fingerprint, rank)
         self.layers: list[CacheLayer] = []
-        self._host = False
-        self._pieces: BlockPieces | None = None
-        self._device: DeviceIO | None = None
+        self.device_copies = device_copies
+        """Whether the caches' blocks move by device kernels (None: where they lie on a
+        GPU; True on the host runs them under Triton's interpreter, for tests)."""
+        self.cache: CacheBlocks | None = None
         self.stats = WorkerStats()
         self.saves = SaveQueue(background, idle_saves, yield_to_prefill=bool(saves_yield),
                                step_gap_s=save_step_gap_s)
@@ -141,20 +135,15 @@ class WorkerSide:
                 raise InvalidArgumentError(
                     f"kvtier connector: layer {name} has KV shape {tuple(kv.shape)}, with no "
                     f"block dimension of size {num_blocks} in its first two dims")
-            layers.append(CacheLayer.of(name, kv, dims[0]))
-        if len({(layer.kv.dtype, layer.block(0).numel()) for layer in layers}) > 1:
-            raise InvalidArgumentError("kvtier connector: every layer's block must have one "
-                                       "dtype and size (one chunk holds them all)")
-        self.layers = layers
-        self._host = all(layer.host is not None for layer in layers)
-        """Every layer a host cache: copies in numpy (else index kernels, e.g. on a GPU)."""
-        self._device = (None if self._host else
-                        DeviceIO(DeviceBlocks.of(layers), layers[0].kv.dtype, len(layers)))
-        if self._saves_yield is None:
-            self.saves.yield_to_prefill = self._host and self.saves.background
-        self._pieces = BlockPieces.of(layers, num_blocks)
-        """Host caches whose blocks the fused native copy can take (copy and checksum in
-        one pass); None: numpy or torch copies, checksums apart."""
+            layers.append(CacheLayer(name, kv, dims[0]))
+        try:
+            cache = CacheBlocks.of_layers([(layer.kv, layer.block_dim) for layer in layers],
+                                          self.grid.block_size, self.device_copies)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"kvtier connector: {exc}") from exc
+        self.layers, self.cache = layers, cache
+        if self._saves_yield is None:  # a host cache's prefill and the saves share the cores
+            self.saves.yield_to_prefill = not cache.on_device and self.saves.background
 
     # ----------------------------------------------------------------- the layout
     def chunk_shape(self, blocks: int) -> tuple[int, int, int, int, int]:
@@ -234,27 +223,33 @@ class WorkerSide:
 
     def _write(self, span: ChunkSpan, session: str | None = None) -> ChunkWrite:
         key = ChunkGrid.rank_key(span.key, self.rank)
-        ids, fp, dtype = span.targets, self.fingerprint, self.dtype
+        ids, fp, dtype, cache = span.targets, self.fingerprint, self.dtype, self._cache
         if len(ids) != len(span.block_ids):
             raise InvalidArgumentError(f"a save of chunk {key} must name every block")
         shape = self.chunk_shape(len(ids))
         _, total = chunk_layout(key, fp, dtype, shape)
         info = ChunkInfo(total, session, span.first_block) if session else None
-        pieces = self._pieces
-        if pieces is not None:  # copied and checksummed in one native pass
-            addrs, layout = pieces.at_chunk(ids), pieces.layout(len(ids))
-            return ChunkWrite(key, total, info=info, fill=lambda slot: encode_into(
-                slot, key, fp, dtype, shape, lambda part: gather_pieces_hashed(part, addrs, layout)))
-        device = self._device
-        if device is not None:  # gathered on the device (encoded there for a lossy tier)
-            codec = self._store().landing_codec() if device.on_cuda else Codec.NONE
-            if device.encodes(codec):
-                return ChunkWrite.of_blob(key, device.encoded(key, fp, ids, shape, codec), info)
-            return ChunkWrite(key, total, info=info, fill=lambda slot: encode_into(
-                slot, key, fp, dtype, shape, lambda part: device.fill(part, ids)))
+        blocks, tokens = BlockSpan.of(ids), shape[2]
+        if cache.device.type == "cuda":  # into a compressed tier: encoded on the GPU
+            codec = self._store().landing_codec()
+            if codec is not Codec.NONE and dtype in ENCODABLE:
+                return ChunkWrite.of_blob(key, self._encoded(key, blocks, shape, codec), info)
         return ChunkWrite(key, total, info=info, fill=lambda slot: encode_into(
-            slot, key, fp, dtype, shape, lambda part, a, b: _gather_host(self.layers, part, a, b, ids),
-            GROUP_BYTES))
+            slot, key, fp, dtype, shape, lambda part: gather(cache, blocks, tokens, part)))
+
+    def _encoded(self, key: str, blocks: BlockSpan, shape: tuple[int, ...], codec: Codec) -> bytes:
+        """The chunk of ``blocks`` gathered on the device and encoded there by ``codec``
+        (only the encoded bytes cross)."""
+        cache = self._cache
+        kv = torch.empty(shape, dtype=self.dtype, device=cache.device)
+        gather(cache, blocks, shape[2], kv, hashed=False)  # queued before the encode
+        return encode_chunk(key, self.fingerprint, kv, codec)
+
+    @property
+    def _cache(self) -> CacheBlocks:
+        if self.cache is None:
+            raise InvalidArgumentError("kvtier connector: no caches registered")
+        return self.cache
 
     def finished(self, finished_req_ids: set[str]) -> set[str]:
         """Requests vLLM finished whose saves have all landed (their blocks may go)."""
@@ -325,18 +320,23 @@ class WorkerSide:
         return done
 
     def _load_one(self, load: ChunkTransfer) -> set[int]:
-        """One request's planned chunks scattered; the blocks not loaded."""
+        """One request's planned chunks scattered, in order up to the first that cannot
+        be (missing, foreign, corrupt): its blocks and every later chunk's are not loaded
+        (vLLM recomputes them). The blocks not loaded."""
         t0 = time.perf_counter()
         keys = [ChunkGrid.rank_key(span.key, self.rank) for span in load.chunks]
         loaded: set[int] = set()
         try:
             with self._store().get_into(keys) as lent:
-                items = [_Item(k, s, c) for k, s, c in zip(keys, load.chunks, lent, strict=True)]
-                for item, error in zip(items, self._scatter_all(items), strict=True):
-                    if error is None:
-                        loaded.update(item.span.targets)
-                    else:
-                        log.warning("kvtier load of chunk %s failed (recomputed): %s", item.key, error)
+                usable, why = self._usable(keys, load.chunks, lent)
+                spans = [BlockSpan.of(span.block_ids) for span in load.chunks[: len(usable)]]
+                done = scatter(usable, spans, self._cache)
+                for span in load.chunks[: done.served]:
+                    loaded.update(span.targets)
+                why = done.reason or why
+                if why is not None:
+                    log.warning("kvtier load of chunk %s failed (it and the rest recomputed): %s",
+                                keys[len(usable) if done.reason is None else done.served], why)
         except StoreUnavailableError:
             pass  # set aside after a failure: counted by the store, every block recomputed
         except Exception as exc:  # noqa: BLE001 - every block not loaded is an error
@@ -354,130 +354,35 @@ class WorkerSide:
             self.stats.loaded_blocks += len(loaded)
         return missed
 
-    def _scatter_all(self, items: list[_Item]) -> list[ChunkError | None]:
-        """Each lent chunk scattered into its blocks, or why not. Whole chunks of one size
-        into a fused host cache go in few native calls, half on each restore worker; the
-        rest (a chunk still being read) one by one, two at a time."""
-        if self._device is not None:
-            return self._scatter_device(items, self._device)
-        if self._pieces is None:
-            return map_restore(self._scatter, items)
-        out: list[ChunkError | None] = [None] * len(items)
-        whole: dict[int, list[int]] = {}
-        rest: list[int] = []
-        for i, item in enumerate(items):
+    def _usable(self, keys: list[str], spans: list[ChunkSpan], lent: list[LentChunk | None]
+                ) -> tuple[list[LentChunk], str | None]:
+        """The leading lent chunks that are this connector's (stored, of this model,
+        layout, rank and codec), and why the next one is not."""
+        usable: list[LentChunk] = []
+        for key, span, chunk in zip(keys, spans, lent, strict=True):
             try:
-                self._check(item)
+                usable.append(self._check(key, span, chunk))
             except ChunkError as exc:
-                out[i] = exc
-                continue
-            if item.chunk.reading is None and not item.chunk.header.lossy:  # type: ignore[union-attr]
-                whole.setdefault(len(item.span.block_ids), []).append(i)
-            else:
-                rest.append(i)
-        halves = [h for same in whole.values() for h in (same[0::2], same[1::2]) if h]
-        done = map_restore(lambda idxs: self._scatter_whole([items[i] for i in idxs]), halves)
-        for half, errors in zip(halves, done, strict=True):
-            for i, error in zip(half, errors, strict=True):
-                out[i] = error
-        for i, error in zip(rest, map_restore(self._scatter, [items[i] for i in rest]), strict=True):
-            out[i] = error
-        return out
+                return usable, str(exc)
+        return usable, None
 
-    def _scatter_whole(self, items: list[_Item]) -> list[ChunkError | None]:
-        """Whole chunks of one size checked and scattered in as few native calls as
-        failures allow; a chunk that fails a layer is recorded on it (dropped from its tier
-        after the lease)."""
-        pieces = self._pieces
-        assert pieces is not None
-        chunks = [item.chunk for item in items]
-        assert all(c is not None for c in chunks)
-        blocks = len(items[0].span.block_ids)
-        expected = np.array([c.header.layer_checksums for c in chunks], dtype=np.uint64)  # type: ignore[union-attr]
-        dsts = np.stack([pieces.at_chunk(i.span.block_ids) for i in items])
-        failures = scatter_chunks_verified(
-            [c.payload for c in chunks], expected, dsts, pieces.layout(blocks))  # type: ignore[union-attr]
-        out: list[ChunkError | None] = [None] * len(items)
-        for i, layer in failures:
-            try:
-                chunks[i].fail(layer)  # type: ignore[union-attr]
-            except ChunkError as exc:
-                out[i] = exc
-        return out
-
-    def _scatter(self, item: _Item) -> ChunkError | None:
-        """Scatter one lent chunk into its blocks (two at a time, on the restore workers);
-        why it could not be, or None."""
-        try:
-            self._check(item)
-            chunk, span = item.chunk, item.span
-            assert chunk is not None
-            if chunk.header.lossy:
-                self._scatter_decoded(chunk, span)
-            elif self._pieces is not None:
-                _scatter_fused(chunk, span, self._pieces)
-            else:
-                self._scatter_copies(chunk, span)
-        except ChunkError as exc:
-            return exc
-        return None
-
-    def _scatter_copies(self, chunk: LentChunk, span: ChunkSpan) -> None:
-        """Host caches without the native copy: each group of layers checked, then copied
-        block by block (numpy)."""
-        n = len(span.block_ids)
-        src = chunk.payload.numpy().reshape(len(self.layers), 2, n, -1)
-        for a, b in chunk.checked_groups(GROUP_BYTES):
-            for i, layer in enumerate(self.layers[a:b], start=a):
-                for j, block_id in _todo(span):
-                    dst = layer.host_block(block_id)
-                    np.copyto(dst, src[i, :, j].reshape(dst.shape))
-
-    def _scatter_decoded(self, chunk: LentChunk, span: ChunkSpan) -> None:
-        """A lossy chunk (kept encoded by its tier, issue 33) into host caches: each group
-        of layers checked, decoded into this thread's reused scratch, then copied block by
-        block."""
-        n = len(span.block_ids)
-        for a, b in chunk.checked_groups(LOSSY_GROUP_BYTES):
-            src = chunk.layer_kv(a, b, decode_scratch(chunk, b - a)).view(b - a, 2, n, -1)
-            for i, layer in enumerate(self.layers[a:b]):
-                for j, block_id in _todo(span):
-                    dst = layer.block(block_id)
-                    dst.copy_(src[i, :, j].reshape(dst.shape))
-
-    def _scatter_device(self, items: list[_Item], device: DeviceIO) -> list[ChunkError | None]:
-        """Caches off the host (:mod:`.vllm_device_io`): each chunk checked as this
-        connector's, then verified and scattered there."""
-        out: list[ChunkError | None] = [None] * len(items)
-        ready: list[int] = []
-        for i, item in enumerate(items):
-            try:
-                self._check(item)
-                ready.append(i)
-            except ChunkError as exc:
-                out[i] = exc
-        moves = [BlockMove(tuple(_todo(items[i].span)), len(items[i].span.block_ids)) for i in ready]
-        errors = device.scatter([items[i].chunk for i in ready], moves)  # type: ignore[misc]
-        for i, error in zip(ready, errors, strict=True):
-            out[i] = error
-        return out
-
-    def _check(self, item: _Item) -> None:
+    def _check(self, key: str, span: ChunkSpan, chunk: LentChunk | None) -> LentChunk:
         """The chunk is stored, and is this model's, layout's and rank's: its fingerprint,
         dtype and shape."""
-        if item.chunk is None:
-            raise ChunkError(f"chunk {item.key} is not stored")
-        header = item.chunk.header
+        if chunk is None:
+            raise ChunkError(f"chunk {key} is not stored")
+        header = chunk.header
         if header.fingerprint != self.fingerprint:
             raise ChunkMismatchError(f"chunk {header.key} was written for another model, "
                                      "layout or rank")
         if header.lossy and self.accept_codecs is not None and header.codec not in self.accept_codecs:
             raise ChunkMismatchError(f"chunk {header.key} holds {header.codec} KV; this "
                                      f"connector takes {', '.join(sorted(self.accept_codecs))}")
-        if header.first_layer or tuple(header.shape) != self.chunk_shape(len(item.span.block_ids)) or (
+        if header.first_layer or tuple(header.shape) != self.chunk_shape(len(span.block_ids)) or (
                 DTYPES.get(header.dtype) != self.dtype):
             raise ChunkMismatchError(f"chunk {header.key} holds {header.shape} of "
                                      f"{header.dtype}, not these blocks of this cache")
+        return chunk
 
     def take_observations(self) -> list[LoadObservation]:
         """The loads made since the last call (bytes and seconds), for the scheduler's policy."""
@@ -493,34 +398,6 @@ class WorkerSide:
         if self.loads is not None:
             self.loads.close()
         self.saves.close()
-
-
-def _scatter_fused(chunk: LentChunk, span: ChunkSpan, pieces: BlockPieces) -> None:
-    """Each group of layers checked and copied in one native pass (a chunk in memory
-    in one call; one still being read, group by group as its layers land)."""
-    blocks = len(span.block_ids)
-    dsts, layout = pieces.at_chunk(span.block_ids), pieces.layout(blocks)
-    step, per = chunk.header.layer_nbytes, layout.per_layer
-    group = GROUP_BYTES if chunk.reading is not None else 1 << 62
-    for a, b, sums in chunk.read_groups(group):
-        part = chunk.payload[a * step : b * step]
-        bad = scatter_pieces_verified(part, sums, dsts[per * a : per * b], layout, a)
-        if bad >= 0:
-            chunk.fail(a + bad)
-
-
-def _gather_host(layers: list[CacheLayer], part: torch.Tensor, a: int, b: int, ids: list[int]) -> None:
-    """Layers ``[a, b)`` of blocks ``ids`` of host caches into ``part`` (numpy)."""
-    n = len(ids)
-    dst = part.view(torch.uint8).numpy().reshape(b - a, 2, n, -1)
-    for i, layer in enumerate(layers[a:b]):
-        for j, block_id in enumerate(ids):
-            np.copyto(dst[i, :, j], layer.host_block(block_id).reshape(2, -1))
-
-
-def _todo(span: ChunkSpan) -> list[tuple[int, int]]:
-    """``(j, block id)`` for the span's blocks to fill (vLLM computed the others)."""
-    return [(j, b) for j, b in enumerate(span.block_ids) if b is not None]
 
 
 def _planned_blocks(load: ChunkTransfer) -> set[int]:

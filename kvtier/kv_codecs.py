@@ -48,6 +48,8 @@ GROUP = 32
 """Values sharing one exponent (along head_dim, or along tokens for int4 keys)."""
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+ENCODABLE = _FLOATS
+"""Cache dtypes a lossy codec encodes (an fp8 cache is stored as it is)."""
 _EXP_MIN, _EXP_MAX = -127, 127
 _QUANTUM = {torch.float32: -149, torch.bfloat16: -133, torch.float16: -24}
 """log2 of each KV dtype's smallest subnormal: no decoded value may be finer."""

@@ -11,8 +11,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvtier.chunk_format import chunk_layout, encode_into
-from kvtier.gpu_pool.kernels import copy_host, gather_blocks, gather_blocks_host, host_native
-from kvtier.gpu_pool.kernels.host_native import gather_blocks_hashed
+from kvtier.gpu_pool.kernels import copy_host
+from kvtier.transfer.block_path import BlockSpan, CacheBlocks, gather
 
 GROUP_BYTES = 4 << 20
 """Layers are gathered and checksummed this many bytes at a time (see ``encode_into``)."""
@@ -57,23 +57,12 @@ def copied_from(t: torch.Tensor) -> ChunkSource:
     return ChunkSource(tuple(t.shape), t.dtype, lambda part, a, b: copy_host(part, t[a:b]))
 
 
-def gathered_from(kv: torch.Tensor, ids: list[int], num_tokens: int) -> ChunkSource:
-    """A chunk gathered straight from the pool's blocks ``ids``: on the host copied and
-    checksummed in one native pass where the kernel is built, else a group of layers at
-    a time; on CUDA gathered on the device, then one copy per group of layers to the
-    host, waited for."""
+def gathered_from(cache: CacheBlocks, ids: list[int], num_tokens: int) -> ChunkSource:
+    """A chunk gathered straight from the pool's blocks ``ids`` through the block path,
+    each layer's checksum computed as it is copied (on the host by the fused native copy;
+    on a GPU by the device hash before one copy to the host slot)."""
+    kv = cache.tensors[0]
     shape = (kv.shape[0], 2, num_tokens, kv.shape[4], kv.shape[5])
-    if not kv.is_cuda:  # on the calling thread (chunks are encoded two at a time)
-        if host_native.AVAILABLE:
-            return ChunkSource(shape, kv.dtype, lambda part, a=0, b=None: gather_blocks_hashed(
-                kv[a:b], ids, num_tokens, part), whole=True)
-        return ChunkSource(shape, kv.dtype,
-                           lambda part, a, b: gather_blocks_host(kv[a:b], ids, num_tokens, part))
-    dev: list[torch.Tensor] = []
-
-    def fill(part: torch.Tensor, a: int, b: int) -> None:
-        if not dev:
-            dev.append(gather_blocks(kv, ids, num_tokens=num_tokens))
-        part.copy_(dev[0][a:b])
-
-    return ChunkSource(shape, kv.dtype, fill)
+    span = BlockSpan.of(ids)
+    return ChunkSource(shape, kv.dtype, lambda part: gather(cache, span, num_tokens, part),
+                       whole=True)

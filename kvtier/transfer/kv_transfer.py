@@ -24,9 +24,9 @@ from kvtier.chunk_keys import ChunkKey, chunk_keys
 from kvtier.connectors.tiers.base import ChunkWrite
 from kvtier.connectors.tiers.manager import TierManager
 from kvtier.errors import InvalidArgumentError
-from kvtier.gpu_pool.kernels import gather_blocks
 from kvtier.hashing import chain_hashes
 from kvtier.policies.eviction import ChunkInfo
+from kvtier.transfer.block_path import BlockSpan, gather
 from kvtier.transfer.chunk_sources import ChunkSource, copied_from, gathered_from
 from kvtier.transfer.pool_owner import PoolOwner
 from kvtier.transfer.restore import LoadReport, Restorer
@@ -81,7 +81,7 @@ class KVTransfer:
         self.chunk_tokens = chunk_tokens
         self._stream: torch.cuda.Stream | None = None
         self._staged = StagedPuts(manager, runner.fingerprint)
-        self.restorer = Restorer(runner, manager, self._keys, self._side_stream, stream)
+        self.restorer = Restorer(runner, manager, self._keys, stream)
 
     # ----------------------------------------------------------------- restore
     def load(self, token_ids: Sequence[int], stored_tokens: int | None = None,
@@ -192,19 +192,19 @@ class KVTransfer:
             offset, total = chunk_layout(ck.key, self.runner.fingerprint, kv.dtype, shape)
             buf = snap.buffers[ck.key] = self.manager.staging.acquire(total)
             snap.tensors[ck.key] = buf[offset:total].view(kv.dtype).view(shape)
-        if kv.is_cuda:
+        cache = self.restorer.cache
+        if kv.is_cuda:  # queued on the side stream; ``ready`` says when it is done
             stream = self._side_stream()
             stream.wait_stream(torch.cuda.current_stream(kv.device))
             with torch.cuda.stream(stream):
                 for ck, ids in todo:
-                    dev = gather_blocks(kv, ids, num_tokens=ck.num_tokens)
-                    snap.tensors[ck.key].copy_(dev, non_blocking=True)
-                    dev.record_stream(stream)
+                    gather(cache, BlockSpan.of(ids), ck.num_tokens, snap.tensors[ck.key],
+                           hashed=False)
                 snap.ready = torch.cuda.Event()
                 snap.ready.record(stream)
         else:
             for ck, ids in todo:
-                gather_blocks(kv, ids, num_tokens=ck.num_tokens, out=snap.tensors[ck.key])
+                gather(cache, BlockSpan.of(ids), ck.num_tokens, snap.tensors[ck.key], hashed=False)
         return snap
 
     def _side_stream(self) -> torch.cuda.Stream:
@@ -246,8 +246,8 @@ class KVTransfer:
         the stored prefix."""
         snap, todo = self._plan(token_ids, self._tier_index(tier) if raise_copies else None,
                                 namespace)
-        kv = self._pool.storage.kv
-        sources = {ck.key: gathered_from(kv, ids, ck.num_tokens) for ck, ids in todo}
+        cache = self.restorer.cache
+        sources = {ck.key: gathered_from(cache, ids, ck.num_tokens) for ck, ids in todo}
         return self._write(snap, sources, tier, owner)
 
     def _write(

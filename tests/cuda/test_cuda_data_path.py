@@ -160,7 +160,7 @@ def test_compressed_restore_decodes_on_the_device(device, sizes, model_dir, tmp_
     tier = _tier("disk", runner, sizes.chunk_tokens, tmp_path)
     tier.codec = Codec(codec)
     xfer = _transfer(runner, tier, sizes.chunk_tokens)
-    xfer.restorer.copy_then_check = True  # the device route, also on the CPU dry run
+    xfer.restorer.device_copies = True  # the device route, also on the CPU dry run
     saved = xfer.save(tokens)
     assert saved.tokens and not saved.failed
     xfer.evict(tokens)

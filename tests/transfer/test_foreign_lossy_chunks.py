@@ -55,7 +55,7 @@ def test_a_foreign_lossy_chunk_ends_the_restore_and_is_dropped(model_dir, tmp_pa
     tier = DiskTier(tmp_path / "disk", fsync=False)
     tier.codec = codec
     xfer = KVTransfer(runner, TierManager([tier], fingerprint=runner.fingerprint), CHUNK)
-    xfer.restorer.copy_then_check = route == "device-route"
+    xfer.restorer.device_copies = route == "device-route"
     saved = xfer.save(tokens)
     assert saved.stored == 3
     key = saved.keys[1]

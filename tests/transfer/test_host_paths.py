@@ -27,7 +27,7 @@ def model_dir(tmp_path_factory):
     return make_model("tiny", tmp_path_factory.mktemp("m") / "tiny", seed=3).path
 
 
-@pytest.fixture(params=["fused", "numpy", "copy-then-check"])
+@pytest.fixture(params=["fused", "numpy", "device-copies"])
 def path(request, monkeypatch):
     """The restore's host route: checked group by group as it is copied (native, or numpy),
     or, as a restore to a GPU does it, copied while the restore workers check it."""
@@ -50,7 +50,7 @@ def _saved(model_dir, tier_kind: str, tmp_path, n: int = 192, seed: int = 0, pat
     tier = (CPUTier(16 * chunk_bytes, chunk_bytes) if tier_kind == "cpu"
             else DiskTier(tmp_path / "disk", fsync=False))
     xfer = KVTransfer(runner, TierManager([tier], fingerprint=runner.fingerprint), CHUNK)
-    xfer.restorer.copy_then_check = path == "copy-then-check"
+    xfer.restorer.device_copies = path == "device-copies"
     ids = runner.pool.manager.match_prefix(tokens, runner.fingerprint)
     before = gather_blocks(runner.pool.storage.kv, ids).clone()
     return runner, tokens, xfer, tier, xfer.save(tokens), before

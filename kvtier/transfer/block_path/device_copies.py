@@ -1,0 +1,268 @@
+"""The block path's device copies: a window of chunks at a time, checked where the bytes land.
+
+A window's stored bytes cross to the device back to back into one reused staging buffer
+(DMA from the lent host slots, which the host does not touch); one hash launch checks every
+layer of every chunk there against its stored xxh3, bit-exact with the host's
+(:mod:`kvtier.gpu_pool.kernels.triton_xxh3`); a compressed chunk is decoded on the device;
+one launch then copies every half-block piece of the window into the cache
+(:mod:`kvtier.gpu_pool.kernels.triton_pieces`). Nothing waits for the check before the
+scatter: the caller serves only the chunks before the first that failed, and the blocks of
+that chunk and every later one are recomputed, so the bytes that landed there are
+overwritten before attention reads them. The host's cores stay off the critical path.
+
+A save mirrors it: the chunk's blocks gathered into staging in one launch, hashed there,
+then one copy into the host slot; the host writes only the header.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvtier.chunk_format import DTYPES
+from kvtier.connectors.tiers.lent_chunk import LentChunk
+from kvtier.errors import ChunkFormatError
+from kvtier.gpu_pool.kernels.api import DECODE_ERRORS, scatter_decoded
+from kvtier.gpu_pool.kernels.triton_pieces import copy_pieces
+from kvtier.gpu_pool.kernels.triton_xxh3 import check_ranges, xxh3_ranges
+from kvtier.transfer.block_path.cache_blocks import CacheBlocks
+from kvtier.transfer.block_path.pieces import Pieces
+
+WINDOW_BYTES = 256 << 20
+"""A load stages at most this many stored bytes before scattering them (the device memory
+it borrows beside the cache's)."""
+ALIGN = 256
+"""Each chunk's place in the staging buffer starts on this boundary (wide words for the
+piece copies)."""
+
+_buffers = threading.local()
+_interpreter = threading.Lock()
+"""Triton's interpreter (device copies of a host cache, in tests) keeps one launch's state
+in globals: its launches take turns."""
+
+
+def _buffer(name: str, device: torch.device, nbytes: int) -> torch.Tensor:
+    """This thread's reused device buffer ``name`` of at least ``nbytes`` (grown, never
+    shrunk)."""
+    key = (name, str(device))
+    bufs = getattr(_buffers, "bufs", None)
+    if bufs is None:
+        bufs = _buffers.bufs = {}
+    buf = bufs.get(key)
+    if buf is None or buf.numel() < nbytes:
+        buf = bufs[key] = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+    return buf
+
+
+def _table(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """An int64 table on the device (from pinned memory on CUDA: the copy does not stall)."""
+    host = torch.from_numpy(np.ascontiguousarray(values).view(np.int64))
+    if device.type == "cuda":
+        host = host.pin_memory()
+        return host.to(device, non_blocking=True)
+    return host.to(device)
+
+
+def _word(*tables: np.ndarray) -> int:
+    """The widest word (8, 4, 2 or 1 bytes) every address and length is a multiple of."""
+    bits = np.uint64(0)
+    for t in tables:
+        if t.size:
+            bits |= np.bitwise_or.reduce(t.reshape(-1))
+    for word in (8, 4, 2):
+        if int(bits) % word == 0:
+            return word
+    return 1
+
+
+def move_pieces(srcs: np.ndarray, dsts: np.ndarray, lens: np.ndarray, device: torch.device) -> None:
+    """One launch copying every piece with a nonzero length (uint64 tables of device
+    addresses and byte lengths)."""
+    keep = lens > 0
+    srcs, dsts, lens = srcs[keep], dsts[keep], lens[keep]
+    if not len(lens):
+        return
+    word = _word(srcs, dsts, lens)
+    words = lens // np.uint64(word)
+    copy_pieces(_table(srcs, device), _table(dsts, device), _table(words, device), word,
+                int(words.max()))
+
+
+@contextlib.contextmanager
+def _synced(device: torch.device, wait: bool = True) -> Iterator[None]:
+    """Whatever happens inside, every queued copy has finished on the way out (lent host
+    memory may go once this returns; not ``wait``: the caller waits). On the host (the
+    interpreter), one at a time."""
+    if device.type != "cuda":
+        with _interpreter:
+            yield
+        return
+    try:
+        yield
+    finally:
+        if wait:
+            torch.cuda.current_stream(device).synchronize()
+
+
+@dataclass
+class _Staged:
+    """One chunk of a window in the staging buffer."""
+
+    index: int
+    chunk: LentChunk
+    plan: Pieces
+    at: int
+    """Its stored bytes' offset in the staging buffer."""
+    nbytes: int
+
+
+def scatter(chunks: Sequence[LentChunk], plans: Sequence[Pieces], cache: CacheBlocks
+            ) -> tuple[int, str] | None:
+    """The chunks into the cache along their plans, a window at a time; the first that
+    failed (its index, why), or None. Every copy is done when this returns."""
+    device = cache.device
+    with _synced(device):
+        start = 0
+        while start < len(chunks):
+            end, size = start, 0
+            while end < len(chunks) and (end == start or size < WINDOW_BYTES):
+                size += _stored_bytes(chunks[end], plans[end])
+                end += 1
+            failed = _window(chunks, plans, cache, start, end)
+            if failed is not None:
+                return failed
+            start = end
+    return None
+
+
+def _stored_bytes(chunk: LentChunk, plan: Pieces) -> int:
+    return (plan.last - plan.first) * chunk.header.layer_nbytes
+
+
+def _window(chunks: Sequence[LentChunk], plans: Sequence[Pieces], cache: CacheBlocks,
+            start: int, end: int) -> tuple[int, str] | None:
+    device = cache.device
+    staged: list[_Staged] = []
+    at, stop = 0, None
+    for i in range(start, end):
+        chunk, plan = chunks[i], plans[i]
+        try:
+            chunk.wait_read(plan.last)
+        except ChunkFormatError as exc:
+            stop = (i, str(exc))
+            break
+        n = _stored_bytes(chunk, plan)
+        staged.append(_Staged(i, chunk, plan, at, n))
+        at += -(-n // ALIGN) * ALIGN
+    if not staged:
+        return stop
+    staging = _buffer("load", device, at)
+    for s in staged:
+        step = s.chunk.header.layer_nbytes
+        src = s.chunk.payload[s.plan.first * step : s.plan.last * step]
+        staging[s.at : s.at + s.nbytes].copy_(src, non_blocking=True)
+    bad = _check(staging, staged)
+    statuses = torch.zeros(len(staged), dtype=torch.int32, device=device)
+    lossy = [s for s in staged if s.chunk.header.lossy]
+    sizes = [-(-s.plan.layer_bytes * (s.plan.last - s.plan.first) // ALIGN) * ALIGN for s in lossy]
+    decoded = _buffer("decoded", device, sum(sizes)) if lossy else staging
+    places = dict(zip((s.index for s in lossy), np.cumsum([0, *sizes]).tolist(), strict=False))
+    sources = [_decoded(s, staging, decoded[places[s.index]:], statuses[k : k + 1])
+               if s.chunk.header.lossy else staging.data_ptr() + s.at
+               for k, s in enumerate(staged)]
+    srcs = np.concatenate([np.uint64(b) + s.plan.offsets.reshape(-1)
+                           for b, s in zip(sources, staged, strict=True)])
+    dsts = np.concatenate([s.plan.cache.reshape(-1) for s in staged])
+    lens = np.concatenate([s.plan.lens.reshape(-1) for s in staged])
+    move_pieces(srcs, dsts, lens, device)
+    failed = _first_failure(staged, bad.cpu().numpy(), statuses.cpu().tolist())
+    if failed is not None and (stop is None or failed[0] < stop[0]):
+        return failed
+    return stop
+
+
+def _check(staging: torch.Tensor, staged: Sequence[_Staged]) -> torch.Tensor:
+    """One launch: 1 per layer of each staged chunk whose bytes differ from its stored
+    xxh3, in order."""
+    starts, lengths, expected = [], [], []
+    for s in staged:
+        step = s.chunk.header.layer_nbytes
+        layers = s.plan.last - s.plan.first
+        starts.append(s.at + np.arange(layers, dtype=np.int64) * step)
+        lengths.append(np.full(layers, step, dtype=np.int64))
+        expected.append(np.array(s.chunk.header.layer_checksums[s.plan.first : s.plan.last],
+                                 dtype=np.uint64).view(np.int64))
+    device = staging.device
+    return check_ranges(staging, _table(np.concatenate(starts), device),
+                        _table(np.concatenate(lengths), device),
+                        _table(np.concatenate(expected), device))
+
+
+def _decoded(s: _Staged, staging: torch.Tensor, room: torch.Tensor, status: torch.Tensor) -> int:
+    """A compressed chunk's staged layers decoded on the device into ``room`` (its KV in
+    the chunk's byte order); its address. What only a foreign writer puts in a payload
+    lands in ``status``."""
+    _, two, tokens, heads, dim = s.chunk.header.shape
+    n = s.plan.last - s.plan.first
+    dtype = DTYPES[s.chunk.header.dtype]
+    need = n * two * tokens * heads * dim * dtype.itemsize
+    out = room[:need]
+    kv = out.view(dtype).view(n, 1, two, tokens, heads, dim)
+    scatter_decoded(staging[s.at : s.at + s.nbytes], s.chunk.header.codec, kv, [0],
+                    tokens=tokens, status=status)
+    return out.data_ptr()
+
+
+def _first_failure(staged: Sequence[_Staged], bad: np.ndarray, statuses: list[int]
+                   ) -> tuple[int, str] | None:
+    """The first staged chunk whose check or decode failed (recorded on it, so its tier
+    drops it), with why."""
+    at = 0
+    for s, status in zip(staged, statuses, strict=True):
+        layers = s.plan.last - s.plan.first
+        flags = np.nonzero(bad[at : at + layers])[0]
+        at += layers
+        try:
+            if len(flags):
+                s.chunk.fail(s.plan.first + int(flags[0]))
+            if status:
+                s.chunk.refuse(f"{s.chunk.header.codec} "
+                               f"{DECODE_ERRORS.get(status, 'payload does not decode')}")
+        except ChunkFormatError as exc:
+            return s.index, str(exc)
+    return None
+
+
+def gather(cache: CacheBlocks, plan: Pieces, out: torch.Tensor, hashed: bool = True
+           ) -> tuple[int, ...]:
+    """The plan's pieces gathered on the device in one launch, each layer hashed there,
+    then one copy into ``out`` (the host slot's bytes; or straight into ``out`` where it
+    lies on the device); each layer's xxh3, once the copies are done. Not ``hashed``: no
+    hash, and nothing waited for (the copies are queued on the current stream)."""
+    device = cache.device
+    nbytes = int(plan.lens.sum())
+    if nbytes != out.numel() * out.element_size() or not out.is_contiguous():
+        raise ValueError(f"gather of {nbytes} bytes into {out.numel() * out.element_size()}")
+    here = out.device == device
+    flat = out.view(-1).view(torch.uint8)
+    staging = flat if here else _buffer("save", device, nbytes)
+    with _synced(device, wait=hashed):
+        move_pieces(plan.cache.reshape(-1), np.uint64(staging.data_ptr()) + plan.offsets.reshape(-1),
+                    plan.lens.reshape(-1), device)
+        sums = None
+        if hashed:
+            layers = plan.last - plan.first
+            starts = np.arange(layers, dtype=np.int64) * plan.layer_bytes
+            sums = xxh3_ranges(staging, _table(starts, device),
+                               _table(np.full(layers, plan.layer_bytes, dtype=np.int64), device))
+        if not here:
+            flat.copy_(staging[:nbytes], non_blocking=True)
+        if sums is None:
+            return ()
+        got = sums.cpu()
+    return tuple(int(x) for x in got.numpy().view(np.uint64))
