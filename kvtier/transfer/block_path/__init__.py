@@ -104,7 +104,10 @@ def _plan(chunk: LentChunk, span: BlockSpan, cache: CacheBlocks, first: int, las
                                  f"{cache.layers}")
     dtype = DTYPES.get(header.dtype)
     _, _, tokens, *_ = header.shape
-    plan = chunk_pieces(cache, span, tokens, first, last)
+    try:
+        plan = chunk_pieces(cache, span, tokens, first, last)
+    except ChunkMismatchError as exc:
+        raise ChunkMismatchError(f"chunk {header.key}: {exc}") from exc
     kv_layer = header.layer_nbytes if not header.lossy else chunk.kv_nbytes(0) // header.num_layers
     fits = (dtype is not None and dtype.itemsize == cache.dtype.itemsize
             and (not header.lossy or dtype == cache.dtype))

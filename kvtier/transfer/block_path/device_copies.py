@@ -124,48 +124,128 @@ class _Staged:
 def scatter(chunks: Sequence[LentChunk], plans: Sequence[Pieces], cache: CacheBlocks
             ) -> tuple[int, str] | None:
     """The chunks into the cache along their plans, a window at a time; the first that
-    failed (its index, why), or None. Every copy is done when this returns."""
+    failed (its index, why), or None. Every copy is done when this returns.
+
+    On CUDA a window's copies to the device run on a copy stream into one of two staging
+    buffers while the window before is checked and scattered on the current stream, and
+    nothing is read back until the last window was queued: one wait per restore."""
     device = cache.device
+    lanes = _Lanes(device)
+    queued: list[tuple[list[_Staged], torch.Tensor, torch.Tensor]] = []
+    stop: tuple[int, str] | None = None
     with _synced(device):
-        start = 0
-        while start < len(chunks):
-            end, size = start, 0
-            while end < len(chunks) and (end == start or size < WINDOW_BYTES):
-                size += _stored_bytes(chunks[end], plans[end])
-                end += 1
-            failed = _window(chunks, plans, cache, start, end)
-            if failed is not None:
-                return failed
-            start = end
-    return None
+        for start, end in _windows(chunks, plans):
+            staged, stop = _staged(chunks, plans, start, end)
+            if staged:
+                staging = lanes.stage(staged)
+                queued.append((staged, *_check_and_scatter(staging, staged, cache)))
+                lanes.queued()
+            if stop is not None:
+                break
+    for staged, bad, statuses in queued:
+        failed = _first_failure(staged, bad.cpu().numpy(), statuses.cpu().tolist())
+        if failed is not None:
+            return failed
+    return stop
 
 
 def _stored_bytes(chunk: LentChunk, plan: Pieces) -> int:
     return (plan.last - plan.first) * chunk.header.layer_nbytes
 
 
-def _window(chunks: Sequence[LentChunk], plans: Sequence[Pieces], cache: CacheBlocks,
-            start: int, end: int) -> tuple[int, str] | None:
-    device = cache.device
+def _windows(chunks: Sequence[LentChunk], plans: Sequence[Pieces]) -> list[tuple[int, int]]:
+    """Consecutive chunks of about :data:`WINDOW_BYTES` stored bytes (at least one each)."""
+    out, start, size = [], 0, 0
+    for i, (chunk, plan) in enumerate(zip(chunks, plans, strict=True)):
+        if i > start and size + _stored_bytes(chunk, plan) > WINDOW_BYTES:
+            out.append((start, i))
+            start, size = i, 0
+        size += _stored_bytes(chunk, plan)
+    if start < len(chunks):
+        out.append((start, len(chunks)))
+    return out
+
+
+def _staged(chunks: Sequence[LentChunk], plans: Sequence[Pieces], start: int, end: int
+            ) -> tuple[list[_Staged], tuple[int, str] | None]:
+    """The window's chunks as placed in staging, up to the first whose read failed."""
     staged: list[_Staged] = []
-    at, stop = 0, None
+    at = 0
     for i in range(start, end):
         chunk, plan = chunks[i], plans[i]
         try:
             chunk.wait_read(plan.last)
         except ChunkFormatError as exc:
-            stop = (i, str(exc))
-            break
+            return staged, (i, str(exc))
         n = _stored_bytes(chunk, plan)
         staged.append(_Staged(i, chunk, plan, at, n))
         at += -(-n // ALIGN) * ALIGN
-    if not staged:
-        return stop
-    staging = _buffer("load", device, at)
+    return staged, None
+
+
+class _Lanes:
+    """Two staging buffers a restore alternates between, and on CUDA the copy stream that
+    fills one while the current stream checks and scatters the other."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.turn = 0
+        self.copies = _copy_stream(device) if device.type == "cuda" else None
+        self.used: dict[int, torch.cuda.Event] = {}
+        if self.copies is not None:  # blocks just freed may still be read by queued kernels
+            self.copies.wait_stream(torch.cuda.current_stream(device))
+
+    def stage(self, staged: Sequence[_Staged]) -> torch.Tensor:
+        """The window's stored bytes copied into the next staging buffer (queued once that
+        buffer's last window was scattered; on CUDA the current stream waits for them)."""
+        turn = self.turn
+        last = staged[-1]
+        staging = _buffer(f"load{turn}", self.device, last.at + last.nbytes)
+        if self.copies is None:
+            _copy_in(staging, staged)
+            return staging
+        if turn in self.used:
+            self.copies.wait_event(self.used[turn])
+        with torch.cuda.stream(self.copies):
+            _copy_in(staging, staged)
+        staging.record_stream(self.copies)
+        torch.cuda.current_stream(self.device).wait_stream(self.copies)
+        return staging
+
+    def queued(self) -> None:
+        """The current stream's work on the buffer just staged is queued: the copies into
+        it next time wait for that work, not for anything after."""
+        if self.copies is not None:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self.used[self.turn] = event
+        self.turn ^= 1
+
+
+def _copy_in(staging: torch.Tensor, staged: Sequence[_Staged]) -> None:
     for s in staged:
         step = s.chunk.header.layer_nbytes
         src = s.chunk.payload[s.plan.first * step : s.plan.last * step]
         staging[s.at : s.at + s.nbytes].copy_(src, non_blocking=True)
+
+
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """This thread's stream for copies to ``device``."""
+    streams = getattr(_buffers, "streams", None)
+    if streams is None:
+        streams = _buffers.streams = {}
+    stream = streams.get(str(device))
+    if stream is None:
+        stream = streams[str(device)] = torch.cuda.Stream(device)
+    return stream
+
+
+def _check_and_scatter(staging: torch.Tensor, staged: Sequence[_Staged], cache: CacheBlocks
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queue the window's check (one hash launch), its decodes and its scatter (one
+    launch); the per-layer failure flags and per-chunk decode statuses (on the device,
+    read once everything was queued)."""
+    device = cache.device
     bad = _check(staging, staged)
     statuses = torch.zeros(len(staged), dtype=torch.int32, device=device)
     lossy = [s for s in staged if s.chunk.header.lossy]
@@ -180,10 +260,7 @@ def _window(chunks: Sequence[LentChunk], plans: Sequence[Pieces], cache: CacheBl
     dsts = np.concatenate([s.plan.cache.reshape(-1) for s in staged])
     lens = np.concatenate([s.plan.lens.reshape(-1) for s in staged])
     move_pieces(srcs, dsts, lens, device)
-    failed = _first_failure(staged, bad.cpu().numpy(), statuses.cpu().tolist())
-    if failed is not None and (stop is None or failed[0] < stop[0]):
-        return failed
-    return stop
+    return bad, statuses
 
 
 def _check(staging: torch.Tensor, staged: Sequence[_Staged]) -> torch.Tensor:

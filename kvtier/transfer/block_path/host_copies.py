@@ -98,7 +98,8 @@ def scatter_lossy(chunk: LentChunk, plan: Pieces, cache: CacheBlocks) -> str | N
             kv = chunk.layer_kv(a, b, _scratch(chunk, b - a))
             _copy_pieces(kv.data_ptr(), _rows(plan, a, b))
     except ChunkFormatError as exc:
-        return str(exc)
+        why = str(exc)
+        return why if header.key in why else f"chunk {header.key}: {why}"
     return None
 
 
