@@ -124,6 +124,19 @@ def test_corrupt_stored_kv_is_recomputed_not_used(model_dir, baseline, tmp_path,
     check_tokens(results, baseline)
 
 
+def test_a_corrupt_chunk_is_recomputed_with_every_later_one(model_dir, baseline, tmp_path):
+    """One byte flipped in the shared prefix's second chunk: the first chunk loads, the
+    second fails its check where it lands, and it and every later chunk are recomputed
+    (never served, though the third is intact); the tokens are vLLM alone's."""
+    extra = {"tiers": {"cpu_bytes": 0, "disk_dir": str(tmp_path / "c"), "disk_fsync": False}}
+    results, metrics = run_vllm(model_dir, "kvtier", extra, scenario="corrupt-one")
+    chunk_blocks = CHUNK_BLOCKS
+    assert shared_blocks(results) > 2 * chunk_blocks  # chunks after the corrupt one exist
+    assert metrics["vllm:kvtier_loaded_blocks"] == chunk_blocks  # the first chunk only
+    assert metrics["vllm:kvtier_load_errors"] >= shared_blocks(results) - chunk_blocks
+    check_tokens(results, baseline)
+
+
 def test_loads_before_the_forward_pass(model_dir, baseline, tmp_path):
     """``async_loads`` false: the second request's prefix is loaded in ``start_load_kv``,
     before the step's forward pass (the other tests run the default, vLLM's async-load

@@ -9,6 +9,7 @@ message (token ids); ``session``: the same, both requests with vLLM's session id
 ``regenerate``: the first turn, then the same prompt again (a regenerated reply); ``prefill`` / ``decode``: the first request only, run for one token
 (a prefill instance) or in full (its decode peer); ``corrupt``: as ``shared``, with one byte
 of every chunk file in the connector's ``tiers.disk_dir`` flipped between the two requests;
+``corrupt-one``: the same, with one byte flipped in the shared prefix's second chunk only;
 ``pause``: the two requests of ``shared``, then the second again while the sidecar (process
 id in ``KVTIER_TEST_SIDECAR_PID``) is stopped with SIGSTOP, then, once SIGCONT resumed it,
 the second again until kvtier hits (each attempt reported).
@@ -89,7 +90,11 @@ def main() -> None:
         for i, suffix in enumerate(SUFFIXES):
             if scenario == "corrupt" and i:
                 corrupt(json.loads(sys.argv[3])["tiers"]["disk_dir"])
-            report(llm.generate([f"{PREFIX} {suffix}"], params)[0])
+            if scenario == "corrupt-one" and i:
+                corrupt_chunk(llm, json.loads(sys.argv[3])["tiers"]["disk_dir"], first, 1)
+            out = llm.generate([f"{PREFIX} {suffix}"], params)[0]
+            first = out if not i else first
+            report(out)
     metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
     print("METRICS " + json.dumps({k: v for k, v in metrics.items() if "cache" in k or "kvtier" in k}), flush=True)
 
@@ -126,6 +131,26 @@ def corrupt(disk_dir: str) -> None:
                 byte = f.read(1)
                 f.seek(size // 2)
                 f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def corrupt_chunk(llm, disk_dir: str, request, index: int) -> None:
+    """Flip a byte in the middle of the file of chunk ``index`` of ``request``'s prompt, as
+    the connector keys it (the scheduler's connector, vLLM's engine in this process)."""
+    from pathlib import Path
+
+    from kvtier.connectors.tiers.disk_layout import ChunkPaths
+
+    connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    keys = connector.grid.keys(list(request.prompt_token_ids))
+    path = ChunkPaths(Path(disk_dir)).path(keys[index].key)
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.seek(size // 2)
+        byte = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    print(f"CORRUPT {index} of {len(keys)} chunks of {connector.grid.chunk_blocks} blocks",
+          flush=True)
 
 
 def in_session(llm, prompt, params, session, rid):

@@ -222,33 +222,41 @@ def test_background_offload_overlaps_serving_and_caps_bytes_in_flight(model_dir,
         eng.close()
 
 
+@pytest.mark.parametrize("route", ["host", "device"])
 @pytest.mark.parametrize("stream", [True, False])
-def test_a_chunk_corrupt_in_a_later_layer_is_recomputed_and_the_reply_unchanged(
-    model_dir, tmp_path, stream
+def test_a_flipped_byte_in_chunk_k_recomputes_it_and_every_later_chunk(
+    model_dir, tmp_path, stream, route
 ):
-    """A chunk whose layer 0 reads fine but a later layer is corrupt: the streamed restore
-    has already published it when the bad layer turns up, so the engine takes it back out
-    and recomputes (a blocking restore reads and verifies every layer before publishing,
-    so it loses nothing: the restore ends at that chunk); the reply is the reply of a run
-    that never offloaded."""
+    """The block path's failure rule through the engine: one byte flipped in the last layer
+    of the session's second chunk. The first chunk is restored; the second fails its check
+    (on the host, or where the bytes land on the device: ``route``), and it and every later
+    chunk are recomputed, though the third is intact. A streamed restore has already
+    published them when the bad layer turns up, so the engine takes them back out (a lost
+    restore); a blocking one ends at that chunk before publishing anything of it. The
+    reply is the reply of a run that never offloaded."""
     from kvtier.chunk_format import parse_header
 
     plain = _engine(model_dir, tmp_path / "plain", None)
     plain.chat("s", "Tell me about the mountains and the weather there.", GREEDY, system=SYSTEM)
     expected = plain.chat("s", "And in winter?", GREEDY)
-    eng = _engine(model_dir, tmp_path, TIER_SETUPS["cpu"], stream_restore=stream)
+    eng = _engine(model_dir, tmp_path, TIER_SETUPS["cpu"], stream_restore=stream,
+                  chunk_tokens=32)
+    eng.kv.restorer.device_copies = route == "device"
     try:
         eng.chat("s", "Tell me about the mountains and the weather there.", GREEDY, system=SYSTEM)
         off = eng.offload("s", "cpu")
-        assert off.stored_tokens >= 128
+        assert off.stored_tokens >= 3 * 32  # a chunk after the corrupt one is stored
         cpu = eng.tiers.tiers[0]
-        key = eng.kv._keys(eng.sessions["s"].token_ids[:128])[1].key
-        blob = bytearray(get_blobs(cpu, [key])[0])
+        keys = eng.kv._keys(eng.sessions["s"].token_ids[: 3 * 32])
+        blob = bytearray(get_blobs(cpu, [keys[1].key])[0])
         header, _ = parse_header(blob)
         blob[len(blob) - header.layer_nbytes + 7] ^= 0xFF  # the last layer
-        cpu.delete([key])
-        put_blobs(cpu, {key: bytes(blob)})
+        cpu.delete([keys[1].key])
+        put_blobs(cpu, {keys[1].key: bytes(blob)})
         turn2 = eng.chat("s", "And in winter?", GREEDY)
+        if not stream:  # a streamed restore counts what it published before the loss
+            assert turn2.stats.restored_tokens == 32  # the first chunk only
+        assert get_blobs(cpu, [keys[2].key])[0] is not None  # intact, only not served
         assert eng.kv.lost_restores == (1 if stream else 0)
         assert eng.runner.layer_loads == []
         eng.runner.pool.block_pool.check_invariants()
