@@ -22,6 +22,7 @@ groups of the nominal rows (on a GPU, encoded there); such a chunk is decoded on
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -108,6 +109,7 @@ class WorkerSide:
         """Whether the caches' blocks move by device kernels (None: where they lie on a
         GPU; True on the host runs them under Triton's interpreter, for tests)."""
         self.cache: CacheBlocks | None = None
+        self._streams = threading.local()
         self.stats = WorkerStats()
         self.saves = SaveQueue(background, idle_saves, yield_to_prefill=bool(saves_yield),
                                step_gap_s=save_step_gap_s)
@@ -235,15 +237,33 @@ class WorkerSide:
             if codec is not Codec.NONE and dtype in ENCODABLE:
                 return ChunkWrite.of_blob(key, self._encoded(key, blocks, shape, codec), info)
         return ChunkWrite(key, total, info=info, fill=lambda slot: encode_into(
-            slot, key, fp, dtype, shape, lambda part: gather(cache, blocks, tokens, part)))
+            slot, key, fp, dtype, shape, lambda part: self._gathered(blocks, tokens, part)))
+
+    def _gathered(self, blocks: BlockSpan, tokens: int, part: torch.Tensor) -> tuple[int, ...]:
+        """The blocks into ``part`` with each layer's checksum, on this saving thread's own
+        stream where the cache is on a GPU (the save already waited for the step's work),
+        so that saves queue neither behind the next forward pass nor behind each other."""
+        with self._save_stream():
+            return gather(self._cache, blocks, tokens, part)
 
     def _encoded(self, key: str, blocks: BlockSpan, shape: tuple[int, ...], codec: Codec) -> bytes:
         """The chunk of ``blocks`` gathered on the device and encoded there by ``codec``
         (only the encoded bytes cross)."""
         cache = self._cache
-        kv = torch.empty(shape, dtype=self.dtype, device=cache.device)
-        gather(cache, blocks, shape[2], kv, hashed=False)  # queued before the encode
-        return encode_chunk(key, self.fingerprint, kv, codec)
+        with self._save_stream():
+            kv = torch.empty(shape, dtype=self.dtype, device=cache.device)
+            gather(cache, blocks, shape[2], kv, hashed=False)  # queued before the encode
+            return encode_chunk(key, self.fingerprint, kv, codec)
+
+    def _save_stream(self) -> contextlib.AbstractContextManager[object]:
+        """On CUDA, this thread's save stream; elsewhere nothing."""
+        cache = self._cache
+        if cache.device.type != "cuda":
+            return contextlib.nullcontext()
+        stream = getattr(self._streams, "stream", None)
+        if stream is None:
+            stream = self._streams.stream = torch.cuda.Stream(cache.device)
+        return torch.cuda.stream(stream)
 
     @property
     def _cache(self) -> CacheBlocks:
