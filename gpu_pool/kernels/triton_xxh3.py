@@ -1,22 +1,35 @@
-"""XXH3-64 of many byte ranges of a device buffer in one Triton launch.
+"""XXH3-64 of many byte ranges of a device buffer: one call, no host sync inside.
 
 Restored chunks are checked on the GPU: their bytes land in a device staging buffer and one
-launch hashes every layer's range there, bit for bit the ``XXH3_64bits`` (seed 0, default
+call hashes every layer's range there, bit for bit the ``XXH3_64bits`` (seed 0, default
 secret) that the host stored with the chunk (:mod:`kvtier.layer_sums`), and compares the
 result with the stored sum, so no byte has to come back to the host to be checked.
 
-One program hashes one range. Ranges up to 240 bytes follow XXH3's short and mid-size paths
-as small tiles. Longer ones are read one 1 KiB block (16 stripes of 8 u64 lanes) per loop
-step, the next block's load issued before the current one is folded in: as whole u64 words
-where the range starts on a multiple of 8, as words joined from the two aligned words they
-straddle where it does not, byte by byte only where buf's own address is not 8-aligned.
-Secret reads at unaligned offsets are gathers from a host-built table of the secret's u64 at
-every byte offset; u64 products wrap, 64x64->128 products are built from 32-bit halves.
+XXH3's long mode (more than 240 bytes) is a serial chain: the accumulators gain each full
+1 KiB block's contribution, then are scrambled, block after block. Only the scramble is
+serial; a block's contribution (over its 16 stripes of 8 u64 lanes, the sum of
+``lo32(d ^ k) * hi32(d ^ k)`` plus the lane-swapped data, mod 2**64) depends on its bytes
+alone. So a call is two launches on the same stream:
+
+- pass 1 (:func:`_block_sums_kernel`), a program per ``GROUP`` consecutive full blocks of
+  all ranges together, writes each block's contribution, 64 bytes, to a scratch table
+  ``[total blocks, 8]`` in range order (range i's first row is ``first[i]``, an exclusive
+  cumsum of the blocks per range, computed on the device);
+- pass 2 (:func:`_xxh3_kernel`), a program per range, runs the chain over those 64-byte
+  rows, adds the last partial block and the last stripe from the bytes and merges; ranges
+  up to 240 bytes follow XXH3's short and mid-size paths as small tiles.
+
+A range's bytes are read as u64 words where buf's address is 8-aligned (each word joined
+from the two aligned words it straddles where it is not on a multiple of 8), byte by byte
+where it is not. Secret reads at unaligned offsets are gathers from a host-built table of
+the secret's u64 at every byte offset; u64 products wrap, 64x64->128 products are built from
+32-bit halves.
 """
 from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -66,8 +79,20 @@ INIT_AT: tl.constexpr = tl.constexpr(SECRET_WORDS)
 """Where :data:`INIT_ACC` starts in the table."""
 
 NUM_WARPS = 1
-"""Warps per program: a [16, 8] tile of u64 is four words a thread, and the sums over a
-block's stripes stay inside the warp (shuffles, no shared-memory barrier)."""
+"""Warps per pass-2 program: its largest tile, the last partial block's [16, 8] u64, is four
+words a thread, and the sums over stripes stay inside the warp (shuffles, no barrier)."""
+
+GROUP: tl.constexpr = tl.constexpr(16)
+"""Full blocks per pass-1 program: 16 KiB read in one [16, 16, 8] tile load, all in flight
+at once. 32 MiB of 1 MiB ranges is 2044 programs; at 64 registers a thread an H100's or
+H200's SM holds four of them (64 KiB in flight)."""
+GROUP_WARPS = 8
+"""Warps per pass-1 program: eight u64 of the tile a thread."""
+ROWS: tl.constexpr = tl.constexpr(16)
+"""Scratch rows a pass-2 step loads before it folds them one by one into the chain, so one
+memory round-trip serves 16 scrambles instead of one."""
+BLOCK: tl.constexpr = tl.constexpr(1024)
+"""Bytes of a long-mode block: 16 stripes of 64 bytes."""
 
 
 def _table() -> torch.Tensor:
@@ -212,12 +237,13 @@ def _hash_129to240(buf, table, start, length):
 
 
 # --------------------------------------------------------------------------------- long mode
-BYTES: tl.constexpr = tl.constexpr(0)
-WORDS_ALIGNED: tl.constexpr = tl.constexpr(1)
-WORDS_SHIFTED: tl.constexpr = tl.constexpr(2)
-"""How the long mode reads a block: byte by byte (buf's address is not 8-aligned), whole u64
-words (the range starts on a multiple of 8), or each word joined from the two aligned words
-it straddles (any other start)."""
+@triton.jit
+def _inside(start, length, size):
+    """The range cut to buf. Valid inputs pass unchanged; device values that disagree with
+    the caller's host copies (``host_ranges``, checked instead of them) cannot make a
+    program read outside buf."""
+    start = tl.minimum(tl.maximum(start, 0), size)
+    return start, tl.minimum(tl.maximum(length, 0), size - start)
 
 
 @triton.jit
@@ -228,85 +254,138 @@ def _swap_pairs(v):
 
 
 @triton.jit
-def _tail_word(buf, size):
-    """buf's last ``size % 8`` bytes as a little-endian u64: the part no whole word holds."""
-    j = tl.arange(0, 8)
-    at = size // 8 * 8 + j
-    b = tl.load(buf + at, mask=at < size, other=0).to(tl.uint64)
-    return tl.sum(b << (j * 8).to(tl.uint64), axis=0)
+def _swap_pair_rows(v, N: tl.constexpr):
+    """``v[:, l ^ 1]`` of an [N, 8] tile."""
+    even, odd = tl.split(tl.reshape(v, [N, 4, 2]))
+    return tl.reshape(tl.join(odd, even), [N, 8])
 
 
 @triton.jit
-def _long_acc(buf, words, table, start, length, size, MODE: tl.constexpr):
-    """The eight accumulators after the full 1 KiB blocks (each then scrambled) and the
-    stripes of the last partial block, XXH3_accumulate_512 stripe by stripe.
+def _tail(buf, size, WORDS: tl.constexpr):
+    """Where words are read, buf's last ``size % 8`` bytes as a little-endian u64: the part
+    no whole word holds (read once per program); else 0, unused."""
+    if WORDS:
+        j = tl.arange(0, 8)
+        at = size // 8 * 8 + j
+        b = tl.load(buf + at, mask=at < size, other=0).to(tl.uint64)
+        tail = tl.sum(b << (j * 8).to(tl.uint64), axis=0)
+    else:
+        tail = tl.zeros([], tl.uint64)
+    return tail
 
-    A block is a [16 stripes, 8 lanes] u64 tile: ``acc[l]`` gains, over its stripes,
-    ``lo32(d ^ k) * hi32(d ^ k)`` of lane l and the data of lane ``l ^ 1``; the sums wrap
-    mod 2**64, so the order does not matter. Step b loads block b (as MODE says) and folds
-    in block b - 1, so a load is in flight while a block is folded."""
+
+@triton.jit
+def _load_u64(buf, words, at, valid, size, tail, WORDS: tl.constexpr):
+    """The little-endian u64 at each byte offset ``at`` where ``valid``, 0 elsewhere.
+
+    WORDS (buf 8-aligned; ``words``: its whole u64 words): an offset that is not a multiple
+    of 8 joins the two aligned words it straddles (the second is ``tail``, buf's last
+    bytes, where no whole word holds them); its second load is masked off where the offset
+    is aligned. Otherwise byte by byte (``tail`` unused)."""
+    if WORDS:
+        q = at >> 3
+        shift = ((at & 7) * 8).to(tl.uint64)
+        low = tl.load(words + q, mask=valid, other=0).to(tl.uint64, bitcast=True)
+        whole = q + 1 < size // 8
+        high = tl.load(words + q + 1, mask=valid & whole & (shift != 0), other=0)
+        high = tl.where(whole, high.to(tl.uint64, bitcast=True), tail)
+        value = (low >> shift) | ((high << (63 - shift)) << 1)
+    else:
+        value = tl.zeros(at.shape, tl.uint64)
+        for k in tl.static_range(8):
+            byte = tl.load(buf + at + k, mask=valid, other=0).to(tl.uint64)
+            value |= byte << (8 * k)
+    return tl.where(valid, value, 0)
+
+
+@triton.jit
+def _block_sums_kernel(buf, words, table, starts, lengths, first, sums, n, steps, rows, size,
+                       WORDS: tl.constexpr):
+    """Pass 1. Program p: rows ``p * GROUP ..`` (up to ``rows``) of ``sums`` (int64 [., 8]),
+    all ranges' full blocks in range order, row ``first[i] + b`` range i's block b: over its
+    16 stripes, ``lo32(d ^ k) * hi32(d ^ k)`` of lane l plus the data of lane ``l ^ 1``
+    (wrapping u64).
+
+    A range's full blocks are those followed by more of its bytes: ``(length - 1) // 1024``
+    (none up to 1 KiB). A row finds its range by a binary search of ``first`` (``steps``
+    rounds: ranges without blocks share their ``first`` with the next one)."""
+    j = tl.program_id(0).to(tl.int64) * GROUP + tl.arange(0, GROUP)
+    lo = tl.zeros([GROUP], tl.int64)
+    hi = lo + n
+    for _ in range(steps):  # invariant: first[lo] <= j < first[hi]
+        mid = (lo + hi) >> 1
+        below = tl.load(first + mid) <= j
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid)
+    start, length = _inside(tl.load(starts + lo), tl.load(lengths + lo), size)
+    b = j - tl.load(first + lo)
+    live = (j < rows) & ((b + 1) * BLOCK < length)
     stripe = tl.arange(0, 16)
     lane = tl.arange(0, 8)
-    word = (stripe * 8)[:, None] + lane[None, :]  # u64 index within a block
+    offset = (stripe * 64)[:, None] + (lane * 8)[None, :]  # a word's byte within a block
+    at = (start + b * BLOCK)[:, None, None] + offset[None, :, :]
+    data = _load_u64(buf, words, at, tl.broadcast_to(live[:, None, None], [GROUP, 16, 8]),
+                     size, _tail(buf, size, WORDS), WORDS)
     key = tl.load(table + (stripe * 8)[:, None] + (lane * 8)[None, :]).to(tl.uint64,
                                                                           bitcast=True)
-    scramble_key = tl.load(table + 128 + lane * 8).to(tl.uint64, bitcast=True)
-    acc = tl.load(table + INIT_AT + lane).to(tl.uint64, bitcast=True)
-    # A stripe counts if it ends before the range's last byte (int64: compared in the loop).
-    stripe_end = ((stripe + 1) * 64).to(tl.int64)[:, None]
-    blocks = (length - 1) // 1024
-    first_word = start // 8 + word
-    if MODE == WORDS_SHIFTED:
-        shift = ((start % 8) * 8).to(tl.uint64)
-        tail = _tail_word(buf, size)
-        n_words = size // 8
-    data = tl.full([16, 8], 0, tl.uint64)
-    for b in range(0, blocks + 1):
-        valid = stripe_end + b * 1024 < length
-        if MODE == BYTES:
-            at = start + b * 1024 + word * 8
-            loaded = tl.full([16, 8], 0, tl.uint64)
-            for k in tl.static_range(8):
-                byte = tl.load(buf + at + k, mask=valid, other=0).to(tl.uint64)
-                loaded |= byte << (8 * k)
-        else:
-            q = first_word + b * 128
-            loaded = tl.load(words + q, mask=valid, other=0).to(tl.uint64, bitcast=True)
-            if MODE == WORDS_SHIFTED:
-                # A valid word's next aligned word is whole, or the tail (q + 1 == n_words).
-                nxt = tl.load(words + q + 1, mask=valid & (q + 1 < n_words), other=0)
-                nxt = tl.where(q + 1 < n_words, nxt.to(tl.uint64, bitcast=True), tail)
-                loaded = (loaded >> shift) | ((nxt << (63 - shift)) << 1)
-                loaded = tl.where(valid, loaded, 0)
-        if b > 0:
-            dk = data ^ key
-            prod, total = tl.split(tl.sum(tl.join((dk & LO32) * (dk >> 32), data), axis=0))
-            acc += prod + _swap_pairs(total)
-            acc = (acc ^ (acc >> 47) ^ scramble_key) * P32_1
-        data = loaded
-    dk = data ^ key
-    prod = tl.where(stripe_end + blocks * 1024 < length, (dk & LO32) * (dk >> 32), 0)
-    prod, total = tl.split(tl.sum(tl.join(prod, data), axis=0))
-    return acc + prod + _swap_pairs(total)
+    dk = data ^ key[None, :, :]
+    prod, total = tl.split(tl.sum(tl.join((dk & LO32) * (dk >> 32), data), axis=1))
+    block_sum = prod + _swap_pair_rows(total, GROUP)
+    tl.store(sums + j[:, None] * 8 + lane[None, :], block_sum.to(tl.int64, bitcast=True),
+             mask=live[:, None])
 
 
 @triton.jit
-def _hash_long(buf, words, table, start, length, size, WORDS: tl.constexpr):
-    """XXH3_hashLong_64b (default secret): the blocks, the last stripe at ``length - 64``
-    (secret 121, read from bytes), then the merge (secret 11, ``length * PRIME64_1``)."""
-    if WORDS:
-        if start % 8 == 0:
-            acc = _long_acc(buf, words, table, start, length, size, WORDS_ALIGNED)
-        else:
-            acc = _long_acc(buf, words, table, start, length, size, WORDS_SHIFTED)
-    else:
-        acc = _long_acc(buf, words, table, start, length, size, BYTES)
+def _chain(acc, sums, row, live, lane, scramble_key, N: tl.constexpr, MASKED: tl.constexpr):
+    """``XXH3_accumulate`` then ``XXH3_scrambleAcc`` of N full blocks (MASKED: the first
+    ``live`` of them) from their pass-1 rows, the first at ``row``. The N loads depend on
+    nothing the chain computes, so they are all in flight before the first scramble."""
+    for k in tl.static_range(N):
+        block_sum = tl.load(sums + (row + k) * 8 + lane).to(tl.uint64, bitcast=True)
+        stepped = acc + block_sum
+        stepped = (stepped ^ (stepped >> 47) ^ scramble_key) * P32_1
+        acc = tl.where(k < live, stepped, acc) if MASKED else stepped
+    return acc
+
+
+@triton.jit
+def _hash_long(buf, words, table, first, sums, i, start, length, size, rows,
+               WORDS: tl.constexpr):
+    """XXH3_hashLong_64b (default secret) of range i: the chain over its full blocks' rows,
+    ROWS loads ahead of their scrambles; the last partial block's stripes and the last
+    stripe at ``length - 64`` (secret 121) from the bytes; the merge (secret 11,
+    ``length * PRIME64_1``). What follows the chain only adds, so it is loaded and summed
+    first: its loads are in flight while the chain runs."""
+    stripe = tl.arange(0, 16)
     lane = tl.arange(0, 8)
-    j = tl.arange(0, 8)
-    raw = tl.load(buf + (start + length - 64 + lane * 8)[:, None] + j[None, :]).to(tl.uint64)
-    data = tl.sum(raw << (j * 8).to(tl.uint64)[None, :], axis=1)
-    dk = data ^ tl.load(table + 121 + lane * 8).to(tl.uint64, bitcast=True)
-    acc += (dk & LO32) * (dk >> 32) + _swap_pairs(data)
+    blocks = (length - 1) // BLOCK
+    valid = tl.broadcast_to(((stripe + 1) * 64)[:, None] + blocks * BLOCK < length, [16, 8])
+    at = start + blocks * BLOCK + (stripe * 64)[:, None] + (lane * 8)[None, :]
+    tail = _tail(buf, size, WORDS)
+    data = _load_u64(buf, words, at, valid, size, tail, WORDS)
+    dk = data ^ tl.load(table + (stripe * 8)[:, None] + (lane * 8)[None, :]).to(tl.uint64,
+                                                                                bitcast=True)
+    prod = tl.where(valid, (dk & LO32) * (dk >> 32), 0)
+    prod, total = tl.split(tl.sum(tl.join(prod, data), axis=0))
+    last = _load_u64(buf, words, start + length - 64 + lane * 8, lane < 8, size, tail, WORDS)
+    dk = last ^ tl.load(table + 121 + lane * 8).to(tl.uint64, bitcast=True)
+    after = prod + (dk & LO32) * (dk >> 32) + _swap_pairs(total + last)
+
+    acc = tl.load(table + INIT_AT + lane).to(tl.uint64, bitcast=True)
+    scramble_key = tl.load(table + 128 + lane * 8).to(tl.uint64, bitcast=True)
+    # Kept inside the table (rows + ROWS: the last masked round reads past its range's
+    # rows), whatever the device's plan says where it disagrees with the host's.
+    row = tl.minimum(tl.maximum(tl.load(first + i), 0), rows)
+    blocks = tl.minimum(blocks, rows - row)
+    whole = blocks // ROWS * ROWS
+    for b in range(0, whole, ROWS):
+        acc = _chain(acc, sums, row + b, ROWS, lane, scramble_key, ROWS, False)
+    if (blocks > whole) & (blocks > ROWS):  # the rest of a long range: one more round-trip
+        acc = _chain(acc, sums, row + whole, blocks - whole, lane, scramble_key, ROWS, True)
+    else:  # a short range's few blocks, one by one
+        for b in range(whole, blocks):
+            acc = _chain(acc, sums, row + b, 1, lane, scramble_key, 1, False)
+    acc += after
     mixed = acc ^ tl.load(table + 11 + lane * 8).to(tl.uint64, bitcast=True)
     even, odd = tl.split(tl.reshape(mixed, [4, 2]))
     return _avalanche(length.to(tl.uint64) * P64_1 + tl.sum(_fold64(even, odd), axis=0))
@@ -314,13 +393,13 @@ def _hash_long(buf, words, table, start, length, size, WORDS: tl.constexpr):
 
 # ------------------------------------------------------------------------------------ kernel
 @triton.jit
-def _xxh3_kernel(buf, words, table, starts, lengths, expected, out, size,
+def _xxh3_kernel(buf, words, table, starts, lengths, first, sums, expected, out, size, rows,
                  WORDS: tl.constexpr, CHECK: tl.constexpr):
-    """Program i: XXH3-64 of ``buf[starts[i] : starts[i] + lengths[i]]`` into ``out[i]``
-    (int64 bits), or with CHECK, ``out[i] = 1`` (int32) where it is not ``expected[i]``."""
+    """Pass 2. Program i: XXH3-64 of ``buf[starts[i] : starts[i] + lengths[i]]`` into
+    ``out[i]`` (int64 bits), or with CHECK, ``out[i] = 1`` (int32) where it is not
+    ``expected[i]``; long ranges read their full blocks' rows of ``sums`` (pass 1)."""
     i = tl.program_id(0)
-    start = tl.load(starts + i)
-    length = tl.load(lengths + i)
+    start, length = _inside(tl.load(starts + i), tl.load(lengths + i), size)
     if length <= 16:
         h = _hash_0to16(buf, start, length)
     elif length <= 128:
@@ -328,7 +407,7 @@ def _xxh3_kernel(buf, words, table, starts, lengths, expected, out, size,
     elif length <= 240:
         h = _hash_129to240(buf, table, start, length)
     else:
-        h = _hash_long(buf, words, table, start, length, size, WORDS)
+        h = _hash_long(buf, words, table, first, sums, i, start, length, size, rows, WORDS)
     if CHECK:
         tl.store(out + i, (h != tl.load(expected + i).to(tl.uint64, bitcast=True)).to(tl.int32))
     else:
@@ -336,6 +415,10 @@ def _xxh3_kernel(buf, words, table, starts, lengths, expected, out, size,
 
 
 # ------------------------------------------------------------------------------ Python entry
+HostRanges = tuple[np.ndarray, np.ndarray]
+"""The caller's host copies of ``starts`` and ``lengths`` (int64 numpy arrays)."""
+
+
 def _interpreted() -> bool:
     return type(_xxh3_kernel).__name__ == "InterpretedFunction"
 
@@ -354,8 +437,53 @@ def _check_index(name: str, t: object, buf: torch.Tensor, n: int | None) -> None
         raise KernelInputError(f"{name} has {t.numel()} entries but starts has {n}")
 
 
-def _validate(buf, starts, lengths) -> None:
-    """Device, dtype, shape and bounds of the inputs; the bounds cost one small read back."""
+def _check_host(host_ranges: object, n: int) -> HostRanges:
+    """The host copies' types and shapes: n int64 entries each."""
+    if not isinstance(host_ranges, tuple | list) or len(host_ranges) != 2:
+        raise KernelInputError("host_ranges must be a (starts, lengths) pair of numpy arrays")
+    for name, a in zip(("starts", "lengths"), host_ranges, strict=True):
+        if not isinstance(a, np.ndarray) or a.dtype != np.int64 or a.shape != (n,):
+            got = (f"{a.dtype} of shape {a.shape}" if isinstance(a, np.ndarray)
+                   else type(a).__name__)
+            raise KernelInputError(
+                f"host_ranges' {name} must be a 1-D int64 numpy array of {n} entries "
+                f"(as many as starts), got {got}")
+    return host_ranges[0], host_ranges[1]
+
+
+def _check_bounds(low_start: int, low_length: int, over: int, size: int, worst) -> None:
+    """Raise unless every range lies in buf; ``worst()``: (index, start, length) of the range
+    that ends furthest past it, for the message."""
+    if low_start < 0 or low_length < 0:
+        raise KernelInputError(
+            f"starts and lengths must be >= 0 (smallest start {low_start}, smallest length "
+            f"{low_length})")
+    if over > 0:
+        i, start, length = worst()
+        raise KernelInputError(
+            f"range {i} ({start} + {length} bytes) ends past buf ({size} bytes)")
+
+
+def _worst(starts: torch.Tensor, lengths: torch.Tensor, over: torch.Tensor
+           ) -> tuple[int, int, int]:
+    """(index, start, length) of the device range that ends furthest past buf."""
+    i = int(torch.argmax(over))
+    return i, int(starts[i]), int(lengths[i])
+
+
+def _plan(lengths: torch.Tensor) -> torch.Tensor:
+    """int64 [n + 1] on lengths' device: the first pass-1 row of each range's full blocks,
+    then their total; a cumsum queued on the device, nothing read back."""
+    first = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+    blocks = (lengths - 1).clamp_(min=0).div_(BLOCK.value, rounding_mode="floor")
+    torch.cumsum(blocks, 0, out=first[1:])
+    return first
+
+
+def _validate(buf, starts, lengths, host_ranges) -> tuple[torch.Tensor, int]:
+    """Device, dtype, shape and bounds of the inputs; the plan (:func:`_plan`) and its total
+    rows. The bounds and the total come from ``host_ranges`` where given, else from one small
+    read-back (on CUDA it waits for whatever the stream queued before it)."""
     if not isinstance(buf, torch.Tensor):
         raise KernelInputError(f"buf must be a torch.Tensor, got {type(buf).__name__}")
     if buf.dtype != torch.uint8 or buf.dim() != 1:
@@ -368,21 +496,37 @@ def _validate(buf, starts, lengths) -> None:
             f"buf is on {buf.device}: the kernel needs CUDA tensors (or TRITON_INTERPRET=1 "
             "set before the Triton kernels are imported, for the CPU interpreter)")
     _check_index("starts", starts, buf, None)
-    _check_index("lengths", lengths, buf, starts.numel())
+    n = starts.numel()
+    _check_index("lengths", lengths, buf, n)
+    if host_ranges is not None:
+        rows = _host_rows(host_ranges, n, buf.numel())
+        return _plan(lengths), rows
+    first = _plan(lengths)
+    return first, _device_rows(starts, lengths, first, buf.numel())
+
+
+def _host_rows(host_ranges: object, n: int, size: int) -> int:
+    """The bounds checked on the caller's host copies; the total full blocks, from them."""
+    starts, lengths = _check_host(host_ranges, n)
+    if n:
+        over = lengths - (size - starts)
+        i = int(np.argmax(over))
+        _check_bounds(int(starts.min()), int(lengths.min()), int(over[i]), size,
+                      lambda: (i, int(starts[i]), int(lengths[i])))
+    return int((np.maximum(lengths - 1, 0) // BLOCK.value).sum())
+
+
+def _device_rows(starts: torch.Tensor, lengths: torch.Tensor, first: torch.Tensor,
+                 size: int) -> int:
+    """The bounds checked on the device tensors and the plan's total full blocks: one
+    read-back of four numbers."""
     if starts.numel() == 0:
-        return
-    size = buf.numel()
-    low_start, low_length, over = torch.stack([
-        starts.min(), lengths.min(), (lengths - (size - starts)).max()]).tolist()
-    if low_start < 0 or low_length < 0:
-        raise KernelInputError(
-            f"starts and lengths must be >= 0 (smallest start {low_start}, smallest length "
-            f"{low_length})")
-    if over > 0:
-        i = int(torch.argmax(lengths - (size - starts)))
-        raise KernelInputError(
-            f"range {i} ({int(starts[i])} + {int(lengths[i])} bytes) ends past buf "
-            f"({size} bytes)")
+        return 0
+    over = lengths - (size - starts)
+    low_start, low_length, most, rows = torch.stack(
+        [starts.min(), lengths.min(), over.max(), first[-1]]).tolist()
+    _check_bounds(low_start, low_length, most, size, lambda: _worst(starts, lengths, over))
+    return rows
 
 
 def _check_out(name: str, t: object, dtype: torch.dtype, buf: torch.Tensor, n: int) -> None:
@@ -397,47 +541,76 @@ def _check_out(name: str, t: object, dtype: torch.dtype, buf: torch.Tensor, n: i
         raise KernelInputError(f"{name} must be contiguous")
 
 
-def _launch(buf, starts, lengths, expected, out) -> None:
-    """One program per range. Where buf's address is 8-aligned, long ranges read it as u64
-    words (``words``: the whole words of buf); elsewhere byte by byte."""
-    if buf.numel() == 0:  # only empty ranges: no byte is read, but the pointer must be valid
+def _operands(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """buf (8 zero bytes where it is empty: no byte is read, but the pointer must be valid),
+    its whole u64 words where its address is 8-aligned (else buf again), and whether it is."""
+    if buf.numel() == 0:
         buf = torch.zeros(8, dtype=torch.uint8, device=buf.device)
     aligned = buf.data_ptr() % 8 == 0 and buf.numel() >= 8
-    words = buf[: buf.numel() // 8 * 8].view(torch.int64) if aligned else buf
+    return buf, (buf[: buf.numel() // 8 * 8].view(torch.int64) if aligned else buf), aligned
+
+
+def _block_sums(buf, starts, lengths, first, rows: int) -> torch.Tensor:
+    """Pass 1: int64 [rows + ROWS, 8], row ``first[i] + b`` the contribution of range i's
+    full block b (the last ROWS rows are never written: pass 2's last round of a long range
+    may load them, masked off). No launch without full blocks (every range within 1 KiB)."""
+    buf, words, aligned = _operands(buf)
+    sums = torch.empty((rows + ROWS.value, 8), dtype=torch.int64, device=buf.device)
+    if rows:
+        n = starts.numel()
+        _block_sums_kernel[(triton.cdiv(rows, GROUP.value),)](
+            buf, words, _table_on(buf.device), starts, lengths, first, sums, n,
+            max(n - 1, 0).bit_length(), rows, buf.numel(), WORDS=aligned,
+            num_warps=GROUP_WARPS,
+        )
+    return sums
+
+
+def _launch(buf, starts, lengths, first, rows, expected, out) -> None:
+    """Pass 1 then pass 2, queued back to back (the scratch table lives in torch's caching
+    allocator until both ran: it is freed after pass 2 is queued, on the same stream)."""
+    sums = _block_sums(buf, starts, lengths, first, rows)
+    buf, words, aligned = _operands(buf)
     _xxh3_kernel[(starts.numel(),)](
-        buf, words, _table_on(buf.device), starts, lengths,
-        out if expected is None else expected, out, buf.numel(),
+        buf, words, _table_on(buf.device), starts, lengths, first, sums,
+        out if expected is None else expected, out, buf.numel(), rows,
         WORDS=aligned, CHECK=expected is not None, num_warps=NUM_WARPS,
     )
 
 
 def xxh3_ranges(buf: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-    """XXH3-64 (seed 0) of ``buf[starts[i] : starts[i] + lengths[i]]`` for each i, one launch.
+                out: torch.Tensor | None = None, *,
+                host_ranges: HostRanges | None = None) -> torch.Tensor:
+    """XXH3-64 (seed 0) of ``buf[starts[i] : starts[i] + lengths[i]]`` for each i.
 
     ``buf``: contiguous 1-D uint8 on the device (CPU under the interpreter); ``starts``,
-    ``lengths``: int64 [n] on the same device. Returns int64 [n] (``out`` when given): the
-    bits of each uint64 digest (``.view(torch.uint64)`` gives the digests). Raises
-    :class:`~kvtier.errors.KernelInputError` (a ValueError) on bad inputs.
+    ``lengths``: int64 [n] on the same device. ``host_ranges``: the same starts and lengths
+    as int64 numpy arrays the caller built; the bounds are then checked on them and the
+    passes planned from them, with nothing read back from the device (on CUDA a read-back
+    waits for the copies queued before it). They must equal the device tensors: a device
+    range that disagrees is hashed cut to buf, never read past it. Returns int64 [n]
+    (``out`` when given): the bits of each uint64 digest (``.view(torch.uint64)`` gives the
+    digests). Raises :class:`~kvtier.errors.KernelInputError` (a ValueError) on bad inputs.
     """
-    _validate(buf, starts, lengths)
+    first, rows = _validate(buf, starts, lengths, host_ranges)
     n = starts.numel()
     if out is None:
         out = torch.empty(n, dtype=torch.int64, device=buf.device)
     else:
         _check_out("out", out, torch.int64, buf, n)
     if n:
-        _launch(buf, starts, lengths, None, out)
+        _launch(buf, starts, lengths, first, rows, None, out)
     return out
 
 
 def check_ranges(buf: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
-                 expected: torch.Tensor, bad: torch.Tensor | None = None) -> torch.Tensor:
+                 expected: torch.Tensor, bad: torch.Tensor | None = None, *,
+                 host_ranges: HostRanges | None = None) -> torch.Tensor:
     """int32 [n] (``bad`` when given): 1 where the XXH3-64 of range i is not ``expected[i]``
-    (int64 bits of the stored uint64 sum), else 0. Hash and compare are one launch; nothing
-    is read back after it (the input checks of :func:`xxh3_ranges` read back three numbers
-    before it)."""
-    _validate(buf, starts, lengths)
+    (int64 bits of the stored uint64 sum), else 0. Hash and compare are queued together;
+    nothing is read back after them, nor before them where ``host_ranges`` is given (see
+    :func:`xxh3_ranges`; without it the input checks read back four numbers)."""
+    first, rows = _validate(buf, starts, lengths, host_ranges)
     n = starts.numel()
     _check_out("expected", expected, torch.int64, buf, n)
     if bad is None:
@@ -445,5 +618,5 @@ def check_ranges(buf: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
     else:
         _check_out("bad", bad, torch.int32, buf, n)
     if n:
-        _launch(buf, starts, lengths, expected, bad)
+        _launch(buf, starts, lengths, first, rows, expected, bad)
     return bad

@@ -42,6 +42,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("kvtier.benchmarks.vllm_bench", "bench"),
     ("kvtier.benchmarks.codecs", "bench"),
     ("kvtier.benchmarks.connector_transfers", "bench"),
+    ("kvtier.benchmarks.block_path", "bench"),
 ]
 
 

@@ -11,7 +11,20 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvtier.benchmarks.gpu_kit import Step, _Log, cuda_test_figures, figures, run_steps
+import pytest
+
+from kvtier.benchmarks.gpu_kit import (
+    GOALS,
+    Step,
+    _Log,
+    cuda_test_figures,
+    figures,
+    judged_figures,
+    load_results,
+    plan,
+    run_steps,
+    ttft_figures,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -30,18 +43,31 @@ def test_dry_run_runs_every_step_and_writes_the_results(tmp_path):
     doc = json.loads((out / "gpu-kit.json").read_text())
     assert doc["suite"] == "gpu-kit" and doc["dry_run"] is True
     assert [s["name"] for s in doc["steps"]] == ["cuda-tests", "host-transfer", "kernels",
-                                                 "codec-restores", "connector", "model", "ttft"]
+                                                 "codec-restores", "connector", "block-path",
+                                                 "model", "ttft"]
     assert all(s["ok"] for s in doc["steps"]), doc["steps"]
     # The CUDA suite ran (on the CPU) and passed: the marker selects it and nothing is skipped.
     assert doc["tests"]["passed"] >= 20 and doc["tests"]["failures"] == 0
     assert doc["tests"]["errors"] == 0 and doc["tests"]["skipped"] == 0
     groups = {f["group"] for f in doc["figures"]}
-    assert groups == {"tests", "host-transfer", "kernels", "codec-restores", "connector", "ttft"}
+    assert groups == {"tests", "host-transfer", "kernels", "codec-restores", "connector",
+                      "block-path", "ttft"}
     assert all(f["met"] is None for f in doc["figures"] if f["group"] != "tests")  # not judged
     assert all(f["ratio"] > 0 for f in doc["figures"] if f["ratio"] is not None)
     for name in ("host-transfer", "kernels", "codec-restores", "connector", "ttft"):
         result = json.loads((out / f"{name}.json").read_text())
         assert result["machine"]["cpu_count"] >= 1 and "torch" in result["machine"]
+    # The block path's result stays in the work folder ($OUT returns eight files) and
+    # travels inside gpu-kit.json; the dry run took its device route in the interpreter.
+    block = json.loads((tmp_path / "work" / "block-path.json").read_text())
+    assert not (out / "block-path.json").exists()
+    assert block["route"] == "device" and block["exact"] is True and block["hash_GBps"] > 0
+    assert doc["block_path"]["rows"] == block["rows"]
+    assert set(doc["judged"]) == {"restore_vs_h2d", "exact_save_vs_copy", "exact_load_vs_copy",
+                                  "ttft_over_floor_32k"}
+    assert all(j["met"] is None for j in doc["judged"].values())  # not judged in a dry run
+    assert doc["judged"]["restore_vs_h2d"]["value"] == block["restore_vs_h2d"]
+    assert doc["judged"]["ttft_over_floor_32k"]["value"] is None  # toy histories, no 32k
     ttft = json.loads((out / "ttft.json").read_text())
     assert [r["history_tokens"] for r in ttft["rows"]] == [128, 256]
     assert all(r["copy_kind"] == "host copy" for r in ttft["rows"])
@@ -132,5 +158,92 @@ def test_failing_cuda_tests_fail_the_kit(tmp_path):
     figs, _ = figures(tmp_path, judge=True)
     missing = [f for f in figs if f.name == "(no result)"]
     assert {f.group for f in missing} == {"host-transfer", "kernels", "codec-restores", "connector",
-                                          "ttft"}
+                                          "block-path", "ttft"}
     assert all(f.met is False for f in missing)
+
+
+def test_the_gpu_plan_sizes_the_connector_and_block_path_steps(tmp_path):
+    gpu = {s.name: s for s in plan(tmp_path / "out", tmp_path / "work", dry_run=False)}
+    dry = {s.name: s for s in plan(tmp_path / "out", tmp_path / "work", dry_run=True)}
+    assert list(gpu)[-2:] == ["block-path", "ttft"] == list(dry)[-2:]
+    assert gpu["connector"].argv[-4:-2] == ["--chunks", "64"]
+    assert "--chunks" not in dry["connector"].argv
+    block = gpu["block-path"].argv
+    assert block[block.index("--device") + 1] == "cuda" and "--device-copies" not in block
+    assert gpu["block-path"].result == tmp_path / "work" / "block-path.json"
+    assert gpu["block-path"].cap_s <= 120 and not gpu["block-path"].env
+    assert "--device-copies" in dry["block-path"].argv
+    assert dry["block-path"].env == {"TRITON_INTERPRET": "1"}
+
+
+def ttft_row(h: int, **over) -> dict:
+    """A ttft row with the fields the kit reads (seconds, bytes, GB/s)."""
+    row = {"history_tokens": h, "recompute_s": 2.0, "pool_hit_s": 0.05, "cpu_s": 0.5,
+           "cpu_stream_s": 1.0, "restored_bytes": {"cpu": 4_000_000_000, "disk": 4_000_000_000},
+           "copy_GBps": 50.0, "copy_kind": "pinned H2D", "cpu_GBps": 9.0}
+    return row | over
+
+
+def write_results(out, work, *, sdpa: bool) -> None:
+    out.mkdir()
+    work.mkdir()
+    rows = [ttft_row(8192, recompute_s=0.5, cpu_s=0.1),
+            ttft_row(65536, cpu_s=0.26, pool_hit_s=0.1, copy_GBps=40.0,
+                     **({"sdpa_recompute_s": 3.9} if sdpa else {})),
+            ttft_row(32768, cpu_s=9.0)]  # not the largest: not read
+    (out / "ttft.json").write_text(json.dumps({"rows": rows}))
+    (out / "connector.json").write_text(json.dumps({"h2d_GBps": 50, "d2h_GBps": 50, "rows": [
+        {"codec": "fp8", "save_vs_d2h": 2.0, "load_vs_h2d": 2.0},
+        {"codec": "none", "save_vs_d2h": 0.81, "load_vs_h2d": 0.5}]}))
+    (work / "block-path.json").write_text(json.dumps({"restore_vs_h2d": 0.79}))
+
+
+@pytest.mark.parametrize("sdpa", [True, False])
+def test_judged_figures_are_same_run_ratios_with_their_goals(tmp_path, sdpa):
+    out, work = tmp_path / "out", tmp_path / "work"
+    write_results(out, work, sdpa=sdpa)
+    docs = load_results(out, work)
+    judged = judged_figures(docs, judge=True)
+    assert judged["restore_vs_h2d"] | {"ratio": ""} == {
+        "step": "block-path", "ratio": "", "value": 0.79, "goal": ">= 0.8", "met": False}
+    assert (judged["exact_save_vs_copy"]["value"], judged["exact_save_vs_copy"]["met"]) == (0.81, True)
+    assert (judged["exact_load_vs_copy"]["value"], judged["exact_load_vs_copy"]["met"]) == (0.5, False)
+    ttft = judged["ttft_over_floor_32k"]
+    floor = 0.1 + 4e9 / 40e9  # the pool hit and the pinned copy of the restored bytes
+    assert ttft["history_tokens"] == 65536 and ttft["goal"] == "<= 1.25"
+    assert ttft["value"] == pytest.approx(0.26 / floor) and ttft["met"] is False  # 1.3
+    assert ttft["speedup_vs_engine_32k"] == pytest.approx(2.0 / 0.26)
+    if sdpa:
+        assert ttft["speedup_vs_sdpa_32k"] == pytest.approx(3.9 / 0.26)
+    else:
+        assert ttft["speedup_vs_sdpa_32k"] is None
+    # A dry run: the same values, nothing judged.
+    dry = judged_figures(docs, judge=False)
+    assert all(j["met"] is None for j in dry.values())
+    assert {k: j["value"] for k, j in dry.items()} == {k: j["value"] for k, j in judged.items()}
+
+
+def test_a_judged_figure_whose_step_left_no_result_is_not_met(tmp_path):
+    judged = judged_figures(load_results(tmp_path, tmp_path), judge=True)
+    assert set(judged) == {"restore_vs_h2d", "exact_save_vs_copy", "exact_load_vs_copy",
+                           "ttft_over_floor_32k"}
+    assert all(j["value"] is None and j["met"] is False for j in judged.values())
+    ttft = judged["ttft_over_floor_32k"]
+    assert ttft["speedup_vs_engine_32k"] is None and ttft["speedup_vs_sdpa_32k"] is None
+
+
+def test_the_judged_ttft_restore_is_the_blocking_one_with_both_recompute_references():
+    rows = [ttft_row(32768, cpu_s=0.1, sdpa_recompute_s=3.0), ttft_row(8192, cpu_s=1.0)]
+    figs = {f.name: f for f in ttft_figures({"rows": rows}, judge=True)}
+    blocking = figs["32768 tokens: CPU tier restore (blocking)"]
+    assert blocking.ratio == pytest.approx(20.0) and blocking.met is True
+    assert blocking.goal == f">= {GOALS['speedup_32k']:g}x"
+    streamed = figs["32768 tokens: CPU tier restore (streamed)"]
+    assert streamed.goal == "" and streamed.met is None  # shown, not judged
+    over_sdpa = figs["32768 tokens: CPU tier restore (blocking), over SDPA"]
+    assert over_sdpa.ratio == pytest.approx(30.0) and over_sdpa.met is None
+    assert "8192 tokens: CPU tier restore (blocking), over SDPA" not in figs  # no SDPA there
+    assert figs["8192 tokens: CPU tier restore (blocking)"].met is False  # 2x < 10x
+    floor = figs["32768 tokens: CPU tier restore over its floor"]
+    assert floor.ratio == pytest.approx(0.1 / (0.05 + 4e9 / 50e9)) and floor.met is True
+    assert figs["8192 tokens: CPU tier restore over its floor"].met is None  # judged at 32k only

@@ -182,6 +182,39 @@ def test_compressed_restore_decodes_on_the_device(device, sizes, model_dir, tmp_
     tier.close()
 
 
+def test_a_corrupt_chunk_is_recomputed_with_every_later_one(device, sizes, model_dir, tmp_path):
+    """The block path's failure rule on the device: one byte flipped in the last layer of
+    the second stored chunk. The restore serves the first chunk only (the second fails its
+    check where it landed; the third, intact, is not served either), and the next token's
+    logits over the whole prompt equal those of a run that never offloaded."""
+    runner = _runner(model_dir, device)
+    tokens = _tokens(sizes.tokens, seed=5)
+    _compute(runner, "a", tokens)
+    tier = _tier("cpu", runner, sizes.chunk_tokens, tmp_path)
+    xfer = _transfer(runner, tier, sizes.chunk_tokens)
+    xfer.restorer.device_copies = True  # the device route, also on the CPU dry run
+    saved = xfer.save(tokens)
+    assert saved.stored >= 3
+    with tier.lease([saved.keys[1]]) as (view,):
+        view[-3] ^= 0xFF
+    xfer.evict(tokens)
+    loaded = xfer.load(tokens, saved.tokens, stream=False)
+    assert loaded.from_tiers == sizes.chunk_tokens  # the first chunk only
+    assert xfer.manager.lookup(saved.keys[1:2]).length == 0  # dropped from its tier
+    prompt = tokens + _tokens(8, seed=6)
+    added = runner.add_sequence("b", prompt)
+    assert added.num_cached_tokens == sizes.chunk_tokens
+    got = runner.run([("b", len(prompt) - added.num_cached_tokens)])
+    fresh = _runner(model_dir, device)
+    fresh.add_sequence("b", prompt)
+    want = fresh.run([("b", len(prompt))])
+    sync(device)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert torch.allclose(got, want, atol=2e-2, rtol=2e-2)  # bf16: chunked vs whole prefill
+    xfer.close()
+    tier.close()
+
+
 def test_a_store_waits_for_the_kv_written_before_it(device, sizes, model_dir, tmp_path):
     """The store's gather runs on a side stream: it must see every write the current stream
     queued before the store was asked for, however long that stream is still busy."""

@@ -120,3 +120,33 @@ def test_write_gather_scatter_are_exact(device, sizes, dtype, block_size):
     sync(device)
     assert torch.equal(got, want)
     assert torch.equal(gather_blocks(got, other, num_tokens=n), chunk)
+
+
+def test_the_device_hash_equals_the_host_hash(device):
+    """The block path's device check: XXH3-64 of many ranges in one call on the device,
+    bit-exact with the xxhash package, short, mid-size and long ranges (1 MiB layers of a
+    window too), aligned and not, in one buffer."""
+    import numpy as np
+    import xxhash
+
+    from kvtier.gpu_pool.kernels.triton_xxh3 import check_ranges, xxh3_ranges
+
+    rng = np.random.default_rng(7)
+    small = device.type == "cpu"
+    lengths = np.concatenate([np.arange(0, 300), rng.integers(241, 1 << 16, 40 if small else 400),
+                              [1 << 20, (1 << 20) + 3] if not small else [5000]]).astype(np.int64)
+    gaps = rng.integers(0, 9, len(lengths)).astype(np.int64)
+    starts = np.cumsum(np.concatenate([[0], (lengths + gaps)[:-1]])).astype(np.int64)
+    total = int(starts[-1] + lengths[-1])
+    host = torch.from_numpy(rng.integers(0, 256, total, dtype=np.uint8))
+    buf = host.to(device)
+    st, ln = torch.from_numpy(starts).to(device), torch.from_numpy(lengths).to(device)
+    got = xxh3_ranges(buf, st, ln, host_ranges=(starts, lengths)).cpu().numpy().view(np.uint64)
+    mem = memoryview(host.numpy())
+    want = np.array([xxhash.xxh3_64_intdigest(mem[s : s + n]) for s, n in zip(starts, lengths, strict=True)],
+                    dtype=np.uint64)
+    assert (got == want).all()
+    expected = torch.from_numpy(want.view(np.int64)).to(device)
+    buf[int(starts[-1])] ^= 1  # the last range's first byte
+    bad = check_ranges(buf, st, ln, expected, host_ranges=(starts, lengths)).cpu()
+    assert bad.tolist() == [0] * (len(lengths) - 1) + [1]

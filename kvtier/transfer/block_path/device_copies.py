@@ -34,8 +34,9 @@ from kvtier.transfer.block_path.cache_blocks import CacheBlocks
 from kvtier.transfer.block_path.pieces import Pieces
 
 WINDOW_BYTES = 256 << 20
-"""A load stages at most this many stored bytes before scattering them (the device memory
-it borrows beside the cache's)."""
+"""A window holds about this many bytes of device memory (stored bytes, and decoded KV for
+compressed chunks); a restore alternates between two, kept for reuse by the thread: the
+device memory it borrows beside the cache's."""
 ALIGN = 256
 """Each chunk's place in the staging buffer starts on this boundary (wide words for the
 piece copies)."""
@@ -59,13 +60,20 @@ def _buffer(name: str, device: torch.device, nbytes: int) -> torch.Tensor:
     return buf
 
 
-def _table(values: np.ndarray, device: torch.device) -> torch.Tensor:
-    """An int64 table on the device (from pinned memory on CUDA: the copy does not stall)."""
-    host = torch.from_numpy(np.ascontiguousarray(values).view(np.int64))
+def _tables(device: torch.device, *values: np.ndarray) -> list[torch.Tensor]:
+    """int64 tables on the device, all in one copy (from pinned memory on CUDA: the copy
+    is queued, the host goes on; torch's pinned allocator keeps the memory until it ran)."""
+    arrays = [np.ascontiguousarray(v).reshape(-1).view(np.int64) for v in values]
+    host = torch.from_numpy(np.concatenate(arrays) if arrays else np.empty(0, np.int64))
     if device.type == "cuda":
-        host = host.pin_memory()
-        return host.to(device, non_blocking=True)
-    return host.to(device)
+        dev = host.pin_memory().to(device, non_blocking=True)
+    else:
+        dev = host.to(device)
+    out, at = [], 0
+    for a in arrays:
+        out.append(dev[at : at + len(a)])
+        at += len(a)
+    return out
 
 
 def _word(*tables: np.ndarray) -> int:
@@ -80,17 +88,34 @@ def _word(*tables: np.ndarray) -> int:
     return 1
 
 
+@dataclass(frozen=True)
+class _Moves:
+    """The pieces of one copy launch: addresses and lengths in words of ``word`` bytes."""
+
+    srcs: np.ndarray
+    dsts: np.ndarray
+    words: np.ndarray
+    word: int
+
+    @classmethod
+    def of(cls, srcs: np.ndarray, dsts: np.ndarray, lens: np.ndarray) -> _Moves:
+        """Every piece with a nonzero length (uint64 device addresses, byte lengths)."""
+        keep = lens > 0
+        srcs, dsts, lens = srcs[keep], dsts[keep], lens[keep]
+        word = _word(srcs, dsts, lens)
+        return cls(srcs, dsts, lens // np.uint64(word), word)
+
+    def launch(self, srcs: torch.Tensor, dsts: torch.Tensor, words: torch.Tensor) -> None:
+        """The copy, given this move's tables on the device."""
+        if len(self.words):
+            copy_pieces(srcs, dsts, words, self.word, int(self.words.max()))
+
+
 def move_pieces(srcs: np.ndarray, dsts: np.ndarray, lens: np.ndarray, device: torch.device) -> None:
     """One launch copying every piece with a nonzero length (uint64 tables of device
     addresses and byte lengths)."""
-    keep = lens > 0
-    srcs, dsts, lens = srcs[keep], dsts[keep], lens[keep]
-    if not len(lens):
-        return
-    word = _word(srcs, dsts, lens)
-    words = lens // np.uint64(word)
-    copy_pieces(_table(srcs, device), _table(dsts, device), _table(words, device), word,
-                int(words.max()))
+    moves = _Moves.of(srcs, dsts, lens)
+    moves.launch(*_tables(device, moves.srcs, moves.dsts, moves.words))
 
 
 @contextlib.contextmanager
@@ -153,14 +178,21 @@ def _stored_bytes(chunk: LentChunk, plan: Pieces) -> int:
     return (plan.last - plan.first) * chunk.header.layer_nbytes
 
 
+def _footprint(chunk: LentChunk, plan: Pieces) -> int:
+    """Device bytes a chunk takes in a window: its stored bytes, and its KV decoded."""
+    decoded = plan.layer_bytes * (plan.last - plan.first) if chunk.header.lossy else 0
+    return _stored_bytes(chunk, plan) + decoded
+
+
 def _windows(chunks: Sequence[LentChunk], plans: Sequence[Pieces]) -> list[tuple[int, int]]:
-    """Consecutive chunks of about :data:`WINDOW_BYTES` stored bytes (at least one each)."""
+    """Consecutive chunks of about :data:`WINDOW_BYTES` of device memory (stored bytes, and
+    decoded KV for compressed chunks; at least one chunk each)."""
     out, start, size = [], 0, 0
     for i, (chunk, plan) in enumerate(zip(chunks, plans, strict=True)):
-        if i > start and size + _stored_bytes(chunk, plan) > WINDOW_BYTES:
+        if i > start and size + _footprint(chunk, plan) > WINDOW_BYTES:
             out.append((start, i))
             start, size = i, 0
-        size += _stored_bytes(chunk, plan)
+        size += _footprint(chunk, plan)
     if start < len(chunks):
         out.append((start, len(chunks)))
     return out
@@ -243,10 +275,9 @@ def _copy_stream(device: torch.device) -> torch.cuda.Stream:
 def _check_and_scatter(staging: torch.Tensor, staged: Sequence[_Staged], cache: CacheBlocks
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Queue the window's check (one hash launch), its decodes and its scatter (one
-    launch); the per-layer failure flags and per-chunk decode statuses (on the device,
-    read once everything was queued)."""
+    launch), their tables crossing in one copy; the per-layer failure flags and per-chunk
+    decode statuses (on the device, read once everything was queued)."""
     device = cache.device
-    bad = _check(staging, staged)
     statuses = torch.zeros(len(staged), dtype=torch.int32, device=device)
     lossy = [s for s in staged if s.chunk.header.lossy]
     sizes = [-(-s.plan.layer_bytes * (s.plan.last - s.plan.first) // ALIGN) * ALIGN for s in lossy]
@@ -255,17 +286,19 @@ def _check_and_scatter(staging: torch.Tensor, staged: Sequence[_Staged], cache: 
     sources = [_decoded(s, staging, decoded[places[s.index]:], statuses[k : k + 1])
                if s.chunk.header.lossy else staging.data_ptr() + s.at
                for k, s in enumerate(staged)]
-    srcs = np.concatenate([np.uint64(b) + s.plan.offsets.reshape(-1)
-                           for b, s in zip(sources, staged, strict=True)])
-    dsts = np.concatenate([s.plan.cache.reshape(-1) for s in staged])
-    lens = np.concatenate([s.plan.lens.reshape(-1) for s in staged])
-    move_pieces(srcs, dsts, lens, device)
+    moves = _Moves.of(
+        np.concatenate([np.uint64(b) + s.plan.offsets.reshape(-1) for b, s in zip(sources, staged, strict=True)]),
+        np.concatenate([s.plan.cache.reshape(-1) for s in staged]),
+        np.concatenate([s.plan.lens.reshape(-1) for s in staged]))
+    starts, lengths, expected = _ranges(staged)
+    tables = _tables(device, starts, lengths, expected, moves.srcs, moves.dsts, moves.words)
+    bad = check_ranges(staging, *tables[:3], host_ranges=(starts, lengths))
+    moves.launch(*tables[3:])
     return bad, statuses
 
 
-def _check(staging: torch.Tensor, staged: Sequence[_Staged]) -> torch.Tensor:
-    """One launch: 1 per layer of each staged chunk whose bytes differ from its stored
-    xxh3, in order."""
+def _ranges(staged: Sequence[_Staged]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each staged layer's offset and length in staging and its stored xxh3 (int64 bits)."""
     starts, lengths, expected = [], [], []
     for s in staged:
         step = s.chunk.header.layer_nbytes
@@ -274,10 +307,7 @@ def _check(staging: torch.Tensor, staged: Sequence[_Staged]) -> torch.Tensor:
         lengths.append(np.full(layers, step, dtype=np.int64))
         expected.append(np.array(s.chunk.header.layer_checksums[s.plan.first : s.plan.last],
                                  dtype=np.uint64).view(np.int64))
-    device = staging.device
-    return check_ranges(staging, _table(np.concatenate(starts), device),
-                        _table(np.concatenate(lengths), device),
-                        _table(np.concatenate(expected), device))
+    return np.concatenate(starts), np.concatenate(lengths), np.concatenate(expected)
 
 
 def _decoded(s: _Staged, staging: torch.Tensor, room: torch.Tensor, status: torch.Tensor) -> int:
@@ -329,14 +359,17 @@ def gather(cache: CacheBlocks, plan: Pieces, out: torch.Tensor, hashed: bool = T
     flat = out.view(-1).view(torch.uint8)
     staging = flat if here else _buffer("save", device, nbytes)
     with _synced(device, wait=hashed):
-        move_pieces(plan.cache.reshape(-1), np.uint64(staging.data_ptr()) + plan.offsets.reshape(-1),
-                    plan.lens.reshape(-1), device)
+        moves = _Moves.of(plan.cache.reshape(-1),
+                          np.uint64(staging.data_ptr()) + plan.offsets.reshape(-1),
+                          plan.lens.reshape(-1))
+        layers = plan.last - plan.first
+        starts = np.arange(layers, dtype=np.int64) * plan.layer_bytes
+        lengths = np.full(layers, plan.layer_bytes, dtype=np.int64)
+        tables = _tables(device, moves.srcs, moves.dsts, moves.words, starts, lengths)
+        moves.launch(*tables[:3])
         sums = None
         if hashed:
-            layers = plan.last - plan.first
-            starts = np.arange(layers, dtype=np.int64) * plan.layer_bytes
-            sums = xxh3_ranges(staging, _table(starts, device),
-                               _table(np.full(layers, plan.layer_bytes, dtype=np.int64), device))
+            sums = xxh3_ranges(staging, *tables[3:], host_ranges=(starts, lengths))
         if not here:
             flat.copy_(staging[:nbytes], non_blocking=True)
         if sums is None:

@@ -1,7 +1,9 @@
 """XXH3-64 of byte ranges on the device (Triton on CUDA, the interpreter on CPU): bit for bit
 the xxhash package's digests (what the host stores with every chunk) for every length branch,
-whole-word, shifted-word and byte reads; the fused check flags exactly the ranges whose bytes
-changed; bad inputs raise before anything is launched."""
+whole-word, shifted-word and byte reads; pass 1 writes each full block's contribution where
+pass 2 looks for it; the fused check flags exactly the ranges whose bytes changed; host copies
+of the ranges give the same digests and are what the bounds are checked on; bad inputs raise
+before anything is launched."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest
 import torch
 import xxhash
 
+from kvtier.errors import KernelInputError
 from kvtier.gpu_pool.kernels import triton_xxh3
 from kvtier.gpu_pool.kernels.triton_xxh3 import check_ranges, xxh3_ranges
 from tests.gpu_pool.kernel_cases import triton_devices
@@ -136,6 +139,85 @@ def test_check_flags_exactly_the_changed_ranges(device):
     assert torch.equal(out.cpu() != expected.cpu(), bad.cpu().bool())
 
 
+def _block_sum(block: np.ndarray) -> np.ndarray:
+    """XXH3_accumulate_512 over one full 1 KiB block, before the scramble, from the spec:
+    per lane l, the sum over its 16 stripes of lo32(d ^ k) * hi32(d ^ k) plus the data of
+    lane l ^ 1 (u64, wrapping)."""
+    secret = triton_xxh3.SECRET
+    keys = np.array([[int.from_bytes(secret[8 * (s + lane) : 8 * (s + lane) + 8], "little")
+                      for lane in range(8)] for s in range(16)], dtype=np.uint64)
+    data = block.view("<u8").reshape(16, 8)
+    dk = data ^ keys
+    swapped = data.sum(axis=0, dtype=np.uint64)[[1, 0, 3, 2, 5, 4, 7, 6]]
+    return ((dk & np.uint64(0xFFFFFFFF)) * (dk >> np.uint64(32))).sum(axis=0) + swapped
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("skew", [0, 1], ids=["words", "bytes"])
+def test_pass1_rows_in_range_order(device, skew):
+    """One pass-1 launch over ranges of different lengths (no block, one, several, more than
+    a program's GROUP; odd tails; starts at six offsets mod 8) writes range i's block b to
+    row first[i] + b, rows of ranges without blocks taking no room; pass 2 then gives
+    xxhash's digests."""
+    lengths = [5 * KIB + 3, 0, 200, 1024, 1025, 3 * KIB, 2 * KIB + 77, 17 * KIB + 5,
+               9 * KIB - 1, 4097, 241]
+    starts = np.cumsum([0, *(n + 13 for n in lengths[:-1])]).tolist()
+    base = _bytes(starts[-1] + lengths[-1] + 6, SEED + 5).to(device)
+    buf = base[skew:]  # skew 1: not 8-aligned, read byte by byte
+    st, ln = torch.tensor(starts, device=device), torch.tensor(lengths, device=device)
+    blocks = [max(n - 1, 0) // KIB for n in lengths]
+    assert sum(b > triton_xxh3.GROUP.value for b in blocks) == 1 and blocks.count(0) == 4
+    assert len({s % 8 for s, b in zip(starts, blocks, strict=True) if b}) == 6
+
+    first = triton_xxh3._plan(ln)
+    rows = int(first[-1])
+    sums = triton_xxh3._block_sums(buf, st, ln, first, rows).cpu()
+
+    assert first.cpu().tolist() == np.cumsum([0, *blocks]).tolist()
+    data = buf.cpu().numpy()
+    want = [_block_sum(data[s + KIB * b : s + KIB * (b + 1)])
+            for s, n in zip(starts, blocks, strict=True) for b in range(n)]
+    assert rows == len(want) == 39
+    assert np.array_equal(sums[:rows].numpy().view(np.uint64), np.stack(want))
+    got = xxh3_ranges(buf, st, ln).cpu()
+    assert torch.equal(got, _want(buf, starts, lengths)), _mismatches(
+        got, _want(buf, starts, lengths), starts, lengths)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_host_ranges_give_the_same_sums(device):
+    """host_ranges: the same digests and flags as the read-back route, for every path."""
+    lengths = [0, 5, 16, 100, 200, 241, 1024, 1025, 3000, 6 * KIB + 1]
+    starts = np.cumsum([3, *(n + 5 for n in lengths[:-1])]).tolist()
+    buf = _bytes(starts[-1] + lengths[-1], SEED + 6).to(device)
+    host = (np.array(starts, dtype=np.int64), np.array(lengths, dtype=np.int64))
+    st, ln = torch.from_numpy(host[0]).to(device), torch.from_numpy(host[1]).to(device)
+    want = _want(buf, starts, lengths)
+
+    assert torch.equal(xxh3_ranges(buf, st, ln, host_ranges=host).cpu(), want)
+    assert torch.equal(xxh3_ranges(buf, st, ln).cpu(), want)
+    expected = want.clone()
+    expected[[2, 7, 9]] ^= 1
+    flags = check_ranges(buf, st, ln, expected.to(device), host_ranges=host).cpu()
+    assert torch.nonzero(flags).flatten().tolist() == [2, 7, 9]
+    assert torch.equal(check_ranges(buf, st, ln, expected.to(device)).cpu(), flags)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_device_ranges_past_buf_are_cut_to_it(device):
+    """The bounds are checked on host_ranges only (no read-back): where the device's copies
+    disagree and run past buf, the kernel reads nothing outside it and hashes what is in it
+    (such a digest will not match a stored one; the chunk is recomputed, never read wrong)."""
+    size = 7 * KIB + 3
+    buf = _bytes(size, SEED + 7).to(device)
+    starts, lengths = [100, 5000, 2 * KIB], [3 * KIB, size - 5000, 300]
+    host = (np.array(starts, dtype=np.int64), np.array(lengths, dtype=np.int64))
+    device_lengths = [3 * KIB, size - 5000 + 40 * KIB, 300]  # range 1 runs 40 KiB past buf
+    got = xxh3_ranges(buf, torch.tensor(starts, device=device),
+                      torch.tensor(device_lengths, device=device), host_ranges=host).cpu()
+    assert torch.equal(got, _want(buf, starts, lengths))
+
+
 # ------------------------------------------------------------------------------- bad input
 @pytest.fixture
 def launches(monkeypatch):
@@ -194,6 +276,30 @@ def test_bad_out_raises(launches):
     assert launches == []
 
 
+def _host(starts, lengths, dtype=np.int64):
+    return np.array(starts, dtype=dtype), np.array(lengths, dtype=dtype)
+
+
+@pytest.mark.parametrize(("host", "match"), [
+    (_host([0, 50], [50, 51]), r"range 1 \(50 \+ 51 bytes\) ends past buf \(100"),
+    (_host([0, 101], [1, 0]), "ends past buf"),
+    (_host([-1, 0], [50, 50]), "must be >= 0"),
+    (_host([0, 50], [-1, 50]), "must be >= 0"),
+    (_host([0, 50], [50, 50], np.int32), "host_ranges' starts must be a 1-D int64 numpy"),
+    (_host([0, 50, 60], [50, 50, 1]), r"of 2 entries \(as many as starts\), got int64 of shape"),
+    ((np.array([0, 50]), [50, 50]), "host_ranges' lengths must be .* got list"),
+    (_host([0, 50], [50, 50])[:1], r"must be a \(starts, lengths\) pair"),
+    (np.array([[0, 50], [50, 50]]), r"must be a \(starts, lengths\) pair"),
+])
+def test_bad_host_ranges_raise_before_launch(launches, host, match):
+    """The device's starts and lengths are fine: what is checked is the host copies."""
+    with pytest.raises(KernelInputError, match=match):
+        xxh3_ranges(**_args(), host_ranges=host)
+    with pytest.raises(KernelInputError, match=match):
+        check_ranges(**_args(), expected=torch.zeros(2, dtype=torch.int64), host_ranges=host)
+    assert launches == []
+
+
 def test_no_ranges_no_launch(launches):
     none = torch.zeros(0, dtype=torch.int64)
     assert xxh3_ranges(torch.zeros(0, dtype=torch.uint8), none, none).shape == (0,)
@@ -216,28 +322,35 @@ from triton.compiler import ASTSource
 from kvtier.gpu_pool.kernels import triton_xxh3 as m
 from kvtier.gpu_pool.kernels.aot import _ptxas_report
 
-fn = m._xxh3_kernel
+def build(fn, types, constexprs, warps, arch):
+    sig = {n: "*i64" for n in fn.arg_names}
+    sig.update(types, **{c: "constexpr" for c in constexprs})
+    src = ASTSource(fn, sig, constexprs=constexprs)
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+    return _ptxas_report(k.asm["ptx"], arch)
+
 for arch in (80, 90):
     for words in (True, False):
+        ints = {"buf": "*u8", "size": "i64", "rows": "i64"}
+        print("pass1", arch, words, "ok", build(
+            m._block_sums_kernel, {**ints, "n": "i64", "steps": "i32"}, {"WORDS": words},
+            m.GROUP_WARPS, arch))
         for check in (False, True):
-            sig = {n: "*i64" for n in fn.arg_names}
-            sig.update(buf="*u8", out="*i32" if check else "*i64", size="i64",
-                       WORDS="constexpr", CHECK="constexpr")
-            src = ASTSource(fn, sig, constexprs={"WORDS": words, "CHECK": check})
-            k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                               options={"num_warps": m.NUM_WARPS})
-            print(arch, words, check, "ok", _ptxas_report(k.asm["ptx"], arch))
+            print("pass2", arch, words, check, "ok", build(
+                m._xxh3_kernel, {**ints, "out": "*i32" if check else "*i64"},
+                {"WORDS": words, "CHECK": check}, m.NUM_WARPS, arch))
 """
 
 
 def test_kernel_compiles_for_cuda_targets():
-    """The interpreter checks what the kernel computes, not that Triton lowers it: compile
-    every variant for sm_80 and sm_90 (no GPU needed) and check that nothing spills."""
+    """The interpreter checks what the kernels compute, not that Triton lowers them: compile
+    every variant of both passes for sm_80 and sm_90 (no GPU needed) and check that nothing
+    spills."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     out = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True,
                          timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [ln for ln in out.stdout.splitlines() if " ok " in ln]
-    assert len(rows) == 8, out.stdout
+    assert len(rows) == 12 and sum(ln.startswith("pass1") for ln in rows) == 4, out.stdout
     assert all("0 bytes spill stores" in ln for ln in rows), out.stdout
