@@ -1,7 +1,8 @@
 """The block path's device copies: a window of chunks at a time, checked where the bytes land.
 
-A window's stored bytes cross to the device back to back into one reused staging buffer
-(DMA from the lent host slots, which the host does not touch); one hash launch checks every
+A window's stored bytes cross to the device back to back, on a copy stream, into one of two
+reused staging buffers (DMA from the lent host slots, which the host does not touch) while
+the window before is checked and scattered; one hash launch checks every
 layer of every chunk there against its stored xxh3, bit-exact with the host's
 (:mod:`kvtier.gpu_pool.kernels.triton_xxh3`); a compressed chunk is decoded on the device;
 one launch then copies every half-block piece of the window into the cache
