@@ -318,8 +318,8 @@ class _Bench:
         from kvtier.transfer.block_path import gather
 
         tokens = self.setup.chunk_tokens
-        return [gather(self.cache, span, tokens, self.payload(self.host_save, i))
-                for i, span in enumerate(self.spans)]
+        gathered = gather(self.cache, self.spans, [tokens] * len(self.spans))
+        return [gathered.into(i, self.payload(self.host_save, i)) for i in range(len(self.spans))]
 
     def staging(self) -> float:
         """The leased chunks' stored bytes to the device, one copy each, back to back."""

@@ -46,7 +46,7 @@ from kvtier.connectors.vllm_saves import SaveQueue
 from kvtier.errors import ChunkError, ChunkMismatchError, InvalidArgumentError
 from kvtier.kv_codecs import ENCODABLE, Codec
 from kvtier.policies.eviction import ChunkInfo
-from kvtier.transfer.block_path import BlockSpan, CacheBlocks, gather, scatter
+from kvtier.transfer.block_path import BlockSpan, CacheBlocks, Gathered, gather, scatter
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,14 @@ class WorkerSide:
             return
         spans = [(ChunkGrid.rank_key(span.key, self.rank), len(span.block_ids))
                  for span, _ in items]
-        writes = [self._write(span, session) for span, session in items]
+        for span, _ in items:
+            if len(span.targets) != len(span.block_ids):
+                raise InvalidArgumentError(f"a save of chunk {span.key} must name every block")
+        with self._save_stream():  # a device cache's windows gathered on this stream
+            gathered = gather(self._cache, [BlockSpan.of(span.targets) for span, _ in items],
+                              [self.chunk_shape(len(span.block_ids))[2] for span, _ in items])
+        writes = [self._write(span, session, gathered, i)
+                  for i, (span, session) in enumerate(items)]
         failed: dict[str, str] = {}
         tried: set[str] = set()  # keys whose put returned: stored, or named in failed
         try:
@@ -223,36 +230,36 @@ class WorkerSide:
             self.stats.derived_blocks += n
         return done
 
-    def _write(self, span: ChunkSpan, session: str | None = None) -> ChunkWrite:
+    def _write(self, span: ChunkSpan, session: str | None, gathered: Gathered, i: int
+               ) -> ChunkWrite:
+        """Chunk ``i`` of ``gathered`` as the store writes it: into the slot the store
+        lends, copied out with each layer's checksum (on a device cache, on this saving
+        thread's own stream, so that saves queue neither behind the next forward pass nor
+        behind each other); into a compressed tier from a GPU, encoded there first."""
         key = ChunkGrid.rank_key(span.key, self.rank)
-        ids, fp, dtype, cache = span.targets, self.fingerprint, self.dtype, self._cache
-        if len(ids) != len(span.block_ids):
-            raise InvalidArgumentError(f"a save of chunk {key} must name every block")
-        shape = self.chunk_shape(len(ids))
+        fp, dtype, cache = self.fingerprint, self.dtype, self._cache
+        shape = self.chunk_shape(len(span.block_ids))
         _, total = chunk_layout(key, fp, dtype, shape)
         info = ChunkInfo(total, session, span.first_block) if session else None
-        blocks, tokens = BlockSpan.of(ids), shape[2]
         if cache.device.type == "cuda":  # into a compressed tier: encoded on the GPU
             codec = self._store().landing_codec()
             if codec is not Codec.NONE and dtype in ENCODABLE:
-                return ChunkWrite.of_blob(key, self._encoded(key, blocks, shape, codec), info)
+                return ChunkWrite.of_blob(key, self._encoded(key, gathered, i, shape, codec), info)
+
+        def into(part: torch.Tensor) -> tuple[int, ...]:
+            with self._save_stream():
+                return gathered.into(i, part)
+
         return ChunkWrite(key, total, info=info, fill=lambda slot: encode_into(
-            slot, key, fp, dtype, shape, lambda part: self._gathered(blocks, tokens, part)))
+            slot, key, fp, dtype, shape, into))
 
-    def _gathered(self, blocks: BlockSpan, tokens: int, part: torch.Tensor) -> tuple[int, ...]:
-        """The blocks into ``part`` with each layer's checksum, on this saving thread's own
-        stream where the cache is on a GPU (the save already waited for the step's work),
-        so that saves queue neither behind the next forward pass nor behind each other."""
+    def _encoded(self, key: str, gathered: Gathered, i: int, shape: tuple[int, ...],
+                 codec: Codec) -> bytes:
+        """Chunk ``i`` of ``gathered`` encoded by ``codec`` on the device (only the encoded
+        bytes cross)."""
         with self._save_stream():
-            return gather(self._cache, blocks, tokens, part)
-
-    def _encoded(self, key: str, blocks: BlockSpan, shape: tuple[int, ...], codec: Codec) -> bytes:
-        """The chunk of ``blocks`` gathered on the device and encoded there by ``codec``
-        (only the encoded bytes cross)."""
-        cache = self._cache
-        with self._save_stream():
-            kv = torch.empty(shape, dtype=self.dtype, device=cache.device)
-            gather(cache, blocks, shape[2], kv, hashed=False)  # queued before the encode
+            kv = torch.empty(shape, dtype=self.dtype, device=self._cache.device)
+            gathered.into(i, kv)  # checksums unused: the encoded bytes get their own
             return encode_chunk(key, self.fingerprint, kv, codec)
 
     def _save_stream(self) -> contextlib.AbstractContextManager[object]:

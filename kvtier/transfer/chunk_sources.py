@@ -12,7 +12,7 @@ import torch
 
 from kvtier.chunk_format import chunk_layout, encode_into
 from kvtier.gpu_pool.kernels import copy_host
-from kvtier.transfer.block_path import BlockSpan, CacheBlocks, gather
+from kvtier.transfer.block_path import Gathered
 
 GROUP_BYTES = 4 << 20
 """Layers are gathered and checksummed this many bytes at a time (see ``encode_into``)."""
@@ -57,12 +57,9 @@ def copied_from(t: torch.Tensor) -> ChunkSource:
     return ChunkSource(tuple(t.shape), t.dtype, lambda part, a, b: copy_host(part, t[a:b]))
 
 
-def gathered_from(cache: CacheBlocks, ids: list[int], num_tokens: int) -> ChunkSource:
-    """A chunk gathered straight from the pool's blocks ``ids`` through the block path,
-    each layer's checksum computed as it is copied (on the host by the fused native copy;
-    on a GPU by the device hash before one copy to the host slot)."""
-    kv = cache.tensors[0]
-    shape = (kv.shape[0], 2, num_tokens, kv.shape[4], kv.shape[5])
-    span = BlockSpan.of(ids)
-    return ChunkSource(shape, kv.dtype, lambda part: gather(cache, span, num_tokens, part),
-                       whole=True)
+def gathered_from(gathered: Gathered, i: int, shape: tuple[int, ...], dtype: torch.dtype
+                  ) -> ChunkSource:
+    """Chunk ``i`` of ``gathered`` (the pool's blocks, through the block path), each layer's
+    checksum computed as it is copied (on the host by the fused native copy; on a GPU by
+    the device hash of its window before one copy to the slot)."""
+    return ChunkSource(shape, dtype, lambda part: gathered.into(i, part), whole=True)

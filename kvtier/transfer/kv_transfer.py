@@ -192,19 +192,20 @@ class KVTransfer:
             offset, total = chunk_layout(ck.key, self.runner.fingerprint, kv.dtype, shape)
             buf = snap.buffers[ck.key] = self.manager.staging.acquire(total)
             snap.tensors[ck.key] = buf[offset:total].view(kv.dtype).view(shape)
-        cache = self.restorer.cache
+        spans, tokens = [BlockSpan.of(ids) for _, ids in todo], [ck.num_tokens for ck, _ in todo]
         if kv.is_cuda:  # queued on the side stream; ``ready`` says when it is done
             stream = self._side_stream()
             stream.wait_stream(torch.cuda.current_stream(kv.device))
             with torch.cuda.stream(stream):
-                for ck, ids in todo:
-                    gather(cache, BlockSpan.of(ids), ck.num_tokens, snap.tensors[ck.key],
-                           hashed=False)
+                gathered = gather(self.restorer.cache, spans, tokens, hashed=False)
+                for i, (ck, _) in enumerate(todo):
+                    gathered.into(i, snap.tensors[ck.key])
                 snap.ready = torch.cuda.Event()
                 snap.ready.record(stream)
         else:
-            for ck, ids in todo:
-                gather(cache, BlockSpan.of(ids), ck.num_tokens, snap.tensors[ck.key], hashed=False)
+            gathered = gather(self.restorer.cache, spans, tokens, hashed=False)
+            for i, (ck, _) in enumerate(todo):
+                gathered.into(i, snap.tensors[ck.key])
         return snap
 
     def _side_stream(self) -> torch.cuda.Stream:
@@ -246,8 +247,12 @@ class KVTransfer:
         the stored prefix."""
         snap, todo = self._plan(token_ids, self._tier_index(tier) if raise_copies else None,
                                 namespace)
-        cache = self.restorer.cache
-        sources = {ck.key: gathered_from(cache, ids, ck.num_tokens) for ck, ids in todo}
+        kv = self._pool.storage.kv
+        gathered = gather(self.restorer.cache, [BlockSpan.of(ids) for _, ids in todo],
+                          [ck.num_tokens for ck, _ in todo])
+        sources = {ck.key: gathered_from(gathered, i, (kv.shape[0], 2, ck.num_tokens, kv.shape[4],
+                                                      kv.shape[5]), kv.dtype)
+                   for i, (ck, _) in enumerate(todo)}
         return self._write(snap, sources, tier, owner)
 
     def _write(

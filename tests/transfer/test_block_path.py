@@ -198,6 +198,38 @@ def corrupt(chunk: LentChunk, layer: int, at: int = 5) -> None:
 
 
 # ------------------------------------------------------------------------- gather and scatter
+@pytest.mark.parametrize("path", PATHS)
+def test_chunks_gathered_in_windows_come_out_in_any_order_from_two_threads(monkeypatch, path):
+    """A gather of many chunks: on a device, windows of a few chunks each gathered and
+    hashed at once (a window ahead of the one copied out); the chunks asked for out of
+    order by two threads (a store's two workers) each come out as their blocks' bytes
+    with their layers' xxh3."""
+    on_device = use_path(monkeypatch, path)
+    monkeypatch.setattr(device_copies, "WINDOW_BYTES", 2 * kv_bytes(2 * BS, torch.float16))
+    cache = pool(torch.float16, 4, on_device)
+    spans = [[2 * i, 2 * i + 1] for i in range(6)]
+    want = [chunk_bytes(cache, ids, 2 * BS) for ids in spans]
+    gathered = gather(cache.blocks, [BlockSpan.of(ids) for ids in spans], [2 * BS] * 6)
+    if on_device:
+        assert len(gathered.spans) == 3  # windows of two chunks
+    outs = [torch.zeros_like(w) for w in want]
+    sums: dict[int, tuple[int, ...]] = {}
+
+    def take(order: list[int]) -> None:
+        for i in order:
+            sums[i] = gathered.into(i, outs[i])
+
+    threads = [threading.Thread(target=take, args=(order,)) for order in ([4, 0, 2], [1, 5, 3])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(6):
+        assert torch.equal(outs[i], want[i])
+        assert sums[i] == xxh3s(want[i], LAYERS)
+    assert not on_device or gathered.live == {}  # every window let go once copied out
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_gather_is_the_blocks_halves_in_chunk_order_with_each_layers_xxh3(on_device, layout,
@@ -207,7 +239,7 @@ def test_a_gather_is_the_blocks_halves_in_chunk_order_with_each_layers_xxh3(on_d
     ids = [7, 2, 11]
     want = chunk_bytes(cache, ids, 3 * BS)
     out = torch.zeros_like(want)
-    sums = gather(cache.blocks, BlockSpan.of(ids), 3 * BS, out)
+    sums = gather(cache.blocks, [BlockSpan.of(ids)], [3 * BS]).into(0, out)
     assert torch.equal(out, want)
     assert sums == layer_sums(want.numpy(), LAYERS) == xxh3s(want, LAYERS)
     stored, _ = parse_header(encode_chunk("same-kv", FP, nominal(want, torch.float16, 3 * BS)))
@@ -232,7 +264,7 @@ def test_a_scatter_copies_each_chunk_block_to_its_span_block_and_no_other(on_dev
     assert dst.equals(want)
     assert all(c.error is None for c in chunks)
     out = torch.empty(kv_bytes(2 * BS, dtype), dtype=torch.uint8)
-    sums = gather(dst.blocks, BlockSpan.of([10, 3]), 2 * BS, out)  # and back
+    sums = gather(dst.blocks, [BlockSpan.of([10, 3])], [2 * BS]).into(0, out)  # and back
     assert torch.equal(out, chunk_bytes(src, [4, 6], 2 * BS))
     assert sums == xxh3s(out, LAYERS)
 
@@ -243,7 +275,7 @@ def test_a_pool_chunk_with_a_partial_last_block_round_trips(on_device, reader):
     tokens = 2 * BS + 3
     src, dst = pool(torch.float16, 1, on_device), pool(torch.float16, 2, on_device)
     out = torch.empty(kv_bytes(tokens, torch.float16), dtype=torch.uint8)
-    sums = gather(src.blocks, BlockSpan.of([5, 1, 9]), tokens, out)
+    sums = gather(src.blocks, [BlockSpan.of([5, 1, 9])], [tokens]).into(0, out)
     assert torch.equal(out, chunk_bytes(src, [5, 1, 9], tokens))
     assert sums == xxh3s(out, LAYERS)
     chunk = lent(nominal(out, torch.float16, tokens), "partial")
@@ -253,7 +285,7 @@ def test_a_pool_chunk_with_a_partial_last_block_round_trips(on_device, reader):
     assert done == Scattered(1, None, kv_bytes(tokens, torch.float16))
     assert dst.equals(want)
     back = torch.empty_like(out)
-    assert gather(dst.blocks, BlockSpan.of([0, 11, 4]), tokens, back) == sums
+    assert gather(dst.blocks, [BlockSpan.of([0, 11, 4])], [tokens]).into(0, back) == sums
     assert torch.equal(back, out)
 
 
@@ -266,7 +298,7 @@ def test_layers_of_every_length_are_hashed_and_checked_as_the_host_hashes_them(o
     kv = random_bytes((LAYERS, 3, 2, tokens, 1, 1), dtype, seed=tokens)
     cache = CacheBlocks.of_pool(kv, on_device)
     out = torch.empty(LAYERS * 2 * tokens * dtype.itemsize, dtype=torch.uint8)
-    sums = gather(cache, BlockSpan.of([2]), tokens, out)
+    sums = gather(cache, [BlockSpan.of([2])], [tokens]).into(0, out)
     assert torch.equal(out, bits(kv[:, 2].contiguous()))
     assert sums == xxh3s(out, LAYERS)
     if dtype.itemsize == 1:  # no stored dtype of one byte: nothing to scatter
@@ -321,8 +353,8 @@ def test_block_ids_outside_the_cache_are_refused_before_anything_moves(on_device
         scatter(chunks, [BlockSpan.of([4, 5]), BlockSpan.of(bad)], dst.blocks)
     assert dst.equals(before)
     with pytest.raises(InvalidArgumentError):
-        gather(dst.blocks, BlockSpan.of(bad), 2 * BS, torch.empty(kv_bytes(2 * BS, torch.float16),
-                                                                  dtype=torch.uint8))
+        gather(dst.blocks, [BlockSpan.of(bad)], [2 * BS]).into(
+            0, torch.empty(kv_bytes(2 * BS, torch.float16), dtype=torch.uint8))
 
 
 # ------------------------------------------------------------------------- the failure rule
@@ -414,7 +446,7 @@ def test_a_layer_range_moves_and_checks_only_its_layers(on_device):
     assert done == Scattered(1, None, kv_bytes(2 * BS, torch.float16, layers=1))
     assert dst.equals(moved(dst, src, [(3, 0), (5, 7)], layers=range(1, 2)))
     out = torch.empty(kv_bytes(2 * BS, torch.float16, layers=1), dtype=torch.uint8)
-    sums = gather(dst.blocks, span, 2 * BS, out, first=1, last=2)
+    sums = gather(dst.blocks, [span], [2 * BS], first=1, last=2).into(0, out)
     assert torch.equal(out, chunk_bytes(src, [3, 5], 2 * BS, first=1, last=2))
     assert sums == (chunk.header.layer_checksums[1],)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -35,7 +36,7 @@ from kvtier.transfer.block_path.cache_blocks import CacheBlocks
 from kvtier.transfer.block_path.pieces import Pieces, chunk_pieces
 from kvtier.transfer.block_path.spans import BlockSpan
 
-__all__ = ["BlockSpan", "CacheBlocks", "Scattered", "gather", "scatter"]
+__all__ = ["BlockSpan", "CacheBlocks", "Gathered", "Scattered", "gather", "scatter"]
 
 
 @dataclass(frozen=True)
@@ -76,21 +77,33 @@ def scatter(chunks: Sequence[LentChunk], spans: Sequence[BlockSpan], cache: Cach
     return Scattered(served, None if stop is None else stop[1], delivered)
 
 
-def gather(cache: CacheBlocks, span: BlockSpan, tokens: int, out: torch.Tensor,
-           first: int = 0, last: int | None = None, hashed: bool = True) -> tuple[int, ...]:
-    """Layers ``[first, last)`` of the chunk of ``tokens`` tokens held in the blocks
-    ``span`` names (every one of them) into ``out``, a contiguous buffer of exactly those
-    bytes in the chunk's order (host memory, or for a device cache also memory on its
-    device); the xxh3 of each layer. Not ``hashed`` (a snapshot, checksummed when it is
-    stored): no sums (``()``), and a device cache's copies are only queued on the current
-    stream (the caller waits for them)."""
-    if any(b is None for b in span.blocks):
-        raise InvalidArgumentError("a gather names every block of its chunk")
-    plan = chunk_pieces(cache, span, tokens, first, cache.layers if last is None else last)
+class Gathered(Protocol):
+    """Chunks being gathered out of a cache (:func:`gather`)."""
+
+    def into(self, i: int, out: torch.Tensor) -> tuple[int, ...]:
+        """Chunk ``i``'s bytes into ``out``, a contiguous buffer of exactly them in the
+        chunk's order (host memory, or for a device cache also memory on its device); the
+        xxh3 of each layer, or ``()`` where not hashed."""
+        ...
+
+
+def gather(cache: CacheBlocks, spans: Sequence[BlockSpan], tokens: Sequence[int],
+           first: int = 0, last: int | None = None, hashed: bool = True) -> Gathered:
+    """Layers ``[first, last)`` of the chunks of ``tokens[i]`` tokens held in the blocks
+    ``spans[i]`` names (every one of them), each copied out by ``.into(i, out)`` once its
+    slot is there: on the host one fused copy and hash per chunk; on a device a window of
+    chunks gathered and hashed at once, copied out chunk by chunk while the next window is
+    gathered. Not ``hashed`` (a snapshot, checksummed when it is stored): no sums, and on a
+    device the copies are only queued on the caller's current stream (the caller waits)."""
+    if len(spans) != len(tokens):
+        raise InvalidArgumentError(f"{len(spans)} spans, {len(tokens)} token counts")
+    if any(b is None for span in spans for b in span.blocks):
+        raise InvalidArgumentError("a gather names every block of its chunks")
+    last = cache.layers if last is None else last
+    plans = [chunk_pieces(cache, span, n, first, last) for span, n in zip(spans, tokens, strict=True)]
     if cache.on_device:
-        return device_copies.gather(cache, plan, out, hashed)
-    sums = host_copies.gather(plan, out)
-    return sums if hashed else ()
+        return device_copies.DeviceGather(cache, plans, hashed)
+    return host_copies.HostGather(plans, hashed)
 
 
 def _plan(chunk: LentChunk, span: BlockSpan, cache: CacheBlocks, first: int, last: int) -> Pieces:

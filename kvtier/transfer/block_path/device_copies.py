@@ -11,8 +11,9 @@ scatter: the caller serves only the chunks before the first that failed, and the
 that chunk and every later one are recomputed, so the bytes that landed there are
 overwritten before attention reads them. The host's cores stay off the critical path.
 
-A save mirrors it: the chunk's blocks gathered into staging in one launch, hashed there,
-then one copy into the host slot; the host writes only the header.
+A save mirrors it (:class:`DeviceGather`): a window of chunks' blocks gathered into staging
+in one launch, hashed there in one more, then one copy per chunk into its host slot while
+the next window is gathered; the host writes only the headers.
 """
 
 from __future__ import annotations
@@ -346,34 +347,118 @@ def _first_failure(staged: Sequence[_Staged], bad: np.ndarray, statuses: list[in
     return None
 
 
-def gather(cache: CacheBlocks, plan: Pieces, out: torch.Tensor, hashed: bool = True
-           ) -> tuple[int, ...]:
-    """The plan's pieces gathered on the device in one launch, each layer hashed there,
-    then one copy into ``out`` (the host slot's bytes; or straight into ``out`` where it
-    lies on the device); each layer's xxh3, once the copies are done. Not ``hashed``: no
-    hash, and nothing waited for (the copies are queued on the current stream)."""
-    device = cache.device
-    nbytes = int(plan.lens.sum())
-    if nbytes != out.numel() * out.element_size() or not out.is_contiguous():
-        raise ValueError(f"gather of {nbytes} bytes into {out.numel() * out.element_size()}")
-    here = out.device == device
-    flat = out.view(-1).view(torch.uint8)
-    staging = flat if here else _buffer("save", device, nbytes)
-    with _synced(device, wait=hashed):
-        moves = _Moves.of(plan.cache.reshape(-1),
-                          np.uint64(staging.data_ptr()) + plan.offsets.reshape(-1),
-                          plan.lens.reshape(-1))
-        layers = plan.last - plan.first
-        starts = np.arange(layers, dtype=np.int64) * plan.layer_bytes
-        lengths = np.full(layers, plan.layer_bytes, dtype=np.int64)
-        tables = _tables(device, moves.srcs, moves.dsts, moves.words, starts, lengths)
-        moves.launch(*tables[:3])
-        sums = None
-        if hashed:
-            sums = xxh3_ranges(staging, *tables[3:], host_ranges=(starts, lengths))
-        if not here:
-            flat.copy_(staging[:nbytes], non_blocking=True)
-        if sums is None:
-            return ()
-        got = sums.cpu()
-    return tuple(int(x) for x in got.numpy().view(np.uint64))
+@dataclass
+class _Window:
+    """A window of chunks gathered into device staging (and hashed there), waiting to be
+    copied out chunk by chunk."""
+
+    staging: torch.Tensor
+    at: list[int]
+    """Each chunk's offset in staging."""
+    sums: torch.Tensor | None
+    ready: torch.cuda.Event | None
+    left: int
+    host_sums: np.ndarray | None = None
+
+
+class DeviceGather:
+    """Chunks gathered out of a device cache a window at a time: one launch gathers every
+    piece of a window's chunks into staging, one hashes every layer there, on the stream
+    current when this was made; :meth:`into` copies one chunk out (on the caller's current
+    stream, after the window is ready) while the next window is gathered. At most two
+    windows live at once unless the chunks are asked for far out of order."""
+
+    def __init__(self, cache: CacheBlocks, plans: Sequence[Pieces], hashed: bool) -> None:
+        self.cache, self.plans, self.hashed = cache, plans, hashed
+        device = cache.device
+        self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        self.spans: list[tuple[int, int]] = []
+        start, size = 0, 0
+        for i, plan in enumerate(plans):
+            n = int(plan.lens.sum())
+            if i > start and size + n > WINDOW_BYTES:
+                self.spans.append((start, i))
+                start, size = i, 0
+            size += -(-n // ALIGN) * ALIGN
+        if plans:
+            self.spans.append((start, len(plans)))
+        self.window_of = [w for w, (a, b) in enumerate(self.spans) for _ in range(a, b)]
+        self.live: dict[int, _Window] = {}
+        self.finished: set[int] = set()
+        """Windows whose every chunk was copied out (never gathered again ahead of time)."""
+        self.lock = threading.Lock()
+
+    def into(self, i: int, out: torch.Tensor) -> tuple[int, ...]:
+        """Chunk ``i``'s bytes into ``out`` (a contiguous buffer of exactly them: a host slot,
+        or memory on the device); its layers' xxh3 (waited for), or ``()`` where not
+        hashed (the copy only queued on the caller's current stream)."""
+        plan = self.plans[i]
+        nbytes = int(plan.lens.sum())
+        if nbytes != out.numel() * out.element_size() or not out.is_contiguous():
+            raise ValueError(f"gather of {nbytes} bytes into {out.numel() * out.element_size()}")
+        w = self.window_of[i]
+        with self.lock:
+            win = self._launched(w)
+            if w + 1 < len(self.spans) and w + 1 not in self.finished:
+                self._launched(w + 1)  # gathered while this window's chunks are copied out
+        at = win.at[i - self.spans[w][0]]
+        flat = out.view(-1).view(torch.uint8)
+        device = self.cache.device
+        with _synced(device, wait=self.hashed):
+            if win.ready is not None:
+                torch.cuda.current_stream(device).wait_event(win.ready)
+                win.staging.record_stream(torch.cuda.current_stream(device))
+            flat.copy_(win.staging[at : at + nbytes], non_blocking=True)
+        sums: tuple[int, ...] = ()
+        if self.hashed:
+            with self.lock:
+                if win.host_sums is None:
+                    assert win.sums is not None
+                    win.host_sums = win.sums.cpu().numpy().view(np.uint64)
+                layers = plan.last - plan.first
+                first = (i - self.spans[w][0]) * layers
+                sums = tuple(int(x) for x in win.host_sums[first : first + layers])
+        with self.lock:
+            win.left -= 1
+            if win.left == 0:
+                self.live.pop(w, None)
+                self.finished.add(w)
+        return sums
+
+    def _launched(self, w: int) -> _Window:
+        """Window ``w``, its gather (and hash) queued now if they were not (under the lock)."""
+        win = self.live.get(w)
+        if win is not None:
+            return win
+        device = self.cache.device
+        a, b = self.spans[w]
+        sizes = [int(p.lens.sum()) for p in self.plans[a:b]]
+        at = np.cumsum([0, *(-(-n // ALIGN) * ALIGN for n in sizes)]).tolist()
+        context = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        with context, _synced(device, wait=False):
+            staging = torch.empty(max(at[-1], 1), dtype=torch.uint8, device=device)
+            base = np.uint64(staging.data_ptr())
+            moves = _Moves.of(np.concatenate([p.cache.reshape(-1) for p in self.plans[a:b]]),
+                              np.concatenate([base + np.uint64(o) + p.offsets.reshape(-1)
+                                              for o, p in zip(at, self.plans[a:b], strict=False)]),
+                              np.concatenate([p.lens.reshape(-1) for p in self.plans[a:b]]))
+            starts, lengths = _layer_ranges(self.plans[a:b], at)
+            tables = _tables(device, moves.srcs, moves.dsts, moves.words, starts, lengths)
+            moves.launch(*tables[:3])
+            sums = (xxh3_ranges(staging, *tables[3:], host_ranges=(starts, lengths))
+                    if self.hashed else None)
+            ready = None
+            if self.stream is not None:
+                ready = torch.cuda.Event()
+                ready.record(self.stream)
+        win = self.live[w] = _Window(staging, at[:-1], sums, ready, b - a)
+        return win
+
+
+def _layer_ranges(plans: Sequence[Pieces], at: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Each layer's offset and length in a window's staging."""
+    starts = np.concatenate([o + np.arange(p.last - p.first, dtype=np.int64) * p.layer_bytes
+                             for o, p in zip(at, plans, strict=False)])
+    lengths = np.concatenate([np.full(p.last - p.first, p.layer_bytes, dtype=np.int64)
+                              for p in plans])
+    return starts.astype(np.int64), lengths

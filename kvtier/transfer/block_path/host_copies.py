@@ -119,6 +119,19 @@ def gather(pieces: Pieces, out: torch.Tensor) -> tuple[int, ...]:
     return layer_sums(out.view(torch.uint8).numpy(), pieces.last - pieces.first)
 
 
+class HostGather:
+    """Chunks gathered out of a host cache, each when its slot is there (:meth:`into`: one
+    fused native copy and hash per chunk, on the calling thread)."""
+
+    def __init__(self, plans: Sequence[Pieces], hashed: bool) -> None:
+        self.plans, self.hashed = plans, hashed
+
+    def into(self, i: int, out: torch.Tensor) -> tuple[int, ...]:
+        """Chunk ``i``'s bytes into ``out``; its layers' xxh3 (``()`` where not hashed)."""
+        sums = gather(self.plans[i], out)
+        return sums if self.hashed else ()
+
+
 def _scatter_checked_in_python(chunk: LentChunk, plan: Pieces, a: int, b: int) -> str | None:
     """Without the native kernels: each layer checked with the host hash, then copied."""
     step = plan.layer_bytes
