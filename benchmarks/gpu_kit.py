@@ -596,6 +596,26 @@ def gpu_machine() -> dict[str, Any]:
     return info
 
 
+def _fresh_steps(chosen: tuple[str, ...], out: Path, work: Path, dry_run: bool) -> list[Step]:
+    """The chosen steps, their old results and scratch removed (a rerun on one machine)."""
+    steps = [s for s in plan(out, work, dry_run) if s.name in chosen]
+    for step in steps:
+        if step.result is not None:
+            step.result.unlink(missing_ok=True)
+    (work / "models").mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(work / "ttft-disk", ignore_errors=True)
+    return steps
+
+
+def _copy_results(results_dir: Path, slug: str, out: Path, work: Path) -> None:
+    """The run's result files into ``results_dir``, named by the GPU."""
+    results_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("gpu-kit", "host-transfer", "kernels", "ttft", "block-path"):
+        src = (work if name in IN_WORK else out) / f"{name}.json"
+        if src.is_file():
+            shutil.copy2(src, results_dir / f"{name}-{slug}.json")
+
+
 def run(args: argparse.Namespace) -> int:
     from kvtier.benchmarks.results import write_result
 
@@ -614,12 +634,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"gpu-kit: unknown steps {sorted(unknown)}; choose from {STEP_NAMES}",
               file=sys.stderr)
         return 2
-    steps = [s for s in plan(out, work, args.dry_run) if s.name in chosen]
-    for step in steps:
-        if step.result is not None:
-            step.result.unlink(missing_ok=True)
-    (work / "models").mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(work / "ttft-disk", ignore_errors=True)
+    steps = _fresh_steps(chosen, out, work, args.dry_run)
     log = _Log(out / "kit.log")
     background = model_step(work, args.dry_run) if "ttft" in chosen else None
     if background is not None and (Path(background.argv[-1]) / "config.json").is_file():
@@ -650,11 +665,6 @@ def run(args: argparse.Namespace) -> int:
     path = write_result(out / "gpu-kit.json", "gpu-kit", payload)
     print(f"wrote {path}")
     if args.results_dir is not None and not args.dry_run:
-        slug = _slug(machine.get("gpu") or "gpu")
-        args.results_dir.mkdir(parents=True, exist_ok=True)
-        for name in ("gpu-kit", "host-transfer", "kernels", "ttft", "block-path"):
-            src = (work if name in IN_WORK else out) / f"{name}.json"
-            if src.is_file():
-                shutil.copy2(src, args.results_dir / f"{name}-{slug}.json")
+        _copy_results(args.results_dir, _slug(machine.get("gpu") or "gpu"), out, work)
     ok = all(o.ok for o in outcomes) and all(f.met is not False for f in figs if f.group == "tests")
     return 0 if ok else 1
